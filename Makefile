@@ -1,0 +1,27 @@
+# Two entry points: `make generate` and `make test`. Both create/reuse .venv and install what they need.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+ARGS ?=
+
+.PHONY: install generate test bench
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+generate: install
+	$(BIN)/python scripts/generate.py $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest $(ARGS)
+
+bench: install
+	$(BIN)/python scripts/bench.py $(ARGS)

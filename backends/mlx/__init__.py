@@ -1,0 +1,1 @@
+"""MLX implementations; importing this package registers them."""

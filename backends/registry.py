@@ -1,0 +1,177 @@
+"""Op registry: each op has a PyTorch reference (`ops/<op>.py`, the `torch` backend, the fallback
+and the oracle) and optional backend implementations registered with `@register(op, backend)`.
+
+Resolution for an `OpSet(backend=..., overrides=...)`:
+- an explicit backend that cannot run here raises `BackendUnavailable` (never a silent fallback);
+- an explicit backend that lacks an op serves it with the reference unless `strict=True`,
+  and `report()` shows that fallback;
+- `auto` picks the first runnable backend in `AUTO_ORDER` that has the op, else the reference.
+Per-op overrides (`{"qmatmul": "torch"}` or `DS4_OPS=qmatmul:torch,moe:triton`) pin single ops.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+from ds4.errors import BackendUnavailable
+
+BACKENDS = ("torch", "triton", "mlx")
+AUTO_ORDER = ("triton", "torch")
+OPS = (
+    "qmatmul", "moe", "indexer_topk", "verify_argmax",
+    "rms_norm", "rope_tail", "hc_pre", "hc_post", "compress", "sparse_attention",
+    "fp8_sim", "fp4_sim", "hadamard",
+)
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of an op."""
+
+    op: str
+    backend: str
+    fn: Callable
+    batch_invariant: bool = False  # row r of an M-row call equals the 1-row call bit for bit
+
+
+_IMPLS: dict[str, dict[str, Impl]] = {}
+
+
+def register(op: str, backend: str, *, batch_invariant: bool = False) -> Callable:
+    """Decorator registering `fn` as `backend`'s implementation of `op`."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+    def wrap(fn: Callable) -> Callable:
+        _IMPLS.setdefault(op, {})[backend] = Impl(op, backend, fn, batch_invariant)
+        return fn
+
+    return wrap
+
+
+def reference(op: str) -> Impl:
+    """The PyTorch reference of `op`: the function named `op` in `ops/<op>.py`."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
+    impl = _IMPLS.get(op, {}).get("torch")
+    if impl is None:
+        module = importlib.import_module(f"ops.{op}")
+        fn = getattr(module, op)
+        impl = Impl(op, "torch", fn, getattr(module, "BATCH_INVARIANT", False))
+        _IMPLS.setdefault(op, {})["torch"] = impl
+    return impl
+
+
+def backend_status(backend: str) -> tuple[bool, str]:
+    """Whether `backend` can run on this machine, and why not if it cannot."""
+    if backend == "torch":
+        return True, ""
+    if backend == "triton":
+        try:
+            import torch
+            import triton  # noqa: F401
+        except ImportError as e:
+            return False, f"triton is not installed ({e}); pip install 'ds4py[triton]'"
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            return False, "triton needs a CUDA GPU, or TRITON_INTERPRET=1 to run kernels on the CPU (slow)"
+    elif backend == "mlx":
+        try:
+            import mlx.core  # noqa: F401
+        except ImportError as e:
+            return False, f"mlx is not installed ({e}); pip install 'ds4py[mlx]'"
+    else:
+        return False, f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}"
+    try:
+        importlib.import_module(f"backends.{backend}")
+    except ImportError as e:
+        return False, f"backends.{backend} failed to import: {e}"
+    return True, ""
+
+
+def implementations(op: str) -> dict[str, Impl]:
+    """Every implementation of `op` that is registered, importing runnable backends first."""
+    reference(op)
+    for backend in BACKENDS[1:]:
+        backend_status(backend)
+    return dict(_IMPLS[op])
+
+
+def parse_overrides(text: str | None) -> dict[str, str]:
+    """Parse `op:backend,op:backend` (the DS4_OPS syntax)."""
+    overrides = {}
+    for item in filter(None, (s.strip() for s in (text or "").split(","))):
+        op, sep, backend = item.partition(":")
+        if not sep or op not in OPS or backend not in BACKENDS:
+            raise BackendUnavailable(
+                f"bad op override {item!r}: expected op:backend with op in {OPS} and backend in {BACKENDS}")
+        overrides[op] = backend
+    return overrides
+
+
+class OpSet:
+    """The ops a model calls, resolved once per op; `report()` says which implementation ran each."""
+
+    def __init__(self, backend: str | None = None, overrides: dict[str, str] | None = None,
+                 strict: bool = False):
+        self.backend = backend or os.environ.get("DS4_BACKEND", "auto")
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise BackendUnavailable(f"unknown backend {self.backend!r}; choose auto or one of {BACKENDS}")
+        self.overrides = {**parse_overrides(os.environ.get("DS4_OPS")), **(overrides or {})}
+        self.strict = strict
+        for name in {self.backend, *self.overrides.values()} - {"auto"}:
+            ok, why = backend_status(name)
+            if not ok:
+                raise BackendUnavailable(f"backend {name!r} was asked for but cannot run: {why}")
+        self.calls: Counter[str] = Counter()
+        self._resolved: dict[str, tuple[Impl, str]] = {}
+
+    def resolve(self, op: str) -> tuple[Impl, str]:
+        """The implementation serving `op` and a note on how it was chosen."""
+        if op in self._resolved:
+            return self._resolved[op]
+        wanted = self.overrides.get(op, self.backend)
+        impls = implementations(op)
+        if wanted == "auto":
+            runnable = [b for b in AUTO_ORDER if b in impls and backend_status(b)[0]]
+            impl, note = impls[runnable[0]], "auto"
+        elif wanted in impls:
+            impl, note = impls[wanted], "requested"
+        elif self.strict:
+            raise BackendUnavailable(f"backend {wanted!r} has no implementation of op {op!r} (strict mode)")
+        else:
+            impl, note = impls["torch"], f"fallback: {wanted} has no {op}"
+        self._resolved[op] = (impl, note)
+        return impl, note
+
+    def __getattr__(self, op: str) -> Callable:
+        if op not in OPS:
+            raise AttributeError(f"no op named {op!r}; known ops: {', '.join(OPS)}")
+        impl, _ = self.resolve(op)
+
+        def call(*args, **kwargs):
+            self.calls[op] += 1
+            return impl.fn(*args, **kwargs)
+
+        return call
+
+    def report(self) -> dict[str, dict]:
+        """For each op called so far: backend that served it, how it was chosen, and call count."""
+        out = {}
+        for op in OPS:
+            if self.calls[op]:
+                impl, note = self.resolve(op)
+                out[op] = {"backend": impl.backend, "how": note, "calls": self.calls[op],
+                           "batch_invariant": impl.batch_invariant}
+        return out
+
+    def format_report(self) -> str:
+        """The report as an aligned text table."""
+        rows = [f"{'op':<18}{'backend':<9}{'calls':>8}  how"]
+        for op, r in self.report().items():
+            rows.append(f"{op:<18}{r['backend']:<9}{r['calls']:>8}  {r['how']}")
+        return "\n".join(rows)

@@ -1,0 +1,1 @@
+"""Triton kernels; importing this package registers them. Set TRITON_INTERPRET=1 before import to run on CPU."""

@@ -1,0 +1,1 @@
+"""Op contracts and their PyTorch references: one file per op; the reference is the oracle."""

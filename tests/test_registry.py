@@ -1,0 +1,50 @@
+"""Registry resolution: explicit backends, fallbacks, overrides and the report."""
+import pytest
+
+from backends import registry
+from ds4.errors import BackendUnavailable
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(BackendUnavailable, match="unknown backend"):
+        registry.OpSet(backend="cuda-magic")
+
+
+def test_bad_override_is_a_clear_error():
+    with pytest.raises(BackendUnavailable, match="bad op override"):
+        registry.parse_overrides("qmatmul=torch")
+
+
+def test_unavailable_backend_raises(monkeypatch):
+    monkeypatch.setattr(registry, "backend_status", lambda b: (b == "torch", "no device"))
+    with pytest.raises(BackendUnavailable, match="cannot run: no device"):
+        registry.OpSet(backend="triton")
+
+
+def test_fallback_is_reported_and_strict_refuses(monkeypatch):
+    fake = registry.Impl("rms_norm", "torch", lambda x: x)
+    monkeypatch.setitem(registry._IMPLS, "rms_norm", {"torch": fake})
+    monkeypatch.setattr(registry, "backend_status", lambda b: (True, ""))
+    ops = registry.OpSet(backend="mlx")
+    assert ops.rms_norm(3) == 3
+    assert ops.report()["rms_norm"] == {"backend": "torch", "how": "fallback: mlx has no rms_norm",
+                                        "calls": 1, "batch_invariant": False}
+    with pytest.raises(BackendUnavailable, match="strict"):
+        registry.OpSet(backend="mlx", strict=True).rms_norm
+
+
+def test_override_pins_one_op(monkeypatch):
+    monkeypatch.setitem(registry._IMPLS, "rms_norm", {
+        "torch": registry.Impl("rms_norm", "torch", lambda x: "ref"),
+        "triton": registry.Impl("rms_norm", "triton", lambda x: "kernel")})
+    monkeypatch.setattr(registry, "backend_status", lambda b: (True, ""))
+    ops = registry.OpSet(backend="triton", overrides={"rms_norm": "torch"})
+    assert ops.rms_norm(0) == "ref"
+    assert registry.OpSet(backend="triton").rms_norm(0) == "kernel"
+    monkeypatch.setenv("DS4_OPS", "rms_norm:torch")
+    assert registry.OpSet(backend="triton").rms_norm(0) == "ref"
+
+
+def test_unknown_op_attribute():
+    with pytest.raises(AttributeError, match="no op named"):
+        registry.OpSet(backend="torch").not_an_op
