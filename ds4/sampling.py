@@ -1,0 +1,79 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p; seeded and reproducible."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ds4.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token; temperature 0 means greedy (lowest index wins ties)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise UsageError(f"--temp must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UsageError(f"--top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise UsageError(f"--min-p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Turns logits into tokens; the generator makes a seeded run reproducible."""
+
+    def __init__(self, params: SamplingParams = SamplingParams()):
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(params.seed)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution sampling draws from: `[V]` float32 summing to 1 (one-hot when greedy)."""
+        logits = logits.float().reshape(-1)
+        if self.params.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(), logits.numel()).float()
+        p = torch.softmax(logits / self.params.temperature, dim=-1)
+        keep = torch.ones_like(p, dtype=torch.bool)
+        order = torch.argsort(p, descending=True, stable=True)
+        sorted_p = p[order]
+        if self.params.top_k:
+            keep[order[self.params.top_k:]] = False
+        if self.params.top_p < 1:
+            before = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly above each token
+            keep[order[before >= self.params.top_p]] = False
+        if self.params.min_p > 0:
+            keep &= p >= self.params.min_p * sorted_p[0]
+        p = torch.where(keep, p, torch.zeros_like(p))
+        return p / p.sum()
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token drawn from `probs` with this sampler's generator."""
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def uniform(self) -> float:
+        """A uniform number in [0, 1) from this sampler's generator (speculative acceptance)."""
+        return float(torch.rand((), generator=self.generator))
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token for these logits."""
+        if self.params.greedy:
+            return int(logits.reshape(-1).argmax())
+        return self.draw(self.probs(logits))
