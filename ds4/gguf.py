@@ -1,0 +1,333 @@
+"""GGUF files: open (memory-mapped, zero-copy QTensor views) and write, with hostile-input checks."""
+from __future__ import annotations
+
+import builtins
+import mmap
+import os
+import struct
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from ds4.errors import ModelFileError, UsageError
+from ops import quants
+from ops.quants import QTensor
+
+# The hyperparameter keys of the main model (model-spec §1); the model validates their values.
+DS4_KEYS: tuple[str, ...] = tuple(f"deepseek4.{k}" for k in (
+    "block_count", "embedding_length", "vocab_size",
+    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
+    "rope.dimension_count", "attention.q_lora_rank", "attention.output_lora_rank", "attention.output_group_count",
+    "expert_count", "expert_used_count", "expert_shared_count", "expert_feed_forward_length", "hash_layer_count",
+    "expert_weights_scale", "expert_weights_norm", "swiglu_clamp_exp", "attention.sliding_window",
+    "attention.indexer.head_count", "attention.indexer.key_length", "attention.indexer.top_k",
+    "hyper_connection.count", "hyper_connection.sinkhorn_iterations", "hyper_connection.epsilon",
+    "attention.layer_norm_rms_epsilon", "rope.freq_base", "attention.compress_rope_freq_base",
+    "rope.scaling.factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+    "rope.scaling.original_context_length", "attention.compress_ratios",
+))
+DS4_OPTIONAL_KEYS: tuple[str, ...] = ("deepseek4.expert_group_count", "deepseek4.expert_group_used_count")
+
+VT = gguf.GGUFValueType
+_SCALAR_BYTES = {VT.UINT8: 1, VT.INT8: 1, VT.UINT16: 2, VT.INT16: 2, VT.UINT32: 4, VT.INT32: 4, VT.FLOAT32: 4,
+                 VT.UINT64: 8, VT.INT64: 8, VT.FLOAT64: 8, VT.BOOL: 1}
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, smallest value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
+_READER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # GGUFReader's pseudo-keys
+# A writable private mapping of a file larger than RAM needs MAP_NORESERVE, or Linux refuses it (ENOMEM).
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry: GGUF type name, PyTorch-order shape ([out, in]; experts (E, out, in)), bytes, file offset."""
+
+    name: str
+    type: str
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int
+
+
+class _Cursor:
+    """Bounded little-endian reads over a buffer; every read checks the bytes left first."""
+
+    def __init__(self, buf: Any, path: Path):
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
+
+    def fail(self, msg: str) -> ModelFileError:
+        return ModelFileError(f"{self.path}: {msg}")
+
+    def left(self) -> int:
+        return self.size - self.pos
+
+    def skip(self, n: int, what: str) -> int:
+        if n > self.left():
+            raise self.fail(f"truncated: {what} needs {n} bytes at offset {self.pos}, only {self.left()} left")
+        start, self.pos = self.pos, self.pos + n
+        return start
+
+    def unpack(self, fmt: str, what: str) -> int:
+        return struct.unpack_from(fmt, self.buf, self.skip(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> bytes:
+        n = self.unpack("<Q", f"length of {what}")
+        return bytes(self.buf[self.skip(n, what):self.pos])
+
+    def name(self, what: str) -> str:
+        try:
+            return self.string(what).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def value_type(self, what: str) -> VT:
+        raw = self.unpack("<I", f"value type of {what}")
+        try:
+            return VT(raw)
+        except ValueError:
+            raise self.fail(f"{what}: unknown value type {raw}") from None
+
+
+def _check_value(cur: _Cursor, key: str, vtype: VT) -> None:
+    """Skip one KV value, checking every declared length against the bytes left."""
+    if vtype in _SCALAR_BYTES:
+        cur.skip(_SCALAR_BYTES[vtype], f"value of {key}")
+    elif vtype == VT.STRING:
+        cur.string(f"value of {key}")
+    else:
+        itype = cur.value_type(f"elements of {key}")
+        n = cur.unpack("<Q", f"length of {key}")
+        if itype == VT.ARRAY:
+            raise cur.fail(f"{key}: nested arrays are not supported")
+        least = 8 if itype == VT.STRING else _SCALAR_BYTES[itype]
+        if n * least > cur.left():
+            raise cur.fail(f"{key}: array of {n} elements cannot fit in the {cur.left()} bytes left")
+        if itype == VT.STRING:
+            for i in range(n):
+                cur.skip(cur.unpack("<Q", f"length of {key}[{i}]"), f"{key}[{i}]")
+        else:
+            cur.skip(n * least, f"values of {key}")
+
+
+def _check_layout(buf: Any, path: Path) -> None:
+    """Walk header, KVs and tensor infos, bounding every count, length, dim and offset by the file size."""
+    cur = _Cursor(buf, path)
+    if cur.size < 4 or bytes(buf[:4]) != b"GGUF":
+        raise cur.fail("not a GGUF file (bad magic)")
+    cur.pos = 4
+    version = cur.unpack("<I", "version")
+    if version not in (2, 3):
+        raise cur.fail(f"unsupported GGUF version {version} (little-endian version 2 or 3 expected)")
+    n_tensors = cur.unpack("<Q", "tensor count")
+    n_kv = cur.unpack("<Q", "key/value count")
+    if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > cur.left():
+        raise cur.fail(f"declares {n_kv} keys and {n_tensors} tensors, more than the {cur.left()} bytes left hold")
+    keys, alignment = set(), 32
+    for i in range(n_kv):
+        key = cur.name(f"key #{i}")
+        if key in keys or key in _READER_FIELDS:
+            raise cur.fail(f"duplicate key {key}")
+        keys.add(key)
+        vtype, start = cur.value_type(key), cur.pos
+        _check_value(cur, key, vtype)
+        if key == "general.alignment":
+            alignment = struct.unpack_from("<I", buf, start)[0] if vtype == VT.UINT32 else 0
+            if alignment == 0 or alignment & (alignment - 1):
+                raise cur.fail("general.alignment must be a non-zero power of two stored as UINT32")
+    tensors = {}
+    for i in range(n_tensors):
+        name = cur.name(f"name of tensor #{i}")
+        if name in tensors:
+            raise cur.fail(f"duplicate tensor {name}")
+        n_dims = cur.unpack("<I", f"dim count of tensor {name}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise cur.fail(f"tensor {name}: {n_dims} dims (1 to {_MAX_DIMS} allowed)")
+        dims = [cur.unpack("<Q", f"dims of tensor {name}") for _ in range(n_dims)]
+        type_id = cur.unpack("<I", f"type of tensor {name}")
+        tensors[name] = (dims, type_id, cur.unpack("<Q", f"offset of tensor {name}"))
+    data_start = -(-cur.pos // alignment) * alignment
+    for name, (dims, type_id, offset) in tensors.items():
+        try:
+            block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+        except (ValueError, KeyError):
+            raise cur.fail(f"tensor {name}: unknown quant type id {type_id}") from None
+        if min(dims) < 1 or dims[0] % block_size:
+            raise cur.fail(f"tensor {name}: bad dims {dims} (each >= 1, first a multiple of {block_size})")
+        nbytes = np.prod(dims, dtype=object) // block_size * type_size
+        if offset % alignment:
+            raise cur.fail(f"tensor {name}: data offset {offset} is not a multiple of the alignment {alignment}")
+        if data_start + offset + nbytes > cur.size:
+            raise cur.fail(f"tensor {name}: data ends at byte {data_start + offset + nbytes}, "
+                           f"past the end of the file ({cur.size} bytes)")
+
+
+class GGUFFile:
+    """An open GGUF file: `metadata`, `tensors` (name -> TensorInfo) and zero-copy `raw` views of the blocks."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        try:
+            with builtins.open(self.path, "rb") as fh:
+                self._map = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as e:
+            raise ModelFileError(f"{self.path}: cannot map file: {e}") from None
+        _check_layout(self._map, self.path)
+        try:
+            reader = gguf.GGUFReader(self.path, "r")
+        except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:  # cases the layout check misses
+            raise ModelFileError(f"{self.path}: unreadable GGUF: {e}") from None
+        self.metadata: dict[str, Any] = {}
+        for key, field in reader.fields.items():
+            if key in _READER_FIELDS:
+                continue
+            try:
+                self.metadata[key] = field.contents()
+            except UnicodeDecodeError:
+                raise ModelFileError(f"{self.path}: key {key}: string is not valid UTF-8") from None
+        self.tensors: dict[str, TensorInfo] = {
+            t.name: TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
+                               int(t.n_bytes), int(t.data_offset))
+            for t in reader.tensors
+        }
+        self._types = {t.name: int(t.tensor_type) for t in reader.tensors}
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # writable private mapping: no copy, no warning
+
+    @property
+    def architecture(self) -> str | None:
+        """The file's `general.architecture`, or None when it has none."""
+        return self.metadata.get("general.architecture")
+
+    def raw(self, name: str) -> QTensor:
+        """Tensor `name` as a QTensor whose data is a zero-copy uint8 `[..., out, row_bytes]` view of the file."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise ModelFileError(f"{self.path}: no tensor named {name}")
+        qtype = quants.BY_GGML.get(self._types[name])
+        if qtype is None:
+            raise ModelFileError(f"{self.path}: tensor {name} has type {info.type}, which ds4py cannot read "
+                                 f"(known: {', '.join(quants.TYPES) or 'none'})")
+        data = self._bytes[info.offset:info.offset + info.nbytes]
+        return QTensor(qtype, info.shape, data.view(*info.shape[:-1], qtype.row_bytes(info.shape[-1])), name)
+
+    def dequantize(self, name: str) -> torch.Tensor:
+        """Tensor `name` as float32 with its PyTorch-order shape."""
+        return self.raw(name).dequantize()
+
+
+def open(path: str | os.PathLike[str]) -> GGUFFile:
+    """Open and validate a GGUF file; raises ModelFileError naming the file and the bad key/tensor."""
+    return GGUFFile(path)
+
+
+def check_architecture(f: GGUFFile, expected: str = "deepseek4", keys: tuple[str, ...] = DS4_KEYS) -> None:
+    """Raise ModelFileError unless `f` declares architecture `expected` and has every key in `keys`."""
+    if f.architecture != expected:
+        raise ModelFileError(f"{f.path}: general.architecture is {f.architecture!r}, expected {expected!r}")
+    missing = [k for k in keys if k not in f.metadata]
+    if missing:
+        raise ModelFileError(f"{f.path}: missing metadata keys: {', '.join(missing)}")
+
+
+def _int_type(values: list[int], key: str) -> VT:
+    """UINT32 / INT32 when every value fits, else UINT64 / INT64."""
+    lo, hi = min(values), max(values)
+    if lo >= 0:
+        if hi < 2**32:
+            return VT.UINT32
+        if hi < 2**64:
+            return VT.UINT64
+    elif -2**31 <= lo and hi < 2**31:
+        return VT.INT32
+    elif -2**63 <= lo and hi < 2**63:
+        return VT.INT64
+    raise UsageError(f"metadata {key}: integer out of the 64-bit range")
+
+
+def _value_type(key: str, values: list[Any]) -> VT:
+    """The GGUF scalar type for values that must all share one python type."""
+    kinds = {type(v) for v in values}
+    if kinds == {bool}:
+        return VT.BOOL
+    if kinds == {int}:
+        return VT.INT32 if key == "tokenizer.ggml.token_type" else _int_type(values, key)
+    if kinds <= {int, float} and float in kinds:
+        return VT.FLOAT32
+    if kinds == {str}:
+        return VT.STRING
+    raise UsageError(f"metadata {key}: unsupported value types {sorted(k.__name__ for k in kinds)}")
+
+
+def _add_metadata(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise UsageError(f"metadata {key}: empty lists have no GGUF element type")
+        sub = _value_type(key, list(value))
+        values = [float(v) for v in value] if sub == VT.FLOAT32 else list(value)
+        writer.add_key_value(key, values, VT.ARRAY, sub_type=sub)
+    else:
+        vtype = _value_type(key, [value])
+        writer.add_key_value(key, float(value) if vtype == VT.FLOAT32 else value, vtype)
+
+
+_TORCH_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32"}
+
+
+def _as_blocks(name: str, t: QTensor | torch.Tensor) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """The bytes to store (uint8 `[..., out, row_bytes]`) and the GGUF type of a tensor."""
+    if isinstance(t, QTensor):
+        if t.qtype.ggml_type is None:
+            raise UsageError(f"tensor {name}: quant type {t.qtype.name} cannot be stored in a GGUF")
+        expected = (*t.shape[:-1], t.qtype.row_bytes(t.shape[-1]))
+        if t.data.dtype != torch.uint8 or tuple(t.data.shape) != expected:
+            raise UsageError(f"tensor {name}: data is {t.data.dtype} {tuple(t.data.shape)}, expected uint8 {expected}")
+        data, ggml_type = t.data, gguf.GGMLQuantizationType(t.qtype.ggml_type)
+    else:
+        if t.dtype not in _TORCH_TYPES or t.dim() == 0:
+            raise UsageError(f"tensor {name}: {t.dtype} {tuple(t.shape)} cannot be stored "
+                             "(F32/F16/BF16/I32 with at least one dim)")
+        data, ggml_type = t.detach().contiguous().view(torch.uint8), gguf.GGMLQuantizationType[_TORCH_TYPES[t.dtype]]
+    if data.dim() > _MAX_DIMS:
+        raise UsageError(f"tensor {name}: {data.dim()} dims, GGUF allows at most {_MAX_DIMS}")
+    return data.cpu().contiguous().numpy(), ggml_type
+
+
+def write(path: str | os.PathLike[str], metadata: dict[str, Any], tensors: dict[str, QTensor | torch.Tensor], *,
+          architecture: str = "deepseek4", alignment: int = 32) -> None:
+    """Write a GGUF atomically (temp file + rename): QTensors as their raw blocks, torch tensors by dtype."""
+    path = Path(path)
+    meta = dict(metadata)
+    if meta.pop("general.architecture", architecture) != architecture:
+        raise UsageError(f"metadata general.architecture disagrees with architecture={architecture!r}")
+    if meta.pop("general.alignment", alignment) != alignment:
+        raise UsageError(f"metadata general.alignment disagrees with alignment={alignment}")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, architecture)
+        try:
+            writer.add_custom_alignment(alignment)
+        except ValueError as e:
+            raise UsageError(f"alignment={alignment}: {e}") from None
+        for key, value in meta.items():
+            _add_metadata(writer, key, value)
+        for name, t in tensors.items():
+            data, ggml_type = _as_blocks(name, t)
+            writer.add_tensor(name, data, raw_dtype=ggml_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        with builtins.open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
