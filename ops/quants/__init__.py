@@ -10,7 +10,9 @@ from typing import Callable
 
 import torch
 
-_MODULES = ()  # module names in this package, each defining QTYPE; filled in as types land
+_MODULES = (  # module names in this package, each defining QTYPE; filled in as types land
+    "f32", "f16", "bf16", "i32", "q8_0", "q4_k", "q2_k", "iq2_xxs", "mxfp4", "fp8_e4m3",
+)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,83 @@
+"""Helpers shared by the block formats: f16 fields inside byte blocks and the K-quant affine fit."""
+from __future__ import annotations
+
+import torch
+
+
+def f16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The little-endian f16 at byte `offset` of each block, as float32 `[n, 1]`."""
+    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def f16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """Float32 `[n]` rounded to f16 and returned as its 2 bytes `[n, 2]`."""
+    return x.to(torch.float16).reshape(-1, 1).view(torch.uint8)
+
+
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C `roundf`: to nearest, halves away from zero (ggml's quantizers use it)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def fit_affine(x: torch.Tensor, nmax: int, steps: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sub-block `scale >= 0, low <= 0` so that `x ≈ scale*q + low` with q in 0..nmax; x is `[..., L]`.
+
+    Tries `steps` inverse scales around (max-min)/nmax; for each, rounds q and solves the 2x2 least squares
+    for (scale, low), keeping the candidate with the least squared error.
+    """
+    lo = x.amin(-1).clamp(max=0)
+    hi = x.amax(-1)
+    span = (hi - lo).clamp(min=1e-30)
+    n = x.shape[-1]
+    sum_x = x.sum(-1)
+    best_scale, best_low = span / nmax, lo
+    best_err = _sq_err(x, best_scale, best_low, nmax)
+    for k in range(steps):
+        iscale = (nmax - 1 + 2 * k / (steps - 1)) / span  # (nmax-1 .. nmax+1) / span
+        q = torch.round((x - lo[..., None]) * iscale[..., None]).clamp(0, nmax)
+        sum_q, sum_qq, sum_qx = q.sum(-1), (q * q).sum(-1), (q * x).sum(-1)
+        det = n * sum_qq - sum_q * sum_q
+        ok = det > 0
+        det = torch.where(ok, det, torch.ones_like(det))
+        scale = torch.where(ok, (n * sum_qx - sum_q * sum_x) / det, best_scale)
+        low = torch.where(ok, (sum_qq * sum_x - sum_q * sum_qx) / det, best_low)
+        # the format needs low <= 0: refit the scale alone with low = 0
+        pos = low > 0
+        scale = torch.where(pos, sum_qx / sum_qq.clamp(min=1), scale).clamp(min=0)
+        low = low.clamp(max=0)
+        err = _sq_err(x, scale, low, nmax)
+        better = err < best_err
+        best_scale = torch.where(better, scale, best_scale)
+        best_low = torch.where(better, low, best_low)
+        best_err = torch.where(better, err, best_err)
+    return best_scale, best_low
+
+
+def _sq_err(x: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, nmax: int) -> torch.Tensor:
+    """Squared error of the best q (0..nmax) for a given (scale, low), summed over the last axis."""
+    q = affine_codes(x, scale, low, nmax)
+    return ((q * scale[..., None] + low[..., None] - x) ** 2).sum(-1)
+
+
+def affine_codes(x: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, nmax: int) -> torch.Tensor:
+    """The nearest codes q in 0..nmax for `x ≈ scale*q + low` (0 where scale is 0), as float."""
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((x - low[..., None]) / safe[..., None]).clamp(0, nmax)
+    return torch.where(scale[..., None] > 0, q, torch.zeros_like(q))
+
+
+def quantize_superblock(
+    scale: torch.Tensor, low: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sub-block (scale, -low) `[n, S]` -> f16 `d`, `dmin` `[n]` and integer codes `sc`, `m` in 0..levels."""
+    d = (scale.amax(-1) / levels).to(torch.float16).to(torch.float32)
+    dmin = ((-low).amax(-1) / levels).to(torch.float16).to(torch.float32)
+    sc = torch.round(scale / torch.where(d > 0, d, 1)[:, None]).clamp(0, levels)
+    m = torch.round(-low / torch.where(dmin > 0, dmin, 1)[:, None]).clamp(0, levels)
+    return d, dmin, sc, m
+
+
+def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= y, for positive normal float32 y (exact: read off frexp)."""
+    mant, expo = torch.frexp(y)
+    return torch.ldexp(torch.ones_like(y), torch.where(mant == 0.5, expo - 1, expo))
