@@ -1,0 +1,27 @@
+"""FP8 (E4M3FN) simulation of a KV row: per 64-value block, a power-of-two scale and round to e4m3.
+
+Contract: `fp8_sim(x [..., n], block=64) -> [..., n]` float32, n a multiple of `block`.
+Per block: `s = 2^ceil(log2(max(amax, 1e-4) / 448))`, `x <- e4m3(clamp(x / s, ±448)) * s`, rounding to
+the nearest E4M3FN value with ties to the even code (model-spec §3.4 step 5). Elementwise per block,
+so batch-invariant.
+"""
+from __future__ import annotations
+
+import torch
+
+BATCH_INVARIANT = True
+E4M3_MAX = 448.0
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to the nearest E4M3FN value (ties to even); |x| must be <= 448."""
+    return x.to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def fp8_sim(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """Quantize-dequantize `x` to e4m3 with one power-of-two scale per `block` values of the last dim."""
+    shape = x.shape
+    b = x.to(torch.float32).reshape(*shape[:-1], shape[-1] // block, block)
+    amax = b.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
+    return (round_e4m3((b / scale).clamp(-E4M3_MAX, E4M3_MAX)) * scale).reshape(shape)

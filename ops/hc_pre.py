@@ -1,0 +1,35 @@
+"""Hyper-connection pre step: split the 24 control values, Sinkhorn the 4x4 mix, collapse the streams.
+
+Contract: `hc_pre(X [M, S, D], mixes [M, 2S + S²], scale [3], base [2S + S²], iters, eps)
+-> (x [M, D], post [M, S], comb [M, S, S])`, where `mixes = fn · RMS(flat X)` (model-spec §3.2):
+`pre = σ(m[:S]·s0 + b) + eps`, `post = 2σ(m[S:2S]·s1 + b)`, `comb = sinkhorn(m[2S:]·s2 + b)` and
+`x = Σ_h pre_h X_h` (summed in stream order). Row-wise, so batch-invariant.
+"""
+from __future__ import annotations
+
+import torch
+
+BATCH_INVARIANT = True
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Row softmax + eps, a column normalisation, then iters-1 rounds of row then column normalisation."""
+    c = torch.softmax(logits, dim=-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sub-layer input, post weights and Sinkhorn combination matrix from the HC state `X`."""
+    S = X.shape[1]
+    pre = torch.sigmoid(mixes[:, :S] * scale[0] + base[:S]) + eps
+    post = 2 * torch.sigmoid(mixes[:, S:2 * S] * scale[1] + base[S:2 * S])
+    comb = sinkhorn((mixes[:, 2 * S:] * scale[2] + base[2 * S:]).reshape(-1, S, S), iters, eps)
+    x = pre[:, 0, None] * X[:, 0]
+    for h in range(1, S):
+        x = x + pre[:, h, None] * X[:, h]
+    return x, post, comb

@@ -1,0 +1,50 @@
+"""Routed mixture of experts: sqrt-softplus router, bias-only or hash selection, clamped SwiGLU experts.
+
+Contract: `moe(x [M, D], router QTensor [E, D], bias [E] | None, hash_experts [M, k] int64 | None,
+gate QTensor [E, I, D], up QTensor [E, I, D], down QTensor [E, D, I], top_k, route_scale, normalize,
+clamp, ops) -> [M, D]` float32 (model-spec §3.7 steps 2-5).
+- `p = sqrt(softplus(router·x))`; experts = `hash_experts` (hash layers) or the top_k of `p + bias`
+  (bias only selects; exact ties go to the lower expert id).
+- weights `w = p_S / max(Σ p_S, 6.1035e-5) · route_scale` (no division when `normalize` is False).
+- each expert adds `down · (silu(min(g, clamp)) · clamp(u, ±clamp) · w)` with `g = gate·x`, `u = up·x`.
+Matmuls go through `ops.qmatmul` on per-expert views of the stored blocks (nothing is dequantized
+whole). Not declared batch-invariant: each expert's matmul sees the rows routed to it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ops.quants import QTensor
+
+
+def expert(w: QTensor, e: int) -> QTensor:
+    """Zero-copy view of expert `e` of a stacked `[E, out, in]` weight."""
+    return QTensor(w.qtype, tuple(w.shape[1:]), w.data[e], f"{w.name}[{e}]")
+
+
+def select_experts(p: torch.Tensor, bias: torch.Tensor | None, top_k: int) -> torch.Tensor:
+    """Top-k experts of `p + bias` per row, lower id first on exact ties."""
+    score = p if bias is None else p + bias
+    return torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :top_k]
+
+
+def moe(x: torch.Tensor, router: QTensor, bias: torch.Tensor | None, hash_experts: torch.Tensor | None,
+        gate: QTensor, up: QTensor, down: QTensor, top_k: int, route_scale: float, normalize: bool,
+        clamp: float, ops) -> torch.Tensor:
+    """Routed-expert output of each row of `x` (shared expert not included)."""
+    p = torch.sqrt(F.softplus(ops.qmatmul(x, router)))
+    chosen = hash_experts if hash_experts is not None else select_experts(p, bias, top_k)
+    w = p.gather(1, chosen)
+    if normalize:
+        w = w / w.sum(-1, keepdim=True).clamp(min=6.1035e-5)
+    w = w * route_scale
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in torch.unique(chosen).tolist():
+        rows, slots = torch.nonzero(chosen == e, as_tuple=True)
+        xe = x[rows]
+        g = ops.qmatmul(xe, expert(gate, e)).clamp(max=clamp)
+        u = ops.qmatmul(xe, expert(up, e)).clamp(-clamp, clamp)
+        h = F.silu(g) * u * w[rows, slots, None]
+        out.index_add_(0, rows, ops.qmatmul(h, expert(down, e)))
+    return out
