@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 
 from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import models, pre_tokenizers, trainers
 
 from ds4.errors import ModelFileError, UsageError
 
@@ -45,7 +45,8 @@ MAX_EFFORT_PREFIX = (
     "root cause, rigorously stress-testing your logic against all potential paths, edge cases, and "
     "adversarial scenarios.\n"
     "Explicitly write out your entire deliberation process, documenting every intermediate step, "
-    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n")
+    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
+    "unchecked.\n\n")
 
 
 def _byte_to_char() -> dict[int, str]:
@@ -88,22 +89,24 @@ def _get(md: dict, key: str, kind: type, default=None):
         raise ModelFileError(f"tokenizer metadata: missing key {key!r}")
     value = md[key]
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise ModelFileError(f"tokenizer metadata: key {key!r} is {type(value).__name__}, expected {kind.__name__}")
+        raise ModelFileError(f"tokenizer metadata: key {key!r} is {type(value).__name__}, "
+                             f"expected {kind.__name__}")
     return value
 
 
 class Tokenizer:
-    """Byte-level BPE with the V4 pre-tokenizer; added (control/user-defined) tokens match as whole strings."""
+    """Byte-level BPE with the V4 pre-tokenizer; control/user-defined tokens match as whole strings."""
 
-    def __init__(self, tokens: list[str], merges: list[tuple[str, str]], added: set[int], bos_id: int, eos_id: int):
+    def __init__(self, tokens: list[str], merges: list[tuple[str, str]], added: set[int],
+                 bos_id: int, eos_id: int):
         self.tokens = tokens
         self.bos_id, self.eos_id = bos_id, eos_id
         self._ids = {t: i for i, t in enumerate(tokens)}
         model = models.BPE(vocab=self._ids, merges=merges, fuse_unk=False, byte_fallback=False)
         self._hf = HFTokenizer(model)
         self._hf.pre_tokenizer = v4_pre_tokenizer()
-        self._hf.decoder = decoders.ByteLevel()
-        self._hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(added)])
+        self._hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                     for i in sorted(added)])
         self._bytes = [_token_bytes(t, i in added) for i, t in enumerate(tokens)]
 
     @classmethod
@@ -111,14 +114,16 @@ class Tokenizer:
         """Build from GGUF metadata: tokenizer.ggml.{model,pre,tokens,merges,token_type,bos/eos_token_id}."""
         model = _get(md, "tokenizer.ggml.model", str, "gpt2")
         if model != "gpt2":
-            raise ModelFileError(f"tokenizer metadata: key 'tokenizer.ggml.model' is {model!r}, expected 'gpt2'")
+            raise ModelFileError(f"tokenizer metadata: key 'tokenizer.ggml.model' is {model!r}, "
+                                 "expected 'gpt2'")
         pre = _get(md, "tokenizer.ggml.pre", str, PRE_TOKENIZER_NAMES[0])
         if pre not in PRE_TOKENIZER_NAMES:
             raise ModelFileError(f"tokenizer metadata: key 'tokenizer.ggml.pre' is {pre!r}, "
                                  f"expected one of {PRE_TOKENIZER_NAMES}")
         tokens = _get(md, "tokenizer.ggml.tokens", list)
         if not tokens or not all(isinstance(t, str) for t in tokens):
-            raise ModelFileError("tokenizer metadata: key 'tokenizer.ggml.tokens' must be a non-empty list of str")
+            raise ModelFileError("tokenizer metadata: key 'tokenizer.ggml.tokens' must be a non-empty "
+                                 "list of str")
         merges = []
         for rank, merge in enumerate(_get(md, "tokenizer.ggml.merges", list)):
             pair = merge.split(" ") if isinstance(merge, str) else []
@@ -137,7 +142,8 @@ class Tokenizer:
         added_strings = {tokens[i] for i in added}
         for name in CHAT_TOKENS:
             if name not in added_strings:
-                raise ModelFileError(f"tokenizer metadata: key 'tokenizer.ggml.tokens' lacks the control token {name}")
+                raise ModelFileError(f"tokenizer metadata: key 'tokenizer.ggml.tokens' lacks the control "
+                                     f"token {name}")
         ids = {t: i for i, t in enumerate(tokens)}
         bos_id = _get(md, "tokenizer.ggml.bos_token_id", int, ids[BOS])
         eos_id = _get(md, "tokenizer.ggml.eos_token_id", int, ids[EOS])
@@ -173,7 +179,7 @@ class Tokenizer:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
     def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
-        """Yield text as ids arrive, holding back incomplete UTF-8 sequences; the pieces join to decode(ids)."""
+        """Yield text as ids arrive, holding back incomplete UTF-8; the pieces join to decode(ids)."""
         stream = StreamDecoder(self)
         for i in ids:
             piece = stream.push(i)
@@ -225,7 +231,8 @@ def render_chat(messages: list[dict], *, think: bool = False, system: str | None
         if not isinstance(m, dict) or m.get("role") not in (*SYSTEM_ROLES, *TOOL_ROLES, "user", "assistant"):
             raise UsageError(f"chat message {n}: role must be system, developer, user, assistant, tool "
                              f"or function, got {m!r}")
-    systems = ([system] if system else []) + [m.get("content") or "" for m in messages if m["role"] in SYSTEM_ROLES]
+    systems = [system] if system else []
+    systems += [m.get("content") or "" for m in messages if m["role"] in SYSTEM_ROLES]
     has_tools = any(m["role"] in TOOL_ROLES for m in messages)
     last_user = max((n for n, m in enumerate(messages) if m["role"] in ("user", *TOOL_ROLES)), default=-1)
 

