@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import codecs
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
-from tokenizers import AddedToken, Regex
+from tokenizers import AddedToken, Regex, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers, trainers
 
 from ds4.errors import ModelFileError, UsageError
 

