@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 from safetensors import safe_open
 
-from ds4.errors import ModelFileError
+from ds4.errors import ModelFileError, UsageError
 from ds4.quant_mix import tensor_type
 from ops.quants import QTensor
 
@@ -361,6 +361,9 @@ def convert(hf_dir: str | Path, out: str | Path, mtp_out: str | Path | None = No
     """
     from ds4 import gguf
 
+    for path in (out, mtp_out):
+        if path is not None and not Path(path).parent.is_dir():
+            raise UsageError(f"{path}: the output directory does not exist")
     meta = metadata_from_config(read_config(hf_dir), str(Path(hf_dir) / "config.json"))
     ckpt = Checkpoint(hf_dir)
     base, mtp = plan_tensors(ckpt, meta, mtp_out is not None)
