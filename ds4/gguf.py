@@ -175,10 +175,12 @@ class GGUFFile:
         self.path = Path(path)
         try:
             with builtins.open(self.path, "rb") as fh:
+                if os.fstat(fh.fileno()).st_size == 0:
+                    raise ModelFileError(f"{self.path}: not a GGUF file (bad magic: the file is empty)")
                 self._map = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE,
                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ValueError) as e:
-            raise ModelFileError(f"{self.path}: cannot map file: {e}") from None
+        except OSError as e:
+            raise ModelFileError(f"{self.path}: cannot open: {e}") from None
         _check_layout(self._map, self.path)
         try:
             reader = gguf.GGUFReader(self.path, "r")
