@@ -13,7 +13,7 @@ from . import QuantType
 from ._blocks import pow2_ceil
 
 BLOCK, BYTES = 32, 17
-E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
 _CODE_OF_TWICE = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7])  # code of each magnitude, indexed by 2|v|
 _AMAX_FLOOR = 6 * 2.0**-126  # keeps the scale a normal float (e >= 1), as DeepSeek's fp4 quantizer does
 
