@@ -38,10 +38,6 @@ def _load() -> dict[str, QuantType]:
     return {t.name: t for t in types}
 
 
-TYPES: dict[str, QuantType] = _load()
-BY_GGML: dict[int, QuantType] = {t.ggml_type: t for t in TYPES.values() if t.ggml_type is not None}
-
-
 def get(name: str) -> QuantType:
     """The quant type called `name` (e.g. "Q8_0"); KeyError names the known ones."""
     try:
@@ -71,3 +67,8 @@ class QTensor:
         w = weight.detach().to(torch.float32).contiguous()
         blocks = qt.quantize(w.reshape(-1, qt.block_size))
         return cls(qt, tuple(w.shape), blocks.reshape(*w.shape[:-1], qt.row_bytes(w.shape[-1])), name)
+
+
+# loaded last, so a type module may import QuantType and QTensor from this package
+TYPES: dict[str, QuantType] = _load()
+BY_GGML: dict[int, QuantType] = {t.ggml_type: t for t in TYPES.values() if t.ggml_type is not None}

@@ -9,7 +9,7 @@ import torch
 
 from ds4.errors import ModelFileError
 
-from . import QuantType
+from . import QTensor, QuantType
 from ._blocks import pow2_ceil
 
 BLOCK, BYTES = 128, 132
@@ -43,10 +43,8 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return _pack(scale, e4m3).reshape(*x.shape[:-1], BYTES)
 
 
-def from_official(weight_e4m3: torch.Tensor, scale: torch.Tensor, name: str = "") -> "QTensor":
+def from_official(weight_e4m3: torch.Tensor, scale: torch.Tensor, name: str = "") -> QTensor:
     """Official FP8 weight (e4m3fn/uint8 `[out, in]`, scale `[ceil(out/128), ceil(in/128)]` f32/e8m0) -> QTensor."""
-    from . import QTensor  # imported here: the package defines it after loading this module
-
     label = name or "FP8 weight"
     if weight_e4m3.dim() != 2 or scale.dim() != 2:
         raise ModelFileError(f"{label}: expected a 2-D weight and scale, got {tuple(weight_e4m3.shape)}, {tuple(scale.shape)}")

@@ -9,7 +9,7 @@ import torch
 
 from ds4.errors import ModelFileError
 
-from . import QuantType
+from . import QTensor, QuantType
 from ._blocks import pow2_ceil
 
 BLOCK, BYTES = 32, 17
@@ -54,10 +54,8 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return _pack(e, codes).reshape(*x.shape[:-1], BYTES)
 
 
-def from_official(packed_fp4: torch.Tensor, scale: torch.Tensor, name: str = "") -> "QTensor":
+def from_official(packed_fp4: torch.Tensor, scale: torch.Tensor, name: str = "") -> QTensor:
     """Official FP4 weight (int8/uint8 `[..., out, in/2]`, e8m0 scale `[..., out, in/32]`) -> MXFP4 QTensor."""
-    from . import QTensor  # imported here: the package defines it after loading this module
-
     n_in = packed_fp4.shape[-1] * 2
     if n_in % BLOCK or tuple(scale.shape) != (*packed_fp4.shape[:-1], n_in // BLOCK):
         raise ModelFileError(
