@@ -25,12 +25,13 @@ _CHUNK = 8192  # blocks quantized at once, to bound the [chunks, 256] distance t
 def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     """uint8 `[..., 66]` -> float32 `[..., 256]`."""
     b = blocks.reshape(-1, BYTES)
+    grid, ksigns, bits = GRID.to(b.device), KSIGNS.to(b.device), _BITS.to(b.device)
     g = b[:, 2:].reshape(-1, 8, 8).to(torch.int64)
     w = g[:, :, 4] | (g[:, :, 5] << 8) | (g[:, :, 6] << 16) | (g[:, :, 7] << 24)
     db = (f16_field(b, 0) * (0.5 + (w >> 28).to(torch.float32)) * 0.25)[:, :, None, None]
-    signs = KSIGNS[(w[:, :, None] >> (7 * torch.arange(4))) & 127]
-    sign = 1 - 2 * ((signs[..., None] >> _BITS) & 1).to(torch.float32)
-    return (db * GRID[g[:, :, :4]] * sign).reshape(*blocks.shape[:-1], BLOCK)
+    signs = ksigns[(w[:, :, None] >> (7 * torch.arange(4, device=b.device))) & 127]
+    sign = 1 - 2 * ((signs[..., None] >> bits) & 1).to(torch.float32)
+    return (db * grid[g[:, :, :4]] * sign).reshape(*blocks.shape[:-1], BLOCK)
 
 
 def _nearest(v_dot_grid: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -75,10 +76,10 @@ def _quantize_chunk(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor) -> torch.Tensor:
-    """float32 `[..., 256]` -> uint8 `[..., 66]` (deterministic; no importance weights)."""
-    v = x.reshape(-1, BLOCK).to(torch.float32)
+    """float32 `[..., 256]` -> uint8 `[..., 66]` (deterministic; no importance weights; computed on the CPU)."""
+    v = x.reshape(-1, BLOCK).to("cpu", torch.float32)
     out = [_quantize_chunk(c) for c in v.split(_CHUNK)] or [torch.empty(0, BYTES, dtype=torch.uint8)]
-    return torch.cat(out).reshape(*x.shape[:-1], BYTES)
+    return torch.cat(out).reshape(*x.shape[:-1], BYTES).to(x.device)
 
 
 QTYPE = QuantType("IQ2_XXS", 16, BLOCK, BYTES, dequantize, quantize)

@@ -35,7 +35,7 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     """uint8 `[..., 17]` -> float32 `[..., 32]`."""
     b = blocks.reshape(-1, BYTES)
     codes = torch.cat([b[:, 1:] & 15, b[:, 1:] >> 4], -1).to(torch.int64)
-    return (_half_scale(b[:, :1]) * (2 * E2M1[codes])).reshape(*blocks.shape[:-1], BLOCK)
+    return (_half_scale(b[:, :1]) * (2 * E2M1.to(b.device)[codes])).reshape(*blocks.shape[:-1], BLOCK)
 
 
 def _pack(e: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -50,7 +50,7 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     scale = pow2_ceil(v.abs().amax(-1).clamp(min=_AMAX_FLOOR) / 6).clamp(max=2.0**127)
     e = torch.frexp(scale)[1] + 126
     r = round_e2m1(v / scale[:, None])
-    codes = _CODE_OF_TWICE[(2 * r.abs()).to(torch.int64)] | torch.where(v < 0, 8, 0)
+    codes = _CODE_OF_TWICE.to(v.device)[(2 * r.abs()).to(torch.int64)] | torch.where(v < 0, 8, 0)
     return _pack(e, codes).reshape(*x.shape[:-1], BYTES)
 
 

@@ -18,7 +18,7 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     s = b[:, :16]
     scale = (f16_field(b, 80) * (s & 15).to(torch.float32))[:, :, None]
     low = (f16_field(b, 82) * (s >> 4).to(torch.float32))[:, :, None]
-    q = ((b[:, 16:80].reshape(-1, 2, 1, 32) >> _SHIFTS) & 3).reshape(-1, 16, 16).to(torch.float32)
+    q = ((b[:, 16:80].reshape(-1, 2, 1, 32) >> _SHIFTS.to(b.device)) & 3).reshape(-1, 16, 16).to(torch.float32)
     return (scale * q - low).reshape(*blocks.shape[:-1], BLOCK)
 
 
@@ -27,7 +27,7 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     v = x.reshape(-1, 16, 16).to(torch.float32)
     d, dmin, sc, m = quantize_superblock(*fit_affine(v, 3), 15)
     q = affine_codes(v, d[:, None] * sc, -dmin[:, None] * m, 3).to(torch.uint8).reshape(-1, 2, 4, 32)
-    qs = (q << _SHIFTS).sum(2, dtype=torch.uint8).reshape(-1, 64)
+    qs = (q << _SHIFTS.to(q.device)).sum(2, dtype=torch.uint8).reshape(-1, 64)
     scales = sc.to(torch.uint8) | (m.to(torch.uint8) << 4)
     return torch.cat([scales, qs, f16_bytes(d), f16_bytes(dmin)], -1).reshape(*x.shape[:-1], BYTES)
 
