@@ -1,1 +1,2 @@
 """Triton kernels; importing this package registers them. Set TRITON_INTERPRET=1 before import to run on CPU."""
+from . import qmatmul  # noqa: F401

@@ -1,0 +1,170 @@
+"""Block dequantization in Triton: one `@triton.jit` helper per quant type, inlined by every kernel.
+
+Every helper has the same shape-agnostic contract:
+    dequant_<type>(row, k, mask) -> float32 tile
+`row` is a uint8 pointer tensor to the first byte of each weight row (for an expert weight
+`[E, N, row_bytes]`, add the expert offset to the base pointer first), `k` holds column indices
+along K, and `mask` says which (row, k) pairs are real; the three broadcast together, so the same
+helper fills a GEMV tile, a GEMM tile or a transposed tile. Layouts follow `ops/quants/<type>.py`
+(model-spec §4); every product below is exact in float32, so the values equal the reference
+dequantizers bit for bit.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _f16(ptr, mask):
+    """Load float16 values at byte pointers (2-byte aligned) as float32."""
+    return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _u16(ptr, mask):
+    """Load little-endian uint16 values at byte pointers (2-byte aligned) as uint32."""
+    return tl.load(ptr.to(tl.pointer_type(tl.uint16)), mask=mask, other=0).to(tl.uint32)
+
+
+@triton.jit
+def _u8(ptr, mask):
+    """Load bytes as int32."""
+    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def dequant_f32(row, k, mask):
+    """F32: one little-endian float per value."""
+    return tl.load((row + 4 * k).to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
+
+
+@triton.jit
+def dequant_f16(row, k, mask):
+    """F16: one little-endian half per value."""
+    return _f16(row + 2 * k, mask)
+
+
+@triton.jit
+def dequant_bf16(row, k, mask):
+    """BF16: the top 16 bits of a float32."""
+    return (_u16(row + 2 * k, mask) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dequant_q8_0(row, k, mask):
+    """Q8_0: 34-byte blocks of 32 = f16 d, int8 qs[32]; y = d*q."""
+    block = row + (k // 32) * 34
+    q = tl.load((block + 2 + k % 32).to(tl.pointer_type(tl.int8)), mask=mask, other=0)
+    return _f16(block, mask) * q.to(tl.float32)
+
+
+@triton.jit
+def dequant_q4_k(row, k, mask):
+    """Q4_K: 144-byte blocks of 256 = f16 d, f16 dmin, scales[12] (8 six-bit scale/min pairs), qs[128]."""
+    block = row + (k // 256) * 144
+    j = k % 256
+    sub = j // 32  # sub-block 0..7; chunk c = sub // 2 holds sub-blocks 2c (low nibbles) and 2c+1 (high)
+    byte = _u8(block + 16 + (sub // 2) * 32 + j % 32, mask)
+    q = (byte >> ((sub % 2) * 4)) & 15
+    s_lo = _u8(block + 4 + sub % 4, mask)  # scales[sub - 4] for sub >= 4, scales[sub] below
+    s_mid = _u8(block + 4 + sub, mask)
+    s_hi = _u8(block + 8 + sub, mask)  # scales[sub + 4]
+    low = sub < 4
+    sc = tl.where(low, s_mid & 63, (s_hi & 15) | ((s_lo >> 6) << 4))
+    m = tl.where(low, s_hi & 63, (s_hi >> 4) | ((s_mid >> 6) << 4))
+    d = _f16(block, mask)
+    dmin = _f16(block + 2, mask)
+    return (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * m.to(tl.float32)
+
+
+@triton.jit
+def dequant_q2_k(row, k, mask):
+    """Q2_K: 84-byte blocks of 256 = scales[16], qs[64], f16 d, f16 dmin; y = d*(sc&15)*q - dmin*(sc>>4)."""
+    block = row + (k // 256) * 84
+    j = k % 256
+    byte = _u8(block + 16 + (j // 128) * 32 + j % 32, mask)
+    q = (byte >> (((j // 32) % 4) * 2)) & 3
+    sc = _u8(block + j // 16, mask)
+    d = _f16(block + 80, mask)
+    dmin = _f16(block + 82, mask)
+    return (d * (sc & 15).to(tl.float32)) * q.to(tl.float32) - dmin * (sc >> 4).to(tl.float32)
+
+
+@triton.jit
+def dequant_iq2_xxs(row, k, mask, grid_ptr, signs_ptr):
+    """IQ2_XXS: 66-byte blocks of 256 = f16 d, then per 32 values 4 grid indices and a u32 of signs/scale.
+
+    `grid_ptr` is the 256x8 uint8 grid (one byte per value), `signs_ptr` the 128 sign bytes.
+    """
+    block = row + (k // 256) * 66
+    j = k % 256
+    group = block + 2 + (j // 32) * 8
+    lane = (j % 32) // 8  # which of the 4 grid indices
+    i = j % 8
+    index = _u8(group + lane, mask)
+    aux = _u16(group + 4, mask) | (_u16(group + 6, mask) << 16)
+    ls = (aux >> 28).to(tl.float32)
+    sign_index = ((aux >> (7 * lane).to(tl.uint32)) & 127).to(tl.int32)
+    magnitude = tl.load(grid_ptr + index * 8 + i, mask=mask, other=0).to(tl.float32)
+    negative = (tl.load(signs_ptr + sign_index, mask=mask, other=0).to(tl.int32) >> i) & 1
+    db = _f16(block, mask) * (0.5 + ls) * 0.25
+    return tl.where(negative != 0, -db, db) * magnitude
+
+
+@triton.jit
+def dequant_mxfp4(row, k, mask):
+    """MXFP4: 17-byte blocks of 32 = e8m0 byte e, qs[16] (value j: low nibble of qs[j], j+16: high nibble).
+
+    As in ggml: y = (2 * e2m1(nibble)) * 2^(e-128), the doubled E2M1 magnitude being an integer.
+    """
+    block = row + (k // 32) * 17
+    j = k % 32
+    nibble = (_u8(block + 1 + j % 16, mask) >> ((j // 16) * 4)) & 15
+    exponent = (nibble >> 1) & 3
+    mantissa = nibble & 1
+    twice = tl.where(exponent == 0, mantissa, (2 + mantissa) << tl.maximum(exponent - 1, 0)).to(tl.float32)
+    e = _u8(block, mask)
+    half_scale = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+    return half_scale * tl.where((nibble & 8) != 0, 0.0 - twice, twice)  # code 8 is +0, as in gguf-py
+
+
+@triton.jit
+def dequant_fp8_e4m3(row, k, mask):
+    """FP8_E4M3: 132-byte blocks of 128 = f32 scale, 128 e4m3fn bytes; y = scale * e4m3(byte)."""
+    block = row + (k // 128) * 132
+    byte = _u8(block + 4 + k % 128, mask)
+    exponent = (byte >> 3) & 15
+    mantissa = byte & 7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125  # m * 2^-9
+    magnitude = tl.where(exponent == 0, subnormal, normal)
+    magnitude = tl.where((byte & 127) == 127, float("nan"), magnitude)
+    scale = tl.load(block.to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
+    return tl.where((byte & 128) != 0, -magnitude, magnitude) * scale
+
+
+@triton.jit
+def dequant(QTYPE: tl.constexpr, row, k, mask, grid_ptr, signs_ptr):
+    """Dispatch on the quant type name (a compile-time constant) to its helper."""
+    if QTYPE == "F32":
+        w = dequant_f32(row, k, mask)
+    elif QTYPE == "F16":
+        w = dequant_f16(row, k, mask)
+    elif QTYPE == "BF16":
+        w = dequant_bf16(row, k, mask)
+    elif QTYPE == "Q8_0":
+        w = dequant_q8_0(row, k, mask)
+    elif QTYPE == "Q4_K":
+        w = dequant_q4_k(row, k, mask)
+    elif QTYPE == "Q2_K":
+        w = dequant_q2_k(row, k, mask)
+    elif QTYPE == "IQ2_XXS":
+        w = dequant_iq2_xxs(row, k, mask, grid_ptr, signs_ptr)
+    elif QTYPE == "MXFP4":
+        w = dequant_mxfp4(row, k, mask)
+    else:
+        tl.static_assert(QTYPE == "FP8_E4M3", "no Triton dequantizer for this quant type")
+        w = dequant_fp8_e4m3(row, k, mask)
+    return w
+
+
+SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "MXFP4", "FP8_E4M3")
