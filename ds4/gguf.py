@@ -1,7 +1,8 @@
-"""GGUF files: open (memory-mapped, zero-copy QTensor views) and write, with hostile-input checks."""
+"""GGUF files: open (memory-mapped, bounded parse, zero-copy QTensor views) and write (atomic, via gguf.GGUFWriter)."""
 from __future__ import annotations
 
 import builtins
+import math
 import mmap
 import os
 import struct
@@ -35,12 +36,11 @@ DS4_KEYS: tuple[str, ...] = tuple(f"deepseek4.{k}" for k in (
 DS4_OPTIONAL_KEYS: tuple[str, ...] = ("deepseek4.expert_group_count", "deepseek4.expert_group_used_count")
 
 VT = gguf.GGUFValueType
-_SCALAR_BYTES = {VT.UINT8: 1, VT.INT8: 1, VT.UINT16: 2, VT.INT16: 2, VT.UINT32: 4, VT.INT32: 4, VT.FLOAT32: 4,
-                 VT.UINT64: 8, VT.INT64: 8, VT.FLOAT64: 8, VT.BOOL: 1}
+_NUMPY_TYPES = {VT.UINT8: "<u1", VT.INT8: "<i1", VT.UINT16: "<u2", VT.INT16: "<i2", VT.UINT32: "<u4", VT.INT32: "<i4",
+                VT.FLOAT32: "<f4", VT.UINT64: "<u8", VT.INT64: "<i8", VT.FLOAT64: "<f8", VT.BOOL: "?"}
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, smallest value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
-_READER_FIELDS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")  # GGUFReader's pseudo-keys
 # A writable private mapping of a file larger than RAM needs MAP_NORESERVE, or Linux refuses it (ENOMEM).
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
@@ -77,15 +77,16 @@ class _Cursor:
     def unpack(self, fmt: str, what: str) -> int:
         return struct.unpack_from(fmt, self.buf, self.skip(struct.calcsize(fmt), what))[0]
 
-    def string(self, what: str) -> bytes:
+    def text(self, what: str) -> str:
         n = self.unpack("<Q", f"length of {what}")
-        return bytes(self.buf[self.skip(n, what):self.pos])
-
-    def name(self, what: str) -> str:
         try:
-            return self.string(what).decode("utf-8")
+            return self.buf[self.skip(n, what):self.pos].decode("utf-8")
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def values(self, vtype: VT, n: int, what: str) -> list:
+        dtype = np.dtype(_NUMPY_TYPES[vtype])
+        return np.frombuffer(self.buf, dtype, n, self.skip(n * dtype.itemsize, what)).tolist()
 
     def value_type(self, what: str) -> VT:
         raw = self.unpack("<I", f"value type of {what}")
@@ -95,31 +96,27 @@ class _Cursor:
             raise self.fail(f"{what}: unknown value type {raw}") from None
 
 
-def _check_value(cur: _Cursor, key: str, vtype: VT) -> None:
-    """Skip one KV value, checking every declared length against the bytes left."""
-    if vtype in _SCALAR_BYTES:
-        cur.skip(_SCALAR_BYTES[vtype], f"value of {key}")
-    elif vtype == VT.STRING:
-        cur.string(f"value of {key}")
-    else:
-        itype = cur.value_type(f"elements of {key}")
-        n = cur.unpack("<Q", f"length of {key}")
-        if itype == VT.ARRAY:
-            raise cur.fail(f"{key}: nested arrays are not supported")
-        least = 8 if itype == VT.STRING else _SCALAR_BYTES[itype]
-        if n * least > cur.left():
-            raise cur.fail(f"{key}: array of {n} elements cannot fit in the {cur.left()} bytes left")
-        if itype == VT.STRING:
-            for i in range(n):
-                cur.skip(cur.unpack("<Q", f"length of {key}[{i}]"), f"{key}[{i}]")
-        else:
-            cur.skip(n * least, f"values of {key}")
+def _read_value(cur: _Cursor, key: str, vtype: VT) -> Any:
+    """One KV value as a plain python value, every declared length checked against the bytes left."""
+    if vtype == VT.STRING:
+        return cur.text(f"value of {key}")
+    if vtype != VT.ARRAY:
+        return cur.values(vtype, 1, f"value of {key}")[0]
+    itype = cur.value_type(f"elements of {key}")
+    n = cur.unpack("<Q", f"length of {key}")
+    if itype == VT.ARRAY:
+        raise cur.fail(f"{key}: nested arrays are not supported")
+    if n * (8 if itype == VT.STRING else np.dtype(_NUMPY_TYPES[itype]).itemsize) > cur.left():
+        raise cur.fail(f"{key}: array of {n} elements cannot fit in the {cur.left()} bytes left")
+    if itype == VT.STRING:
+        return [cur.text(f"{key}[{i}]") for i in range(n)]
+    return cur.values(itype, n, f"values of {key}")
 
 
-def _check_layout(buf: Any, path: Path) -> None:
-    """Walk header, KVs and tensor infos, bounding every count, length, dim and offset by the file size."""
+def _parse(buf: Any, path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """Metadata and tensor table, bounding every count, length, dim and offset by the file size."""
     cur = _Cursor(buf, path)
-    if cur.size < 4 or bytes(buf[:4]) != b"GGUF":
+    if cur.size < 4 or buf[:4] != b"GGUF":
         raise cur.fail("not a GGUF file (bad magic)")
     cur.pos = 4
     version = cur.unpack("<I", "version")
@@ -129,47 +126,52 @@ def _check_layout(buf: Any, path: Path) -> None:
     n_kv = cur.unpack("<Q", "key/value count")
     if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > cur.left():
         raise cur.fail(f"declares {n_kv} keys and {n_tensors} tensors, more than the {cur.left()} bytes left hold")
-    keys, alignment = set(), 32
+    metadata: dict[str, Any] = {}
     for i in range(n_kv):
-        key = cur.name(f"key #{i}")
-        if key in keys or key in _READER_FIELDS:
+        key = cur.text(f"key #{i}")
+        if key in metadata:
             raise cur.fail(f"duplicate key {key}")
-        keys.add(key)
-        vtype, start = cur.value_type(key), cur.pos
-        _check_value(cur, key, vtype)
-        if key == "general.alignment":
-            alignment = struct.unpack_from("<I", buf, start)[0] if vtype == VT.UINT32 else 0
-            if alignment == 0 or alignment & (alignment - 1):
-                raise cur.fail("general.alignment must be a non-zero power of two stored as UINT32")
-    tensors = {}
+        vtype = cur.value_type(key)
+        metadata[key] = _read_value(cur, key, vtype)
+        if key == "general.alignment" and (vtype != VT.UINT32 or not metadata[key] or metadata[key] & (metadata[key] - 1)):
+            raise cur.fail("general.alignment must be a non-zero power of two stored as UINT32")
+    entries = {}
     for i in range(n_tensors):
-        name = cur.name(f"name of tensor #{i}")
-        if name in tensors:
+        name = cur.text(f"name of tensor #{i}")
+        if name in entries:
             raise cur.fail(f"duplicate tensor {name}")
         n_dims = cur.unpack("<I", f"dim count of tensor {name}")
         if not 1 <= n_dims <= _MAX_DIMS:
             raise cur.fail(f"tensor {name}: {n_dims} dims (1 to {_MAX_DIMS} allowed)")
         dims = [cur.unpack("<Q", f"dims of tensor {name}") for _ in range(n_dims)]
         type_id = cur.unpack("<I", f"type of tensor {name}")
-        tensors[name] = (dims, type_id, cur.unpack("<Q", f"offset of tensor {name}"))
+        entries[name] = (dims, type_id, cur.unpack("<Q", f"offset of tensor {name}"))
+    alignment = metadata.get("general.alignment", 32)
     data_start = -(-cur.pos // alignment) * alignment
-    for name, (dims, type_id, offset) in tensors.items():
+    tensors = {}
+    for name, (dims, type_id, offset) in entries.items():
         try:
-            block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(type_id)]
+            ggml_type = gguf.GGMLQuantizationType(type_id)
+            block_size, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
         except (ValueError, KeyError):
             raise cur.fail(f"tensor {name}: unknown quant type id {type_id}") from None
         if min(dims) < 1 or dims[0] % block_size:
             raise cur.fail(f"tensor {name}: bad dims {dims} (each >= 1, first a multiple of {block_size})")
-        nbytes = np.prod(dims, dtype=object) // block_size * type_size
+        nbytes = math.prod(dims) // block_size * type_size
         if offset % alignment:
             raise cur.fail(f"tensor {name}: data offset {offset} is not a multiple of the alignment {alignment}")
         if data_start + offset + nbytes > cur.size:
             raise cur.fail(f"tensor {name}: data ends at byte {data_start + offset + nbytes}, "
                            f"past the end of the file ({cur.size} bytes)")
+        tensors[name] = TensorInfo(name, ggml_type.name, tuple(reversed(dims)), nbytes, data_start + offset)
+    return metadata, tensors
 
 
 class GGUFFile:
     """An open GGUF file: `metadata`, `tensors` (name -> TensorInfo) and zero-copy `raw` views of the blocks."""
+
+    metadata: dict[str, Any]  # key -> int, float, bool, str or a list of them
+    tensors: dict[str, TensorInfo]
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -181,25 +183,7 @@ class GGUFFile:
                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             raise ModelFileError(f"{self.path}: cannot open: {e}") from None
-        _check_layout(self._map, self.path)
-        try:
-            reader = gguf.GGUFReader(self.path, "r")
-        except (ValueError, KeyError, IndexError, TypeError, OverflowError) as e:  # cases the layout check misses
-            raise ModelFileError(f"{self.path}: unreadable GGUF: {e}") from None
-        self.metadata: dict[str, Any] = {}
-        for key, field in reader.fields.items():
-            if key in _READER_FIELDS:
-                continue
-            try:
-                self.metadata[key] = field.contents()
-            except UnicodeDecodeError:
-                raise ModelFileError(f"{self.path}: key {key}: string is not valid UTF-8") from None
-        self.tensors: dict[str, TensorInfo] = {
-            t.name: TensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
-                               int(t.n_bytes), int(t.data_offset))
-            for t in reader.tensors
-        }
-        self._types = {t.name: int(t.tensor_type) for t in reader.tensors}
+        self.metadata, self.tensors = _parse(self._map, self.path)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)  # writable private mapping: no copy, no warning
 
     @property
@@ -212,7 +196,7 @@ class GGUFFile:
         info = self.tensors.get(name)
         if info is None:
             raise ModelFileError(f"{self.path}: no tensor named {name}")
-        qtype = quants.BY_GGML.get(self._types[name])
+        qtype = quants.BY_GGML.get(int(gguf.GGMLQuantizationType[info.type]))
         if qtype is None:
             raise ModelFileError(f"{self.path}: tensor {name} has type {info.type}, which ds4py cannot read "
                                  f"(known: {', '.join(quants.TYPES) or 'none'})")

@@ -91,15 +91,18 @@ def test_metadata_types_on_disk(written):
         assert reader.fields[key].types == types, key
 
 
-def test_tensor_table_matches_gguf_reader(written):
+def test_gguf_reader_agrees(written):
     path, tensors = written
     f = ds4.gguf.open(path)
     reader = gguf.GGUFReader(path)
+    fields = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")}
+    assert f.metadata == fields
     assert list(f.tensors) == list(tensors) == [t.name for t in reader.tensors]
     for t in reader.tensors:
         info = f.tensors[t.name]
         assert info.shape == tuple(tensors[t.name].shape) == tuple(reversed(t.shape.tolist()))
         assert info.type == t.tensor_type.name and info.nbytes == t.n_bytes and info.offset == t.data_offset
+        assert f._bytes[info.offset:info.offset + info.nbytes].numpy().tobytes() == t.data.tobytes()
     assert f.tensors["token_embd.weight"].shape == (40, 64)  # [out, in]: GGUF ne = [64, 40]
     assert f.tensors["blk.0.hc_attn_fn.weight"].type == "BF16"
 
