@@ -1,0 +1,224 @@
+"""A session owns all KV state of one sequence: the trunk's per-layer caches and the MTP window.
+
+Every state tensor is indexed by absolute position (raw window and compressor inputs in rings with
+`prefill_chunk` slots of slack, compressed rows append-only), so a later forward never overwrites a row
+an earlier position still needs. Rolling back is therefore only a change of position: `truncate(n)`
+and `restore(snapshot)` are O(1) and exact, as long as no more than `prefill_chunk` positions were
+written past the rollback point (the speculative decoder verifies far fewer).
+
+MTP rows are keyed by the position j of the token they consume (t_j), predicting t_{j+1}; the HC state
+paired with t_j is the trunk's H_{j-1} ("official") or H_j ("ds4"), see models/mtp.py. Every trunk
+forward catches the MTP cache up on its rows (no LM head); `mtp_draft` then drafts recursively.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ds4.errors import UsageError
+from models.deepseek_v4 import DeepseekV4
+from models.mtp import MTPHead
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What `restore` needs: the position and the two [S, D] states the MTP continues from."""
+
+    pos: int
+    mtp_from: int
+    trunk_tail: torch.Tensor | None
+    mtp_tail: torch.Tensor | None
+
+
+class Session:
+    """KV state plus prefill / decode / batched forward / MTP drafting / rollback for one sequence."""
+
+    def __init__(self, model: DeepseekV4, ctx: int, prefill_chunk: int = 2048, mtp: MTPHead | None = None):
+        if ctx < 1 or prefill_chunk < 1:
+            raise UsageError(f"ctx ({ctx}) and prefill_chunk ({prefill_chunk}) must be positive")
+        self.model, self.mtp, self.ctx, self.prefill_chunk = model, mtp, ctx, prefill_chunk
+        self.caches = model.new_caches(ctx, prefill_chunk)
+        self.mtp_cache = mtp.new_cache(ctx, prefill_chunk) if mtp else None
+        self.tokens: list[int] = []
+        self.mtp_from = 0        # MTP cache rows are valid for positions [mtp_from, pos)
+        self.high_water = 0      # highest position ever written + 1 (bounds what rollback may reach)
+        self.n_drafted = 0       # MTP draft rows written past pos since the last forward
+        self.hidden: torch.Tensor | None = None   # trunk final HC states [M, S, D] of the last forward
+        self.hidden_start = 0                     # position of hidden[0]
+        self.mtp_states: torch.Tensor | None = None  # MTP output states of the last catch-up rows
+        self.mtp_states_start = 0
+        self.trunk_tail: torch.Tensor | None = None  # H_{pos-1}
+        self.mtp_tail: torch.Tensor | None = None    # MTP output state of row pos-1
+        self.counters: Counter[str] = Counter()  # forward_rows, lm_head_rows, mtp_rows, mtp_lm_head_rows
+
+    @property
+    def pos(self) -> int:
+        """Number of tokens in the sequence (the next token's position)."""
+        return len(self.tokens)
+
+    # ---- forward --------------------------------------------------------------------------------
+
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """Feed a prompt in chunks of `prefill_chunk`; logits [V] of its last row only."""
+        if len(ids) == 0:
+            raise UsageError("prefill needs at least one token")
+        mtp_min = self.pos + len(ids) - self.model.args.window  # older MTP rows are never attended
+        return self.forward(ids, [len(ids) - 1], mtp_min=mtp_min)[0]
+
+    def decode(self, token: int) -> torch.Tensor:
+        """Feed one token; its logits [V]."""
+        return self.forward([token], [0])[0]
+
+    def forward(self, ids: Sequence[int], logit_rows: Sequence[int] | str | None = "all",
+                mtp_min: int = 0) -> torch.Tensor | None:
+        """Feed `ids` (e.g. a verify batch [first, d1..dk]) and return logits [len(rows), V] of
+        `logit_rows` (indices into ids, "all", "last", or None for no LM head). The MTP cache is caught
+        up on rows at positions >= mtp_min."""
+        n = len(ids)
+        if self.pos + n > self.ctx:
+            raise UsageError(f"{self.pos + n} tokens do not fit the context of {self.ctx} (--ctx)")
+        named = {"all": list(range(n)), "last": [n - 1], None: []}
+        rows = named[logit_rows] if logit_rows is None or isinstance(logit_rows, str) else logit_rows
+        ids_t = torch.as_tensor(list(ids), dtype=torch.int64)
+        if ids_t.numel() and (ids_t.min() < 0 or ids_t.max() >= self.model.args.vocab_size):
+            raise UsageError(f"token ids must be in [0, {self.model.args.vocab_size})")
+        rows_t = torch.as_tensor(list(rows), dtype=torch.int64)
+        out = []
+        for s in range(0, n, self.prefill_chunk):
+            chunk = ids_t[s:s + self.prefill_chunk]
+            local = rows_t[(rows_t >= s) & (rows_t < s + len(chunk))] - s
+            out.append(self._forward_chunk(chunk, local if len(local) else None, mtp_min))
+        logits = [x for x in out if x is not None]
+        return torch.cat(logits) if logits else None
+
+    def _forward_chunk(self, ids: torch.Tensor, logit_rows: torch.Tensor | None, mtp_min: int):
+        """One model forward of at most prefill_chunk tokens, then the MTP catch-up."""
+        start, M = self.pos, ids.shape[0]
+        X, logits = self.model.forward(ids, start, self.caches, logit_rows)
+        self.counters["forward_rows"] += M
+        self.counters["lm_head_rows"] += 0 if logit_rows is None else len(logit_rows)
+        previous_tail = self.trunk_tail
+        self.tokens.extend(ids.tolist())
+        self.high_water = max(self.high_water, self.pos)
+        self.hidden, self.hidden_start, self.trunk_tail, self.n_drafted = X, start, X[-1], 0
+        if self.mtp:
+            self._mtp_catch_up(ids, X, previous_tail, start, mtp_min)
+        return logits
+
+    def _mtp_catch_up(self, ids: torch.Tensor, X: torch.Tensor, previous_tail: torch.Tensor | None,
+                      start: int, mtp_min: int) -> None:
+        """Write the MTP rows of the tokens just fed (pairing per ModelArgs.mtp_pairing), no LM head."""
+        if self.model.args.mtp_pairing == "official":  # row j: (H_{j-1}, t_j)
+            states = X[:-1] if previous_tail is None else torch.cat((previous_tail[None], X[:-1]))
+            first = start if previous_tail is not None else start + 1
+        else:  # "ds4", row j: (H_j, t_j)
+            states, first = X, start
+        j0 = max(first, mtp_min)
+        keep = j0 - first
+        if j0 >= self.pos:
+            return
+        if j0 != start or start < self.mtp_from:
+            self.mtp_from = j0
+        Y, _ = self.mtp.forward(states[keep:], ids[j0 - start:], j0, self.mtp_cache, self.mtp_from)
+        self.counters["mtp_rows"] += Y.shape[0]
+        self.mtp_states, self.mtp_states_start, self.mtp_tail = Y, j0, Y[-1]
+
+    # ---- MTP drafting -----------------------------------------------------------------------------
+
+    def mtp_first_state(self) -> torch.Tensor:
+        """The [S, D] state the first draft after the last forward starts from: H_{pos-1} ("official")
+        or the MTP output state of row pos-1 ("ds4")."""
+        self._need_mtp()
+        state = self.trunk_tail if self.model.args.mtp_pairing == "official" else self.mtp_tail
+        if state is None:
+            raise UsageError("no MTP state yet: feed at least one token first")
+        return state
+
+    def mtp_draft(self, token: int, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP step consuming `token` (the next token to verify, then each draft in turn) with
+        `state` (default `mtp_first_state()`; then the state this method returned). Returns
+        (logits [V] for the token after `token`, new state [S, D]). Writes a speculative MTP row that
+        the next forward or rollback discards."""
+        self._need_mtp()
+        state = self.mtp_first_state() if state is None else state
+        j = self.pos + self.n_drafted
+        if j >= self.ctx:
+            raise UsageError(f"MTP draft at position {j} exceeds the context of {self.ctx}")
+        if self.n_drafted >= self.prefill_chunk:
+            raise UsageError(f"at most prefill_chunk ({self.prefill_chunk}) drafts between forwards")
+        ids = torch.tensor([token], dtype=torch.int64)
+        Y, logits = self.mtp.forward(state[None], ids, j, self.mtp_cache, self.mtp_from, [0])
+        self.n_drafted += 1
+        self.high_water = max(self.high_water, j + 1)
+        self.counters["mtp_rows"] += 1
+        self.counters["mtp_lm_head_rows"] += 1
+        return logits[0], Y[0]
+
+    def _need_mtp(self) -> None:
+        if self.mtp is None:
+            raise UsageError("this session has no MTP head (load one with --mtp)")
+
+    # ---- rollback ---------------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """O(1) record of the current state for an exact `restore`."""
+        return Snapshot(self.pos, self.mtp_from, self.trunk_tail, self.mtp_tail)
+
+    def restore(self, snap: Snapshot) -> None:
+        """Return exactly to `snap` (taken earlier on this sequence, at most prefill_chunk positions back)."""
+        self._check_rollback(snap.pos)
+        del self.tokens[snap.pos:]
+        self.mtp_from, self.trunk_tail, self.mtp_tail, self.n_drafted = snap.mtp_from, snap.trunk_tail, snap.mtp_tail, 0
+        self.high_water = max(self.high_water, self.pos)
+
+    def truncate(self, n_tokens: int) -> None:
+        """Keep only the first `n_tokens` tokens; the states MTP needs must come from the last forward."""
+        self._check_rollback(n_tokens)
+        if n_tokens < self.pos:
+            self.trunk_tail = self._row(self.hidden, self.hidden_start, n_tokens - 1)
+            self.mtp_tail = self._row(self.mtp_states, self.mtp_states_start, n_tokens - 1)
+            if self.mtp and (self.trunk_tail is None or self.mtp_tail is None) and n_tokens > 0:
+                raise UsageError(f"cannot truncate to {n_tokens} tokens: the states at position "
+                                 f"{n_tokens - 1} are gone; use snapshot()/restore()")
+            del self.tokens[n_tokens:]
+            self.mtp_from = min(self.mtp_from, n_tokens)
+        self.n_drafted = 0
+
+    @staticmethod
+    def _row(states: torch.Tensor | None, start: int, p: int) -> torch.Tensor | None:
+        return states[p - start] if states is not None and start <= p < start + states.shape[0] else None
+
+    def _check_rollback(self, n: int) -> None:
+        if not 0 <= n <= self.pos:
+            raise UsageError(f"cannot roll back to {n} tokens: the sequence has {self.pos}")
+        if self.high_water - n > self.prefill_chunk:
+            raise UsageError(f"cannot roll back to {n} tokens: positions up to {self.high_water} were "
+                             f"written, more than prefill_chunk ({self.prefill_chunk}) past it")
+
+    # ---- inspection -------------------------------------------------------------------------------
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every logical state tensor (rows a future token may read), by name, for equality tests."""
+        args, pos, W = self.model.args, self.pos, self.model.args.window
+        p = torch.arange(max(0, pos - W), pos)
+        out = {"pos": torch.tensor([pos])}
+        for i, c in enumerate(self.caches):
+            out[f"blk.{i}.raw"] = c.rows[p % c.raw_cap]
+            r = c.ratio
+            if r:
+                out[f"blk.{i}.comp"] = c.rows[c.raw_cap:c.raw_cap + pos // r]
+                pending = torch.arange(max(0, pos // r * r - (r if r == 4 else 0)), pos) % c.comp_cap
+                out[f"blk.{i}.compressor_kv"] = c.comp_kv[pending]
+                out[f"blk.{i}.compressor_score"] = c.comp_score[pending]
+            if r == 4:
+                out[f"blk.{i}.index_comp"] = c.index_rows[:pos // r]
+                out[f"blk.{i}.index_kv"] = c.index_kv[pending]
+                out[f"blk.{i}.index_score"] = c.index_score[pending]
+        if self.mtp:
+            mp = torch.arange(max(self.mtp_from, pos - W), pos)
+            out["mtp.raw"] = self.mtp_cache.rows[mp % self.mtp_cache.raw_cap]
+            out["mtp.first_state"] = self.mtp_first_state() if pos else torch.empty(0)
+        return out

@@ -1,0 +1,92 @@
+"""Tiny random DeepSeek V4 models with the real architecture: metadata, weights, base + MTP GGUFs.
+
+Every size is a keyword of `tiny_metadata`; the defaults give 6 layers with ratios [0, 0, 4, 16, 4, 16]
+(3 hash layers), hidden 128, 4 heads of 80 dims (16 RoPE), window 16, 8 experts top-2, an indexer of
+4 heads x 32 dims choosing 4 rows, YaRN over an original context of 64 — small enough for CPU tests,
+large enough that prompts cross window, compression and indexer boundaries.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ds4 import gguf
+from ds4.quant_mix import tensor_type
+from ds4.tokenizer import tiny_vocab_metadata
+from models.deepseek_v4 import ModelArgs, model_shapes
+from models.mtp import mtp_shapes
+from ops.quants import QTensor
+
+TINY = dict(n_layers=6, dim=128, vocab_size=512, n_heads=4, head_dim=80, rope_dim=16, q_lora_rank=64,
+            o_lora_rank=32, o_groups=2, n_experts=8, n_experts_used=2, moe_inter_dim=64, n_hash_layers=3,
+            window=16, index_n_heads=4, index_head_dim=32, index_topk=4, original_ctx=64,
+            compress_ratios=(0, 0, 4, 16, 4, 16))
+
+
+def tiny_metadata(**sizes) -> dict:
+    """GGUF metadata (deepseek4.* keys and a tiny tokenizer) for a tiny model; override any TINY size."""
+    s = {**TINY, **sizes}
+    n = s["n_layers"]
+    ratios = list(s["compress_ratios"])[:n] + [0] * max(0, n - len(s["compress_ratios"]))
+    p = "deepseek4."
+    md = {
+        p + "block_count": n, p + "embedding_length": s["dim"], p + "vocab_size": s["vocab_size"],
+        p + "attention.head_count": s["n_heads"], p + "attention.head_count_kv": 1,
+        p + "attention.key_length": s["head_dim"], p + "attention.value_length": s["head_dim"],
+        p + "rope.dimension_count": s["rope_dim"], p + "attention.q_lora_rank": s["q_lora_rank"],
+        p + "attention.output_lora_rank": s["o_lora_rank"], p + "attention.output_group_count": s["o_groups"],
+        p + "expert_count": s["n_experts"], p + "expert_used_count": s["n_experts_used"],
+        p + "expert_shared_count": 1, p + "expert_feed_forward_length": s["moe_inter_dim"],
+        p + "hash_layer_count": s["n_hash_layers"], p + "expert_weights_scale": 1.5,
+        p + "expert_weights_norm": True, p + "swiglu_clamp_exp": [10.0] * (n + 1),
+        p + "attention.sliding_window": s["window"], p + "attention.indexer.head_count": s["index_n_heads"],
+        p + "attention.indexer.key_length": s["index_head_dim"], p + "attention.indexer.top_k": s["index_topk"],
+        p + "hyper_connection.count": 4, p + "hyper_connection.sinkhorn_iterations": 20,
+        p + "hyper_connection.epsilon": 1e-6, p + "attention.layer_norm_rms_epsilon": 1e-6,
+        p + "rope.freq_base": 10000.0, p + "attention.compress_rope_freq_base": 160000.0,
+        p + "rope.scaling.factor": 16.0, p + "rope.scaling.yarn_beta_fast": 32.0,
+        p + "rope.scaling.yarn_beta_slow": 1.0, p + "rope.scaling.original_context_length": s["original_ctx"],
+        p + "attention.compress_ratios": ratios + [0],
+        "general.name": "ds4py tiny random DeepSeek V4",
+    }
+    return md | tiny_vocab_metadata(s["vocab_size"])
+
+
+def random_tensor(name: str, shape: tuple[int, ...], args: ModelArgs, g: torch.Generator) -> torch.Tensor:
+    """A random float weight with roughly the scale a trained model has in that role."""
+    if name.endswith("tid2eid.weight"):
+        return torch.randint(0, args.n_experts, shape, generator=g).float()
+    randn = torch.randn(shape, generator=g)
+    if name.endswith("norm.weight"):
+        return 1 + 0.1 * randn
+    if name.endswith(("_scale.weight", "_base.weight", ".bias", "_ape.weight")):
+        return 0.5 * randn
+    if name.endswith("attn_sinks.weight"):
+        return randn
+    if name == "token_embd.weight":
+        return randn
+    scale = 1 / math.sqrt(shape[-1])
+    return randn * scale * (3 if "_exps" in name else 1)
+
+
+def random_weights(shapes: dict[str, tuple[int, ...]], args: ModelArgs, mix: str, seed: int) -> dict[str, QTensor]:
+    """Random weights for `shapes`, each stored in the type `mix` gives its name."""
+    g = torch.Generator().manual_seed(seed)
+    return {name: QTensor.quantize(random_tensor(name, shape, args, g), tensor_type(name, shape, mix), name)
+            for name, shape in shapes.items()}
+
+
+def tiny_model_weights(mix: str = "f32", seed: int = 0, **sizes) -> tuple[dict, dict, dict]:
+    """(metadata, base weights, MTP weights) of a tiny random model, all in memory."""
+    md = tiny_metadata(**sizes)
+    args = ModelArgs.from_metadata(md)
+    return md, random_weights(model_shapes(args), args, mix, seed), random_weights(mtp_shapes(args), args, mix, seed + 1)
+
+
+def write_tiny(out: str, mtp_out: str | None = None, mix: str = "f32", seed: int = 0, **sizes) -> None:
+    """Write a tiny random base GGUF (and its MTP GGUF when `mtp_out` is given)."""
+    md, base, mtp = tiny_model_weights(mix, seed, **sizes)
+    gguf.write(out, md, base)
+    if mtp_out:
+        gguf.write(mtp_out, {k: v for k, v in md.items() if k.startswith(("deepseek4.", "general."))}, mtp)

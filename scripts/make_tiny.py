@@ -1,0 +1,30 @@
+"""Write a tiny random DeepSeek V4 base GGUF and its MTP GGUF (same architecture, small sizes)."""
+from __future__ import annotations
+
+import argparse
+
+from ds4.quant_mix import MIXES
+from ds4.tiny import TINY, write_tiny
+
+
+def main() -> None:
+    """Parse flags and write the files."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True, help="base model GGUF to write")
+    p.add_argument("--mtp-out", help="MTP GGUF to write (mtp.0.* tensors)")
+    p.add_argument("--mix", choices=MIXES, default="f32", help="tensor-type mix (default f32)")
+    p.add_argument("--seed", type=int, default=0)
+    for name, default in TINY.items():
+        if name == "compress_ratios":
+            p.add_argument("--compress-ratios", type=lambda s: tuple(int(x) for x in s.split(",")),
+                           default=default, help="per-layer ratios, comma separated (default %(default)s)")
+        else:
+            p.add_argument("--" + name.replace("_", "-"), type=int, default=default, help="(default %(default)s)")
+    a = vars(p.parse_args())
+    out, mtp_out, mix, seed = a.pop("out"), a.pop("mtp_out"), a.pop("mix"), a.pop("seed")
+    write_tiny(out, mtp_out, mix, seed, **a)
+    print(f"wrote {out}" + (f" and {mtp_out}" if mtp_out else ""))
+
+
+if __name__ == "__main__":
+    main()
