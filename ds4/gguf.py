@@ -7,7 +7,6 @@ import mmap
 import os
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -294,8 +293,7 @@ def write(path: str | os.PathLike[str], metadata: dict[str, Any], tensors: dict[
         raise UsageError(f"metadata general.architecture disagrees with architecture={architecture!r}")
     if meta.pop("general.alignment", alignment) != alignment:
         raise UsageError(f"metadata general.alignment disagrees with alignment={alignment}")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same folder, so the rename is atomic
     try:
         writer = gguf.GGUFWriter(tmp, architecture)
         try:
@@ -315,5 +313,5 @@ def write(path: str | os.PathLike[str], metadata: dict[str, Any], tensors: dict[
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
