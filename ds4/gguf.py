@@ -270,7 +270,10 @@ def _as_blocks(name: str, t: QTensor | torch.Tensor) -> tuple[np.ndarray, gguf.G
     if isinstance(t, QTensor):
         if t.qtype.ggml_type is None:
             raise UsageError(f"tensor {name}: quant type {t.qtype.name} cannot be stored in a GGUF")
-        expected = (*t.shape[:-1], t.qtype.row_bytes(t.shape[-1]))
+        try:
+            expected = (*t.shape[:-1], t.qtype.row_bytes(t.shape[-1]))
+        except ValueError as e:
+            raise UsageError(f"tensor {name}: {e}") from None
         if t.data.dtype != torch.uint8 or tuple(t.data.shape) != expected:
             raise UsageError(f"tensor {name}: data is {t.data.dtype} {tuple(t.data.shape)}, expected uint8 {expected}")
         data, ggml_type = t.data, gguf.GGMLQuantizationType(t.qtype.ggml_type)
