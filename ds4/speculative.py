@@ -1,0 +1,278 @@
+"""MTP speculative decoding: draft with the MTP head, verify in one target pass, commit, roll back exactly.
+
+One cycle (continuous, the default): the token `first` the target chose last is not yet in the session;
+the drafter proposes d1..dk from the trunk state the previous pass left; the target runs
+[first, d1..dk] as ONE forward; row i's top-1 (the registry's `verify_argmax`, one per row) is compared
+with d_{i+1}; the longest matching prefix is committed plus the target's own next token, which becomes
+the next cycle's `first`. The session is truncated to the committed tokens (MTP cache included), so its
+state equals a session that only ever saw them.
+
+Modes:
+- fast (default): batched verify; near-greedy (commits the argmax of batched logits, which can differ from
+  a one-row decode only at exact-tie precision).
+- strict: exact per-token verification — each row is a one-row decode, stopping at the first mismatch, so
+  the committed tokens are bit-identical to plain greedy decode at every depth and prefill chunk. The
+  reference `sparse_attention`, `moe` and the indexer's score reduction are not batch-invariant, so a
+  batched strict verify could not be proven exact; see README "MTP speculative decoding".
+- `continuous=False`: ds4's older cycle, a standalone one-row decode of `first` before every draft.
+- sampled (temperature > 0): speculative sampling, accept d with probability min(1, p(d)/q(d)), resample
+  from max(0, p − q) on reject — the committed stream has exactly the target's filtered distribution.
+  A draft with no accepted token arms a skip of the next 15 probes (seed 002); an accepted one resets it.
+- `draft="auto"`: depth from live per-position acceptance.
+Draft depth is clamped to the verify capacity (session chunk − 1), the context left and the token budget.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import torch
+
+from ds4.errors import UsageError
+from ds4.sampling import Sampler
+
+MAX_DRAFT = 16        # deepest draft a cycle may verify
+PROBE_SKIP = 15       # probes skipped after a sampled draft is rejected whole (seed 002)
+AUTO_MAX_DRAFT = 8    # deepest draft the adaptive depth grows to
+AUTO_REACH = 0.5      # adaptive depth keeps position i while P(all of 1..i accepted) >= this
+AUTO_RATE = 0.125     # weight of the newest cycle in the per-position acceptance estimate
+
+
+@dataclass
+class SpecMetrics:
+    """Counters of one or more generations (vLLM's names where vLLM has one)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    target_forward_passes: int = 0   # decode passes (prefill excluded)
+    target_rows: int = 0
+    prefill_passes: int = 0
+    mtp_passes: int = 0
+    probes_skipped: int = 0
+    generated_tokens: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens committed per verified draft: 1 + accepted / drafts (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def passes_per_token(self) -> float:
+        """Target decode passes per generated token (plain decode: 1)."""
+        return self.target_forward_passes / self.generated_tokens if self.generated_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        """All counters plus the derived rates, JSON-ready."""
+        return asdict(self) | {"mean_acceptance_length": self.mean_acceptance_length,
+                               "passes_per_token": self.passes_per_token}
+
+    def summary(self) -> str:
+        """One short line for stderr."""
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return (f"spec: {self.generated_tokens} tokens, {self.target_forward_passes} target passes "
+                f"({self.passes_per_token:.2f}/token, {self.target_rows} rows), {self.mtp_passes} MTP passes, "
+                f"drafts {self.num_drafts}, accepted {self.num_accepted_tokens}/{self.num_draft_tokens} "
+                f"({rate:.0%}), mean acceptance length {self.mean_acceptance_length:.2f}, "
+                f"per position {self.accepted_per_position}, probes skipped {self.probes_skipped}")
+
+
+@dataclass
+class Draft:
+    """Proposed tokens and, for sampled decoding, the distributions q [k, V] they were drawn from."""
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    """Proposes tokens to follow `first` (chosen by the target, not yet in the session)."""
+
+    def propose(self, session, first: int, n: int, sampler: Sampler, eos_id: int | None) -> Draft:
+        """Up to `n` guesses; stops after an EOS guess."""
+
+
+def row_tops(ops, logits: torch.Tensor) -> list[int]:
+    """The greedy token of EACH row of `logits` [M, V] (seed 001: one top-1 per row, not top-M of row 0)."""
+    top1, _ = ops.verify_argmax(logits)
+    return top1.tolist()
+
+
+def accept_or_resample(p: torch.Tensor, q: torch.Tensor, token: int, sampler: Sampler) -> int | None:
+    """Speculative sampling for one drafted `token` drawn from q [V], target distribution p [V]: None when
+    accepted (probability min(1, p/q)), else a token drawn from the normalized residual max(0, p − q)."""
+    if sampler.uniform() * float(q[token]) < float(p[token]):
+        return None
+    residual = (p - q).clamp(min=0)
+    return sampler.draw(residual / residual.sum() if residual.sum() > 0 else p)
+
+
+class AdaptiveDepth:
+    """Draft depth from live acceptance: keep position i while the estimated chance that drafts 1..i
+    are all accepted stays >= AUTO_REACH, plus one position to keep measuring the next."""
+
+    def __init__(self, max_depth: int = AUTO_MAX_DRAFT):
+        self.rates = [0.0] * max_depth   # P(draft i accepted | drafts before it accepted)
+
+    def depth(self) -> int:
+        """The depth to draft next."""
+        reach, depth = 1.0, 1
+        for rate in self.rates[:-1]:
+            reach *= rate
+            if reach < AUTO_REACH:
+                break
+            depth += 1
+        return depth
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Fold in one verified cycle: positions 1..accepted hit, position accepted+1 missed."""
+        for i in range(min(drafted, accepted + 1)):
+            self.rates[i] += AUTO_RATE * ((i < accepted) - self.rates[i])
+
+
+class ProbeGate:
+    """Seed 002: a sampled draft none of whose tokens is used arms a skip of the next PROBE_SKIP probes;
+    a used draft resets it; greedy never arms it."""
+
+    def __init__(self):
+        self.skip = 0
+
+    def allow(self, metrics: SpecMetrics) -> bool:
+        """Whether this cycle may run the drafter (counts a skipped probe when not)."""
+        if self.skip:
+            self.skip -= 1
+            metrics.probes_skipped += 1
+            return False
+        return True
+
+    def record(self, greedy: bool, accepted: int) -> None:
+        """Arm or reset after a verified draft."""
+        if accepted:
+            self.skip = 0
+        elif not greedy:
+            self.skip = PROBE_SKIP
+
+
+def check_draft(draft) -> int | str | None:
+    """Validate `--mtp-draft`: None/0 (no speculation), 1..MAX_DRAFT, or "auto"."""
+    if draft is None or draft == "auto" or (isinstance(draft, int) and 0 <= draft <= MAX_DRAFT):
+        return draft or None
+    raise UsageError(f"--mtp-draft must be an integer 0..{MAX_DRAFT} or 'auto', got {draft!r}")
+
+
+def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sampler, eos_id: int | None,
+                 draft: int | str | None = None, strict: bool = False, continuous: bool = True,
+                 spec_log: Callable[[dict], None] | None = None, metrics: SpecMetrics | None = None,
+                 drafter: Drafter | None = None) -> Iterator[int]:
+    """Prefill `prompt_ids` and yield up to `max_tokens` generated ids as they are committed, speculating
+    with `drafter` (the session's MTP head by default) when `draft` is a depth or "auto"."""
+    draft = check_draft(draft)
+    metrics = metrics if metrics is not None else SpecMetrics()
+    if drafter is None and draft and session.mtp is not None:
+        drafter = MTPDrafter()
+    if drafter is None:
+        draft = None
+    greedy = sampler.params.greedy
+    adaptive = AdaptiveDepth() if draft == "auto" else None
+    gate = ProbeGate()
+    if max_tokens <= 0:
+        return
+    logits = session.prefill(prompt_ids)
+    metrics.prefill_passes += -(-len(prompt_ids) // session.prefill_chunk)
+    first = pick(session, logits[None], sampler, greedy)
+    metrics.generated_tokens += 1
+    yield first
+    left = max_tokens - 1
+    plain_next = False
+    while left > 0 and first != eos_id and session.pos < session.ctx:
+        depth = 0
+        if draft and not plain_next and gate.allow(metrics):
+            wanted = adaptive.depth() if adaptive else draft
+            # seed 000: a batched verify of depth+1 rows must fit the prefill chunk (the rings' slack)
+            capacity = session.prefill_chunk if strict else session.prefill_chunk - 1
+            depth = max(0, min(wanted, capacity, left - 1, session.ctx - session.pos - 1))
+        proposal = drafter.propose(session, first, depth, sampler, eos_id) if depth else Draft([])
+        metrics.mtp_passes += len(proposal.tokens)
+        start = session.pos
+        accepted, nxt = verify(session, first, proposal, sampler, greedy, 1 if strict else depth + 1, metrics)
+        committed = proposal.tokens[:accepted]
+        if proposal.tokens:
+            record_cycle(metrics, len(proposal.tokens), accepted)
+            gate.record(greedy, accepted)
+            if adaptive:
+                adaptive.update(len(proposal.tokens), accepted)
+        if eos_id in committed:
+            committed = committed[:committed.index(eos_id) + 1]
+        out = committed if eos_id in committed else committed + [nxt]
+        out = out[:left]
+        session.truncate(start + len(out))
+        if spec_log:
+            spec_log({"pos": start, "first": first, "draft": proposal.tokens, "accepted": accepted,
+                      "committed": out})
+        for token in out:
+            metrics.generated_tokens += 1
+            yield token
+        left -= len(out)
+        first = out[-1]
+        plain_next = bool(draft) and not continuous and not plain_next
+
+
+def record_cycle(metrics: SpecMetrics, drafted: int, accepted: int) -> None:
+    """Count one verified draft."""
+    metrics.num_drafts += 1
+    metrics.num_draft_tokens += drafted
+    metrics.num_accepted_tokens += accepted
+    if len(metrics.accepted_per_position) < drafted:
+        metrics.accepted_per_position += [0] * (drafted - len(metrics.accepted_per_position))
+    for i in range(accepted):
+        metrics.accepted_per_position[i] += 1
+
+
+def pick(session, logits: torch.Tensor, sampler: Sampler, greedy: bool) -> int:
+    """The target's own choice from a one-row `logits` [1, V]."""
+    return row_tops(session.model.ops, logits)[0] if greedy else sampler.draw(sampler.probs(logits[0]))
+
+
+def verify(session, first: int, proposal: Draft, sampler: Sampler, greedy: bool, rows_per_pass: int,
+           metrics: SpecMetrics) -> tuple[int, int]:
+    """Run [first, d1..dk] through the target `rows_per_pass` rows at a time (stopping at the first
+    rejected draft) and return (drafts accepted, the target's token after them). Rows of rejected
+    drafts are left in the session for the caller to truncate."""
+    drafts = proposal.tokens
+    tokens = [first] + drafts
+    for lo in range(0, len(tokens), rows_per_pass):
+        logits = session.forward(tokens[lo:lo + rows_per_pass])
+        metrics.target_forward_passes += 1
+        metrics.target_rows += logits.shape[0]
+        tops = row_tops(session.model.ops, logits) if greedy else None
+        for r in range(logits.shape[0]):
+            i = lo + r
+            if greedy:
+                choice = tops[r] if i == len(drafts) or tops[r] != drafts[i] else None
+            else:
+                p = sampler.probs(logits[r])
+                choice = sampler.draw(p) if i == len(drafts) else \
+                    accept_or_resample(p, proposal.q[i], drafts[i], sampler)
+            if choice is not None:
+                return i, choice
+    raise AssertionError("unreachable: the last row always decides")
+
+
+class MTPDrafter:
+    """Drafts with the session's MTP head, recursively on its own state (greedy or sampled from q)."""
+
+    def propose(self, session, first: int, n: int, sampler: Sampler, eos_id: int | None) -> Draft:
+        """Up to `n` MTP guesses for the tokens after `first`; stops after an EOS guess."""
+        tokens, qs, state, token = [], [], None, first
+        for _ in range(n):
+            logits, state = session.mtp_draft(token, state)
+            if sampler.params.greedy:
+                token = row_tops(session.model.ops, logits[None])[0]
+            else:
+                qs.append(sampler.probs(logits))
+                token = sampler.draw(qs[-1])
+            tokens.append(token)
+            if token == eos_id:
+                break
+        return Draft(tokens, torch.stack(qs) if qs else None)
