@@ -39,27 +39,39 @@ PREFILL_CONFIGS = [
 ]
 
 
+@triton.jit
+def accumulate_w_xt(acc, rows, n_mask, x_cols, m_mask, k_start, k_end, K, grid_ptr, signs_ptr,
+                    QTYPE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[BLOCK_N, BLOCK_M] += W[rows, k_start:k_end] @ x[cols, k_start:k_end].T, one K tile at a time.
+
+    `rows` are uint8 pointers to weight rows [BLOCK_N, 1] (an expert kernel adds its expert offset),
+    `x_cols` pointers to activation rows [1, BLOCK_M] (a gathered set of tokens works the same way).
+    """
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = dequant(QTYPE, rows, k[None, :], n_mask & (k[None, :] < K), grid_ptr, signs_ptr)
+        x_t = tl.load(x_cols + k[:, None], mask=(k[:, None] < K) & m_mask, other=0.0)
+        acc = tl.dot(w, x_t.to(tl.float32), acc, input_precision="tf32x3")
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def qmatmul_kernel(x_ptr, w_ptr, out_ptr, grid_ptr, signs_ptr, M, N, K, stride_xm, row_bytes, k_per_split,
                    QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[pid_k] (M x N, float32) = x[:, K range of pid_k] @ W[:, same range].T, computed as W @ x.T tiles."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows = w_ptr + offs_n[:, None].to(tl.int64) * row_bytes  # uint8 pointer to each weight row
-    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm  # x.T tile: K down, rows of x across
+    n_mask = offs_n[:, None] < N
+    m_mask = offs_m[None, :] < M
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * row_bytes
+    x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
     k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        w = dequant(QTYPE, rows, k[None, :], (offs_n[:, None] < N) & (k[None, :] < K), grid_ptr, signs_ptr)
-        x_t = tl.load(x_cols + k[:, None], mask=(k[:, None] < K) & (offs_m[None, :] < M), other=0.0)
-        acc = tl.dot(w, x_t.to(tl.float32), acc, input_precision="tf32x3")
+    acc = accumulate_w_xt(acc, rows, n_mask, x_cols, m_mask, k_start, tl.minimum(K, k_start + k_per_split), K,
+                          grid_ptr, signs_ptr, QTYPE, BLOCK_K)
     out = out_ptr + pid_k.to(tl.int64) * M * N + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-    tl.store(out, acc, mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
+    tl.store(out, acc, mask=n_mask & m_mask)
 
 
 @triton.jit

@@ -1,0 +1,170 @@
+"""Op benchmarks: `python scripts/bench.py <op> [options]`; each op is one entry in COMMANDS.
+
+qmatmul: per quant type, weight shape N x K (out x in) and row count M, the time of one call, the
+effective bandwidth (weight bytes / time), its share of the device's copy bandwidth measured in the
+same run (bytes read + written by a device-to-device copy, per second), and the speed-up over the
+PyTorch baseline (dequantize, then one torch.matmul). On a machine without CUDA only the torch
+reference runs, in a quick mode by default; Triton figures need a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from ds4.errors import UsageError
+from ops.quants import QTensor, get
+
+QMATMUL_TYPES = ("F16", "BF16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "MXFP4", "FP8_E4M3")
+QMATMUL_SHAPES = ("4096x2048", "2048x4096", "4096x1024", "4096x129280")
+QMATMUL_M = (1, 2, 4, 8, 16, 512)
+QMATMUL_QUICK_SHAPES, QMATMUL_QUICK_M = ("4096x2048",), (1, 8, 512)  # --quick defaults (CPU)
+
+
+def machine(device: torch.device) -> str:
+    """One line naming the device, driver and library versions."""
+    import triton
+
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    if device.type != "cuda":
+        return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads), {versions}"
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        driver = "unknown"
+    return f"{torch.cuda.get_device_name(device)}, driver {driver}, CUDA {torch.version.cuda}, {versions}"
+
+
+def seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Median time of one call of `fn`: on CUDA triton's do_bench (it picks the repetitions and flushes
+    L2 between calls); on CPU one warm-up call, then `reps` timed calls."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median") / 1e3
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, reps: int) -> float:
+    """Bytes per second moved (read + written) by a device-to-device copy of a large buffer."""
+    nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / seconds(lambda: dst.copy_(src), device, reps)
+
+
+def emit(rows: list[dict], as_csv: bool) -> None:
+    """Print rows as an aligned table, or as CSV."""
+    if as_csv:
+        writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        return
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in rows[0]}
+    print("  ".join(c.rjust(w) for c, w in widths.items()))
+    for r in rows:
+        print("  ".join(str(r[c]).rjust(w) for c, w in widths.items()))
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """'4096x2048' -> (4096, 2048), meaning N (out) x K (in)."""
+    try:
+        n, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"--shapes: {text!r} is not NxK (out x in), e.g. 4096x2048") from None
+    return n, k
+
+
+def random_weight(qtype: str, n: int, k: int, device: torch.device) -> QTensor:
+    """An [n, k] weight made of blocks drawn at random from a small pool of quantized random blocks."""
+    qt = get(qtype)
+    if k % qt.block_size:
+        raise UsageError(f"--shapes: K={k} is not a multiple of the {qtype} block size {qt.block_size}")
+    g = torch.Generator().manual_seed(0)
+    pool = qt.quantize(torch.randn(256, qt.block_size, generator=g))
+    picks = torch.randint(len(pool), (n * (k // qt.block_size),), generator=g)
+    data = pool[picks].reshape(n, qt.row_bytes(k)).to(device)
+    return QTensor(qt, (n, k), data, name=f"bench.{qtype}.{n}x{k}")
+
+
+def qmatmul_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """Time qmatmul for every (type, shape, M) asked for."""
+    from backends.registry import OpSet
+
+    if args.backend == "triton" and device.type != "cuda":
+        raise UsageError("--backend triton: Triton figures need a CUDA GPU; on this machine use --backend torch")
+    shapes = args.shapes or (QMATMUL_QUICK_SHAPES if args.quick else QMATMUL_SHAPES)
+    ms = args.m or (QMATMUL_QUICK_M if args.quick else QMATMUL_M)
+    op = OpSet(backend=args.backend, strict=True).resolve("qmatmul")[0].fn
+    copy_bw = copy_bandwidth(device, args.reps)
+    print(f"# {machine(device)}\n# device-to-device copy: {copy_bw / 1e9:.1f} GB/s; backend {args.backend}"
+          f"{'' if device.type == 'cuda' else ' (Triton figures need a GPU)'}", flush=True)
+    rows = []
+    for qtype in args.types:
+        for n, k in map(parse_shape, shapes):
+            w = random_weight(qtype, n, k, device)
+            for m in ms:
+                x = torch.randn(m, k, device=device)
+                t = seconds(lambda: op(x, w), device, args.reps)
+                baseline = seconds(lambda: x @ w.dequantize().T, device, args.reps)
+                gbps = w.data.numel() / t / 1e9
+                rows.append({"type": qtype, "N": n, "K": k, "M": m, "backend": args.backend,
+                             "time_us": f"{t * 1e6:.1f}", "GB/s": f"{gbps:.1f}",
+                             "%copy": f"{100 * gbps * 1e9 / copy_bw:.1f}", "x_baseline": f"{baseline / t:.2f}"})
+            del w
+    return rows
+
+
+def add_qmatmul_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
+    """Options of the qmatmul benchmark."""
+    p.add_argument("--types", nargs="+", default=list(QMATMUL_TYPES), metavar="TYPE")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="NxK",
+                   help=f"weight shapes, out x in (default: {' '.join(QMATMUL_SHAPES)}; "
+                        f"--quick: {' '.join(QMATMUL_QUICK_SHAPES)})")
+    p.add_argument("--m", nargs="+", type=int, default=None,
+                   help=f"rows of x (default: {' '.join(map(str, QMATMUL_M))}; --quick: "
+                        f"{' '.join(map(str, QMATMUL_QUICK_M))})")
+    p.add_argument("--backend", choices=("torch", "triton"), default="triton" if on_gpu else "torch")
+
+
+COMMANDS: dict[str, tuple[Callable, Callable]] = {"qmatmul": (add_qmatmul_args, qmatmul_rows)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the command line, run one benchmark, print its table or CSV."""
+    on_gpu = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="op", required=True)
+    for name, (add_args, _) in COMMANDS.items():
+        p = sub.add_parser(name)
+        add_args(p, on_gpu)
+        p.add_argument("--csv", action="store_true", help="print CSV instead of a table")
+        p.add_argument("--quick", action=argparse.BooleanOptionalAction, default=not on_gpu,
+                       help="one repetition and fewer shapes and row counts (default on CPU)")
+        p.add_argument("--reps", type=int, default=None, help="timed calls per measurement on CPU (on CUDA do_bench picks them)")
+    args = parser.parse_args(argv)
+    if args.reps is None:
+        args.reps = 1 if args.quick else 50
+    device = torch.device("cuda" if on_gpu else "cpu")
+    emit(COMMANDS[args.op][1](args, device), args.csv)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UsageError as e:
+        sys.exit(f"bench.py: {e}")
