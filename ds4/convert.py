@@ -125,15 +125,12 @@ class Checkpoint:
 
 
 def _dequantize_official(name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """An official FP8 (128x128 block scales) or packed FP4 (scale per 32 inputs) weight as float32."""
+    """An official FP8 (128x128 block scales) or packed FP4 (e8m0 scale per 32 inputs) weight as float32."""
     from ops.quants import fp8_e4m3, mxfp4
 
     if weight.dtype == torch.float8_e4m3fn:
-        return fp8_e4m3.from_official(weight, scale)
-    packed = weight.view(torch.uint8)
-    if scale.shape[-1] * 32 != packed.shape[-1] * 2:
-        raise ModelFileError(f"{name}: FP4 weight {tuple(packed.shape)} does not match scale {tuple(scale.shape)}")
-    return mxfp4.from_official(packed, scale)
+        return fp8_e4m3.from_official(weight, scale, name).dequantize()
+    return mxfp4.from_official(weight.view(torch.uint8), scale, name).dequantize()
 
 
 def _pick(ckpt: Checkpoint, prefix: str, candidates: tuple[str, ...]) -> str | None:
