@@ -3,7 +3,8 @@
 qmatmul: per quant type, weight shape N x K (out x in) and row count M, the time of one call, the
 effective bandwidth (weight bytes / time), its share of the device's copy bandwidth measured in the
 same run (bytes read + written by a device-to-device copy, per second), and the speed-up over the
-PyTorch baseline (dequantize, then one torch.matmul). On a machine without CUDA only the torch
+PyTorch baseline (dequantize, then one torch.matmul). On CUDA, calls are replayed in a CUDA graph
+over enough weight copies to defeat L2, so the figures are kernel time from DRAM. On a machine without CUDA only the torch
 reference runs, in a quick mode by default; Triton figures need a GPU.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -37,26 +38,44 @@ def machine(device: torch.device) -> str:
         return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads), {versions}"
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+                                check=False, capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.TimeoutExpired):
         driver = "unknown"
     return f"{torch.cuda.get_device_name(device)}, driver {driver}, CUDA {torch.version.cuda}, {versions}"
 
 
-def seconds(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median time of one call of `fn`: on CUDA triton's do_bench (it picks the repetitions and flushes
-    L2 between calls); on CPU one warm-up call, then `reps` timed calls."""
+def seconds(calls: list[Callable[[], object]], device: torch.device, reps: int) -> float:
+    """Median time of one call.
+
+    On CUDA all `calls` (the same work on distinct buffers, together larger than L2) are replayed
+    in a CUDA graph, so neither Python launch overhead nor a warm L2 inflates the figure; if the
+    work cannot be captured, triton's do_bench times the first call (it flushes L2 between calls).
+    On CPU: one warm-up call, then `reps` timed calls of the first.
+    """
     if device.type == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(fn, return_mode="median") / 1e3
-    fn()
+        try:
+            total = triton.testing.do_bench_cudagraph(lambda: [call() for call in calls], return_mode="median")
+            return total / 1e3 / len(calls)
+        except RuntimeError as e:
+            print(f"# CUDA graph capture failed ({e}); timing with do_bench", file=sys.stderr)
+            return triton.testing.do_bench(calls[0], return_mode="median") / 1e3
+    calls[0]()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        fn()
+        calls[0]()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def l2_copies(nbytes: int, device: torch.device) -> int:
+    """How many copies of an `nbytes` buffer it takes to exceed four times the L2 cache (1 on CPU)."""
+    if device.type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return min(64, -(-4 * l2 // nbytes))
 
 
 def copy_bandwidth(device: torch.device, reps: int) -> float:
@@ -64,7 +83,7 @@ def copy_bandwidth(device: torch.device, reps: int) -> float:
     nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / seconds(lambda: dst.copy_(src), device, reps)
+    return 2 * nbytes / seconds([lambda: dst.copy_(src)], device, reps)
 
 
 def emit(rows: list[dict], as_csv: bool) -> None:
@@ -78,6 +97,11 @@ def emit(rows: list[dict], as_csv: bool) -> None:
     print("  ".join(c.rjust(w) for c, w in widths.items()))
     for r in rows:
         print("  ".join(str(r[c]).rjust(w) for c, w in widths.items()))
+
+
+def fmt(value: float) -> str:
+    """A figure with three significant digits at least, without exponent notation."""
+    return f"{value:.1f}" if value >= 10 else f"{value:.3f}"
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -117,15 +141,17 @@ def qmatmul_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     for qtype in args.types:
         for n, k in map(parse_shape, shapes):
             w = random_weight(qtype, n, k, device)
+            weights = [w] + [QTensor(w.qtype, w.shape, w.data.clone(), w.name)
+                             for _ in range(l2_copies(w.data.numel(), device) - 1)]
             for m in ms:
                 x = torch.randn(m, k, device=device)
-                t = seconds(lambda: op(x, w), device, args.reps)
-                baseline = seconds(lambda: x @ w.dequantize().T, device, args.reps)
+                t = seconds([lambda c=c, x=x: op(x, c) for c in weights], device, args.reps)
+                baseline = seconds([lambda c=c, x=x: x @ c.dequantize().T for c in weights], device, args.reps)
                 gbps = w.data.numel() / t / 1e9
                 rows.append({"type": qtype, "N": n, "K": k, "M": m, "backend": args.backend,
-                             "time_us": f"{t * 1e6:.1f}", "GB/s": f"{gbps:.1f}",
-                             "%copy": f"{100 * gbps * 1e9 / copy_bw:.1f}", "x_baseline": f"{baseline / t:.2f}"})
-            del w
+                             "time_us": f"{t * 1e6:.1f}", "GB/s": fmt(gbps),
+                             "%copy": fmt(100 * gbps * 1e9 / copy_bw), "x_baseline": f"{baseline / t:.2f}"})
+            del w, weights
     return rows
 
 

@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 
 from backends.registry import OpSet, implementations
-from backends.triton.quants import SUPPORTED, dequant
 from backends.triton.qmatmul import iq2_tables
+from backends.triton.quants import SUPPORTED, dequant
 from ds4.errors import UsageError
 from ops.qmatmul import SMALL_M
 from ops.qmatmul import qmatmul as reference

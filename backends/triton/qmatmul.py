@@ -18,7 +18,7 @@ keys on N and K only), but not bit-equal to the M <= 16 path (different tiles an
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 
 import torch
 import triton
@@ -31,10 +31,10 @@ from ops.qmatmul import SMALL_M, check_args
 from ops.quants import iq2_xxs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-SMALL = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4)  # decode + verify; M-independent on purpose
-PREFILL = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4)  # the interpreter's prefill tiles
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}  # decode + verify; M-independent on purpose
+PREFILL = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4}  # the interpreter's prefill tiles
 PREFILL_CONFIGS = [
-    triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
     for bm, bn, bk, w, s in [(64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (128, 128, 32, 8, 3), (64, 128, 64, 4, 4)]
 ]
 
@@ -89,7 +89,7 @@ prefill_kernel = qmatmul_kernel if INTERPRET else triton.autotune(PREFILL_CONFIG
     qmatmul_kernel)
 
 
-@lru_cache(maxsize=None)
+@cache
 def iq2_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The IQ2_XXS grid (256x8 bytes, flattened) and sign bytes (128) as uint8 tensors on `device`."""
     return (iq2_xxs.GRID.to(torch.uint8).flatten().to(device), iq2_xxs.KSIGNS.to(torch.uint8).to(device))
