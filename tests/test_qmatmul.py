@@ -119,3 +119,19 @@ def test_bad_arguments_name_the_weight(backend):
         fn(torch.randn(2, 64), w)
     with pytest.raises(UsageError, match="float32/float16"):
         fn(torch.randn(2, K_OF["Q8_0"], dtype=torch.float64), w)
+
+
+def test_bench_prints_a_csv_row_per_case(capsys):
+    """scripts/bench.py qmatmul on a tiny shape: machine comment lines, then one CSV row per (type, M)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench", Path(__file__).parents[1] / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["qmatmul", "--csv", "--types", "Q8_0", "F16", "--shapes", "8x64", "--m", "1", "3", "--reps", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# ") and "copy" in lines[1]
+    assert lines[2] == "type,N,K,M,backend,time_us,GB/s,%copy,x_baseline"
+    assert [line.split(",")[:4] for line in lines[3:]] == [
+        ["Q8_0", "8", "64", "1"], ["Q8_0", "8", "64", "3"], ["F16", "8", "64", "1"], ["F16", "8", "64", "3"]]
