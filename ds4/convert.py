@@ -10,11 +10,12 @@ Tensors are read lazily, one at a time, and written with the types of a `ds4.qua
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ds4.errors import ModelFileError, UsageError
 from ds4.quant_mix import tensor_type
@@ -96,7 +97,7 @@ class Checkpoint:
         for path in files:
             try:
                 handle = safe_open(path, "pt")
-            except Exception as e:  # safetensors raises its own error types for bad headers
+            except (OSError, SafetensorError) as e:
                 raise ModelFileError(f"{path}: not a readable safetensors file: {e}") from None
             self._handles[path] = handle
             for name in handle.keys():

@@ -1,7 +1,9 @@
 """Tiny random transformers `DeepseekV4ForCausalLM` models for the converter and oracle tests."""
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
@@ -23,9 +25,9 @@ def tiny_config(**overrides) -> DeepseekV4Config:
         sliding_window=16, layer_types=[SWA, SWA, CSA, HCA, CSA, HCA],
         mlp_layer_types=["hash_moe"] * min(3, n_layers) + ["moe"] * max(0, n_layers - 3),
         compress_rates={CSA: 4, HCA: 16},
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096,
                          "beta_fast": 32, "beta_slow": 1},
-        max_position_embeddings=256, tie_word_embeddings=False,
+        max_position_embeddings=16384, tie_word_embeddings=False,
     )
     args.update(overrides)
     return DeepseekV4Config(**args)
@@ -57,3 +59,14 @@ def tiny_model(cfg: DeepseekV4Config, seed: int = 0) -> DeepseekV4ForCausalLM:
             elif name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
     return model
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch on one thread: the tiny ops here are several times faster without threads contending for cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

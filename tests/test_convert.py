@@ -13,7 +13,7 @@ from ds4 import gguf
 from ds4.convert import convert, metadata_from_config, read_config
 from ds4.errors import ModelFileError, UsageError
 from ds4.quant_mix import MIXES, tensor_type
-from tests.hf_tiny import CSA, HCA, SWA, tiny_config, tiny_model
+from tests.hf_tiny import CSA, HCA, single_thread, tiny_config, tiny_model
 
 _spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parents[1] / "scripts" / "convert_hf.py")
 convert_hf = importlib.util.module_from_spec(_spec)
@@ -42,7 +42,7 @@ def fp8_tiles(shape: tuple[int, int], g: torch.Generator, float_scale: bool = Fa
 
 
 def fp4_blocks(shape: tuple[int, ...], g: torch.Generator):
-    """A random official FP4 weight: (float32 value, int8 [..., out, in/2] two e2m1 per byte, e8m0 [..., out, in/32])."""
+    """A random official FP4 weight: (float32 value, int8 [..., out, in/2] two e2m1 a byte, e8m0 [..., out, in/32])."""
     codes = torch.randint(0, 16, shape, generator=g, dtype=torch.uint8)
     exps = torch.randint(120, 129, (*shape[:-1], shape[-1] // 32), generator=g, dtype=torch.uint8)
     value = E2M1[codes.long()] * torch.exp2(exps.float() - 127).repeat_interleave(32, -1)
@@ -71,8 +71,14 @@ def official_name(hf_name: str) -> str:
     return name
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with single_thread():
+        yield
+
+
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(one_thread, tmp_path_factory):
     """The same tiny model three ways: transformers save_pretrained, transformers state_dict, official FP8/FP4 + MTP."""
     root = tmp_path_factory.mktemp("ckpt")
     cfg = tiny_config(q_lora_rank=128, o_lora_rank=64, moe_intermediate_size=128)
@@ -92,7 +98,8 @@ def checkpoints(tmp_path_factory):
             elif suffix in FP4:
                 value, packed, scale = fp4_blocks(tuple(p.shape), g)
                 inter = cfg.moe_intermediate_size
-                halves = {"w1": slice(0, inter), "w3": slice(inter, None)} if "gate_up" in suffix else {"w2": slice(None)}
+                halves = ({"w1": slice(0, inter), "w3": slice(inter, None)} if "gate_up" in suffix
+                          else {"w2": slice(None)})
                 for e in range(cfg.n_routed_experts):
                     for w, rows in halves.items():
                         official[f"layers.{layer}.ffn.experts.{e}.{w}.weight"] = packed[e, rows]
@@ -183,7 +190,7 @@ def test_mtp_gguf_holds_the_mtp_block_without_shared_embedding_and_head(checkpoi
 
 
 def test_metadata_follows_the_config(checkpoints):
-    root, _, cfg, _, _ = checkpoints
+    root, *_ = checkpoints
     for kind in ("hf", "official"):
         meta = metadata_from_config(read_config(root / kind))
         assert set(gguf.DS4_KEYS) <= set(meta)
@@ -191,7 +198,7 @@ def test_metadata_follows_the_config(checkpoints):
         assert meta["deepseek4.hash_layer_count"] == 3
         assert meta["deepseek4.rope.dimension_count"] == 16
         assert meta["deepseek4.rope.scaling.factor"] == 4.0
-        assert meta["deepseek4.rope.scaling.original_context_length"] == 64
+        assert meta["deepseek4.rope.scaling.original_context_length"] == 4096
         assert meta["deepseek4.attention.sliding_window"] == 16
         assert meta["deepseek4.swiglu_clamp_exp"] == [10.0] * 6
     plain = tiny_config(rope_parameters=None).to_dict()
@@ -248,7 +255,8 @@ def test_tokenizer_json_becomes_gguf_vocab(checkpoints, tmp_path):
         (src / f.name).symlink_to(f)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=270, special_tokens=["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"],
+    specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"]
+    trainer = trainers.BpeTrainer(vocab_size=270, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(["hello world, hello there"] * 4, trainer=trainer)
     tok.save(str(src / "tokenizer.json"))
