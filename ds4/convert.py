@@ -17,9 +17,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ds4 import gguf
 from ds4.errors import ModelFileError, UsageError
-from ds4.quant_mix import tensor_type
-from ops.quants import QTensor
+from ds4.quant_mix import MIXES, tensor_type
+from ds4.tokenizer import metadata_from_hf
+from ops.quants import QTensor, fp8_e4m3, mxfp4
 
 Part = tuple[str, int | None]  # source tensor name, and which half of a fused gate/up tensor
 
@@ -127,8 +129,6 @@ class Checkpoint:
 
 def _dequantize_official(name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """An official FP8 (128x128 block scales) or packed FP4 (e8m0 scale per 32 inputs) weight as float32."""
-    from ops.quants import fp8_e4m3, mxfp4
-
     if weight.dtype == torch.float8_e4m3fn:
         return fp8_e4m3.from_official(weight, scale, name).dequantize()
     return mxfp4.from_official(weight.view(torch.uint8), scale, name).dequantize()
@@ -341,14 +341,16 @@ def metadata_from_config(cfg: dict[str, Any], path: str = "config.json") -> dict
     }
 
 
-def tokenizer_metadata(hf_dir: str | Path) -> dict[str, Any]:
+def tokenizer_metadata(hf_dir: str | Path, vocab_size: int) -> dict[str, Any]:
     """The GGUF tokenizer keys built from the checkpoint's tokenizer.json."""
-    from ds4.tokenizer import metadata_from_hf
-
     path = Path(hf_dir) / "tokenizer.json"
     if not path.exists():
         raise ModelFileError(f"{path}: missing (pass tokenizer=False / --no-tokenizer to convert without one)")
-    return metadata_from_hf(path)
+    meta = metadata_from_hf(path)
+    n_tokens = len(meta["tokenizer.ggml.tokens"])
+    if n_tokens > vocab_size:
+        raise ModelFileError(f"{path}: {n_tokens} tokens, more than the model's vocab_size {vocab_size}")
+    return meta
 
 
 def convert(hf_dir: str | Path, out: str | Path, mtp_out: str | Path | None = None, outtype: str = "q2",
@@ -357,8 +359,8 @@ def convert(hf_dir: str | Path, out: str | Path, mtp_out: str | Path | None = No
 
     `progress` wraps the (name, parts) iterables that are converted, e.g. with tqdm.
     """
-    from ds4 import gguf
-
+    if outtype not in MIXES:
+        raise UsageError(f"unknown tensor-type mix {outtype!r}; choose one of {', '.join(MIXES)}")
     for path in (out, mtp_out):
         if path is not None and not Path(path).parent.is_dir():
             raise UsageError(f"{path}: the output directory does not exist")
@@ -368,7 +370,7 @@ def convert(hf_dir: str | Path, out: str | Path, mtp_out: str | Path | None = No
     unknown = unrecognized(ckpt, [base, mtp], mtp_out is not None)
     if unknown:
         raise ModelFileError(f"{hf_dir}: {len(unknown)} tensors of unknown naming, e.g. {', '.join(unknown[:5])}")
-    tok = tokenizer_metadata(hf_dir) if tokenizer else {}
+    tok = tokenizer_metadata(hf_dir, meta["deepseek4.vocab_size"]) if tokenizer else {}
     for path, plan, extra in ((out, base, tok), (mtp_out, mtp, {})):
         if path is not None:
             tensors = {name: encode(ckpt, name, parts, outtype) for name, parts in progress(plan.items())}

@@ -19,7 +19,7 @@ def tiny_config(**overrides) -> DeepseekV4Config:
     """
     n_layers = len(overrides.get("layer_types", [SWA, SWA, CSA, HCA, CSA, HCA]))
     args = dict(
-        vocab_size=256, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=n_layers,
+        vocab_size=320, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=n_layers,
         num_attention_heads=4, head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32,
         n_routed_experts=8, num_experts_per_tok=2, index_n_heads=4, index_head_dim=32, index_topk=4,
         sliding_window=16, layer_types=[SWA, SWA, CSA, HCA, CSA, HCA],

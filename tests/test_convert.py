@@ -13,6 +13,7 @@ from ds4 import gguf
 from ds4.convert import convert, metadata_from_config, read_config
 from ds4.errors import ModelFileError, UsageError
 from ds4.quant_mix import MIXES, tensor_type
+from ds4.tokenizer import real_v4_tokenizer_json
 from tests.hf_tiny import CSA, HCA, single_thread, tiny_config, tiny_model
 
 _spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parents[1] / "scripts" / "convert_hf.py")
@@ -291,6 +292,19 @@ def test_errors_name_the_file_and_tensor(checkpoints, tmp_path):
         convert(write_checkpoint(tmp_path / "fewer", config, fewer), tmp_path / "x.gguf", tokenizer=False)
     with pytest.raises(ModelFileError, match="tokenizer.json: missing"):
         convert(root / "hf", tmp_path / "x.gguf")
+    with pytest.raises(ModelFileError, match="not a readable safetensors file"):
+        (tmp_path / "garbage").mkdir()
+        (tmp_path / "garbage" / "config.json").write_text(json.dumps(config))
+        (tmp_path / "garbage" / "model.safetensors").write_bytes(b"garbage")
+        convert(tmp_path / "garbage", tmp_path / "x.gguf", tokenizer=False)
+    with pytest.raises(ModelFileError, match=r"tokens, more than the model's vocab_size 320"):
+        (tmp_path / "big_vocab").mkdir()
+        for f in (root / "hf").iterdir():
+            (tmp_path / "big_vocab" / f.name).symlink_to(f)
+        (tmp_path / "big_vocab" / "tokenizer.json").symlink_to(real_v4_tokenizer_json())
+        convert(tmp_path / "big_vocab", tmp_path / "x.gguf")
+    with pytest.raises(UsageError, match="unknown tensor-type mix 'q3'"):
+        convert(root / "hf", tmp_path / "x.gguf", outtype="q3", tokenizer=False)
     with pytest.raises(UsageError, match="output directory does not exist"):
         convert(root / "hf", tmp_path / "nowhere" / "x.gguf", tokenizer=False)
     with pytest.raises(ModelFileError, match="neither compress_ratios nor layer_types"):
