@@ -2,3 +2,15 @@
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> tuple[str, str]:
+    """Paths of a tiny random base GGUF and its MTP GGUF, written once per test run."""
+    from ds4.tiny import write_tiny
+    d = tmp_path_factory.mktemp("tiny")
+    base, mtp = str(d / "tiny.gguf"), str(d / "tiny-mtp.gguf")
+    write_tiny(base, mtp, mix="f32", seed=0)
+    return base, mtp

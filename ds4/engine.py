@@ -1,0 +1,154 @@
+"""The public API: `ds4.load(...)` returns an Engine that tokenizes, generates and opens sessions."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from backends.registry import OpSet
+from ds4 import gguf
+from ds4.errors import ModelFileError, UsageError
+from ds4.sampling import Sampler, SamplingParams
+from ds4.session import Session
+from ds4.speculative import SpecMetrics, generate_ids
+from ds4.tokenizer import StreamDecoder, Tokenizer
+from models.deepseek_v4 import DeepseekV4, ModelArgs
+from models.mtp import MTPHead
+
+DEFAULT_MODEL_SEED = 0
+DEFAULT_MODEL_DIR = Path(os.environ.get("DS4_CACHE", Path.home() / ".cache" / "ds4py")) / "tiny-default"
+
+
+def default_model_paths() -> tuple[str, str]:
+    """The embedded default model (tiny, random, deterministic): base and MTP GGUF paths, made on first use."""
+    from ds4.tiny import write_tiny
+    base, mtp = DEFAULT_MODEL_DIR / "tiny.gguf", DEFAULT_MODEL_DIR / "tiny-mtp.gguf"
+    if not (base.exists() and mtp.exists()):
+        DEFAULT_MODEL_DIR.mkdir(parents=True, exist_ok=True)
+        write_tiny(str(base), str(mtp), mix="f32", seed=DEFAULT_MODEL_SEED)
+    return str(base), str(mtp)
+
+
+@dataclass
+class Token:
+    """One generated token and the text it completes (may be empty mid-character)."""
+
+    id: int
+    text: str
+
+
+@dataclass
+class RunStats:
+    """Timings and counters of the last `generate` call."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    counters: dict[str, int] = field(default_factory=dict)
+    spec: SpecMetrics = field(default_factory=SpecMetrics)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready view."""
+        tps = self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
+                "decode_tokens_per_s": round(tps, 2), "counters": self.counters, "speculative": self.spec.as_dict()}
+
+
+class Engine:
+    """A loaded model (+ optional MTP head), its tokenizer and the ops it runs on."""
+
+    def __init__(self, model: DeepseekV4, tokenizer: Tokenizer, mtp: MTPHead | None, *, ctx: int,
+                 prefill_chunk: int, paths: tuple[str, str | None]):
+        self.model, self.tokenizer, self.mtp = model, tokenizer, mtp
+        self.ctx, self.prefill_chunk, self.paths = ctx, prefill_chunk, paths
+        self.stats = RunStats()
+
+    @property
+    def args(self) -> ModelArgs:
+        """The model's hyperparameters and switches."""
+        return self.model.args
+
+    @property
+    def ops(self) -> OpSet:
+        """The registry view the model calls; `engine.ops.report()` says which kernels ran."""
+        return self.model.ops
+
+    def session(self, ctx: int | None = None, prefill_chunk: int | None = None) -> Session:
+        """A fresh session (KV state) for experiments: prefill / decode / forward / snapshot / restore."""
+        return Session(self.model, ctx or self.ctx, prefill_chunk or self.prefill_chunk, self.mtp)
+
+    def encode(self, prompt: str | Sequence[int], *, system: str | None = None, think: bool = False,
+               raw: bool = False) -> list[int]:
+        """Prompt ids: a list of ids passes through; text gets the chat template unless `raw`."""
+        if not isinstance(prompt, str):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
+            if bad:
+                raise UsageError(f"prompt ids {bad[:5]} are outside the vocabulary [0, {self.args.vocab_size})")
+            return ids
+        if raw:
+            return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode_chat([{"role": "user", "content": prompt}], think=think, system=system)
+
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 256, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
+                 system: str | None = None, think: bool = False, raw: bool = False, ctx: int | None = None,
+                 prefill_chunk: int | None = None, mtp_draft: int | str | None = None, strict: bool = False,
+                 continuous: bool = True, spec_log: Callable[[dict], None] | None = None,
+                 on_logits: Callable[[Any], None] | None = None) -> Iterator[Token]:
+        """Yield generated tokens with their text as they are committed; stats land in `self.stats`."""
+        sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
+        ids = self.encode(prompt, system=system, think=think, raw=raw)
+        session = self.session(ctx, prefill_chunk)
+        if not ids:
+            raise UsageError("the prompt is empty")
+        if len(ids) >= session.ctx:
+            raise UsageError(f"the prompt has {len(ids)} tokens but the context is {session.ctx} (--ctx)")
+        if max_tokens < 0:
+            raise UsageError(f"-n/max_tokens must be >= 0, got {max_tokens}")
+        if mtp_draft not in (None, 0) and self.mtp is None:
+            raise UsageError("--mtp-draft needs an MTP head: pass --mtp PATH (mtp_path=...)")
+        self.stats = stats = RunStats(prompt_tokens=len(ids))
+        decoder = StreamDecoder(self.tokenizer)
+        t0 = time.perf_counter()
+        stream = generate_ids(session, ids, max_tokens=max_tokens, sampler=sampler, eos_id=self.tokenizer.eos_id,
+                              draft=mtp_draft, strict=strict, continuous=continuous, spec_log=spec_log,
+                              metrics=stats.spec)
+        for n, token in enumerate(stream):
+            now = time.perf_counter()
+            if n == 0:
+                stats.prefill_s, t1 = now - t0, now
+            stats.generated_tokens, stats.decode_s = n + 1, now - t1
+            stats.counters = dict(session.counters)
+            yield Token(token, decoder.push(token))
+        tail = decoder.flush()
+        if tail:
+            yield Token(-1, tail)
+
+
+def load(model_path: str | None = None, mtp_path: str | None = None, backend: str = "auto", *,
+         ops: dict[str, str] | None = None, strict_backend: bool = False, ctx: int = 4096,
+         prefill_chunk: int = 2048, **switches: Any) -> Engine:
+    """Load a ds4-layout GGUF (default: the embedded tiny model) and optionally its MTP GGUF.
+
+    `backend`: auto | torch | triton | mlx; `ops`: per-op overrides {"qmatmul": "torch"};
+    `switches`: model switches such as indexer_fp4_sim, kv_fp8_sim, shared_swiglu_clamp, mtp_pairing.
+    """
+    if model_path is None:
+        model_path, default_mtp = default_model_paths()
+        mtp_path = default_mtp if mtp_path is None else mtp_path
+    for label, path in (("model", model_path), ("MTP", mtp_path)):
+        if path is not None and not Path(path).is_file():
+            raise ModelFileError(f"{label} file not found: {path}")
+    if ctx < 2 or prefill_chunk < 1:
+        raise UsageError(f"--ctx must be >= 2 and --prefill-chunk >= 1 (got {ctx}, {prefill_chunk})")
+    opset = OpSet(backend, ops, strict=strict_backend)
+    f = gguf.open(model_path)
+    model = DeepseekV4.from_gguf(model_path, opset, **switches)
+    tokenizer = Tokenizer.from_metadata(f.metadata)
+    mtp = MTPHead.from_gguf(model, mtp_path) if mtp_path else None
+    return Engine(model, tokenizer, mtp, ctx=ctx, prefill_chunk=prefill_chunk, paths=(model_path, mtp_path))
