@@ -7,6 +7,7 @@ import mmap
 import os
 import struct
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -265,31 +266,74 @@ def _add_metadata(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
 _TORCH_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32"}
 
 
-def _as_blocks(name: str, t: QTensor | torch.Tensor) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """The bytes to store (uint8 `[..., out, row_bytes]`) and the GGUF type of a tensor."""
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor produced only when its turn to be written comes: GGUF type name, PyTorch-order shape, producer."""
+
+    type: str
+    shape: tuple[int, ...]
+    produce: Callable[[], QTensor | torch.Tensor]
+
+
+Tensor = QTensor | torch.Tensor | LazyTensor
+
+
+def _type_and_shape(name: str, t: Any) -> tuple[str, tuple[int, ...]]:
+    """The GGUF type name and shape a QTensor, torch tensor or LazyTensor declares."""
+    if isinstance(t, LazyTensor):
+        return t.type, tuple(t.shape)
     if isinstance(t, QTensor):
-        if t.qtype.ggml_type is None:
-            raise UsageError(f"tensor {name}: quant type {t.qtype.name} cannot be stored in a GGUF")
-        try:
-            expected = (*t.shape[:-1], t.qtype.row_bytes(t.shape[-1]))
-        except ValueError as e:
-            raise UsageError(f"tensor {name}: {e}") from None
-        if t.data.dtype != torch.uint8 or tuple(t.data.shape) != expected:
-            raise UsageError(f"tensor {name}: data is {t.data.dtype} {tuple(t.data.shape)}, expected uint8 {expected}")
-        data, ggml_type = t.data, gguf.GGMLQuantizationType(t.qtype.ggml_type)
-    else:
+        return t.qtype.name, tuple(t.shape)
+    if isinstance(t, torch.Tensor):
         if t.dtype not in _TORCH_TYPES or t.dim() == 0:
             raise UsageError(f"tensor {name}: {t.dtype} {tuple(t.shape)} cannot be stored "
                              "(F32/F16/BF16/I32 with at least one dim)")
-        data, ggml_type = t.detach().contiguous().view(torch.uint8), gguf.GGMLQuantizationType[_TORCH_TYPES[t.dtype]]
-    if data.dim() > _MAX_DIMS:
-        raise UsageError(f"tensor {name}: {data.dim()} dims, GGUF allows at most {_MAX_DIMS}")
-    return data.cpu().contiguous().numpy(), ggml_type
+        return _TORCH_TYPES[t.dtype], tuple(t.shape)
+    raise UsageError(f"tensor {name}: a {type(t).__name__} is not a QTensor, torch.Tensor or LazyTensor")
 
 
-def write(path: str | os.PathLike[str], metadata: dict[str, Any], tensors: dict[str, QTensor | torch.Tensor], *,
-          architecture: str = "deepseek4", alignment: int = 32) -> None:
-    """Write a GGUF atomically (temp file + rename): QTensors as their raw blocks, torch tensors by dtype."""
+def _layout(name: str, type_name: str, shape: tuple[int, ...]) -> tuple[gguf.GGMLQuantizationType, tuple[int, ...]]:
+    """The GGUF type and the stored uint8 shape `[..., out, row_bytes]` of a tensor of `type_name` and `shape`."""
+    qtype = quants.TYPES.get(type_name)
+    if qtype is None or qtype.ggml_type is None:
+        raise UsageError(f"tensor {name}: quant type {type_name} cannot be stored in a GGUF")
+    if not 1 <= len(shape) <= _MAX_DIMS or min(shape) < 1:
+        raise UsageError(f"tensor {name}: shape {shape} (1 to {_MAX_DIMS} dims, each >= 1)")
+    try:
+        row_bytes = qtype.row_bytes(shape[-1])
+    except ValueError as e:
+        raise UsageError(f"tensor {name}: {e}") from None
+    return gguf.GGMLQuantizationType(qtype.ggml_type), (*shape[:-1], row_bytes)
+
+
+def _as_blocks(name: str, t: Any, declared: tuple[str, tuple[int, ...]], byte_shape: tuple[int, ...]) -> np.ndarray:
+    """The bytes to store of tensor `name`, checked against its declared type, shape and stored shape."""
+    if isinstance(t, LazyTensor):
+        raise UsageError(f"tensor {name}: its producer returned a LazyTensor, not a QTensor or torch.Tensor")
+    got = _type_and_shape(name, t)
+    if got != declared:
+        raise UsageError(f"tensor {name}: produced {got[0]} {got[1]}, declared {declared[0]} {declared[1]}")
+    data = t.data if isinstance(t, QTensor) else t.detach().contiguous().view(torch.uint8)
+    if data.dtype != torch.uint8 or tuple(data.shape) != byte_shape:
+        raise UsageError(f"tensor {name}: data is {data.dtype} {tuple(data.shape)}, expected uint8 {byte_shape}")
+    return data.cpu().contiguous().numpy()
+
+
+def _write_data(writer: gguf.GGUFWriter, name: str, t: Tensor, declared: tuple[str, tuple[int, ...]],
+                byte_shape: tuple[int, ...]) -> None:
+    """Produce tensor `name` if lazy and append its bytes; nothing of it stays referenced after the return."""
+    writer.write_tensor_data(_as_blocks(name, t.produce() if isinstance(t, LazyTensor) else t, declared, byte_shape))
+
+
+def write(path: str | os.PathLike[str], metadata: dict[str, Any], tensors: dict[str, Tensor], *,
+          architecture: str = "deepseek4", alignment: int = 32,
+          progress: Callable[[Iterable], Iterable] = lambda items: items) -> None:
+    """Write a GGUF atomically (temp file + rename): QTensors as their raw blocks, torch tensors by dtype.
+
+    A LazyTensor is produced only when its data is written and dropped right after, so with lazy tensors
+    at most one tensor's data is in memory at a time. `progress` wraps the (name, tensor) items as they
+    are written, e.g. with tqdm.
+    """
     path = Path(path)
     meta = dict(metadata)
     if meta.pop("general.architecture", architecture) != architecture:
@@ -297,24 +341,30 @@ def write(path: str | os.PathLike[str], metadata: dict[str, Any], tensors: dict[
     if meta.pop("general.alignment", alignment) != alignment:
         raise UsageError(f"metadata general.alignment disagrees with alignment={alignment}")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same folder, so the rename is atomic
+    writer = gguf.GGUFWriter(tmp, architecture)
     try:
-        writer = gguf.GGUFWriter(tmp, architecture)
         try:
             writer.add_custom_alignment(alignment)
         except ValueError as e:
             raise UsageError(f"alignment={alignment}: {e}") from None
         for key, value in meta.items():
             _add_metadata(writer, key, value)
+        layouts = {}
         for name, t in tensors.items():
-            data, ggml_type = _as_blocks(name, t)
-            writer.add_tensor(name, data, raw_dtype=ggml_type)
+            declared = _type_and_shape(name, t)
+            ggml_type, byte_shape = _layout(name, *declared)
+            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=ggml_type)
+            layouts[name] = declared, byte_shape
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for name, t in progress(tensors.items()):
+            _write_data(writer, name, t, *layouts[name])
         writer.close()
         with builtins.open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
+        writer.close()
         tmp.unlink(missing_ok=True)
         raise

@@ -1,6 +1,8 @@
 """ds4.gguf: write a small ds4-layout GGUF, read it back, and compare with gguf.GGUFReader."""
 import os
+import re
 import warnings
+import weakref
 
 import gguf
 import numpy as np
@@ -192,3 +194,83 @@ def test_failed_write_keeps_the_old_file(written, tmp_path):
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["keep.gguf"]
     (tmp_path / "plain").touch()
     assert path.stat().st_mode == (tmp_path / "plain").stat().st_mode  # the umask applies as to any new file
+
+
+def _lazy(tensors: dict) -> dict:
+    """The same tensors as LazyTensors whose producers return them."""
+    return {name: ds4.gguf.LazyTensor(*ds4.gguf._type_and_shape(name, t), lambda t=t: t) for name, t in tensors.items()}
+
+
+def test_lazy_tensors_stream_one_at_a_time_into_the_same_bytes(written, tmp_path):
+    """Each producer allocates a fresh 1 MiB tensor; the writer must drop it before producing the next one."""
+    n, numel = 8, 2**18
+    live, most_live, log = set(), [0], []
+
+    def produce(i: int) -> torch.Tensor:
+        t = torch.full((numel // 64, 64), float(i))
+        live.add(i)
+        weakref.finalize(t, live.discard, i)
+        most_live[0] = max(most_live[0], len(live))
+        log.append(i)
+        return t
+
+    lazy = {f"blk.{i}.w": ds4.gguf.LazyTensor("F32", (numel // 64, 64), lambda i=i: produce(i)) for i in range(n)}
+    ds4.gguf.write(tmp_path / "lazy.gguf", METADATA, lazy)
+    assert log == list(range(n)) and most_live[0] == 1 and not live
+    ds4.gguf.write(tmp_path / "eager.gguf", METADATA, {f"blk.{i}.w": produce(i) for i in range(n)})
+    assert most_live[0] == n  # the counter does see tensors that are kept alive
+    assert (tmp_path / "lazy.gguf").read_bytes() == (tmp_path / "eager.gguf").read_bytes()
+    ds4.gguf.write(tmp_path / "mixed.gguf", METADATA, _lazy(written[1]))  # every type, quantized ones included
+    assert (tmp_path / "mixed.gguf").read_bytes() == written[0].read_bytes()
+
+
+def test_progress_wraps_the_tensors_as_they_are_written(tmp_path):
+    path, seen = tmp_path / "p.gguf", []
+
+    def progress(items):
+        for item in items:
+            seen.append((item[0], [p.stat().st_size for p in tmp_path.glob(".p.gguf.*.tmp")]))
+            yield item
+
+    tensors = {f"w{i}": ds4.gguf.LazyTensor("F32", (64,), lambda: torch.ones(64)) for i in range(3)}
+    ds4.gguf.write(path, {}, tensors, progress=progress)
+    assert [name for name, _ in seen] == ["w0", "w1", "w2"]
+    sizes = [size for _, (size,) in seen]  # the header is on disk before the first tensor is produced
+    assert 0 < sizes[0] < sizes[1] < sizes[2] < path.stat().st_size
+
+
+@pytest.mark.parametrize("produce, error", [
+    (lambda: torch.ones(4, 8), "w: produced F32 (4, 8), declared F32 (8, 8)"),
+    (lambda: torch.ones(8, 8).half(), "w: produced F16 (8, 8), declared F32 (8, 8)"),
+    (lambda: torch.ones(8, 8).double(), "w: torch.float64 (8, 8) cannot be stored"),
+    (lambda: QTensor(quants.get("F32"), (8, 8), torch.zeros(8, 16, dtype=torch.uint8)),
+     "w: data is torch.uint8 (8, 16), expected uint8 (8, 32)"),
+    (lambda: np.ones((8, 8), np.float32), "w: a ndarray is not a QTensor"),
+    (lambda: ds4.gguf.LazyTensor("F32", (8, 8), lambda: torch.ones(8, 8)), "w: its producer returned a LazyTensor"),
+])
+def test_bad_producer_leaves_the_old_file(tmp_path, produce, error):
+    path = tmp_path / "keep.gguf"
+    ds4.gguf.write(path, {"a": 1}, {"w": torch.ones(4)})
+    before = path.read_bytes()
+    tensors = {"ok": torch.ones(4), "w": ds4.gguf.LazyTensor("F32", (8, 8), produce)}
+    with pytest.raises(UsageError, match=re.escape(f"tensor {error}")):
+        ds4.gguf.write(path, {"a": 2}, tensors)
+
+    def fail():
+        raise ModelFileError("unreadable shard")
+
+    with pytest.raises(ModelFileError, match="unreadable shard"):
+        ds4.gguf.write(path, {"a": 2}, tensors | {"w": ds4.gguf.LazyTensor("F32", (8, 8), fail)})
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["keep.gguf"]
+
+
+@pytest.mark.parametrize("type_name, shape, error", [
+    ("F32", (8, 0), r"w: shape \(8, 0\)"), ("F32", (1, 1, 1, 1, 1), r"w: shape \(1, 1, 1, 1, 1\)"),
+    ("Q5_0", (8, 32), "w: quant type Q5_0 cannot be stored"), ("FP8_E4M3", (8, 128), "w: quant type FP8_E4M3"),
+    ("Q8_0", (8, 31), "w: Q8_0: row length 31"),
+])
+def test_bad_lazy_declaration_fails_before_producing(tmp_path, type_name, shape, error):
+    produced = []
+    with pytest.raises(UsageError, match=error):
+        ds4.gguf.write(tmp_path / "x.gguf", {}, {"w": ds4.gguf.LazyTensor(type_name, shape, produced.append)})
+    assert not produced and not os.listdir(tmp_path)
