@@ -5,14 +5,17 @@ Two source namings are understood, tensor by tensor (a `model.` prefix is ignore
   block `.scale`, FP4 experts packed two e2m1 per byte with an e8m0 `.scale` per 32 inputs, `mtp.0.*`);
 - HF transformers `deepseek_v4` naming (`model.layers.N.self_attn.q_a_proj.weight`, fused
   `mlp.experts.gate_up_proj [E, 2I, D]`, `mlp.experts.down_proj [E, D, I]`, int64 `tid2eid`).
-Tensors are read lazily, one at a time, and written with the types of a `ds4.quant_mix` mix.
+Conversion streams: each GGUF tensor is a `gguf.LazyTensor` that reads its source (one expert at a time
+for expert stacks), quantizes it to the type of a `ds4.quant_mix` mix and is dropped once written, so
+peak memory is about one output tensor, not the model.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,7 +26,17 @@ from ds4.quant_mix import MIXES, tensor_type
 from ds4.tokenizer import metadata_from_hf
 from ops.quants import QTensor, fp8_e4m3, mxfp4
 
-Part = tuple[str, int | None]  # source tensor name, and which half of a fused gate/up tensor
+
+
+class Part(NamedTuple):
+    """One source slice: tensor `name`, its expert `index` along dim 0 of a fused stack, `half` of a fused gate/up."""
+
+    name: str
+    index: int | None = None
+    half: int | None = None
+
+
+_PACKED_FP4 = ("I8", "U8")  # safetensors dtypes of official FP4 weights, two values a byte (F4 counts values)
 
 _GLOBAL = {  # ds4 name -> (official name, transformers name, ...): the first one present is read
     "token_embd.weight": ("embed.weight", "embed_tokens.weight"),
@@ -109,22 +122,40 @@ class Checkpoint:
         """Every tensor name (without `model.`)."""
         return set(self._where)
 
-    def raw(self, name: str) -> torch.Tensor:
-        """Tensor `name` as stored."""
+    def raw(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Tensor `name` as stored, or only its entry `index` along dim 0 (read without the rest)."""
         path, stored = self._where[name]
-        return self._handles[path].get_tensor(stored)
+        if index is None:
+            return self._handles[path].get_tensor(stored)
+        return self._handles[path].get_slice(stored)[index]
 
-    def weight(self, name: str) -> torch.Tensor:
-        """Tensor `name` as float32 (official FP8/FP4 weights dequantized with their `.scale`), ints as int32."""
-        t = self.raw(name)
+    def weight(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Tensor `name` (or its entry `index`) as float32 (official FP8/FP4 dequantized with `.scale`), ints as int32."""
+        t = self.raw(name, index)
         if not t.dtype.is_floating_point and t.dtype not in (torch.int8, torch.uint8):
             return t.to(torch.int32)
         scale_name = name.removesuffix(".weight") + ".scale"
         if t.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8, torch.float4_e2m1fn_x2):
             if scale_name not in self._where:
                 raise ModelFileError(f"{self._where[name][0]}: {name} is {t.dtype} but has no {scale_name}")
-            return _dequantize_official(name, t, self.raw(scale_name))
+            return _dequantize_official(name, t, self.raw(scale_name, index))
         return t.to(torch.float32)
+
+    def load(self, part: Part) -> torch.Tensor:
+        """The `weight` of one part."""
+        w = self.weight(part.name, part.index)
+        return w if part.half is None else w.chunk(2, dim=-2)[part.half]
+
+    def shape(self, part: Part) -> tuple[int, ...]:
+        """The shape `load(part)` will have, from the safetensors header alone."""
+        path, stored = self._where[part.name]
+        header = self._handles[path].get_slice(stored)
+        shape = header.get_shape()[part.index is not None:]
+        if header.get_dtype() in _PACKED_FP4 and shape:
+            shape[-1] *= 2
+        if part.half is not None and len(shape) >= 2:
+            shape[-2] //= 2
+        return tuple(shape)
 
 
 def _dequantize_official(name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -154,12 +185,17 @@ def _experts(ckpt: Checkpoint, prefix: str, w: str, n_experts: int) -> list[Part
         missing = [n for n in names if n not in ckpt.names()]
         if missing:
             raise ModelFileError(f"{ckpt.dir}: missing expert tensor {missing[0]}")
-        return [(n, None) for n in names]
+        return [Part(n) for n in names]
     if w == "w2":
-        return [(_required(ckpt, prefix, "ffn_down_exps", ("mlp.experts.down_proj", "ffn.experts.down_proj")), None)]
-    fused = _required(ckpt, prefix, f"ffn_{'gate' if w == 'w1' else 'up'}_exps",
-                      ("mlp.experts.gate_up_proj", "ffn.experts.gate_up_proj"))
-    return [(fused, 0 if w == "w1" else 1)]
+        fused, half = _required(ckpt, prefix, "ffn_down_exps", ("mlp.experts.down_proj", "ffn.experts.down_proj")), None
+    else:
+        fused = _required(ckpt, prefix, f"ffn_{'gate' if w == 'w1' else 'up'}_exps",
+                          ("mlp.experts.gate_up_proj", "ffn.experts.gate_up_proj"))
+        half = 0 if w == "w1" else 1
+    shape = ckpt.shape(Part(fused))
+    if len(shape) != 3 or shape[0] != n_experts:
+        raise ModelFileError(f"{ckpt.dir}: {fused} has shape {shape}, expected [{n_experts} experts, out, in]")
+    return [Part(fused, e, half) for e in range(n_experts)]
 
 
 def _block_plan(ckpt: Checkpoint, prefix: str, out_prefix: str, ratio: int, hashed: bool,
@@ -171,7 +207,7 @@ def _block_plan(ckpt: Checkpoint, prefix: str, out_prefix: str, ratio: int, hash
     if ratio == 4:
         table |= _INDEXER
     table |= _HASH if hashed else _BIASED
-    plan = {out_prefix + role: [(_required(ckpt, prefix, role, cands), None)] for role, cands in table.items()}
+    plan = {out_prefix + role: [Part(_required(ckpt, prefix, role, cands))] for role, cands in table.items()}
     for role, w in _EXPERTS.items():
         plan[out_prefix + role] = _experts(ckpt, prefix, w, n_experts)
     return plan
@@ -181,12 +217,12 @@ def plan_tensors(ckpt: Checkpoint, meta: dict[str, Any], mtp: bool) -> tuple[dic
     """(base, mtp) plans: ds4 tensor name -> the source parts stacked along a new first dim (one = no stack)."""
     ratios = meta["deepseek4.attention.compress_ratios"]
     n_hash, n_experts = meta["deepseek4.hash_layer_count"], meta["deepseek4.expert_count"]
-    base = {name: [(_required(ckpt, "", name, cands), None)] for name, cands in _GLOBAL.items()}
+    base = {name: [Part(_required(ckpt, "", name, cands))] for name, cands in _GLOBAL.items()}
     for i in range(meta["deepseek4.block_count"]):
         base |= _block_plan(ckpt, f"layers.{i}.", f"blk.{i}.", ratios[i], i < n_hash, n_experts)
     mtp_plan = {}
     if mtp:
-        mtp_plan = {f"mtp.0.{role}": [(_required(ckpt, "mtp.0.", role, cands), None)]
+        mtp_plan = {f"mtp.0.{role}": [Part(_required(ckpt, "mtp.0.", role, cands))]
                     for role, cands in _MTP_ONLY.items()}
         mtp_plan |= _block_plan(ckpt, "mtp.0.", "mtp.0.", 0, False, n_experts)
     return base, mtp_plan
@@ -194,33 +230,45 @@ def plan_tensors(ckpt: Checkpoint, meta: dict[str, Any], mtp: bool) -> tuple[dic
 
 def unrecognized(ckpt: Checkpoint, plans: list[dict[str, list[Part]]], mtp: bool) -> list[str]:
     """Source tensors no plan reads (scales of read weights, and `mtp.*` unless converted, excepted)."""
-    read = {name for plan in plans for parts in plan.values() for name, _ in parts}
+    read = {part.name for plan in plans for parts in plan.values() for part in parts}
     read |= {n.removesuffix(".weight") + ".scale" for n in read}
     return sorted(n for n in ckpt.names() - read
                   if not (n.startswith("mtp.") and (not mtp or any(s in n for s in _MTP_SHARED))))
 
 
-def encode(ckpt: Checkpoint, name: str, parts: list[Part], mix: str) -> QTensor | torch.Tensor:
-    """Load `parts`, stack them if several, and store them in the type the mix gives tensor `name`."""
-    out, ggml_type = [], None
-    for source, half in parts:
-        w = ckpt.weight(source)
-        if half is not None:
-            w = w.chunk(2, dim=1)[half]
-        shape = (len(parts), *w.shape) if len(parts) > 1 else tuple(w.shape)
-        ggml_type = ggml_type or tensor_type(name, shape, mix)
-        if ggml_type == "I32":
-            out.append(w.to(torch.int32))
-        elif ggml_type in ("F32", "F16"):
-            out.append(w.to(torch.float32 if ggml_type == "F32" else torch.float16))
-        else:
-            out.append(QTensor.quantize(w, ggml_type, name))
-    if len(out) == 1:
-        return out[0]
-    if isinstance(out[0], QTensor):
-        data = torch.stack([q.data for q in out])
-        return QTensor(out[0].qtype, (len(out), *out[0].shape), data, name)
-    return torch.stack(out)
+def _store(w: torch.Tensor, ggml_type: str, name: str) -> QTensor | torch.Tensor:
+    """A float or int weight in GGUF type `ggml_type`."""
+    if ggml_type == "I32":
+        return w.to(torch.int32)
+    if ggml_type in ("F32", "F16"):
+        return w.to(torch.float32 if ggml_type == "F32" else torch.float16)
+    return QTensor.quantize(w, ggml_type, name)
+
+
+def encode(ckpt: Checkpoint, name: str, parts: list[Part], ggml_type: str) -> QTensor | torch.Tensor:
+    """Load `parts` one at a time, store each as `ggml_type`, and stack them along a new first dim if several."""
+    if len(parts) == 1:
+        return _store(ckpt.load(parts[0]), ggml_type, name)
+    stack = None
+    for i, part in enumerate(parts):
+        one = _store(ckpt.load(part), ggml_type, name)
+        data = one.data if isinstance(one, QTensor) else one
+        if stack is None:
+            stack = data.new_empty((len(parts), *data.shape))
+        elif data.shape != stack.shape[1:]:
+            raise ModelFileError(f"{ckpt.dir}: {part.name} gives {name} part {i} of shape {tuple(one.shape)}, "
+                                 f"unlike part 0")
+        stack[i] = data
+    return QTensor(one.qtype, (len(parts), *one.shape), stack, name) if isinstance(one, QTensor) else stack
+
+
+def lazy_tensor(ckpt: Checkpoint, name: str, parts: list[Part], mix: str) -> gguf.LazyTensor:
+    """Tensor `name` of the mix's type and shape, read, quantized and stacked only when it is written."""
+    shape = ckpt.shape(parts[0])
+    if len(parts) > 1:
+        shape = (len(parts), *shape)
+    ggml_type = tensor_type(name, shape, mix)
+    return gguf.LazyTensor(ggml_type, shape, partial(encode, ckpt, name, parts, ggml_type))
 
 
 def read_config(hf_dir: str | Path) -> dict[str, Any]:
@@ -357,7 +405,8 @@ def convert(hf_dir: str | Path, out: str | Path, mtp_out: str | Path | None = No
             tokenizer: bool = True, progress: Callable[[Iterable], Iterable] = lambda items: items) -> None:
     """Convert checkpoint `hf_dir` into a base GGUF at `out` (and the MTP GGUF at `mtp_out`) with mix `outtype`.
 
-    `progress` wraps the (name, parts) iterables that are converted, e.g. with tqdm.
+    Tensors are converted one at a time as they are written; `progress` wraps the (name, tensor) items
+    as they are, e.g. with tqdm.
     """
     if outtype not in MIXES:
         raise UsageError(f"unknown tensor-type mix {outtype!r}; choose one of {', '.join(MIXES)}")
@@ -373,5 +422,5 @@ def convert(hf_dir: str | Path, out: str | Path, mtp_out: str | Path | None = No
     tok = tokenizer_metadata(hf_dir, meta["deepseek4.vocab_size"]) if tokenizer else {}
     for path, plan, extra in ((out, base, tok), (mtp_out, mtp, {})):
         if path is not None:
-            tensors = {name: encode(ckpt, name, parts, outtype) for name, parts in progress(plan.items())}
-            gguf.write(path, {**meta, **extra}, tensors)
+            tensors = {name: lazy_tensor(ckpt, name, parts, outtype) for name, parts in plan.items()}
+            gguf.write(path, {**meta, **extra}, tensors, progress=progress)

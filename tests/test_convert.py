@@ -3,17 +3,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import ds4.convert
 from ds4 import gguf
 from ds4.convert import convert, metadata_from_config, read_config
 from ds4.errors import ModelFileError, UsageError
 from ds4.quant_mix import MIXES, tensor_type
 from ds4.tokenizer import real_v4_tokenizer_json
+from ops.quants import QTensor
 from tests.hf_tiny import CSA, HCA, single_thread, tiny_config, tiny_model
 
 _spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parents[1] / "scripts" / "convert_hf.py")
@@ -303,6 +307,10 @@ def test_errors_name_the_file_and_tensor(checkpoints, tmp_path):
             (tmp_path / "big_vocab" / f.name).symlink_to(f)
         (tmp_path / "big_vocab" / "tokenizer.json").symlink_to(real_v4_tokenizer_json())
         convert(tmp_path / "big_vocab", tmp_path / "x.gguf")
+    with pytest.raises(ModelFileError, match=r"layers.1.mlp.experts.down_proj has shape \(3, 128, 128\), expected \[8 "):
+        fused = load_file(root / "state_dict" / "model.safetensors")
+        short = fused | {"model.layers.1.mlp.experts.down_proj": fused["model.layers.1.mlp.experts.down_proj"][:3]}
+        convert(write_checkpoint(tmp_path / "short", config, short), tmp_path / "x.gguf", tokenizer=False)
     with pytest.raises(UsageError, match="unknown tensor-type mix 'q3'"):
         convert(root / "hf", tmp_path / "x.gguf", outtype="q3", tokenizer=False)
     with pytest.raises(UsageError, match="output directory does not exist"):
@@ -322,3 +330,40 @@ def test_cli_converts_and_reports_errors_in_one_line(checkpoints, tmp_path, caps
     assert convert_hf.main([str(tmp_path / "nope"), "--out", str(tmp_path / "b.gguf")]) == 1
     assert capsys.readouterr().err.strip() == (f"convert_hf: error: {tmp_path / 'nope' / 'config.json'}: missing "
                                                "(the checkpoint's config.json is needed)")
+
+
+def test_conversion_streams_one_tensor_at_a_time(checkpoints, tmp_path, monkeypatch):
+    """Each tensor is read (experts one by one), encoded and dropped before the next; progress follows the writes."""
+    root, *_ = checkpoints
+    live, most_live, loaded, progressed = set(), [0], [], []
+    encode, load = ds4.convert.encode, ds4.convert.Checkpoint.load
+
+    def tracked_encode(ckpt, name, parts, ggml_type):
+        out = encode(ckpt, name, parts, ggml_type)
+        live.add(name)
+        weakref.finalize(out.data if isinstance(out, QTensor) else out, live.discard, name)
+        most_live[0] = max(most_live[0], len(live))
+        return out
+
+    def tracked_load(ckpt, part):
+        w = load(ckpt, part)
+        loaded.append((part.name, w.dim()))
+        return w
+
+    def progress(items):
+        for name, t in items:
+            progressed.append((name, sorted(p.name for p in tmp_path.glob(".*.tmp"))))
+            yield name, t
+
+    monkeypatch.setattr(ds4.convert, "encode", tracked_encode)
+    monkeypatch.setattr(ds4.convert.Checkpoint, "load", tracked_load)
+    for kind in ("state_dict", "official"):  # fused expert stacks, FP8/FP4 tensors one per expert
+        out = tmp_path / f"{kind}.gguf"
+        convert(root / kind, out, outtype="f32", tokenizer=False, progress=progress)
+        names = list(gguf.open(out).tensors)
+        assert [name for name, _ in progressed] == names and most_live[0] == 1 and not live, kind
+        assert all(tmps == [f".{kind}.gguf.{os.getpid()}.tmp"] for _, tmps in progressed), kind
+        routed = [dims for name, dims in loaded if ".experts." in name]
+        assert routed and set(routed) == {2}, kind  # one [out, in] expert at a time, never a whole stack
+        progressed.clear()
+        loaded.clear()
