@@ -27,7 +27,6 @@ from ds4.tokenizer import metadata_from_hf
 from ops.quants import QTensor, fp8_e4m3, mxfp4
 
 
-
 class Part(NamedTuple):
     """One source slice: tensor `name`, its expert `index` along dim 0 of a fused stack, `half` of a fused gate/up."""
 
@@ -130,7 +129,7 @@ class Checkpoint:
         return self._handles[path].get_slice(stored)[index]
 
     def weight(self, name: str, index: int | None = None) -> torch.Tensor:
-        """Tensor `name` (or its entry `index`) as float32 (official FP8/FP4 dequantized with `.scale`), ints as int32."""
+        """Tensor `name` (or entry `index`) as float32 (official FP8/FP4 dequantized by `.scale`), ints as int32."""
         t = self.raw(name, index)
         if not t.dtype.is_floating_point and t.dtype not in (torch.int8, torch.uint8):
             return t.to(torch.int32)
@@ -187,7 +186,8 @@ def _experts(ckpt: Checkpoint, prefix: str, w: str, n_experts: int) -> list[Part
             raise ModelFileError(f"{ckpt.dir}: missing expert tensor {missing[0]}")
         return [Part(n) for n in names]
     if w == "w2":
-        fused, half = _required(ckpt, prefix, "ffn_down_exps", ("mlp.experts.down_proj", "ffn.experts.down_proj")), None
+        fused = _required(ckpt, prefix, "ffn_down_exps", ("mlp.experts.down_proj", "ffn.experts.down_proj"))
+        half = None
     else:
         fused = _required(ckpt, prefix, f"ffn_{'gate' if w == 'w1' else 'up'}_exps",
                           ("mlp.experts.gate_up_proj", "ffn.experts.gate_up_proj"))

@@ -1,6 +1,9 @@
 """Convert a Hugging Face DeepSeek V4 checkpoint (official or transformers naming) to ds4-layout GGUFs.
 
     python scripts/convert_hf.py HF_DIR --out base.gguf [--mtp-out mtp.gguf] --outtype q2|q4|f32
+
+Tensors are converted and written one at a time (the bar counts them), so memory stays about one
+output tensor (an expert stack or the embedding) above the mapped safetensors pages.
 """
 from __future__ import annotations
 

@@ -307,7 +307,7 @@ def test_errors_name_the_file_and_tensor(checkpoints, tmp_path):
             (tmp_path / "big_vocab" / f.name).symlink_to(f)
         (tmp_path / "big_vocab" / "tokenizer.json").symlink_to(real_v4_tokenizer_json())
         convert(tmp_path / "big_vocab", tmp_path / "x.gguf")
-    with pytest.raises(ModelFileError, match=r"layers.1.mlp.experts.down_proj has shape \(3, 128, 128\), expected \[8 "):
+    with pytest.raises(ModelFileError, match=r"layers.1.mlp.experts.down_proj has shape \(3, 128, 128\), expected \[8"):
         fused = load_file(root / "state_dict" / "model.safetensors")
         short = fused | {"model.layers.1.mlp.experts.down_proj": fused["model.layers.1.mlp.experts.down_proj"][:3]}
         convert(write_checkpoint(tmp_path / "short", config, short), tmp_path / "x.gguf", tokenizer=False)
