@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, help="sampling seed (reproducible runs)")
     p.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prefill chunk (default 2048)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 for the tiny model)")
     p.add_argument("--backend", default=None, help="auto | torch | triton | mlx (default: $DS4_BACKEND or auto)")
     p.add_argument("--ops", help="per-op overrides, e.g. qmatmul:torch,moe:triton")
     p.add_argument("--mtp-draft", default=None, help="speculative draft depth N (1..16) or 'auto'; 0 = off")
@@ -82,6 +83,10 @@ def mtp_draft(value: str | None) -> int | str | None:
 def run(a: argparse.Namespace) -> int:
     """Load, generate, report."""
     prompt = read_prompt(a)
+    threads = a.threads or (1 if a.model is None else 0)
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
     switches = {k: getattr(a, k) for k in SWITCHES if getattr(a, k) is not None}
     if a.mtp_pairing:
         switches["mtp_pairing"] = a.mtp_pairing

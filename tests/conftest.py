@@ -3,6 +3,10 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # tiny shapes: one thread is 5-10x faster than two on a shared 2-core machine
+
 import pytest  # noqa: E402
 
 
