@@ -21,7 +21,7 @@ generate: install
 	$(BIN)/python scripts/generate.py $(ARGS)
 
 test: install
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: install
 	$(BIN)/python scripts/bench.py $(ARGS)
