@@ -22,6 +22,8 @@ from ds4.errors import UsageError
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
 
+KEPT_STATES = 32  # trunk/MTP output states kept for the latest positions, so truncate() can resume MTP
+
 
 @dataclass(frozen=True)
 class Snapshot:
@@ -48,8 +50,7 @@ class Session:
         self.n_drafted = 0       # MTP draft rows written past pos since the last forward
         self.hidden: torch.Tensor | None = None   # trunk final HC states [M, S, D] of the last forward
         self.hidden_start = 0                     # position of hidden[0]
-        self.mtp_states: torch.Tensor | None = None  # MTP output states of the last catch-up rows
-        self.mtp_states_start = 0
+        self.recent: dict[str, tuple[int, torch.Tensor] | None] = {"trunk": None, "mtp": None}  # last rows
         self.trunk_tail: torch.Tensor | None = None  # H_{pos-1}
         self.mtp_tail: torch.Tensor | None = None    # MTP output state of row pos-1
         self.counters: Counter[str] = Counter()  # forward_rows, lm_head_rows, mtp_rows, mtp_lm_head_rows
@@ -104,6 +105,7 @@ class Session:
         self.tokens.extend(ids.tolist())
         self.high_water = max(self.high_water, self.pos)
         self.hidden, self.hidden_start, self.trunk_tail, self.n_drafted = X, start, X[-1], 0
+        self._keep_recent("trunk", start, X)
         if self.mtp:
             self._mtp_catch_up(ids, X, previous_tail, start, mtp_min)
         return logits
@@ -124,7 +126,17 @@ class Session:
             self.mtp_from = j0
         Y, _ = self.mtp.forward(states[keep:], ids[j0 - start:], j0, self.mtp_cache, self.mtp_from)
         self.counters["mtp_rows"] += Y.shape[0]
-        self.mtp_states, self.mtp_states_start, self.mtp_tail = Y, j0, Y[-1]
+        self.mtp_tail = Y[-1]
+        self._keep_recent("mtp", j0, Y)
+
+    def _keep_recent(self, kind: str, start: int, rows: torch.Tensor) -> None:
+        """Remember the output states of the last KEPT_STATES positions (contiguous history only)."""
+        old = self.recent[kind]
+        if old is not None and old[0] <= start <= old[0] + old[1].shape[0]:
+            rows = torch.cat((old[1][:start - old[0]], rows))
+            start = old[0]
+        drop = max(0, rows.shape[0] - KEPT_STATES)
+        self.recent[kind] = (start + drop, rows[drop:])
 
     # ---- MTP drafting -----------------------------------------------------------------------------
 
@@ -175,11 +187,12 @@ class Session:
         self.high_water = max(self.high_water, self.pos)
 
     def truncate(self, n_tokens: int) -> None:
-        """Keep only the first `n_tokens` tokens; the states MTP needs must come from the last forward."""
+        """Keep only the first `n_tokens` tokens (the MTP needs the states of position n_tokens-1,
+        kept for the last KEPT_STATES positions; further back use snapshot()/restore())."""
         self._check_rollback(n_tokens)
         if n_tokens < self.pos:
-            self.trunk_tail = self._row(self.hidden, self.hidden_start, n_tokens - 1)
-            self.mtp_tail = self._row(self.mtp_states, self.mtp_states_start, n_tokens - 1)
+            self.trunk_tail = self._row("trunk", n_tokens - 1)
+            self.mtp_tail = self._row("mtp", n_tokens - 1)
             if self.mtp and (self.trunk_tail is None or self.mtp_tail is None) and n_tokens > 0:
                 raise UsageError(f"cannot truncate to {n_tokens} tokens: the states at position "
                                  f"{n_tokens - 1} are gone; use snapshot()/restore()")
@@ -187,9 +200,10 @@ class Session:
             self.mtp_from = min(self.mtp_from, n_tokens)
         self.n_drafted = 0
 
-    @staticmethod
-    def _row(states: torch.Tensor | None, start: int, p: int) -> torch.Tensor | None:
-        return states[p - start] if states is not None and start <= p < start + states.shape[0] else None
+    def _row(self, kind: str, p: int) -> torch.Tensor | None:
+        """The kept output state of position p, if still kept."""
+        kept = self.recent[kind]
+        return kept[1][p - kept[0]] if kept is not None and kept[0] <= p < kept[0] + kept[1].shape[0] else None
 
     def _check_rollback(self, n: int) -> None:
         if not 0 <= n <= self.pos:

@@ -1,0 +1,66 @@
+"""Model: metadata and weight validation, GGUF round trip, switches, routing tie rule."""
+import pytest
+import torch
+
+from ds4.errors import ModelFileError
+from ds4.tiny import tiny_model_weights, write_tiny
+from backends.registry import OpSet
+from models.deepseek_v4 import DeepseekV4, ModelArgs
+from ops.moe import select_experts
+
+TORCH = OpSet("torch")  # the reference; Triton kernels under the interpreter are tested elsewhere
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model_weights(seed=5, n_layers=4, compress_ratios=(0, 4, 16, 4))
+
+
+def logits_of(model, ids):
+    X, logits = model.forward(torch.tensor(ids), 0, model.new_caches(64, 64), torch.tensor([len(ids) - 1]))
+    return logits[0]
+
+
+def test_metadata_errors_name_the_key(tiny):
+    md, _, _ = tiny
+    with pytest.raises(ModelFileError, match="deepseek4.attention.sliding_window"):
+        ModelArgs.from_metadata({k: v for k, v in md.items() if k != "deepseek4.attention.sliding_window"})
+    with pytest.raises(ModelFileError, match="deepseek4.attention.head_count_kv"):
+        ModelArgs.from_metadata({**md, "deepseek4.attention.head_count_kv": 2})
+    with pytest.raises(ModelFileError, match="deepseek4.attention.compress_ratios"):
+        ModelArgs.from_metadata({**md, "deepseek4.attention.compress_ratios": [0, 4]})
+    args = ModelArgs.from_metadata(md)
+    assert (args.n_layers, args.dim, args.head_dim, args.compress_ratios[:4]) == (4, 128, 80, [0, 4, 16, 4])
+
+
+def test_weight_errors_name_the_tensor(tiny):
+    md, base, _ = tiny
+    args = ModelArgs.from_metadata(md)
+    with pytest.raises(ModelFileError, match="blk.1.indexer.proj.weight is missing"):
+        DeepseekV4(args, {k: v for k, v in base.items() if k != "blk.1.indexer.proj.weight"})
+    with pytest.raises(ModelFileError, match="blk.2.attn_sinks.weight has shape"):
+        DeepseekV4(args, {**base, "blk.2.attn_sinks.weight": base["blk.2.attn_norm.weight"]})
+
+
+def test_gguf_round_trip_gives_the_same_logits(tiny, tmp_path):
+    md, base, _ = tiny
+    write_tiny(str(tmp_path / "t.gguf"), str(tmp_path / "m.gguf"), seed=5, n_layers=4, compress_ratios=(0, 4, 16, 4))
+    ids = list(range(3, 40))
+    from_file = DeepseekV4.from_gguf(str(tmp_path / "t.gguf"), TORCH)
+    in_memory = DeepseekV4(ModelArgs.from_metadata(md), base, TORCH)
+    assert torch.equal(logits_of(from_file, ids), logits_of(in_memory, ids))
+
+
+def test_switches_change_the_result(tiny):
+    md, base, _ = tiny
+    ids = list(range(7, 45))
+    ref = logits_of(DeepseekV4(ModelArgs.from_metadata(md), base, TORCH), ids)
+    for switch in ("kv_fp8_sim", "indexer_fp4_sim"):
+        other = logits_of(DeepseekV4(ModelArgs.from_metadata(md, **{switch: False}), base, TORCH), ids)
+        assert not torch.equal(ref, other), switch
+
+
+def test_expert_ties_go_to_the_lower_id():
+    p = torch.tensor([[1.0, 2.0, 2.0, 2.0], [0.5, 0.5, 0.5, 0.5]])
+    assert select_experts(p, None, 2).tolist() == [[1, 2], [0, 1]]
+    assert select_experts(p, torch.tensor([0.0, 0.0, 0.0, 1.0]), 2).tolist() == [[3, 1], [3, 0]]

@@ -1,0 +1,134 @@
+"""Session: chunked prefill equals decode, exact O(1) rollback, LM head only where needed, MTP pairing."""
+import pytest
+import torch
+
+from ds4.errors import UsageError
+from ds4.session import Session
+from ds4.tiny import tiny_model_weights
+from backends.registry import OpSet
+from models.deepseek_v4 import DeepseekV4, ModelArgs
+from models.mtp import MTPHead
+
+CTX = 96
+TOL = 1e-5  # fp32: chunked vs one-token forwards differ only by matmul rounding order (measured ~3e-6)
+
+TORCH = OpSet("torch")  # the reference; Triton kernels under the interpreter are tested elsewhere
+
+
+def build(**switches):
+    md, base, mtp = tiny_model_weights(seed=3)
+    model = DeepseekV4(ModelArgs.from_metadata(md, **switches), base, TORCH)
+    return model, MTPHead(model, mtp)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops are dominated by thread hand-offs on a shared CPU; one thread is several times faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(one_thread):
+    return build()
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    # 52 tokens: beyond the 16-token window, 3 ratio-16 blocks, 13 ratio-4 rows > indexer top-k 4
+    return torch.randint(0, 512, (53,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.fixture(scope="module")
+def decoded(tiny, prompt):
+    """Token-by-token reference: logits after the prompt, after one more token, and the next draft."""
+    model, mtp = tiny
+    s = Session(model, CTX, prefill_chunk=16, mtp=mtp)
+    last = [s.decode(t) for t in prompt[:-1]][-1]
+    return last, s.decode(prompt[-1]), s.mtp_draft(5)[0]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 2048])
+def test_chunked_prefill_matches_token_by_token_decode(tiny, prompt, decoded, chunk):
+    model, mtp = tiny
+    last, after, draft = decoded
+    s = Session(model, CTX, prefill_chunk=chunk, mtp=mtp)
+    assert (s.prefill(prompt[:-1]) - last).abs().max() < TOL
+    assert s.counters["lm_head_rows"] == 1
+    assert (s.decode(prompt[-1]) - after).abs().max() < TOL
+    assert (s.mtp_draft(5)[0] - draft).abs().max() < TOL
+
+
+def assert_same_state(a: Session, b: Session):
+    sa, sb = a.state_tensors(), b.state_tensors()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_snapshot_restore_and_truncate_are_exact(tiny, prompt):
+    model, mtp = tiny
+    prefix, suffix = prompt[:45], prompt[45:51]  # the suffix emits ratio-4 and ratio-16 rows (pos 47)
+    clean = Session(model, CTX, prefill_chunk=8, mtp=mtp)
+    clean.prefill(prefix)
+    s = Session(model, CTX, prefill_chunk=8, mtp=mtp)
+    s.prefill(prefix)
+    assert_same_state(s, clean)
+    snap = s.snapshot()
+    s.forward(suffix, "all")
+    _, state = s.mtp_draft(3)
+    s.mtp_draft(4, state)
+    s.restore(snap)
+    assert_same_state(s, clean)
+    assert torch.equal(s.decode(prompt[45]), clean.decode(prompt[45]))
+    assert torch.equal(s.mtp_draft(9)[0], clean.mtp_draft(9)[0])
+    s.forward(suffix[1:], "all")
+    s.truncate(46)
+    clean.truncate(46)
+    assert_same_state(s, clean)
+    assert torch.equal(s.decode(1), clean.decode(1))
+
+
+def test_rollback_beyond_the_ring_slack_is_refused(tiny, prompt):
+    model, _ = tiny
+    s = Session(model, CTX, prefill_chunk=4)
+    s.prefill(prompt[:12])
+    with pytest.raises(UsageError):
+        s.truncate(5)
+    with pytest.raises(UsageError):
+        s.forward([0] * (CTX - 11), None)
+
+
+def test_lm_head_runs_only_on_requested_rows(tiny, prompt, monkeypatch):
+    model, mtp = tiny
+    seen = []
+    real = model.logits
+    monkeypatch.setattr(model, "logits", lambda X, head: seen.append(X.shape[0]) or real(X, head))
+    s = Session(model, CTX, prefill_chunk=16, mtp=mtp)
+    s.prefill(prompt[:40])          # 3 chunks, MTP catch-up on the last window: one head row in total
+    assert seen == [1]
+    assert s.forward(prompt[40:45], "all").shape == (5, 512)
+    s.forward(prompt[45:47], None)
+    s.mtp_draft(1)
+    assert seen == [1, 5, 1]
+    assert s.counters["lm_head_rows"] == 6 and s.counters["mtp_lm_head_rows"] == 1
+
+
+@pytest.mark.parametrize("pairing", ["official", "ds4"])
+def test_mtp_pairing_is_explicit(pairing, prompt):
+    model, mtp = build(mtp_pairing=pairing)
+    ids = prompt[:20]
+    s = Session(model, CTX, prefill_chunk=8, mtp=mtp)
+    s.prefill(ids)
+    draft, _ = s.mtp_draft(11)
+    H, _ = model.forward(torch.tensor(ids), 0, model.new_caches(CTX, 32))
+    cache = mtp.new_cache(CTX, 32)
+    t = torch.tensor(ids + [11])
+    if pairing == "official":   # row j = (H_{j-1}, t_j) predicts t_{j+1}
+        _, logits = mtp.forward(H, t[1:], 1, cache, 1, [-1])
+    else:                       # row j = (H_j, t_j); the draft continues from the MTP's own state
+        Y, _ = mtp.forward(H, t[:-1], 0, cache)
+        _, logits = mtp.forward(Y[-1:], t[-1:], 20, cache, 0, [0])
+    assert (draft - logits[0]).abs().max() < TOL * logits.abs().max()  # different batching
