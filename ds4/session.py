@@ -13,8 +13,8 @@ forward catches the MTP cache up on its rows (no LM head); `mtp_draft` then draf
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -216,7 +216,7 @@ class Session:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every logical state tensor (rows a future token may read), by name, for equality tests."""
-        args, pos, W = self.model.args, self.pos, self.model.args.window
+        pos, W = self.pos, self.model.args.window
         p = torch.arange(max(0, pos - W), pos)
         out = {"pos": torch.tensor([pos])}
         for i, c in enumerate(self.caches):

@@ -18,10 +18,10 @@ from models.deepseek_v4 import ModelArgs, model_shapes
 from models.mtp import mtp_shapes
 from ops.quants import QTensor
 
-TINY = dict(n_layers=6, dim=128, vocab_size=512, n_heads=4, head_dim=80, rope_dim=16, q_lora_rank=64,
-            o_lora_rank=32, o_groups=2, n_experts=8, n_experts_used=2, moe_inter_dim=64, n_hash_layers=3,
-            window=16, index_n_heads=4, index_head_dim=32, index_topk=4, original_ctx=64,
-            compress_ratios=(0, 0, 4, 16, 4, 16))
+TINY = {"n_layers": 6, "dim": 128, "vocab_size": 512, "n_heads": 4, "head_dim": 80, "rope_dim": 16,
+        "q_lora_rank": 64, "o_lora_rank": 32, "o_groups": 2, "n_experts": 8, "n_experts_used": 2,
+        "moe_inter_dim": 64, "n_hash_layers": 3, "window": 16, "index_n_heads": 4, "index_head_dim": 32,
+        "index_topk": 4, "original_ctx": 64, "compress_ratios": (0, 0, 4, 16, 4, 16)}
 
 
 def tiny_metadata(**sizes) -> dict:

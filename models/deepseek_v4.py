@@ -9,8 +9,9 @@ contiguous block of tokens layer-major, writing their rows into those caches.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +93,7 @@ class ModelArgs:
     f16_cache: bool = False        # round stored KV/indexer rows to F16 as ds4's CPU path does
 
     @classmethod
-    def from_metadata(cls, md: Mapping[str, Any], **switches: Any) -> "ModelArgs":
+    def from_metadata(cls, md: Mapping[str, Any], **switches: Any) -> ModelArgs:
         """Build from GGUF metadata; a missing or inconsistent key raises ModelFileError naming it."""
         values = {}
         for name, key in _KEYS.items():
@@ -213,7 +214,7 @@ def bind(weights: Mapping[str, QTensor], shapes: dict[str, tuple[int, ...]], pre
         t = weights[name]
         if tuple(t.shape) != shape:
             raise ModelFileError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
-        short = name[len(prefix):] if name.startswith(prefix) else name
+        short = name.removeprefix(prefix)
         bound[short] = t.dequantize() if name.endswith(SMALL) else t
     return bound
 
@@ -260,7 +261,7 @@ class DeepseekV4:
                                                i < args.n_hash_layers, args.clamp(i)))
 
     @classmethod
-    def from_gguf(cls, path: str, ops: OpSet | None = None, **switches: Any) -> "DeepseekV4":
+    def from_gguf(cls, path: str, ops: OpSet | None = None, **switches: Any) -> DeepseekV4:
         """Load from a ds4-layout GGUF (memory-mapped; weights stay in their stored blocks)."""
         from ds4 import gguf
         f = gguf.open(path)

@@ -10,7 +10,8 @@ Recursive drafting feeds back the head's own output state (before its HC head).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ class MTPHead:
         self.block = trunk.make_block(w, 0, False, self.args.clamp(self.args.n_layers))
 
     @classmethod
-    def from_gguf(cls, trunk: DeepseekV4, path: str) -> "MTPHead":
+    def from_gguf(cls, trunk: DeepseekV4, path: str) -> MTPHead:
         """Load `mtp.0.*` from ds4's separate MTP GGUF."""
         from ds4 import gguf
         f = gguf.open(path)

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
+from backends.registry import OpSet
 from ds4.errors import ModelFileError
 from ds4.tiny import tiny_model_weights, write_tiny
-from backends.registry import OpSet
 from models.deepseek_v4 import DeepseekV4, ModelArgs
 from ops.moe import select_experts
 
@@ -17,7 +17,7 @@ def tiny():
 
 
 def logits_of(model, ids):
-    X, logits = model.forward(torch.tensor(ids), 0, model.new_caches(64, 64), torch.tensor([len(ids) - 1]))
+    _, logits = model.forward(torch.tensor(ids), 0, model.new_caches(64, 64), torch.tensor([len(ids) - 1]))
     return logits[0]
 
 

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
+from backends.registry import OpSet
 from ds4.errors import UsageError
 from ds4.session import Session
 from ds4.tiny import tiny_model_weights
-from backends.registry import OpSet
 from models.deepseek_v4 import DeepseekV4, ModelArgs
 from models.mtp import MTPHead
 
