@@ -184,7 +184,7 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
     metrics.generated_tokens += 1
     yield first
     left = max_tokens - 1
-    plain_next = False
+    plain_next = not continuous   # the older cycle: a standalone decode of `first`, then a verify
     while left > 0 and first != eos_id and session.pos < session.ctx:
         depth = 0
         if draft and not plain_next and gate.allow(metrics):
@@ -215,7 +215,7 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
             yield token
         left -= len(out)
         first = out[-1]
-        plain_next = bool(draft) and not continuous and not plain_next
+        plain_next = not continuous and not plain_next
 
 
 def record_cycle(metrics: SpecMetrics, drafted: int, accepted: int) -> None:
