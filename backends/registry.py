@@ -5,7 +5,8 @@ Resolution for an `OpSet(backend=..., overrides=...)`:
 - an explicit backend that cannot run here raises `BackendUnavailable` (never a silent fallback);
 - an explicit backend that lacks an op serves it with the reference unless `strict=True`,
   and `report()` shows that fallback;
-- `auto` picks the first runnable backend in `AUTO_ORDER` that has the op, else the reference.
+- `auto` picks the first runnable backend in `AUTO_ORDER` that has the op, else the reference;
+  it never picks Triton under the CPU interpreter (far slower than the reference).
 Per-op overrides (`{"qmatmul": "torch"}` or `DS4_OPS=qmatmul:torch,moe:triton`) pin single ops.
 """
 from __future__ import annotations
@@ -93,6 +94,14 @@ def backend_status(backend: str) -> tuple[bool, str]:
     return True, ""
 
 
+def interpreted(backend: str) -> bool:
+    """True when `backend` would run under the Triton CPU interpreter: tests ask for it, `auto` never picks it."""
+    if backend != "triton":
+        return False
+    import torch
+    return not torch.cuda.is_available()
+
+
 def implementations(op: str) -> dict[str, Impl]:
     """Every implementation of `op` that is registered, importing runnable backends first."""
     reference(op)
@@ -137,7 +146,7 @@ class OpSet:
         wanted = self.overrides.get(op, self.backend)
         impls = implementations(op)
         if wanted == "auto":
-            runnable = [b for b in AUTO_ORDER if b in impls and backend_status(b)[0]]
+            runnable = [b for b in AUTO_ORDER if b in impls and backend_status(b)[0] and not interpreted(b)]
             impl, note = impls[runnable[0]], "auto"
         elif wanted in impls:
             impl, note = impls[wanted], "requested"

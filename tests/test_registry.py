@@ -48,3 +48,15 @@ def test_override_pins_one_op(monkeypatch):
 def test_unknown_op_attribute():
     with pytest.raises(AttributeError, match="no op named"):
         registry.OpSet(backend="torch").not_an_op
+
+
+def test_auto_never_picks_the_triton_interpreter(monkeypatch):
+    monkeypatch.setitem(registry._IMPLS, "rms_norm", {
+        "torch": registry.Impl("rms_norm", "torch", lambda x: "ref"),
+        "triton": registry.Impl("rms_norm", "triton", lambda x: "kernel")})
+    monkeypatch.setattr(registry, "backend_status", lambda b: (True, ""))
+    monkeypatch.setattr(registry, "interpreted", lambda b: b == "triton")
+    assert registry.OpSet(backend="auto").rms_norm(0) == "ref"
+    assert registry.OpSet(backend="triton").rms_norm(0) == "kernel"
+    monkeypatch.setattr(registry, "interpreted", lambda b: False)
+    assert registry.OpSet(backend="auto").rms_norm(0) == "kernel"
