@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from tqdm import tqdm
+
 from backends.registry import OpSet
 from ds4 import gguf
 from ds4.errors import ModelFileError, UsageError
@@ -114,6 +116,9 @@ class Engine:
             raise UsageError("--mtp-draft needs an MTP head: pass --mtp PATH (mtp_path=...)")
         self.stats = stats = RunStats(prompt_tokens=len(ids))
         decoder = StreamDecoder(self.tokenizer)
+        bar = tqdm(total=len(ids), desc="prefill", unit="tok", disable=len(ids) <= session.prefill_chunk,
+                   leave=False)
+        session.on_chunk = bar.update
         t0 = time.perf_counter()
         stream = generate_ids(session, ids, max_tokens=max_tokens, sampler=sampler, eos_id=self.tokenizer.eos_id,
                               draft=mtp_draft, strict=strict, continuous=continuous, spec_log=spec_log,
@@ -122,6 +127,8 @@ class Engine:
             now = time.perf_counter()
             if n == 0:
                 stats.prefill_s, t1 = now - t0, now
+                bar.close()
+                session.on_chunk = None
             stats.generated_tokens, stats.decode_s = n + 1, now - t1
             stats.counters = dict(session.counters)
             yield Token(token, decoder.push(token))
@@ -147,8 +154,11 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     if ctx < 2 or prefill_chunk < 1:
         raise UsageError(f"--ctx must be >= 2 and --prefill-chunk >= 1 (got {ctx}, {prefill_chunk})")
     opset = OpSet(backend, ops, strict=strict_backend)
-    f = gguf.open(model_path)
-    model = DeepseekV4.from_gguf(model_path, opset, **switches)
-    tokenizer = Tokenizer.from_metadata(f.metadata)
-    mtp = MTPHead.from_gguf(model, mtp_path) if mtp_path else None
+    with tqdm(total=3, desc="loading", unit="step", leave=False) as bar:
+        model = DeepseekV4.from_gguf(model_path, opset, **switches)
+        bar.update()
+        tokenizer = Tokenizer.from_metadata(gguf.open(model_path).metadata)
+        bar.update()
+        mtp = MTPHead.from_gguf(model, mtp_path) if mtp_path else None
+        bar.update()
     return Engine(model, tokenizer, mtp, ctx=ctx, prefill_chunk=prefill_chunk, paths=(model_path, mtp_path))

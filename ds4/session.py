@@ -13,7 +13,7 @@ forward catches the MTP cache up on its rows (no LM head); `mtp_draft` then draf
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +54,7 @@ class Session:
         self.trunk_tail: torch.Tensor | None = None  # H_{pos-1}
         self.mtp_tail: torch.Tensor | None = None    # MTP output state of row pos-1
         self.counters: Counter[str] = Counter()  # forward_rows, lm_head_rows, mtp_rows, mtp_lm_head_rows
+        self.on_chunk: Callable[[int], None] | None = None  # called with each forward chunk's size (progress)
 
     @property
     def pos(self) -> int:
@@ -92,6 +93,8 @@ class Session:
             chunk = ids_t[s:s + self.prefill_chunk]
             local = rows_t[(rows_t >= s) & (rows_t < s + len(chunk))] - s
             out.append(self._forward_chunk(chunk, local if len(local) else None, mtp_min))
+            if self.on_chunk:
+                self.on_chunk(len(chunk))
         logits = [x for x in out if x is not None]
         return torch.cat(logits) if logits else None
 
