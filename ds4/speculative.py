@@ -23,8 +23,9 @@ Draft depth is clamped to the verify capacity (session chunk − 1), the context
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 import torch
 

@@ -21,7 +21,7 @@ from ds4.tiny import tiny_model_weights
 from models.deepseek_v4 import DeepseekV4, ModelArgs
 from models.mtp import MTPHead
 
-SIZES = dict(n_layers=2, compress_ratios=(4, 16), n_hash_layers=1)
+SIZES = {"n_layers": 2, "compress_ratios": (4, 16), "n_hash_layers": 1}
 DEFAULT_CHUNK = 16
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 import torch
 
 from ds4.sampling import Sampler, SamplingParams
-from ds4.speculative import AdaptiveDepth, PROBE_SKIP, ProbeGate, SpecMetrics, accept_or_resample
+from ds4.speculative import (
+    PROBE_SKIP,
+    AdaptiveDepth,
+    ProbeGate,
+    SpecMetrics,
+    accept_or_resample,
+)
 
 TRIALS = 40_000
 TOLERANCE = 0.02   # total-variation distance; sampling noise at 40k draws over 6 tokens is about 0.005
