@@ -8,20 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from ops.quants.mxfp4 import round_e2m1
+
 BATCH_INVARIANT = True
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
-
-
-def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round float32 values to the nearest E2M1 value (ties to the even grid index); |x| must be <= 6."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32)
-    ax = x.abs()
-    lo = (torch.bucketize(ax, grid, right=True) - 1).clamp(0, len(grid) - 1)
-    hi = (lo + 1).clamp(max=len(grid) - 1)
-    d_lo, d_hi = ax - grid[lo], grid[hi] - ax
-    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
-    return torch.copysign(torch.where(pick_hi, grid[hi], grid[lo]), x)
 
 
 def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -30,4 +20,4 @@ def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     b = x.to(torch.float32).reshape(*shape[:-1], shape[-1] // block, block)
     amax = b.abs().amax(-1, keepdim=True).clamp(min=E2M1_MAX * 2.0**-126)
     scale = torch.exp2(torch.ceil(torch.log2(amax / E2M1_MAX)))
-    return (round_e2m1((b / scale).clamp(-E2M1_MAX, E2M1_MAX)) * scale).reshape(shape)
+    return (round_e2m1(b / scale) * scale).reshape(shape)

@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from ops.quants.fp8_e4m3 import E4M3_MAX, round_e4m3
+
 BATCH_INVARIANT = True
-E4M3_MAX = 448.0
-
-
-def round_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Round float32 values to the nearest E4M3FN value (ties to even); |x| must be <= 448."""
-    return x.to(torch.float8_e4m3fn).to(torch.float32)
 
 
 def fp8_sim(x: torch.Tensor, block: int = 64) -> torch.Tensor:
@@ -24,4 +20,4 @@ def fp8_sim(x: torch.Tensor, block: int = 64) -> torch.Tensor:
     b = x.to(torch.float32).reshape(*shape[:-1], shape[-1] // block, block)
     amax = b.abs().amax(-1, keepdim=True).clamp(min=1e-4)
     scale = torch.exp2(torch.ceil(torch.log2(amax / E4M3_MAX)))
-    return (round_e4m3((b / scale).clamp(-E4M3_MAX, E4M3_MAX)) * scale).reshape(shape)
+    return (round_e4m3(b / scale) * scale).reshape(shape)
