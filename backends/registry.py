@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ds4.errors import BackendUnavailable
 

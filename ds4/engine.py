@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -116,13 +117,13 @@ class Engine:
             raise UsageError("--mtp-draft needs an MTP head: pass --mtp PATH (mtp_path=...)")
         self.stats = stats = RunStats(prompt_tokens=len(ids))
         decoder = StreamDecoder(self.tokenizer)
-        bar = tqdm(total=len(ids), desc="prefill", unit="tok", disable=len(ids) <= session.prefill_chunk,
-                   leave=False)
+        long_prompt = len(ids) > session.prefill_chunk
+        bar = tqdm(total=len(ids), desc="prefill", unit="tok", leave=False, disable=None if long_prompt else True)
         session.on_chunk = bar.update
         t0 = time.perf_counter()
         stream = generate_ids(session, ids, max_tokens=max_tokens, sampler=sampler, eos_id=self.tokenizer.eos_id,
                               draft=mtp_draft, strict=strict, continuous=continuous, spec_log=spec_log,
-                              metrics=stats.spec)
+                              metrics=stats.spec, on_logits=on_logits)
         for n, token in enumerate(stream):
             now = time.perf_counter()
             if n == 0:
@@ -154,7 +155,7 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     if ctx < 2 or prefill_chunk < 1:
         raise UsageError(f"--ctx must be >= 2 and --prefill-chunk >= 1 (got {ctx}, {prefill_chunk})")
     opset = OpSet(backend, ops, strict=strict_backend)
-    with tqdm(total=3, desc="loading", unit="step", leave=False) as bar:
+    with tqdm(total=3, desc="loading", unit="step", leave=False, disable=None) as bar:
         model = DeepseekV4.from_gguf(model_path, opset, **switches)
         bar.update()
         tokenizer = Tokenizer.from_metadata(gguf.open(model_path).metadata)

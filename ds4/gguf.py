@@ -132,8 +132,8 @@ def _parse(buf: Any, path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]
         if key in metadata:
             raise cur.fail(f"duplicate key {key}")
         vtype = cur.value_type(key)
-        metadata[key] = _read_value(cur, key, vtype)
-        if key == "general.alignment" and (vtype != VT.UINT32 or not metadata[key] or metadata[key] & (metadata[key] - 1)):
+        value = metadata[key] = _read_value(cur, key, vtype)
+        if key == "general.alignment" and (vtype != VT.UINT32 or not value or value & (value - 1)):
             raise cur.fail("general.alignment must be a non-zero power of two stored as UINT32")
     entries = {}
     for i in range(n_tensors):

@@ -165,9 +165,11 @@ def check_draft(draft) -> int | str | None:
 def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sampler, eos_id: int | None,
                  draft: int | str | None = None, strict: bool = False, continuous: bool = True,
                  spec_log: Callable[[dict], None] | None = None, metrics: SpecMetrics | None = None,
-                 drafter: Drafter | None = None) -> Iterator[int]:
+                 drafter: Drafter | None = None,
+                 on_logits: Callable[[torch.Tensor], None] | None = None) -> Iterator[int]:
     """Prefill `prompt_ids` and yield up to `max_tokens` generated ids as they are committed, speculating
-    with `drafter` (the session's MTP head by default) when `draft` is a depth or "auto"."""
+    with `drafter` (the session's MTP head by default) when `draft` is a depth or "auto"; `on_logits`
+    gets the target logits [V] each committed token was chosen from, in order."""
     draft = check_draft(draft)
     metrics = metrics if metrics is not None else SpecMetrics()
     if drafter is None and draft and session.mtp is not None:
@@ -183,6 +185,8 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
     metrics.prefill_passes += -(-len(prompt_ids) // session.prefill_chunk)
     first = pick(session, logits[None], sampler, greedy)
     metrics.generated_tokens += 1
+    if on_logits:
+        on_logits(logits)
     yield first
     left = max_tokens - 1
     plain_next = not continuous   # the older cycle: a standalone decode of `first`, then a verify
@@ -196,7 +200,8 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
         proposal = drafter.propose(session, first, depth, sampler, eos_id) if depth else Draft([])
         metrics.mtp_passes += len(proposal.tokens)
         start = session.pos
-        accepted, nxt = verify(session, first, proposal, sampler, greedy, 1 if strict else depth + 1, metrics)
+        accepted, nxt, decided = verify(session, first, proposal, sampler, greedy,
+                                        1 if strict else depth + 1, metrics)
         committed = proposal.tokens[:accepted]
         if proposal.tokens:
             record_cycle(metrics, len(proposal.tokens), accepted)
@@ -211,8 +216,10 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
         if spec_log:
             spec_log({"pos": start, "first": first, "draft": proposal.tokens, "accepted": accepted,
                       "committed": out})
-        for token in out:
+        for token, row in zip(out, decided, strict=False):
             metrics.generated_tokens += 1
+            if on_logits:
+                on_logits(row)
             yield token
         left -= len(out)
         first = out[-1]
@@ -236,14 +243,17 @@ def pick(session, logits: torch.Tensor, sampler: Sampler, greedy: bool) -> int:
 
 
 def verify(session, first: int, proposal: Draft, sampler: Sampler, greedy: bool, rows_per_pass: int,
-           metrics: SpecMetrics) -> tuple[int, int]:
+           metrics: SpecMetrics) -> tuple[int, int, torch.Tensor]:
     """Run [first, d1..dk] through the target `rows_per_pass` rows at a time (stopping at the first
-    rejected draft) and return (drafts accepted, the target's token after them). Rows of rejected
-    drafts are left in the session for the caller to truncate."""
+    rejected draft) and return (drafts accepted, the target's token after them, the logits rows that
+    decided each committed token). Rows of rejected drafts are left in the session for the caller to
+    truncate."""
     drafts = proposal.tokens
     tokens = [first] + drafts
+    decided = []
     for lo in range(0, len(tokens), rows_per_pass):
         logits = session.forward(tokens[lo:lo + rows_per_pass])
+        decided.append(logits)
         metrics.target_forward_passes += 1
         metrics.target_rows += logits.shape[0]
         tops = row_tops(session.model.ops, logits) if greedy else None
@@ -256,7 +266,7 @@ def verify(session, first: int, proposal: Draft, sampler: Sampler, greedy: bool,
                 choice = sampler.draw(p) if i == len(drafts) else \
                     accept_or_resample(p, proposal.q[i], drafts[i], sampler)
             if choice is not None:
-                return i, choice
+                return i, choice, torch.cat(decided)[:i + 1]
     raise AssertionError("unreachable: the last row always decides")
 
 

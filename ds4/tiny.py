@@ -81,7 +81,8 @@ def tiny_model_weights(mix: str = "f32", seed: int = 0, **sizes) -> tuple[dict, 
     """(metadata, base weights, MTP weights) of a tiny random model, all in memory."""
     md = tiny_metadata(**sizes)
     args = ModelArgs.from_metadata(md)
-    return md, random_weights(model_shapes(args), args, mix, seed), random_weights(mtp_shapes(args), args, mix, seed + 1)
+    base = random_weights(model_shapes(args), args, mix, seed)
+    return md, base, random_weights(mtp_shapes(args), args, mix, seed + 1)
 
 
 def write_tiny(out: str, mtp_out: str | None = None, mix: str = "f32", seed: int = 0, **sizes) -> None:

@@ -153,7 +153,7 @@ class ModelArgs:
 def block_shapes(args: ModelArgs, prefix: str, ratio: int, hashed: bool) -> dict[str, tuple[int, ...]]:
     """PyTorch-order shapes of one decoder block's tensors (names with `prefix`, e.g. `blk.3.`)."""
     D, H, hd, S = args.dim, args.n_heads, args.head_dim, args.hc_mult
-    E, I, mix = args.n_experts, args.moe_inter_dim, (2 + S) * S
+    E, ffn, mix = args.n_experts, args.moe_inter_dim, (2 + S) * S
     shapes = {}
     for hc in ("hc_attn", "hc_ffn"):
         shapes |= {f"{hc}_fn.weight": (mix, S * D), f"{hc}_scale.weight": (3,), f"{hc}_base.weight": (mix,)}
@@ -165,10 +165,10 @@ def block_shapes(args: ModelArgs, prefix: str, ratio: int, hashed: bool) -> dict
         "attn_output_a.weight": (args.o_groups * args.o_lora_rank, H * hd // args.o_groups),
         "attn_output_b.weight": (D, args.o_groups * args.o_lora_rank),
         "ffn_gate_inp.weight": (E, D),
-        "ffn_gate_exps.weight": (E, I, D), "ffn_up_exps.weight": (E, I, D), "ffn_down_exps.weight": (E, D, I),
-        "ffn_gate_shexp.weight": (I * args.n_shared_experts, D),
-        "ffn_up_shexp.weight": (I * args.n_shared_experts, D),
-        "ffn_down_shexp.weight": (D, I * args.n_shared_experts),
+        "ffn_gate_exps.weight": (E, ffn, D), "ffn_up_exps.weight": (E, ffn, D), "ffn_down_exps.weight": (E, D, ffn),
+        "ffn_gate_shexp.weight": (ffn * args.n_shared_experts, D),
+        "ffn_up_shexp.weight": (ffn * args.n_shared_experts, D),
+        "ffn_down_shexp.weight": (D, ffn * args.n_shared_experts),
     }
     if hashed:
         shapes["ffn_gate_tid2eid.weight"] = (args.vocab_size, args.n_experts_used)
@@ -276,7 +276,8 @@ class DeepseekV4:
         a = self.args
         yarn = (a.rope_factor, a.beta_fast, a.beta_slow, a.original_ctx)
         w["ratio"], w["hashed"], w["clamp"] = ratio, hashed, clamp
-        w["freqs"] = rope_freqs(a.rope_dim, a.compress_rope_theta, yarn) if ratio else rope_freqs(a.rope_dim, a.rope_theta)
+        theta = a.compress_rope_theta if ratio else a.rope_theta
+        w["freqs"] = rope_freqs(a.rope_dim, theta, yarn if ratio else None)
         r = a.o_lora_rank
         w["attn_output_a_groups"] = [rows_of(w["attn_output_a.weight"], g * r, (g + 1) * r) for g in range(a.o_groups)]
         if hashed:
@@ -320,7 +321,7 @@ class DeepseekV4:
         and the logits of `logit_rows` (None: no LM head at all)."""
         pos = torch.arange(start, start + ids.shape[0])
         X = self.embed(ids)[:, None, :].repeat(1, self.args.hc_mult, 1)
-        for L, cache in zip(self.layers, caches):
+        for L, cache in zip(self.layers, caches, strict=False):
             X = self.block(L, X, ids, pos, cache)
         logits = None if logit_rows is None else self.logits(X[logit_rows], self.head_weights)
         return X, logits

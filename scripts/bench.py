@@ -4,8 +4,8 @@ qmatmul: per quant type, weight shape N x K (out x in) and row count M, the time
 effective bandwidth (weight bytes / time), its share of the device's copy bandwidth measured in the
 same run (bytes read + written by a device-to-device copy, per second), and the speed-up over the
 PyTorch baseline (dequantize, then one torch.matmul). On CUDA, calls are replayed in a CUDA graph
-over enough weight copies to defeat L2, so the figures are kernel time from DRAM. On a machine without CUDA only the torch
-reference runs, in a quick mode by default; Triton figures need a GPU.
+over enough weight copies to defeat L2, so the figures are kernel time from DRAM. On a machine
+without CUDA only the torch reference runs, in a quick mode by default; Triton figures need a GPU.
 """
 from __future__ import annotations
 
@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--csv", action="store_true", help="print CSV instead of a table")
         p.add_argument("--quick", action=argparse.BooleanOptionalAction, default=not on_gpu,
                        help="one repetition and fewer shapes and row counts (default on CPU)")
-        p.add_argument("--reps", type=int, default=None, help="timed calls per measurement on CPU (on CUDA do_bench picks them)")
+        p.add_argument("--reps", type=int, default=None,
+                       help="timed calls per measurement on CPU (on CUDA do_bench picks them)")
     args = parser.parse_args(argv)
     if args.reps is None:
         args.reps = 1 if args.quick else 50

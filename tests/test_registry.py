@@ -30,7 +30,7 @@ def test_fallback_is_reported_and_strict_refuses(monkeypatch):
     assert ops.report()["rms_norm"] == {"backend": "torch", "how": "fallback: mlx has no rms_norm",
                                         "calls": 1, "batch_invariant": False}
     with pytest.raises(BackendUnavailable, match="strict"):
-        registry.OpSet(backend="mlx", strict=True).rms_norm
+        registry.OpSet(backend="mlx", strict=True).rms_norm(0)
 
 
 def test_override_pins_one_op(monkeypatch):
@@ -47,7 +47,7 @@ def test_override_pins_one_op(monkeypatch):
 
 def test_unknown_op_attribute():
     with pytest.raises(AttributeError, match="no op named"):
-        registry.OpSet(backend="torch").not_an_op
+        registry.OpSet(backend="torch").not_an_op(0)
 
 
 def test_auto_never_picks_the_triton_interpreter(monkeypatch):

@@ -33,7 +33,8 @@ def test_seed_reproduces_and_differs():
     a = Sampler(SamplingParams(temperature=1.0, seed=7))
     b = Sampler(SamplingParams(temperature=1.0, seed=7))
     c = Sampler(SamplingParams(temperature=1.0, seed=8))
-    seq = lambda s: [s.sample(logits) for _ in range(40)]
+    def seq(s):
+        return [s.sample(logits) for _ in range(40)]
     sa, sb, sc = seq(a), seq(b), seq(c)
     assert sa == sb and sa != sc
 

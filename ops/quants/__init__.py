@@ -5,8 +5,8 @@ Porting a type = one file in this folder defining `QTYPE` + one line in `_MODULE
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -61,7 +61,7 @@ class QTensor:
         return self.qtype.dequantize(blocks).reshape(self.shape)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, qtype: QuantType | str, name: str = "") -> "QTensor":
+    def quantize(cls, weight: torch.Tensor, qtype: QuantType | str, name: str = "") -> QTensor:
         """Quantize a float weight row by row into `qtype` blocks."""
         qt = get(qtype) if isinstance(qtype, str) else qtype
         w = weight.detach().to(torch.float32).contiguous()

@@ -47,7 +47,8 @@ def from_official(weight_e4m3: torch.Tensor, scale: torch.Tensor, name: str = ""
     """Official FP8 weight (e4m3fn/uint8 `[out, in]`, scale `[ceil(out/128), ceil(in/128)]` f32/e8m0) -> QTensor."""
     label = name or "FP8 weight"
     if weight_e4m3.dim() != 2 or scale.dim() != 2:
-        raise ModelFileError(f"{label}: expected a 2-D weight and scale, got {tuple(weight_e4m3.shape)}, {tuple(scale.shape)}")
+        raise ModelFileError(f"{label}: expected a 2-D weight and scale, "
+                             f"got {tuple(weight_e4m3.shape)}, {tuple(scale.shape)}")
     n_out, n_in = weight_e4m3.shape
     if n_in % BLOCK or tuple(scale.shape) != (math.ceil(n_out / BLOCK), n_in // BLOCK):
         raise ModelFileError(
