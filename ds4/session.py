@@ -123,7 +123,8 @@ class Session:
             states, first = X, start
         j0 = max(first, mtp_min)
         keep = j0 - first
-        if j0 >= self.pos:
+        if j0 >= self.pos:  # no row to write: the MTP window restarts after these tokens
+            self.mtp_from = self.pos
             return
         if j0 != start or start < self.mtp_from:
             self.mtp_from = j0
