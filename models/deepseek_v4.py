@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from backends.registry import OpSet
 from ds4.errors import ModelFileError
+from ops.hc_pre import sigmoid_rows
+from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 from ops.rope_tail import rope_freqs
 
@@ -219,6 +221,11 @@ def bind(weights: Mapping[str, QTensor], shapes: dict[str, tuple[int, ...]], pre
     return bound
 
 
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer scores [M, n] = Σ_h w_h · relu(q_h · key) for queries q [M, Hi, di], keys [n, di]."""
+    return (torch.einsum("mhd,nd->mhn", q, keys).relu() * w[:, :, None]).sum(1)
+
+
 def rows_of(w: QTensor, start: int, stop: int) -> QTensor:
     """Zero-copy view of output rows [start, stop) of a 2-D QTensor."""
     return QTensor(w.qtype, (stop - start, w.shape[1]), w.data[start:stop], f"{w.name}[{start}:{stop}]")
@@ -330,7 +337,7 @@ class DeepseekV4:
         """HC collapse, final norm and the LM head on HC states [M, S, D] -> [M, vocab]."""
         a, ops = self.args, self.ops
         m = ops.qmatmul(ops.rms_norm(X.flatten(1), None, a.rms_eps), head["fn"])
-        w = torch.sigmoid(m * head["scale"] + head["base"]) + a.hc_eps
+        w = sigmoid_rows(m * head["scale"] + head["base"]) + a.hc_eps
         x = w[:, 0, None] * X[:, 0]
         for h in range(1, X.shape[1]):
             x = x + w[:, h, None] * X[:, h]
@@ -434,10 +441,13 @@ class DeepseekV4:
         q = self.index_sim(q)
         w = ops.qmatmul(a_in, L["indexer.proj.weight"]) / math.sqrt(Hi * di)
         keys = cache.index_rows[:int(visible.max())]
-        scores = torch.empty(M, keys.shape[0])
-        for s in range(0, M, INDEXER_QUERY_BLOCK):
-            qk = torch.einsum("mhd,nd->mhn", q[s:s + INDEXER_QUERY_BLOCK], keys).relu()
-            scores[s:s + INDEXER_QUERY_BLOCK] = (qk * w[s:s + INDEXER_QUERY_BLOCK, :, None]).sum(1)
+        if M <= SMALL_M:  # batch-invariant: each row is scored alone, over exactly the keys it sees
+            scores = torch.full((M, keys.shape[0]), float("-inf"))
+            for r, n in enumerate(visible.tolist()):
+                scores[r, :n] = index_scores(q[r:r + 1], keys[:n], w[r:r + 1])[0]
+        else:
+            B = INDEXER_QUERY_BLOCK
+            scores = torch.cat([index_scores(q[s:s + B], keys, w[s:s + B]) for s in range(0, M, B)])
         return ops.indexer_topk(scores, args.index_topk, visible)
 
     def ffn(self, L: dict[str, Any], x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,10 @@ class MTPHead:
         a, ops = self.args, self.ops
         e = ops.qmatmul(ops.rms_norm(self.trunk.embed(ids), self.enorm, a.rms_eps), self.e_proj)
         M, S, D = states.shape
-        h = ops.qmatmul(ops.rms_norm(states.reshape(M * S, D), self.hnorm, a.rms_eps), self.h_proj)
-        X = h.view(M, S, D) + e[:, None, :]
+        # one M-row product per stream (not one of M·S rows): batch-invariant while M <= SMALL_M
+        h = torch.stack([ops.qmatmul(ops.rms_norm(states[:, i], self.hnorm, a.rms_eps), self.h_proj)
+                         for i in range(S)], dim=1)
+        X = h + e[:, None, :]
         pos = torch.arange(start, start + M)
         X = self.trunk.block(self.block, X, ids, pos, cache, valid_from)
         logits = None if logit_rows is None else self.trunk.logits(X[logit_rows], self.head_weights)

@@ -3,13 +3,24 @@
 Contract: `hc_pre(X [M, S, D], mixes [M, 2S + S²], scale [3], base [2S + S²], iters, eps)
 -> (x [M, D], post [M, S], comb [M, S, S])`, where `mixes = fn · RMS(flat X)` (model-spec §3.2):
 `pre = σ(m[:S]·s0 + b) + eps`, `post = 2σ(m[S:2S]·s1 + b)`, `comb = sinkhorn(m[2S:]·s2 + b)` and
-`x = Σ_h pre_h X_h` (summed in stream order). Row-wise, so batch-invariant.
+`x = Σ_h pre_h X_h` (summed in stream order). Row-wise, so batch-invariant; for M <= SMALL_M the
+sigmoids run one row at a time (`sigmoid_rows`) because torch's vectorized and scalar-tail sigmoid
+round differently, so a [M, S] sigmoid would depend on M.
 """
 from __future__ import annotations
 
 import torch
 
+from ops.qmatmul import SMALL_M
+
 BATCH_INVARIANT = True
+
+
+def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
+    """Sigmoid computed as 1-row calls would compute it when x has <= SMALL_M rows (batch-invariant)."""
+    if x.shape[0] > SMALL_M:
+        return torch.sigmoid(x)
+    return torch.cat([torch.sigmoid(row) for row in x.split(1)])
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -26,8 +37,8 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
            iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sub-layer input, post weights and Sinkhorn combination matrix from the HC state `X`."""
     S = X.shape[1]
-    pre = torch.sigmoid(mixes[:, :S] * scale[0] + base[:S]) + eps
-    post = 2 * torch.sigmoid(mixes[:, S:2 * S] * scale[1] + base[S:2 * S])
+    pre = sigmoid_rows(mixes[:, :S] * scale[0] + base[:S]) + eps
+    post = 2 * sigmoid_rows(mixes[:, S:2 * S] * scale[1] + base[S:2 * S])
     comb = sinkhorn((mixes[:, 2 * S:] * scale[2] + base[2 * S:]).reshape(-1, S, S), iters, eps)
     x = pre[:, 0, None] * X[:, 0]
     for h in range(1, S):

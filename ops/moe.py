@@ -8,14 +8,21 @@ clamp, ops) -> [M, D]` float32 (model-spec §3.7 steps 2-5).
 - weights `w = p_S / max(Σ p_S, 6.1035e-5) · route_scale` (no division when `normalize` is False).
 - each expert adds `down · (silu(min(g, clamp)) · clamp(u, ±clamp) · w)` with `g = gate·x`, `u = up·x`.
 Matmuls go through `ops.qmatmul` on per-expert views of the stored blocks (nothing is dequantized
-whole). Not declared batch-invariant: each expert's matmul sees the rows routed to it.
+whole).
+Batch-invariant for M <= SMALL_M (`BATCH_INVARIANT`, the decode and speculative-verify regime): such
+calls run each row as its own 1-row call, so neither the rows routed to the same expert nor the length
+of elementwise ops (torch's vectorized and scalar-tail softplus/silu round differently) depend on the
+other rows. Larger M groups each expert's rows into one matmul, whose rounding may depend on M.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
+
+BATCH_INVARIANT = True
 
 
 def expert(w: QTensor, e: int) -> QTensor:
@@ -33,6 +40,10 @@ def moe(x: torch.Tensor, router: QTensor, bias: torch.Tensor | None, hash_expert
         gate: QTensor, up: QTensor, down: QTensor, top_k: int, route_scale: float, normalize: bool,
         clamp: float, ops) -> torch.Tensor:
     """Routed-expert output of each row of `x` (shared expert not included)."""
+    if 1 < x.shape[0] <= SMALL_M:
+        return torch.cat([moe(x[r:r + 1], router, bias, None if hash_experts is None else hash_experts[r:r + 1],
+                              gate, up, down, top_k, route_scale, normalize, clamp, ops)
+                          for r in range(x.shape[0])])
     p = torch.sqrt(F.softplus(ops.qmatmul(x, router)))
     chosen = hash_experts if hash_experts is not None else select_experts(p, bias, top_k)
     w = p.gather(1, chosen)
