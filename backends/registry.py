@@ -168,6 +168,13 @@ class OpSet:
 
         return call
 
+    def batch_invariant(self) -> bool:
+        """Whether every op resolves to a batch-invariant implementation (bit-exact rows for M <= 16)."""
+        try:
+            return all(self.resolve(op)[0].batch_invariant for op in OPS)
+        except BackendUnavailable:
+            return False
+
     def report(self) -> dict[str, dict]:
         """For each op called so far: backend that served it, how it was chosen, and call count."""
         out = {}

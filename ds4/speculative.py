@@ -8,18 +8,20 @@ the next cycle's `first`. The session is truncated to the committed tokens (MTP 
 state equals a session that only ever saw them.
 
 Modes:
-- fast (default): batched verify; near-greedy (commits the argmax of batched logits, which can differ from
-  a one-row decode only at exact-tie precision).
-- strict: exact per-token verification — each row is a one-row decode, stopping at the first mismatch, so
-  the committed tokens are bit-identical to plain greedy decode at every depth and prefill chunk. The
-  reference `sparse_attention`, `moe` and the indexer's score reduction are not batch-invariant, so a
-  batched strict verify could not be proven exact; see README "MTP speculative decoding".
+- fast (default): batched verify; commits the argmax of batched logits. With batch-invariant ops (the
+  reference ops for verifies of <= SMALL_M rows) these equal one-row decode bit for bit; otherwise they
+  can differ from plain greedy only at exact-tie precision (near-greedy).
+- strict: committed tokens are bit-identical to plain greedy decode at every depth and prefill chunk.
+  When every op the session's OpSet resolves is batch-invariant (`OpSet.batch_invariant()`), the verify
+  is the same single batched pass (<= SMALL_M rows); otherwise it falls back to exact per-token
+  verification — one one-row decode per row, stopping at the first mismatch (no passes saved).
 - `continuous=False`: ds4's older cycle, a standalone one-row decode of `first` before every draft.
 - sampled (temperature > 0): speculative sampling, accept d with probability min(1, p(d)/q(d)), resample
   from max(0, p − q) on reject — the committed stream has exactly the target's filtered distribution.
   A draft with no accepted token arms a skip of the next 15 probes (seed 002); an accepted one resets it.
 - `draft="auto"`: depth from live per-position acceptance.
-Draft depth is clamped to the verify capacity (session chunk − 1), the context left and the token budget.
+Draft depth is clamped to the verify capacity (min(session chunk, SMALL_M) − 1 for a batched verify,
+the chunk for per-token strict verify), the context left and the token budget.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import torch
 
 from ds4.errors import UsageError
 from ds4.sampling import Sampler
+from ops.qmatmul import SMALL_M
 
 MAX_DRAFT = 16        # deepest draft a cycle may verify
 PROBE_SKIP = 15       # probes skipped after a sampled draft is rejected whole (seed 002)
@@ -177,6 +180,7 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
     if drafter is None:
         draft = None
     greedy = sampler.params.greedy
+    batched = not strict or session.model.ops.batch_invariant()   # strict batches only when that is exact
     adaptive = AdaptiveDepth() if draft == "auto" else None
     gate = ProbeGate()
     if max_tokens <= 0:
@@ -194,14 +198,15 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
         depth = 0
         if draft and not plain_next and gate.allow(metrics):
             wanted = adaptive.depth() if adaptive else draft
-            # seed 000: a batched verify of depth+1 rows must fit the prefill chunk (the rings' slack)
-            capacity = session.prefill_chunk if strict else session.prefill_chunk - 1
+            # seed 000: a batched verify of depth+1 rows must fit the prefill chunk (the rings' slack),
+            # and SMALL_M rows (the batch-invariant regime)
+            capacity = min(session.prefill_chunk, SMALL_M) - 1 if batched else session.prefill_chunk
             depth = max(0, min(wanted, capacity, left - 1, session.ctx - session.pos - 1))
         proposal = drafter.propose(session, first, depth, sampler, eos_id) if depth else Draft([])
         metrics.mtp_passes += len(proposal.tokens)
         start = session.pos
         accepted, nxt, decided = verify(session, first, proposal, sampler, greedy,
-                                        1 if strict else depth + 1, metrics)
+                                        depth + 1 if batched else 1, metrics)
         committed = proposal.tokens[:accepted]
         if proposal.tokens:
             record_cycle(metrics, len(proposal.tokens), accepted)

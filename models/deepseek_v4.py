@@ -221,9 +221,23 @@ def bind(weights: Mapping[str, QTensor], shapes: dict[str, tuple[int, ...]], pre
     return bound
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def score_block(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Lightning-indexer scores [M, n] = Σ_h w_h · relu(q_h · key) for queries q [M, Hi, di], keys [n, di]."""
     return (torch.einsum("mhd,nd->mhn", q, keys).relu() * w[:, :, None]).sum(1)
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Scores [M, n] of the keys each query sees (columns >= visible[m] are left for indexer_topk to mask).
+    Batch-invariant for M <= SMALL_M: each row is scored alone over exactly its visible keys, as a decode
+    scores it; larger M is scored in blocks of INDEXER_QUERY_BLOCK queries over all n keys."""
+    M = q.shape[0]
+    if M > SMALL_M:
+        B = INDEXER_QUERY_BLOCK
+        return torch.cat([score_block(q[s:s + B], keys, w[s:s + B]) for s in range(0, M, B)])
+    scores = torch.full((M, keys.shape[0]), float("-inf"))
+    for r, n in enumerate(visible.tolist()):
+        scores[r, :n] = score_block(q[r:r + 1], keys[:n], w[r:r + 1])[0]
+    return scores
 
 
 def rows_of(w: QTensor, start: int, stop: int) -> QTensor:
@@ -440,14 +454,7 @@ class DeepseekV4:
         q = ops.rope_tail(ops.qmatmul(q_lat, L["indexer.attn_q_b.weight"]).view(M, Hi, di), pos, L["freqs"])
         q = self.index_sim(q)
         w = ops.qmatmul(a_in, L["indexer.proj.weight"]) / math.sqrt(Hi * di)
-        keys = cache.index_rows[:int(visible.max())]
-        if M <= SMALL_M:  # batch-invariant: each row is scored alone, over exactly the keys it sees
-            scores = torch.full((M, keys.shape[0]), float("-inf"))
-            for r, n in enumerate(visible.tolist()):
-                scores[r, :n] = index_scores(q[r:r + 1], keys[:n], w[r:r + 1])[0]
-        else:
-            B = INDEXER_QUERY_BLOCK
-            scores = torch.cat([index_scores(q[s:s + B], keys, w[s:s + B]) for s in range(0, M, B)])
+        scores = index_scores(q, cache.index_rows[:int(visible.max())], w, visible)
         return ops.indexer_topk(scores, args.index_topk, visible)
 
     def ffn(self, L: dict[str, Any], x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
