@@ -20,6 +20,7 @@ from ds4.speculative import Draft, SpecMetrics, generate_ids
 from ds4.tiny import tiny_model_weights
 from models.deepseek_v4 import DeepseekV4, ModelArgs
 from models.mtp import MTPHead
+from ops.qmatmul import SMALL_M
 
 SIZES = {"n_layers": 2, "compress_ratios": (4, 16), "n_hash_layers": 1}
 DEFAULT_CHUNK = 16
@@ -89,11 +90,24 @@ def accept_kinds(log: list[dict]) -> set[str]:
             for r in log if r["draft"]}
 
 
-@pytest.mark.parametrize("chunk", (1, 3, DEFAULT_CHUNK))
-def test_strict_equals_plain_greedy(model, chunk):
+def per_token_verify(monkeypatch) -> None:
+    """Make the reference ops look not batch-invariant, so strict mode falls back to per-token verify."""
+    monkeypatch.setattr(OpSet, "batch_invariant", lambda self: False)
+
+
+@pytest.mark.parametrize("chunk, verify", ((1, "per-token"), (3, "batched"), (3, "per-token"),
+                                           (DEFAULT_CHUNK, "batched")))
+def test_strict_equals_plain_greedy(model, chunk, verify, monkeypatch):
     """Strict mode commits exactly plain greedy's tokens: 20 prompts x depths 1,2,3,4,8, with EOS inside
-    drafts, context end and max-tokens end; full, partial and zero accepts occur at every depth."""
+    drafts, context end and max-tokens end; full, partial and zero accepts occur at every depth. The
+    reference ops are batch-invariant, so strict verifies [first, d1..dk] in one batched pass; with
+    `per-token` they claim not to be and strict falls back to one-row passes. (A batched verify cannot
+    fit a 1-row chunk: there strict is plain decode, see test_prefill_chunk_1_clamps_draft.)"""
     trunk, _ = model
+    assert trunk.ops.batch_invariant()
+    if verify == "per-token":
+        per_token_verify(monkeypatch)
+    metrics = SpecMetrics()
     kinds = {depth: set() for depth in (1, 2, 3, 4, 8)}
     for i, prompt in enumerate(prompts(20)):
         ctx = len(prompt) + 4 if i % 3 == 1 else 64          # i % 3 == 1: the context ends first
@@ -106,11 +120,14 @@ def test_strict_equals_plain_greedy(model, chunk):
         for depth in kinds:
             log = []
             got = list(generate_ids(clone(base), prompt[-1:], max_tokens=7, sampler=Sampler(), eos_id=eos,
-                                    draft=depth, strict=True, spec_log=log.append,
+                                    draft=depth, strict=True, spec_log=log.append, metrics=metrics,
                                     drafter=OracleDrafter(truth, len(prompt))))
             assert got == expected, (i, chunk, depth)
-            assert all(len(r["draft"]) <= chunk for r in log)   # seed 000 clamp (MTP ring slack)
+            # seed 000 clamp: a batched verify fits the chunk, per-token verify the MTP ring slack
+            assert all(len(r["draft"]) <= (chunk - 1 if verify == "batched" else chunk) for r in log)
             kinds[depth] |= accept_kinds(log)
+    # batched: passes of several rows; per-token: one row per pass
+    assert (metrics.target_rows > metrics.target_forward_passes) == (verify == "batched")
     if chunk == DEFAULT_CHUNK:
         assert kinds[1] == {"full", "zero"}
         assert all(kinds[d] == {"full", "partial", "zero"} for d in (2, 3, 4, 8)), kinds
@@ -155,13 +172,15 @@ def test_fast_mode_teacher_forced_oracle(model, depth, monkeypatch):
     assert swapped_worst > 0.1
 
 
-@pytest.mark.parametrize("strict", (True, False))
-def test_rollback_state_equals_committed_only(model, strict):
+@pytest.mark.parametrize("verify", ("batched", "per-token"))
+def test_rollback_state_equals_committed_only(model, verify, monkeypatch):
     """After every cycle of a long run (partial accepts included) the session state — trunk rings,
-    compressor state, compressed and indexer rows, MTP cache, positions — equals a session fed only the
-    committed tokens: bit for bit in strict mode (one-row passes, like the reference); fast mode's
-    batched rows differ only by the rounding of non-batch-invariant ops (sparse_attention)."""
+    compressor state, compressed and indexer rows, MTP cache, positions — equals, tensor for tensor and
+    bit for bit, a session that only ever saw the committed tokens, fed one at a time by plain decode:
+    after fast mode's batched verifies (batch-invariant ops) and strict mode's per-token fallback."""
     trunk, mtp = model
+    if verify == "per-token":
+        per_token_verify(monkeypatch)
     prompt = prompts(1, seed=2)[0]
     s = Session(trunk, 128, 16, mtp)
     truth = plain_greedy(s, s.prefill(prompt), 60, None)
@@ -171,58 +190,60 @@ def test_rollback_state_equals_committed_only(model, strict):
 
     def check(record):
         nonlocal partial
-        kept = [record["first"]] + record["committed"][:-1]
-        if strict:
-            for token in kept:
-                ref.decode(token)
-        else:
-            ref.forward(kept)
+        for token in [record["first"]] + record["committed"][:-1]:
+            ref.decode(token)
         partial += 0 < record["accepted"] < len(record["draft"])
         a, b = spec.state_tensors(), ref.state_tensors()
         assert a.keys() == b.keys() and int(a["pos"]) == int(b["pos"])
         for name in a:
-            if strict:
-                assert torch.equal(a[name], b[name]), name
-            else:
-                torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-4, msg=name)
+            assert torch.equal(a[name], b[name]), name
 
-    list(generate_ids(spec, prompt, max_tokens=60, sampler=Sampler(), eos_id=None, draft=4, strict=strict,
+    list(generate_ids(spec, prompt, max_tokens=60, sampler=Sampler(), eos_id=None, draft=4,
+                      strict=verify == "per-token",
                       spec_log=check, drafter=OracleDrafter(truth, len(prompt), use_mtp=True)))
     assert partial >= 5
 
 
 @pytest.mark.parametrize("depth", (2, 3, 8))
-def test_prefill_chunk_1_clamps_draft(model, depth):
-    """Seed 000: `--prefill-chunk 1 --mtp-draft N` runs; fast mode clamps to a 1-row verify (plain
-    decode), strict mode drafts one token per cycle, and both equal plain greedy."""
+def test_prefill_chunk_1_clamps_draft(model, depth, monkeypatch):
+    """Seed 000: `--prefill-chunk 1 --mtp-draft N` runs; fast and strict mode clamp to a 1-row verify
+    (plain decode), strict's per-token fallback drafts one token per cycle, and all equal plain greedy."""
     trunk, mtp = model
     prompt = prompts(1, seed=3)[0]
     s = Session(trunk, 64, 1, mtp)
     expected = plain_greedy(s, s.prefill(prompt), 8, None)
-    for strict in (False, True):
+    for strict, drafted in ((False, 0), (True, 0), ("per-token", 1)):
+        if strict == "per-token":
+            per_token_verify(monkeypatch)
         log, metrics = [], SpecMetrics()
         got = list(generate_ids(Session(trunk, 64, 1, mtp), prompt, max_tokens=8, sampler=Sampler(),
-                                eos_id=None, draft=depth, strict=strict, spec_log=log.append, metrics=metrics))
+                                eos_id=None, draft=depth, strict=bool(strict), spec_log=log.append,
+                                metrics=metrics))
         assert got == expected
-        assert max(len(r["draft"]) for r in log) == (1 if strict else 0)
+        assert max(len(r["draft"]) for r in log) == drafted
         assert metrics.target_rows == metrics.target_forward_passes
 
 
-def test_chunk_3_sizes_the_verify(model):
-    """With a 3-row prefill chunk a depth-8 fast verify is clamped to [first, d1, d2]."""
+def test_verify_fits_chunk_and_batch_invariant_rows(model):
+    """With a 3-row prefill chunk a depth-8 verify is clamped to [first, d1, d2]; with a large chunk a
+    depth-16 verify to SMALL_M rows (15 drafts), the regime where the ops are batch-invariant."""
     trunk, mtp = model
     prompt = prompts(1, seed=4)[0]
-    log = []
-    list(generate_ids(Session(trunk, 64, 3, mtp), prompt, max_tokens=8, sampler=Sampler(), eos_id=None,
-                      draft=8, spec_log=log.append))
-    assert max(len(r["draft"]) for r in log) == 2
+    s = Session(trunk, 64)
+    truth = plain_greedy(s, s.prefill(prompt), 18, None)
+    for chunk, depth, deepest in ((3, 8, 2), (2048, 16, SMALL_M - 1)):
+        log = []
+        list(generate_ids(Session(trunk, 64, chunk, mtp), prompt, max_tokens=18, sampler=Sampler(), eos_id=None,
+                          draft=depth, spec_log=log.append, drafter=OracleDrafter(truth, len(prompt), errors=False)))
+        assert max(len(r["draft"]) for r in log) == deepest
 
 
-def passes_per_token(trunk, prompt, truth, **kw) -> SpecMetrics:
-    """Metrics of a 24-token greedy run with a drafter that is always right."""
+def passes_per_token(trunk, prompt, truth, errors: bool = False, **kw) -> SpecMetrics:
+    """Metrics of a 24-token greedy run with a drafter that is always right (or wrong on a schedule)."""
     metrics = SpecMetrics()
-    list(generate_ids(Session(trunk, 128), prompt, max_tokens=24, sampler=Sampler(), eos_id=None,
-                      metrics=metrics, drafter=OracleDrafter(truth, len(prompt), errors=False), **kw))
+    out = list(generate_ids(Session(trunk, 128), prompt, max_tokens=24, sampler=Sampler(), eos_id=None,
+                            metrics=metrics, drafter=OracleDrafter(truth, len(prompt), errors=errors), **kw))
+    assert out == truth
     return metrics
 
 
@@ -266,3 +287,24 @@ def test_sampled_decoding_mtp_work(model):
     list(generate_ids(Session(trunk, 128, 16, mtp), prompt, max_tokens=16, sampler=Sampler(), eos_id=None,
                       draft=1, metrics=greedy))
     assert greedy.probes_skipped == 0 and greedy.num_drafts >= 7
+
+
+def test_strict_verify_saves_passes(model, monkeypatch):
+    """Strict mode's batched verify costs exactly fast mode's target passes: with the error-schedule
+    drafter fewer than plain decode at depths 1, 2, 4 (23 passes for 24 tokens), with a perfect drafter
+    12, 8 and 5; the per-token fallback needs at least one pass per generated token."""
+    trunk, _ = model
+    prompt = prompts(1, seed=5)[0]
+    s = Session(trunk, 128)
+    truth = plain_greedy(s, s.prefill(prompt), 24, None)
+    for depth, perfect in ((1, 12), (2, 8), (4, 5)):
+        for errors in (True, False):
+            strict = passes_per_token(trunk, prompt, truth, errors, draft=depth, strict=True)
+            fast = passes_per_token(trunk, prompt, truth, errors, draft=depth)
+            assert strict.as_dict() == fast.as_dict()
+            if errors:   # measured 16, 12, 10 passes
+                assert perfect < strict.target_forward_passes < 23
+            else:
+                assert strict.target_forward_passes == perfect
+    per_token_verify(monkeypatch)
+    assert passes_per_token(trunk, prompt, truth, draft=4, strict=True).target_forward_passes >= 23
