@@ -227,15 +227,13 @@ def score_block(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.T
 
 
 def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Scores [M, n] of the keys each query sees (columns >= visible[m] are left for indexer_topk to mask).
-    Batch-invariant for M <= SMALL_M: each row is scored alone over exactly its visible keys, as a decode
-    scores it; larger M is scored in blocks of INDEXER_QUERY_BLOCK queries over all n keys."""
+    """Scores [M, n] of the keys each query sees (columns >= visible[m] are left for indexer_topk to mask)."""
     M = q.shape[0]
-    if M > SMALL_M:
+    if M > SMALL_M:  # prefill: blocks of queries over all n keys (rounding may depend on M)
         B = INDEXER_QUERY_BLOCK
         return torch.cat([score_block(q[s:s + B], keys, w[s:s + B]) for s in range(0, M, B)])
     scores = torch.full((M, keys.shape[0]), float("-inf"))
-    for r, n in enumerate(visible.tolist()):
+    for r, n in enumerate(visible.tolist()):  # batch-invariant: each row alone over its visible keys
         scores[r, :n] = score_block(q[r:r + 1], keys[:n], w[r:r + 1])[0]
     return scores
 

@@ -4,6 +4,7 @@ and with two threads."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -119,10 +120,15 @@ def test_indexer_scores_equal_one_row_calls():
             assert torch.equal(batched[m:m + 1, :single.shape[1]], single), (M, m)
 
 
-def test_reference_opset_is_batch_invariant():
-    """Every reference op declares batch invariance, so strict speculation may verify in one pass."""
+def test_opset_batch_invariant_needs_every_op():
+    """Every reference op declares batch invariance, so strict speculation may verify in one pass; one
+    implementation that does not makes the whole OpSet not batch-invariant."""
     assert all(reference(op).batch_invariant for op in OPS)
-    assert TORCH.batch_invariant()
+    ops = OpSet("torch")
+    assert ops.batch_invariant()
+    impl, note = ops.resolve("moe")
+    ops._resolved["moe"] = (dataclasses.replace(impl, batch_invariant=False), note)
+    assert not ops.batch_invariant()
 
 
 @pytest.fixture(scope="module")
