@@ -54,6 +54,7 @@ class Session:
         self.trunk_tail: torch.Tensor | None = None  # H_{pos-1}
         self.mtp_tail: torch.Tensor | None = None    # MTP output state of row pos-1
         self.counters: Counter[str] = Counter()  # forward_rows, lm_head_rows, mtp_rows, mtp_lm_head_rows
+        self.mtp_paused = False  # True: forwards skip the MTP catch-up (no draft will read it)
         self.on_chunk: Callable[[int], None] | None = None  # called with each forward chunk's size (progress)
 
     @property
@@ -109,8 +110,10 @@ class Session:
         self.high_water = max(self.high_water, self.pos)
         self.hidden, self.hidden_start, self.trunk_tail, self.n_drafted = X, start, X[-1], 0
         self._keep_recent("trunk", start, X)
-        if self.mtp:
+        if self.mtp and not self.mtp_paused:
             self._mtp_catch_up(ids, X, previous_tail, start, mtp_min)
+        elif self.mtp:  # rows not written: the MTP window restarts after them
+            self.mtp_from = self.pos
         return logits
 
     def _mtp_catch_up(self, ids: torch.Tensor, X: torch.Tensor, previous_tail: torch.Tensor | None,
@@ -197,7 +200,8 @@ class Session:
         if n_tokens < self.pos:
             self.trunk_tail = self._row("trunk", n_tokens - 1)
             self.mtp_tail = self._row("mtp", n_tokens - 1)
-            if self.mtp and (self.trunk_tail is None or self.mtp_tail is None) and n_tokens > 0:
+            mtp_row_written = n_tokens - 1 >= self.mtp_from  # else the MTP window restarts at n_tokens
+            if self.mtp and n_tokens > 0 and (self.trunk_tail is None or self.mtp_tail is None and mtp_row_written):
                 raise UsageError(f"cannot truncate to {n_tokens} tokens: the states at position "
                                  f"{n_tokens - 1} are gone; use snapshot()/restore()")
             del self.tokens[n_tokens:]

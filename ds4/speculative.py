@@ -91,7 +91,10 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """Proposes tokens to follow `first` (chosen by the target, not yet in the session)."""
+    """Proposes tokens to follow `first` (chosen by the target, not yet in the session); `uses_mtp` says
+    whether it reads the session's MTP window (else the session skips the MTP catch-up)."""
+
+    uses_mtp: bool
 
     def propose(self, session, first: int, n: int, sampler: Sampler, eos_id: int | None) -> Draft:
         """Up to `n` guesses; stops after an EOS guess."""
@@ -185,50 +188,56 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
     gate = ProbeGate()
     if max_tokens <= 0:
         return
-    logits = session.prefill(prompt_ids)
-    metrics.prefill_passes += -(-len(prompt_ids) // session.prefill_chunk)
-    first = pick(session, logits[None], sampler, greedy)
-    metrics.generated_tokens += 1
-    if on_logits:
-        on_logits(logits)
-    yield first
-    left = max_tokens - 1
-    plain_next = not continuous   # the older cycle: a standalone decode of `first`, then a verify
-    while left > 0 and first != eos_id and session.pos < session.ctx:
-        depth = 0
-        if draft and not plain_next and gate.allow(metrics):
-            wanted = adaptive.depth() if adaptive else draft
-            # seed 000: a batched verify of depth+1 rows must fit the prefill chunk (the rings' slack),
-            # and SMALL_M rows (the batch-invariant regime)
-            capacity = min(session.prefill_chunk, SMALL_M) - 1 if batched else session.prefill_chunk
-            depth = max(0, min(wanted, capacity, left - 1, session.ctx - session.pos - 1))
-        proposal = drafter.propose(session, first, depth, sampler, eos_id) if depth else Draft([])
-        metrics.mtp_passes += len(proposal.tokens)
-        start = session.pos
-        accepted, nxt, decided = verify(session, first, proposal, sampler, greedy,
-                                        depth + 1 if batched else 1, metrics)
-        committed = proposal.tokens[:accepted]
-        if proposal.tokens:
-            record_cycle(metrics, len(proposal.tokens), accepted)
-            gate.record(greedy, accepted)
-            if adaptive:
-                adaptive.update(len(proposal.tokens), accepted)
-        if eos_id in committed:
-            committed = committed[:committed.index(eos_id) + 1]
-        out = committed if eos_id in committed else committed + [nxt]
-        out = out[:left]
-        session.truncate(start + len(out))
-        if spec_log:
-            spec_log({"pos": start, "first": first, "draft": proposal.tokens, "accepted": accepted,
-                      "committed": out})
-        for token, row in zip(out, decided, strict=False):
-            metrics.generated_tokens += 1
-            if on_logits:
-                on_logits(row)
-            yield token
-        left -= len(out)
-        first = out[-1]
-        plain_next = not continuous and not plain_next
+    uses_mtp = bool(draft) and drafter.uses_mtp
+    session.mtp_paused = not uses_mtp   # seed 002: no MTP work that no draft will read
+    try:
+        logits = session.prefill(prompt_ids)
+        metrics.prefill_passes += -(-len(prompt_ids) // session.prefill_chunk)
+        first = pick(session, logits[None], sampler, greedy)
+        metrics.generated_tokens += 1
+        if on_logits:
+            on_logits(logits)
+        yield first
+        left = max_tokens - 1
+        plain_next = not continuous   # the older cycle: a standalone decode of `first`, then a verify
+        while left > 0 and first != eos_id and session.pos < session.ctx:
+            depth = 0
+            if draft and not plain_next and gate.allow(metrics):
+                wanted = adaptive.depth() if adaptive else draft
+                # seed 000: a batched verify of depth+1 rows must fit the prefill chunk (the rings' slack),
+                # and SMALL_M rows (the batch-invariant regime)
+                capacity = min(session.prefill_chunk, SMALL_M) - 1 if batched else session.prefill_chunk
+                depth = max(0, min(wanted, capacity, left - 1, session.ctx - session.pos - 1))
+            session.mtp_paused = not uses_mtp or gate.skip > 0   # catch up only before a cycle that drafts
+            proposal = drafter.propose(session, first, depth, sampler, eos_id) if depth else Draft([])
+            metrics.mtp_passes += len(proposal.tokens)
+            start = session.pos
+            accepted, nxt, decided = verify(session, first, proposal, sampler, greedy,
+                                            depth + 1 if batched else 1, metrics)
+            committed = proposal.tokens[:accepted]
+            if proposal.tokens:
+                record_cycle(metrics, len(proposal.tokens), accepted)
+                gate.record(greedy, accepted)
+                if adaptive:
+                    adaptive.update(len(proposal.tokens), accepted)
+            if eos_id in committed:
+                committed = committed[:committed.index(eos_id) + 1]
+            out = committed if eos_id in committed else committed + [nxt]
+            out = out[:left]
+            session.truncate(start + len(out))
+            if spec_log:
+                spec_log({"pos": start, "first": first, "draft": proposal.tokens, "accepted": accepted,
+                          "committed": out})
+            for token, row in zip(out, decided, strict=False):
+                metrics.generated_tokens += 1
+                if on_logits:
+                    on_logits(row)
+                yield token
+            left -= len(out)
+            first = out[-1]
+            plain_next = not continuous and not plain_next
+    finally:
+        session.mtp_paused = False
 
 
 def record_cycle(metrics: SpecMetrics, drafted: int, accepted: int) -> None:
@@ -277,6 +286,8 @@ def verify(session, first: int, proposal: Draft, sampler: Sampler, greedy: bool,
 
 class MTPDrafter:
     """Drafts with the session's MTP head, recursively on its own state (greedy or sampled from q)."""
+
+    uses_mtp = True
 
     def propose(self, session, first: int, n: int, sampler: Sampler, eos_id: int | None) -> Draft:
         """Up to `n` MTP guesses for the tokens after `first`; stops after an EOS guess."""

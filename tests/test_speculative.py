@@ -67,7 +67,7 @@ class OracleDrafter:
     in cycle c; with `use_mtp` it also runs the MTP head on its guesses (speculative MTP rows)."""
 
     def __init__(self, truth: list[int], prompt_len: int, use_mtp: bool = False, errors: bool = True):
-        self.truth, self.prompt_len, self.use_mtp, self.errors, self.cycle = truth, prompt_len, use_mtp, errors, 0
+        self.truth, self.prompt_len, self.uses_mtp, self.errors, self.cycle = truth, prompt_len, use_mtp, errors, 0
 
     def propose(self, session, first, n, sampler, eos_id):
         done = session.pos - self.prompt_len + 1          # generated tokens so far, `first` included
@@ -77,7 +77,7 @@ class OracleDrafter:
         for i in range(n):
             true = self.truth[done + i] if done + i < len(self.truth) else 0
             tokens.append(true if i < right else (true + 1 + i) % session.model.args.vocab_size)
-            if self.use_mtp:
+            if self.uses_mtp:
                 _, state = session.mtp_draft(first if i == 0 else tokens[i - 1], state)
             if tokens[-1] == eos_id:
                 break
