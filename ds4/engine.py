@@ -115,6 +115,8 @@ class Engine:
             raise UsageError(f"-n/max_tokens must be >= 0, got {max_tokens}")
         if mtp_draft not in (None, 0) and self.mtp is None:
             raise UsageError("--mtp-draft needs an MTP head: pass --mtp PATH (mtp_path=...)")
+        if mtp_draft is None and self.mtp is not None:
+            mtp_draft = 1  # seed 003: continuous depth-1 speculation is the default with an MTP head
         self.stats = stats = RunStats(prompt_tokens=len(ids))
         decoder = StreamDecoder(self.tokenizer)
         long_prompt = len(ids) > session.prefill_chunk
