@@ -39,8 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 for the tiny model)")
     p.add_argument("--backend", default=None, help="auto | torch | triton | mlx (default: $DS4_BACKEND or auto)")
     p.add_argument("--ops", help="per-op overrides, e.g. qmatmul:torch,moe:triton")
-    p.add_argument("--mtp-draft", default=None, help="speculative draft depth N (1..16; a batched verify takes at most 15) or 'auto'; "
-                   "0 = off (default with an MTP head: 1, continuous)")
+    p.add_argument("--mtp-draft", default=None,
+                   help="speculative draft depth N (1..16; a batched verify takes at most 15) or 'auto'; "
+                        "0 = off (default with an MTP head: 1, continuous)")
     p.add_argument("--strict", action="store_true", help="speculation bit-identical to plain greedy")
     p.add_argument("--no-continuous", dest="continuous", action="store_false",
                    help="decode `first` alone before each draft (ds4's older cycle)")

@@ -1,9 +1,7 @@
 """Tiny random transformers `DeepseekV4ForCausalLM` models for the converter and oracle tests."""
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
@@ -59,14 +57,3 @@ def tiny_model(cfg: DeepseekV4Config, seed: int = 0) -> DeepseekV4ForCausalLM:
             elif name.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
     return model
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """Run torch on one thread: the tiny ops here are several times faster without threads contending for cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)

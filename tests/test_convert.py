@@ -18,7 +18,7 @@ from ds4.errors import ModelFileError, UsageError
 from ds4.quant_mix import MIXES, tensor_type
 from ds4.tokenizer import real_v4_tokenizer_json
 from ops.quants import QTensor
-from tests.hf_tiny import CSA, HCA, single_thread, tiny_config, tiny_model
+from tests.hf_tiny import CSA, HCA, tiny_config, tiny_model
 
 _spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parents[1] / "scripts" / "convert_hf.py")
 convert_hf = importlib.util.module_from_spec(_spec)
@@ -76,14 +76,8 @@ def official_name(hf_name: str) -> str:
     return name
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
-def checkpoints(one_thread, tmp_path_factory):
+def checkpoints(tmp_path_factory):
     """The same tiny model three ways: transformers save_pretrained, transformers state_dict, official FP8/FP4 + MTP."""
     root = tmp_path_factory.mktemp("ckpt")
     cfg = tiny_config(q_lora_rank=128, o_lora_rank=64, moe_intermediate_size=128)

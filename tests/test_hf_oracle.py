@@ -13,7 +13,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 from backends.registry import OpSet
 from ds4.session import Session
 from models.deepseek_v4 import DeepseekV4
-from tests.hf_tiny import single_thread, tiny_config, tiny_model
+from tests.hf_tiny import tiny_config, tiny_model
 
 PROMPT_LEN = 90  # window 16; 22 ratio-4 rows (indexer keeps 4 of them); 5 ratio-16 rows
 REL_TOL = 1e-4   # max abs logit difference, relative to the largest |logit|
@@ -35,14 +35,8 @@ def lower_index_wins(scorer_forward):
     return forward
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
-def oracle(one_thread, tmp_path_factory):
+def oracle(tmp_path_factory):
     """(transformers logits [T, V], ds4py model, prompt ids) for a tiny random model."""
     tmp = tmp_path_factory.mktemp("oracle")
     cfg = tiny_config(head_dim=80)  # 64 no-RoPE dims: the KV FP8 simulation works in blocks of 64

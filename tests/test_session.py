@@ -22,17 +22,8 @@ def build(**switches):
     return model, MTPHead(model, mtp)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops are dominated by thread hand-offs on a shared CPU; one thread is several times faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
-def tiny(one_thread):
+def tiny():
     return build()
 
 

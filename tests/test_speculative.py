@@ -26,15 +26,6 @@ SIZES = {"n_layers": 2, "compress_ratios": (4, 16), "n_hash_layers": 1}
 DEFAULT_CHUNK = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls run fastest single-threaded on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     md, base, mtp = tiny_model_weights(**SIZES)
