@@ -52,8 +52,10 @@ class SpecMetrics:
     accepted_per_position: list[int] = field(default_factory=list)
     target_forward_passes: int = 0   # decode passes (prefill excluded)
     target_rows: int = 0
+    target_pass_rows: dict[int, int] = field(default_factory=dict)   # decode passes by rows
     prefill_passes: int = 0
-    mtp_passes: int = 0
+    mtp_passes: int = 0              # MTP draft steps (one row each, with the LM head)
+    mtp_catch_up_rows: dict[int, int] = field(default_factory=dict)  # MTP catch-ups (no LM head) by rows
     probes_skipped: int = 0
     generated_tokens: int = 0
 
@@ -191,7 +193,9 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
     uses_mtp = bool(draft) and drafter.uses_mtp
     session.mtp_paused = not uses_mtp   # seed 002: no MTP work that no draft will read
     try:
+        catch_up_from = session.counters["mtp_rows"]
         logits = session.prefill(prompt_ids)
+        record_catch_up(session, metrics, catch_up_from)
         metrics.prefill_passes += -(-len(prompt_ids) // session.prefill_chunk)
         first = pick(session, logits[None], sampler, greedy)
         metrics.generated_tokens += 1
@@ -209,8 +213,9 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
                 capacity = min(session.prefill_chunk, SMALL_M) - 1 if batched else session.prefill_chunk
                 depth = max(0, min(wanted, capacity, left - 1, session.ctx - session.pos - 1))
             session.mtp_paused = not uses_mtp or gate.skip > 0   # catch up only before a cycle that drafts
+            drafts_from = session.counters["mtp_lm_head_rows"]
             proposal = drafter.propose(session, first, depth, sampler, eos_id) if depth else Draft([])
-            metrics.mtp_passes += len(proposal.tokens)
+            metrics.mtp_passes += session.counters["mtp_lm_head_rows"] - drafts_from
             start = session.pos
             accepted, nxt, decided = verify(session, first, proposal, sampler, greedy,
                                             depth + 1 if batched else 1, metrics)
@@ -251,6 +256,18 @@ def record_cycle(metrics: SpecMetrics, drafted: int, accepted: int) -> None:
         metrics.accepted_per_position[i] += 1
 
 
+def tally(histogram: dict[int, int], rows: int) -> None:
+    """Add one call of `rows` rows to a rows -> calls histogram."""
+    histogram[rows] = histogram.get(rows, 0) + 1
+
+
+def record_catch_up(session, metrics: SpecMetrics, mtp_rows_before: int) -> None:
+    """Count the MTP catch-up of the forward just run (a multi-chunk prefill counts as one call)."""
+    rows = session.counters["mtp_rows"] - mtp_rows_before
+    if rows:
+        tally(metrics.mtp_catch_up_rows, rows)
+
+
 def pick(session, logits: torch.Tensor, sampler: Sampler, greedy: bool) -> int:
     """The target's own choice from a one-row `logits` [1, V]."""
     return row_tops(session.model.ops, logits)[0] if greedy else sampler.draw(sampler.probs(logits[0]))
@@ -266,10 +283,13 @@ def verify(session, first: int, proposal: Draft, sampler: Sampler, greedy: bool,
     tokens = [first] + drafts
     decided = []
     for lo in range(0, len(tokens), rows_per_pass):
+        catch_up_from = session.counters["mtp_rows"]
         logits = session.forward(tokens[lo:lo + rows_per_pass])
+        record_catch_up(session, metrics, catch_up_from)
         decided.append(logits)
         metrics.target_forward_passes += 1
         metrics.target_rows += logits.shape[0]
+        tally(metrics.target_pass_rows, logits.shape[0])
         tops = row_tops(session.model.ops, logits) if greedy else None
         for r in range(logits.shape[0]):
             i = lo + r
