@@ -19,6 +19,8 @@ Modes:
 - sampled (temperature > 0): speculative sampling, accept d with probability min(1, p(d)/q(d)), resample
   from max(0, p − q) on reject — the committed stream has exactly the target's filtered distribution.
   A draft with no accepted token arms a skip of the next 15 probes (seed 002); an accepted one resets it.
+  Until one is accepted, probes are verified one row at a time with the MTP catch-up paused, so sampled
+  decoding whose drafts go unused reads <= 1% more weight bytes than without the MTP (ds4/cost.py).
 - `draft="auto"`: depth from live per-position acceptance.
 Draft depth is clamped to the verify capacity (min(session chunk, SMALL_M) − 1 for a batched verify,
 the chunk for per-token strict verify), the context left and the token budget.
@@ -142,10 +144,13 @@ class AdaptiveDepth:
 
 class ProbeGate:
     """Seed 002: a sampled draft none of whose tokens is used arms a skip of the next PROBE_SKIP probes;
-    a used draft resets it; greedy never arms it."""
+    a used draft resets it; greedy never arms it. Until a draft is used again, the next probe is
+    verified one row at a time and the MTP catch-up stays paused, so an unused probe costs one MTP draft
+    step and no target work beyond plain decoding."""
 
     def __init__(self):
         self.skip = 0
+        self.missed = False   # the last sampled draft went unused
 
     def allow(self, metrics: SpecMetrics) -> bool:
         """Whether this cycle may run the drafter (counts a skipped probe when not)."""
@@ -157,10 +162,8 @@ class ProbeGate:
 
     def record(self, greedy: bool, accepted: int) -> None:
         """Arm or reset after a verified draft."""
-        if accepted:
-            self.skip = 0
-        elif not greedy:
-            self.skip = PROBE_SKIP
+        self.missed = not greedy and not accepted
+        self.skip = PROBE_SKIP if self.missed else 0
 
 
 def check_draft(draft) -> int | str | None:
@@ -212,13 +215,13 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
                 # and SMALL_M rows (the batch-invariant regime)
                 capacity = min(session.prefill_chunk, SMALL_M) - 1 if batched else session.prefill_chunk
                 depth = max(0, min(wanted, capacity, left - 1, session.ctx - session.pos - 1))
-            session.mtp_paused = not uses_mtp or gate.skip > 0   # catch up only before a cycle that drafts
+            session.mtp_paused = not uses_mtp or gate.missed   # catch up only while drafts are used
             drafts_from = session.counters["mtp_lm_head_rows"]
             proposal = drafter.propose(session, first, depth, sampler, eos_id) if depth else Draft([])
             metrics.mtp_passes += session.counters["mtp_lm_head_rows"] - drafts_from
             start = session.pos
-            accepted, nxt, decided = verify(session, first, proposal, sampler, greedy,
-                                            depth + 1 if batched else 1, metrics)
+            rows_per_pass = depth + 1 if batched and not gate.missed else 1   # a probe wastes no rows
+            accepted, nxt, decided = verify(session, first, proposal, sampler, greedy, rows_per_pass, metrics)
             committed = proposal.tokens[:accepted]
             if proposal.tokens:
                 record_cycle(metrics, len(proposal.tokens), accepted)

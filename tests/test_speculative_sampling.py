@@ -1,16 +1,27 @@
-"""Speculative sampling keeps the target's distribution exactly; adaptive depth and the seed-002 probe gate."""
+"""Speculative sampling keeps the target's distribution exactly; adaptive depth; the seed-002 probe gate
+and what sampled decoding with the MTP loaded costs on the real model (ds4/cost.py)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
+from backends.registry import OpSet
+from ds4 import speculative
+from ds4.cost import PassCost, flash_args
 from ds4.sampling import Sampler, SamplingParams
+from ds4.session import Session
 from ds4.speculative import (
     PROBE_SKIP,
     AdaptiveDepth,
+    Draft,
     ProbeGate,
     SpecMetrics,
     accept_or_resample,
+    generate_ids,
 )
+from ds4.tiny import tiny_model_weights
+from models.deepseek_v4 import DeepseekV4, ModelArgs
+from models.mtp import MTPHead
 
 TRIALS = 40_000
 TOLERANCE = 0.02   # total-variation distance; sampling noise at 40k draws over 6 tokens is about 0.005
@@ -61,18 +72,19 @@ def test_distribution_check_catches_a_wrong_rule():
 
 
 def test_probe_gate_follows_seed_002():
-    """A sampled draft with nothing accepted skips the next 15 probes; an accepted one resets the
-    counter; greedy never arms it."""
+    """A sampled draft with nothing accepted skips the next 15 probes (and marks the gate `missed`); an
+    accepted one resets both; greedy never arms it."""
     metrics, gate = SpecMetrics(), ProbeGate()
     gate.record(greedy=True, accepted=0)
-    assert gate.allow(metrics) and metrics.probes_skipped == 0
+    assert gate.allow(metrics) and metrics.probes_skipped == 0 and not gate.missed
     gate.record(greedy=False, accepted=0)
+    assert gate.missed
     assert [gate.allow(metrics) for _ in range(PROBE_SKIP + 1)] == [False] * PROBE_SKIP + [True]
     assert metrics.probes_skipped == PROBE_SKIP
     gate.record(greedy=False, accepted=0)
     gate.allow(metrics)
     gate.record(greedy=False, accepted=2)
-    assert gate.allow(metrics)
+    assert gate.allow(metrics) and not gate.missed
 
 
 def test_adaptive_depth_follows_acceptance():
@@ -88,3 +100,72 @@ def test_adaptive_depth_follows_acceptance():
     for _ in range(60):                      # first two positions always right, the third always wrong
         auto.update(auto.depth(), min(2, auto.depth()))
     assert auto.depth() == 3
+
+
+SAMPLED_TOKENS = 320
+MTP_BUDGET = 0.01   # issue 4 item 8: sampled decoding with the MTP loaded costs <= 1% more
+
+
+@pytest.fixture(scope="module")
+def model():
+    md, base, mtp = tiny_model_weights(n_layers=2, compress_ratios=(4, 16), n_hash_layers=1)
+    trunk = DeepseekV4(ModelArgs.from_metadata(md), base, OpSet("torch"))
+    return trunk, MTPHead(trunk, mtp)
+
+
+class LeastLikelyDrafter:
+    """Runs the MTP head (window, catch-up and LM head: all its real work) but proposes, as a certain
+    draft (q one-hot), the token the head finds least likely: under a small top_k the target gives it
+    probability 0, so its drafts are never used."""
+
+    uses_mtp = True
+
+    def propose(self, session, first, n, sampler, eos_id):
+        tokens, state, token = [], None, first
+        for _ in range(n):
+            logits, state = session.mtp_draft(token, state)
+            token = int(logits.argmin())
+            tokens.append(token)
+        q = torch.nn.functional.one_hot(torch.tensor(tokens), session.model.args.vocab_size).float()
+        return Draft(tokens, q)
+
+
+def sampled_run(model, with_mtp: bool) -> SpecMetrics:
+    """Metrics of SAMPLED_TOKENS seeded sampled tokens (temperature 1, top_k 4), plain without the MTP,
+    or with it loaded and depth-1 speculation from LeastLikelyDrafter."""
+    trunk, mtp = model
+    prompt = list(range(40, 52))
+    params = SamplingParams(temperature=1.0, top_k=4, seed=11)
+    metrics = SpecMetrics()
+    session = Session(trunk, len(prompt) + SAMPLED_TOKENS, 16, mtp if with_mtp else None)
+    list(generate_ids(session, prompt, max_tokens=SAMPLED_TOKENS, sampler=Sampler(params), eos_id=None,
+                      draft=1 if with_mtp else None, drafter=LeastLikelyDrafter() if with_mtp else None,
+                      metrics=metrics))
+    assert metrics.generated_tokens == SAMPLED_TOKENS
+    return metrics
+
+
+def test_sampled_decoding_with_mtp_costs_at_most_one_percent(model, monkeypatch):
+    """Seed 002 on the real model's weight bytes: sampled decoding whose drafts are never used reads
+    <= 1% more than decoding without the MTP (the probe gate runs one MTP draft per 16 tokens); with the
+    gate off (PROBE_SKIP = 0) the same run reads far more than 1% extra."""
+    cost = PassCost(flash_args(), "q2")
+    plain = sampled_run(model, with_mtp=False)
+    assert plain.target_pass_rows == {1: SAMPLED_TOKENS - 1} and plain.mtp_passes == 0
+    gated = sampled_run(model, with_mtp=True)
+    assert gated.num_drafts > 0 and gated.num_accepted_tokens == 0           # every draft unused
+    # each probe is one MTP draft step and arms PROBE_SKIP skips: probes = cycles / (PROBE_SKIP + 1)
+    cycles = gated.num_drafts + gated.probes_skipped
+    assert gated.mtp_passes == gated.num_drafts == -(-cycles // (PROBE_SKIP + 1))
+    # only the first draft is verified in a batch; later probes one row at a time, with no MTP catch-up
+    assert gated.target_pass_rows == {2: 1, 1: SAMPLED_TOKENS - 2}
+    assert sum(gated.mtp_catch_up_rows.values()) == 2                          # the prefill and that verify
+    extra = cost.decode(gated) / cost.decode(plain) - 1
+    monkeypatch.setattr(speculative, "PROBE_SKIP", 0)
+    ungated = sampled_run(model, with_mtp=True)
+    assert ungated.probes_skipped == 0 and ungated.mtp_passes == SAMPLED_TOKENS - 2
+    ungated_extra = cost.decode(ungated) / cost.decode(plain) - 1
+    print(f"plain {cost.decode(plain) / (SAMPLED_TOKENS - 1) / 1e9:.2f} GB/token, MTP loaded: "
+          f"{extra:+.2%} gated, {ungated_extra:+.2%} ungated")
+    assert extra <= MTP_BUDGET
+    assert ungated_extra > 5 * MTP_BUDGET
