@@ -7,7 +7,7 @@ import torch
 
 from backends.registry import OpSet
 from ds4 import speculative
-from ds4.cost import PassCost, flash_args
+from ds4.cost import PassCost, flash_args, tensor_bytes
 from ds4.sampling import Sampler, SamplingParams
 from ds4.session import Session
 from ds4.speculative import (
@@ -20,8 +20,8 @@ from ds4.speculative import (
     generate_ids,
 )
 from ds4.tiny import tiny_model_weights
-from models.deepseek_v4 import DeepseekV4, ModelArgs
-from models.mtp import MTPHead
+from models.deepseek_v4 import DeepseekV4, ModelArgs, model_shapes
+from models.mtp import MTPHead, mtp_shapes
 
 TRIALS = 40_000
 TOLERANCE = 0.02   # total-variation distance; sampling noise at 40k draws over 6 tokens is about 0.005
@@ -113,10 +113,19 @@ def model():
     return trunk, MTPHead(trunk, mtp)
 
 
+@pytest.mark.parametrize("shapes, mix, published_gib", ((model_shapes, "q2", 81), (model_shapes, "q4", 153),
+                                                        (mtp_shapes, "q4", 3.5)))
+def test_cost_model_sizes_match_published_files(shapes, mix, published_gib):
+    """The cost model's V4 Flash shapes and types add up to ds4's published files (model-spec §2: q2
+    about 81 GB, q4 about 153 GB, MTP with Q4_K experts about 3.5 GB; sizes as `ls -h` gives them)."""
+    total = sum(tensor_bytes(name, shape, mix) for name, shape in shapes(flash_args()).items())
+    assert total / 2**30 == pytest.approx(published_gib, rel=0.02)
+
+
 class LeastLikelyDrafter:
-    """Runs the MTP head (window, catch-up and LM head: all its real work) but proposes, as a certain
-    draft (q one-hot), the token the head finds least likely: under a small top_k the target gives it
-    probability 0, so its drafts are never used."""
+    """Reads the MTP window and runs the MTP head with its LM head (all of an MTP drafter's work) but
+    proposes, as a certain draft (q one-hot), the token the head finds least likely: under a small top_k
+    the target nearly always gives it probability 0, so its drafts go unused (the tests check)."""
 
     uses_mtp = True
 
