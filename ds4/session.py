@@ -8,7 +8,8 @@ written past the rollback point (the speculative decoder verifies far fewer).
 
 MTP rows are keyed by the position j of the token they consume (t_j), predicting t_{j+1}; the HC state
 paired with t_j is the trunk's H_{j-1} ("official") or H_j ("ds4"), see models/mtp.py. Every trunk
-forward catches the MTP cache up on its rows (no LM head); `mtp_draft` then drafts recursively.
+forward catches the MTP cache up on its rows (no LM head) unless `mtp_paused`; `mtp_draft` then drafts
+recursively.
 """
 from __future__ import annotations
 
@@ -48,8 +49,6 @@ class Session:
         self.mtp_from = 0        # MTP cache rows are valid for positions [mtp_from, pos)
         self.high_water = 0      # highest position ever written + 1 (bounds what rollback may reach)
         self.n_drafted = 0       # MTP draft rows written past pos since the last forward
-        self.hidden: torch.Tensor | None = None   # trunk final HC states [M, S, D] of the last forward
-        self.hidden_start = 0                     # position of hidden[0]
         self.recent: dict[str, tuple[int, torch.Tensor] | None] = {"trunk": None, "mtp": None}  # last rows
         self.trunk_tail: torch.Tensor | None = None  # H_{pos-1}
         self.mtp_tail: torch.Tensor | None = None    # MTP output state of row pos-1
@@ -108,7 +107,7 @@ class Session:
         previous_tail = self.trunk_tail
         self.tokens.extend(ids.tolist())
         self.high_water = max(self.high_water, self.pos)
-        self.hidden, self.hidden_start, self.trunk_tail, self.n_drafted = X, start, X[-1], 0
+        self.trunk_tail, self.n_drafted = X[-1], 0
         self._keep_recent("trunk", start, X)
         if self.mtp and not self.mtp_paused:
             self._mtp_catch_up(ids, X, previous_tail, start, mtp_min)
