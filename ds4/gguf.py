@@ -17,22 +17,12 @@ import numpy as np
 import torch
 
 from ds4.errors import ModelFileError, UsageError
+from models.deepseek_v4 import METADATA_KEYS, PREFIX
 from ops import quants
 from ops.quants import QTensor
 
 # The hyperparameter keys of the main model (model-spec §1); the model validates their values.
-DS4_KEYS: tuple[str, ...] = tuple(f"deepseek4.{k}" for k in (
-    "block_count", "embedding_length", "vocab_size",
-    "attention.head_count", "attention.head_count_kv", "attention.key_length", "attention.value_length",
-    "rope.dimension_count", "attention.q_lora_rank", "attention.output_lora_rank", "attention.output_group_count",
-    "expert_count", "expert_used_count", "expert_shared_count", "expert_feed_forward_length", "hash_layer_count",
-    "expert_weights_scale", "expert_weights_norm", "swiglu_clamp_exp", "attention.sliding_window",
-    "attention.indexer.head_count", "attention.indexer.key_length", "attention.indexer.top_k",
-    "hyper_connection.count", "hyper_connection.sinkhorn_iterations", "hyper_connection.epsilon",
-    "attention.layer_norm_rms_epsilon", "rope.freq_base", "attention.compress_rope_freq_base",
-    "rope.scaling.factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
-    "rope.scaling.original_context_length", "attention.compress_ratios",
-))
+DS4_KEYS: tuple[str, ...] = tuple(PREFIX + key for key in METADATA_KEYS.values())
 DS4_OPTIONAL_KEYS: tuple[str, ...] = ("deepseek4.expert_group_count", "deepseek4.expert_group_used_count")
 
 VT = gguf.GGUFValueType

@@ -27,7 +27,7 @@ PREFIX = "deepseek4."
 INDEXER_QUERY_BLOCK = 128
 
 # ModelArgs field -> GGUF key (without the `deepseek4.` prefix).
-_KEYS = {
+METADATA_KEYS = {
     "n_layers": "block_count", "dim": "embedding_length", "vocab_size": "vocab_size",
     "n_heads": "attention.head_count", "n_kv_heads": "attention.head_count_kv",
     "head_dim": "attention.key_length", "v_head_dim": "attention.value_length",
@@ -98,7 +98,7 @@ class ModelArgs:
     def from_metadata(cls, md: Mapping[str, Any], **switches: Any) -> ModelArgs:
         """Build from GGUF metadata; a missing or inconsistent key raises ModelFileError naming it."""
         values = {}
-        for name, key in _KEYS.items():
+        for name, key in METADATA_KEYS.items():
             if PREFIX + key not in md:
                 raise ModelFileError(f"GGUF metadata key {PREFIX + key} is missing")
             values[name] = md[PREFIX + key]
@@ -120,7 +120,7 @@ class ModelArgs:
     def validate(self) -> None:
         """Raise ModelFileError naming the first metadata key whose value the model cannot run."""
         def bad(key: str, why: str) -> None:
-            raise ModelFileError(f"GGUF metadata key {PREFIX}{_KEYS.get(key, key)}: {why}")
+            raise ModelFileError(f"GGUF metadata key {PREFIX}{METADATA_KEYS.get(key, key)}: {why}")
 
         if self.n_kv_heads != 1:
             bad("n_kv_heads", f"{self.n_kv_heads} KV heads; DeepSeek V4 shares one KV head")
