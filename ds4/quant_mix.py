@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 import warnings
 
-MIXES = ("q2", "q4", "f32")
+from ops.quants import get
 
-BLOCK_SIZES = {"IQ2_XXS": 256, "Q2_K": 256, "Q4_K": 256, "Q8_0": 32, "F16": 1, "F32": 1, "I32": 1}
+MIXES = ("q2", "q4", "f32")
 
 _ROUTED = {"q2": {"ffn_gate_exps": "IQ2_XXS", "ffn_up_exps": "IQ2_XXS", "ffn_down_exps": "Q2_K"},
            "q4": {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q4_K"}}
@@ -62,9 +62,9 @@ def tensor_type(name: str, shape: tuple, mix: str) -> str:
         wanted = _ROUTED[mix][r]
     else:
         raise ValueError(f"tensor {name!r} is not part of the ds4 layout")
-    row = shape[-1]
-    if row % BLOCK_SIZES[wanted]:
+    row, block = shape[-1], get(wanted).block_size
+    if row % block:
         warnings.warn(f"{name}: row length {row} is not a multiple of the {wanted} block "
-                      f"({BLOCK_SIZES[wanted]}); writing it as F16", stacklevel=2)
+                      f"({block}); writing it as F16", stacklevel=2)
         return "F16"
     return wanted
