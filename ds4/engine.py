@@ -160,7 +160,10 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     with tqdm(total=3, desc="loading", unit="step", leave=False, disable=None) as bar:
         model = DeepseekV4.from_gguf(model_path, opset, **switches)
         bar.update()
-        tokenizer = Tokenizer.from_metadata(gguf.open(model_path).metadata)
+        try:
+            tokenizer = Tokenizer.from_metadata(gguf.open(model_path).metadata)
+        except ModelFileError as e:
+            raise ModelFileError(f"{model_path}: {e}") from None
         bar.update()
         mtp = MTPHead.from_gguf(model, mtp_path) if mtp_path else None
         bar.update()

@@ -85,6 +85,10 @@ def mtp_draft(value: str | None) -> int | str | None:
 def run(a: argparse.Namespace) -> int:
     """Load, generate, report."""
     prompt = read_prompt(a)
+    if a.threads is not None and a.threads < 0:
+        raise UsageError(f"--threads must be >= 0 (0: the default), got {a.threads}")
+    if a.dump_logits and not Path(a.dump_logits).parent.is_dir():
+        raise UsageError(f"--dump-logits {a.dump_logits}: the directory does not exist")
     threads = a.threads or (1 if a.model is None else 0)
     if threads:
         import torch

@@ -52,6 +52,8 @@ def test_api_matches_cli_greedy(tiny_gguf):
     (["--temp", "-1"], "--temp must be >= 0"),
     (["--mtp-draft", "many"], "--mtp-draft must be an integer or 'auto'"),
     (["--backend", "cuda-magic"], "unknown backend"),
+    (["--threads", "-1"], "--threads must be >= 0"),
+    (["--dump-logits", "/nonexistent/logits.npy"], "--dump-logits /nonexistent/logits.npy: the directory"),
 ])
 def test_bad_input_is_one_clear_line(tiny_gguf, args, message):
     if "--model" not in args:
@@ -60,3 +62,14 @@ def test_bad_input_is_one_clear_line(tiny_gguf, args, message):
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_load_names_the_file_without_a_vocabulary(tmp_path):
+    from ds4 import gguf
+    from ds4.errors import ModelFileError
+    from ds4.tiny import tiny_model_weights
+    md, base, _ = tiny_model_weights()
+    path = tmp_path / "no-vocab.gguf"
+    gguf.write(path, {k: v for k, v in md.items() if not k.startswith("tokenizer.")}, base)
+    with pytest.raises(ModelFileError, match=f"^{path}: tokenizer metadata: missing key 'tokenizer.ggml.tokens'"):
+        ds4.load(str(path), backend="torch")
