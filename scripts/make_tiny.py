@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from ds4.errors import Ds4Error
 from ds4.quant_mix import MIXES
 from ds4.tiny import TINY, write_tiny
 
 
-def main() -> None:
-    """Parse flags and write the files."""
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags and write the files; bad sizes or paths are one line on stderr."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True, help="base model GGUF to write")
     p.add_argument("--mtp-out", help="MTP GGUF to write (mtp.0.* tensors)")
@@ -20,11 +22,16 @@ def main() -> None:
                            default=default, help="per-layer ratios, comma separated (default %(default)s)")
         else:
             p.add_argument("--" + name.replace("_", "-"), type=int, default=default, help="(default %(default)s)")
-    a = vars(p.parse_args())
+    a = vars(p.parse_args(argv))
     out, mtp_out, mix, seed = a.pop("out"), a.pop("mtp_out"), a.pop("mix"), a.pop("seed")
-    write_tiny(out, mtp_out, mix, seed, **a)
+    try:
+        write_tiny(out, mtp_out, mix, seed, **a)
+    except (Ds4Error, OSError) as e:
+        print(f"make_tiny: error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {out}" + (f" and {mtp_out}" if mtp_out else ""))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,12 @@
 """Model: metadata and weight validation, GGUF round trip, switches, routing tie rule."""
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
 from backends.registry import OpSet
+from ds4 import gguf
 from ds4.errors import ModelFileError
 from ds4.tiny import tiny_model_weights, write_tiny
 from models.deepseek_v4 import DeepseekV4, ModelArgs
@@ -14,6 +18,11 @@ TORCH = OpSet("torch")  # the reference; Triton kernels under the interpreter ar
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_model_weights(seed=5, n_layers=4, compress_ratios=(0, 4, 16, 4))
+
+
+_spec = importlib.util.spec_from_file_location("make_tiny", Path(__file__).parents[1] / "scripts" / "make_tiny.py")
+make_tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_tiny)
 
 
 def logits_of(model, ids):
@@ -64,3 +73,11 @@ def test_expert_ties_go_to_the_lower_id():
     p = torch.tensor([[1.0, 2.0, 2.0, 2.0], [0.5, 0.5, 0.5, 0.5]])
     assert select_experts(p, None, 2).tolist() == [[1, 2], [0, 1]]
     assert select_experts(p, torch.tensor([0.0, 0.0, 0.0, 1.0]), 2).tolist() == [[3, 1], [3, 0]]
+
+
+def test_make_tiny_reports_bad_sizes_in_one_line(tmp_path, capsys):
+    assert make_tiny.main(["--out", str(tmp_path / "t.gguf"), "--head-dim", "70"]) == 1
+    assert capsys.readouterr().err.strip() == ("make_tiny: error: GGUF metadata key deepseek4.rope.dimension_count: "
+                                               "16 RoPE dims of 70: the rest must be a multiple of 64")
+    assert make_tiny.main(["--out", str(tmp_path / "t.gguf"), "--n-layers", "2", "--compress-ratios", "0,4"]) == 0
+    assert ModelArgs.from_metadata(gguf.open(tmp_path / "t.gguf").metadata).n_layers == 2
