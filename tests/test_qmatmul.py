@@ -11,7 +11,7 @@ import triton.language as tl
 from backends.registry import OpSet, implementations
 from backends.triton.qmatmul import iq2_tables
 from backends.triton.quants import SUPPORTED, dequant
-from ds4.errors import UsageError
+from ds4.errors import BackendUnavailable, UsageError
 from ops.qmatmul import SMALL_M
 from ops.qmatmul import qmatmul as reference
 from ops.quants import QTensor, get
@@ -119,6 +119,14 @@ def test_bad_arguments_name_the_weight(backend):
         fn(torch.randn(2, 64), w)
     with pytest.raises(UsageError, match="float32/float16"):
         fn(torch.randn(2, K_OF["Q8_0"], dtype=torch.float64), w)
+
+
+def test_triton_on_cpu_tensors_without_the_interpreter_is_a_clear_error(monkeypatch):
+    """Outside the interpreter, CPU tensors raise BackendUnavailable before any kernel launch."""
+    import backends.triton.qmatmul as kernel
+    monkeypatch.setattr(kernel, "INTERPRET", False)
+    with pytest.raises(BackendUnavailable, match="w.Q8_0.*are on cpu; use DS4_OPS=qmatmul:torch"):
+        kernel.qmatmul(activations(2, K_OF["Q8_0"]), weight("Q8_0", 4))
 
 
 def test_bench_prints_a_csv_row_per_case(capsys):

@@ -115,6 +115,9 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
                                  f"supported: {', '.join(SUPPORTED)}; use DS4_OPS=qmatmul:torch")
     if x.device != w.data.device:
         raise UsageError(f"qmatmul: x is on {x.device} but weight {w.name or '?'} is on {w.data.device}")
+    if x.device.type != "cuda" and not INTERPRET:
+        raise BackendUnavailable(f"triton qmatmul needs CUDA tensors, but x and weight {w.name or '?'} are on "
+                                 f"{x.device}; use DS4_OPS=qmatmul:torch (or backend='torch')")
     (m, k), n = x.shape, w.shape[0]
     x = x.contiguous()
     data = w.data.contiguous()
