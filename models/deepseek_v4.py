@@ -232,7 +232,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: 
     if M > SMALL_M:  # prefill: blocks of queries over all n keys (rounding may depend on M)
         B = INDEXER_QUERY_BLOCK
         return torch.cat([score_block(q[s:s + B], keys, w[s:s + B]) for s in range(0, M, B)])
-    scores = torch.full((M, keys.shape[0]), float("-inf"))
+    scores = torch.full((M, keys.shape[0]), float("-inf"), device=q.device)
     for r, n in enumerate(visible.tolist()):  # batch-invariant: each row alone over its visible keys
         scores[r, :n] = score_block(q[r:r + 1], keys[:n], w[r:r + 1])[0]
     return scores

@@ -15,10 +15,10 @@ BATCH_INVARIANT = True
 def indexer_topk(scores: torch.Tensor, k: int, visible: torch.Tensor) -> torch.Tensor:
     """Indices of the k best visible columns of each row (lower index first on ties), −1 padded."""
     M, n = scores.shape
-    col = torch.arange(n)
+    col = torch.arange(n, device=scores.device)
     masked = scores.to(torch.float32).masked_fill(col[None, :] >= visible[:, None], float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
     if order.shape[1] < k:
         order = torch.cat((order, order.new_full((M, k - order.shape[1]), -1)), dim=1)
-    slot = torch.arange(k)
+    slot = torch.arange(k, device=scores.device)
     return torch.where(slot[None, :] < visible[:, None], order, -1)

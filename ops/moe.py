@@ -50,7 +50,7 @@ def moe(x: torch.Tensor, router: QTensor, bias: torch.Tensor | None, hash_expert
     if normalize:
         w = w / w.sum(-1, keepdim=True).clamp(min=6.1035e-5)
     w = w * route_scale
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(chosen).tolist():
         rows, slots = torch.nonzero(chosen == e, as_tuple=True)
         xe = x[rows]

@@ -33,7 +33,7 @@ def attend_one(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sinks: tor
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, sinks: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Attention output of each query head over its listed rows plus the sink."""
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     sinks = sinks.to(torch.float32)
     if q.shape[0] <= SMALL_M:
         for m in range(q.shape[0]):

@@ -115,6 +115,16 @@ def test_sparse_attention_matches_naive_loop():
             assert torch.allclose(got[m, h], p @ keys, atol=1e-6)
 
 
+def test_topk_and_batched_attention_allocate_on_the_inputs_device():
+    """Meta tensors stand in for CUDA ones: an op allocating on the CPU would fail to mix them."""
+    meta = torch.device("meta")
+    top = indexer_topk(torch.randn(3, 10, device=meta), 4, torch.tensor([3, 5, 10], device=meta))
+    assert top.device == meta and top.shape == (3, 4)
+    q, kv = torch.randn(20, 2, 8, device=meta), torch.randn(30, 8, device=meta)
+    out = sparse_attention(q, kv, torch.zeros(20, 5, dtype=torch.int64, device=meta), torch.randn(2, device=meta), 0.3)
+    assert out.device == meta and out.shape == (20, 2, 8)
+
+
 def test_compress_softmax_pool_ignores_absent_candidates():
     kv, score = torch.randn(2, 8, 4), torch.randn(2, 8, 4)
     score[1, :4] = float("-inf")
