@@ -287,18 +287,21 @@ def metadata_from_hf(path: str | Path) -> dict:
     for i, t in added.items():
         tokens[i] = t["content"]
         types[i] = TOKEN_CONTROL if t.get("special") else TOKEN_USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    ids = {t: i for i, t in enumerate(tokens)}
-    if BOS not in ids or EOS not in ids:
+    if BOS not in tokens or EOS not in tokens:
         raise ModelFileError(f"{path}: tokenizer.json lacks {BOS} or {EOS}")
+    return bpe_metadata(tokens, model["merges"], types)
+
+
+def bpe_metadata(tokens: list[str], merges: list, types: list[int]) -> dict:
+    """The GGUF tokenizer keys of a byte-level BPE vocab holding BOS and EOS; merges as 'a b' or pairs."""
     return {
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": PRE_TOKENIZER_NAMES[0],
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in merges],
         "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.bos_token_id": ids[BOS],
-        "tokenizer.ggml.eos_token_id": ids[EOS],
+        "tokenizer.ggml.bos_token_id": tokens.index(BOS),
+        "tokenizer.ggml.eos_token_id": tokens.index(EOS),
     }
 
 
@@ -353,12 +356,4 @@ def tiny_vocab_metadata(vocab_size: int = 512) -> dict:
     model = json.loads(hf.to_str())["model"]
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
     added_types = dict(TINY_ADDED)
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": PRE_TOKENIZER_NAMES[0],
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in model["merges"]],
-        "tokenizer.ggml.token_type": [added_types.get(t, TOKEN_NORMAL) for t in tokens],
-        "tokenizer.ggml.bos_token_id": tokens.index(BOS),
-        "tokenizer.ggml.eos_token_id": tokens.index(EOS),
-    }
+    return bpe_metadata(tokens, model["merges"], [added_types.get(t, TOKEN_NORMAL) for t in tokens])
