@@ -115,7 +115,10 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 def random_weight(qtype: str, n: int, k: int, device: torch.device) -> QTensor:
     """An [n, k] weight made of blocks drawn at random from a small pool of quantized random blocks."""
-    qt = get(qtype)
+    try:
+        qt = get(qtype)
+    except KeyError as e:
+        raise UsageError(f"--types: {e.args[0]}") from None
     if k % qt.block_size:
         raise UsageError(f"--shapes: K={k} is not a multiple of the {qtype} block size {qt.block_size}")
     g = torch.Generator().manual_seed(0)

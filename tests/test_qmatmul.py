@@ -129,17 +129,29 @@ def test_triton_on_cpu_tensors_without_the_interpreter_is_a_clear_error(monkeypa
         kernel.qmatmul(activations(2, K_OF["Q8_0"]), weight("Q8_0", 4))
 
 
-def test_bench_prints_a_csv_row_per_case(capsys):
-    """scripts/bench.py qmatmul on a tiny shape: machine comment lines, then one CSV row per (type, M)."""
+def load_bench():
+    """scripts/bench.py as a module."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("bench", Path(__file__).parents[1] / "scripts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_prints_a_csv_row_per_case(capsys):
+    """scripts/bench.py qmatmul on a tiny shape: machine comment lines, then one CSV row per (type, M)."""
+    bench = load_bench()
     bench.main(["qmatmul", "--csv", "--types", "Q8_0", "F16", "--shapes", "8x64", "--m", "1", "3", "--reps", "1"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("# ") and "copy" in lines[1]
     assert lines[2] == "type,N,K,M,backend,time_us,GB/s,%copy,x_baseline"
     assert [line.split(",")[:4] for line in lines[3:]] == [
         ["Q8_0", "8", "64", "1"], ["Q8_0", "8", "64", "3"], ["F16", "8", "64", "1"], ["F16", "8", "64", "3"]]
+
+
+def test_bench_unknown_type_is_a_usage_error():
+    """An unknown --types name raises UsageError naming the flag (bench.py prints it as one line)."""
+    with pytest.raises(UsageError, match="--types: unknown quant type 'Q9'"):
+        load_bench().main(["qmatmul", "--types", "Q9", "--shapes", "8x64", "--m", "1", "--reps", "1"])
