@@ -31,9 +31,11 @@ QMATMUL_QUICK_SHAPES, QMATMUL_QUICK_M = ("4096x2048",), (1, 8, 512)  # --quick d
 
 def machine(device: torch.device) -> str:
     """One line naming the device, driver and library versions."""
-    import triton
-
-    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    try:
+        import triton
+        versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    except ImportError:  # the torch reference needs no triton (e.g. on macOS)
+        versions = f"torch {torch.__version__}, no triton"
     if device.type != "cuda":
         return f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads), {versions}"
     try:

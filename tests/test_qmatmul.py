@@ -3,6 +3,8 @@
 Tolerance: |y - x @ dequantize(W).T| <= 1e-5 * (|x| @ |W|.T) elementwise (float32 accumulation in a
 different order; tf32x3 on a GPU). Batch invariance is checked bit for bit for M = 1..16.
 """
+import sys
+
 import pytest
 import torch
 import triton
@@ -155,3 +157,10 @@ def test_bench_unknown_type_is_a_usage_error():
     """An unknown --types name raises UsageError naming the flag (bench.py prints it as one line)."""
     with pytest.raises(UsageError, match="--types: unknown quant type 'Q9'"):
         load_bench().main(["qmatmul", "--types", "Q9", "--shapes", "8x64", "--m", "1", "--reps", "1"])
+
+
+def test_bench_machine_line_without_triton(monkeypatch):
+    """The CPU benchmark runs where triton is not installed: the machine line says so."""
+    bench = load_bench()
+    monkeypatch.setitem(sys.modules, "triton", None)
+    assert bench.machine(torch.device("cpu")).endswith(", no triton")
