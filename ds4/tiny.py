@@ -12,9 +12,10 @@ import math
 import torch
 
 from ds4 import gguf
+from ds4.errors import UsageError
 from ds4.quant_mix import tensor_type
 from ds4.tokenizer import tiny_vocab_metadata
-from models.deepseek_v4 import ModelArgs, model_shapes
+from models.deepseek_v4 import METADATA_KEYS, PREFIX, ModelArgs, model_shapes
 from models.mtp import mtp_shapes
 from ops.quants import QTensor
 
@@ -24,33 +25,24 @@ TINY = {"n_layers": 6, "dim": 128, "vocab_size": 512, "n_heads": 4, "head_dim": 
         "index_topk": 4, "original_ctx": 64, "compress_ratios": (0, 0, 4, 16, 4, 16)}
 
 
+# Sizes and constants shared by every tiny model (DeepSeek V4's own values where they are not sizes).
+FIXED = {"n_kv_heads": 1, "n_shared_experts": 1, "route_scale": 1.5, "norm_topk_prob": True, "hc_mult": 4,
+         "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_eps": 1e-6, "rope_theta": 10000.0,
+         "compress_rope_theta": 160000.0, "rope_factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
 def tiny_metadata(**sizes) -> dict:
     """GGUF metadata (deepseek4.* keys and a tiny tokenizer) for a tiny model; override any TINY size."""
+    unknown = sorted(set(sizes) - set(TINY))
+    if unknown:
+        raise UsageError(f"unknown tiny model sizes {unknown}; known: {', '.join(TINY)}")
     s = {**TINY, **sizes}
     n = s["n_layers"]
     ratios = list(s["compress_ratios"])[:n] + [0] * max(0, n - len(s["compress_ratios"]))
-    p = "deepseek4."
-    md = {
-        p + "block_count": n, p + "embedding_length": s["dim"], p + "vocab_size": s["vocab_size"],
-        p + "attention.head_count": s["n_heads"], p + "attention.head_count_kv": 1,
-        p + "attention.key_length": s["head_dim"], p + "attention.value_length": s["head_dim"],
-        p + "rope.dimension_count": s["rope_dim"], p + "attention.q_lora_rank": s["q_lora_rank"],
-        p + "attention.output_lora_rank": s["o_lora_rank"], p + "attention.output_group_count": s["o_groups"],
-        p + "expert_count": s["n_experts"], p + "expert_used_count": s["n_experts_used"],
-        p + "expert_shared_count": 1, p + "expert_feed_forward_length": s["moe_inter_dim"],
-        p + "hash_layer_count": s["n_hash_layers"], p + "expert_weights_scale": 1.5,
-        p + "expert_weights_norm": True, p + "swiglu_clamp_exp": [10.0] * (n + 1),
-        p + "attention.sliding_window": s["window"], p + "attention.indexer.head_count": s["index_n_heads"],
-        p + "attention.indexer.key_length": s["index_head_dim"], p + "attention.indexer.top_k": s["index_topk"],
-        p + "hyper_connection.count": 4, p + "hyper_connection.sinkhorn_iterations": 20,
-        p + "hyper_connection.epsilon": 1e-6, p + "attention.layer_norm_rms_epsilon": 1e-6,
-        p + "rope.freq_base": 10000.0, p + "attention.compress_rope_freq_base": 160000.0,
-        p + "rope.scaling.factor": 16.0, p + "rope.scaling.yarn_beta_fast": 32.0,
-        p + "rope.scaling.yarn_beta_slow": 1.0, p + "rope.scaling.original_context_length": s["original_ctx"],
-        p + "attention.compress_ratios": ratios + [0],
-        "general.name": "ds4py tiny random DeepSeek V4",
-    }
-    return md | tiny_vocab_metadata(s["vocab_size"])
+    values = FIXED | s | {"v_head_dim": s["head_dim"], "swiglu_limits": [10.0] * (n + 1),
+                          "compress_ratios": ratios + [0]}
+    md = {PREFIX + METADATA_KEYS[name]: value for name, value in values.items()}
+    return md | {"general.name": "ds4py tiny random DeepSeek V4"} | tiny_vocab_metadata(s["vocab_size"])
 
 
 def random_tensor(name: str, shape: tuple[int, ...], args: ModelArgs, g: torch.Generator) -> torch.Tensor:

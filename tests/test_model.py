@@ -7,8 +7,8 @@ import torch
 
 from backends.registry import OpSet
 from ds4 import gguf
-from ds4.errors import ModelFileError
-from ds4.tiny import tiny_model_weights, write_tiny
+from ds4.errors import ModelFileError, UsageError
+from ds4.tiny import tiny_metadata, tiny_model_weights, write_tiny
 from models.deepseek_v4 import DeepseekV4, ModelArgs
 from ops.moe import select_experts
 
@@ -81,3 +81,6 @@ def test_make_tiny_reports_bad_sizes_in_one_line(tmp_path, capsys):
                                                "16 RoPE dims of 70: the rest must be a multiple of 64")
     assert make_tiny.main(["--out", str(tmp_path / "t.gguf"), "--n-layers", "2", "--compress-ratios", "0,4"]) == 0
     assert ModelArgs.from_metadata(gguf.open(tmp_path / "t.gguf").metadata).n_layers == 2
+
+    with pytest.raises(UsageError, match=r"unknown tiny model sizes \['n_layer'\]"):
+        tiny_metadata(n_layer=2)
