@@ -1,4 +1,4 @@
-# Two entry points: `make generate` and `make test`. Both create/reuse .venv and install what they need.
+# The README's two commands are `make generate` and `make test`; every target creates/reuses .venv and installs what it needs.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -5,8 +5,9 @@ Resolution for an `OpSet(backend=..., overrides=...)`:
 - an explicit backend that cannot run here raises `BackendUnavailable` (never a silent fallback);
 - an explicit backend that lacks an op serves it with the reference unless `strict=True`,
   and `report()` shows that fallback;
-- `auto` picks the first runnable backend in `AUTO_ORDER` that has the op, else the reference;
-  it never picks Triton under the CPU interpreter (far slower than the reference).
+- `auto` picks the first backend in `AUTO_ORDER` that has the op and runs on the OpSet's `device`
+  (where the model keeps its tensors), else the reference: Triton only for CUDA tensors, never the
+  CPU interpreter (far slower than the reference).
 Per-op overrides (`{"qmatmul": "torch"}` or `DS4_OPS=qmatmul:torch,moe:triton`) pin single ops.
 """
 from __future__ import annotations
@@ -94,12 +95,9 @@ def backend_status(backend: str) -> tuple[bool, str]:
     return True, ""
 
 
-def interpreted(backend: str) -> bool:
-    """True when `backend` would run under the Triton CPU interpreter: tests ask for it, `auto` never picks it."""
-    if backend != "triton":
-        return False
-    import torch
-    return not torch.cuda.is_available()
+def serves_device(backend: str, device: str) -> bool:
+    """Whether `auto` may give `backend` tensors on `device` (Triton: CUDA only; tests ask for its interpreter)."""
+    return backend != "triton" or device.startswith("cuda")
 
 
 def implementations(op: str) -> dict[str, Impl]:
@@ -126,12 +124,12 @@ class OpSet:
     """The ops a model calls, resolved once per op; `report()` says which implementation ran each."""
 
     def __init__(self, backend: str | None = None, overrides: dict[str, str] | None = None,
-                 strict: bool = False):
+                 strict: bool = False, device: str = "cpu"):
         self.backend = backend or os.environ.get("DS4_BACKEND", "auto")
         if self.backend != "auto" and self.backend not in BACKENDS:
             raise BackendUnavailable(f"unknown backend {self.backend!r}; choose auto or one of {BACKENDS}")
         self.overrides = {**parse_overrides(os.environ.get("DS4_OPS")), **(overrides or {})}
-        self.strict = strict
+        self.strict, self.device = strict, device
         for name in {self.backend, *self.overrides.values()} - {"auto"}:
             ok, why = backend_status(name)
             if not ok:
@@ -146,7 +144,8 @@ class OpSet:
         wanted = self.overrides.get(op, self.backend)
         impls = implementations(op)
         if wanted == "auto":
-            runnable = [b for b in AUTO_ORDER if b in impls and backend_status(b)[0] and not interpreted(b)]
+            runnable = [b for b in AUTO_ORDER
+                        if b in impls and serves_device(b, self.device) and backend_status(b)[0]]
             impl, note = impls[runnable[0]], "auto"
         elif wanted in impls:
             impl, note = impls[wanted], "requested"

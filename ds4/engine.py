@@ -158,10 +158,11 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
         raise UsageError(f"--ctx must be >= 2 and --prefill-chunk >= 1 (got {ctx}, {prefill_chunk})")
     opset = OpSet(backend, ops, strict=strict_backend)
     with tqdm(total=3, desc="loading", unit="step", leave=False, disable=None) as bar:
-        model = DeepseekV4.from_gguf(model_path, opset, **switches)
+        f = gguf.open(model_path)
+        model = DeepseekV4.from_gguf(f, opset, **switches)
         bar.update()
         try:
-            tokenizer = Tokenizer.from_metadata(gguf.open(model_path).metadata)
+            tokenizer = Tokenizer.from_metadata(f.metadata)
         except ModelFileError as e:
             raise ModelFileError(f"{model_path}: {e}") from None
         bar.update()

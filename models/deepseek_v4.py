@@ -280,15 +280,16 @@ class DeepseekV4:
                                                i < args.n_hash_layers, args.clamp(i)))
 
     @classmethod
-    def from_gguf(cls, path: str, ops: OpSet | None = None, **switches: Any) -> DeepseekV4:
-        """Load from a ds4-layout GGUF (memory-mapped; weights stay in their stored blocks)."""
+    def from_gguf(cls, path: Any, ops: OpSet | None = None, **switches: Any) -> DeepseekV4:
+        """Load from a ds4-layout GGUF path or an opened `ds4.gguf.GGUFFile` (memory-mapped; weights stay
+        in their stored blocks)."""
         from ds4 import gguf
-        f = gguf.open(path)
+        f = path if isinstance(path, gguf.GGUFFile) else gguf.open(path)
         try:
             args = ModelArgs.from_metadata(f.metadata, **switches)
             return cls(args, {name: f.raw(name) for name in f.tensors}, ops)
         except ModelFileError as e:
-            raise ModelFileError(f"{path}: {e}") from None
+            raise ModelFileError(f"{f.path}: {e}") from None
 
     def make_block(self, w: dict[str, Any], ratio: int, hashed: bool, clamp: float) -> dict[str, Any]:
         """Attach a block's derived constants (RoPE frequencies, output groups) to its weights."""
