@@ -15,7 +15,7 @@ from ds4 import gguf
 from ds4.errors import ModelFileError, UsageError
 from ds4.sampling import Sampler, SamplingParams
 from ds4.session import Session
-from ds4.speculative import SpecMetrics, generate_ids
+from ds4.speculative import SpecMetrics, check_draft, generate_ids
 from ds4.tokenizer import StreamDecoder, Tokenizer
 from models.deepseek_v4 import DeepseekV4, ModelArgs
 from models.mtp import MTPHead
@@ -113,6 +113,7 @@ class Engine:
             raise UsageError(f"the prompt has {len(ids)} tokens but the context is {session.ctx} (--ctx)")
         if max_tokens < 0:
             raise UsageError(f"-n/max_tokens must be >= 0, got {max_tokens}")
+        mtp_draft = check_draft(mtp_draft)
         if mtp_draft not in (None, 0) and self.mtp is None:
             raise UsageError("--mtp-draft needs an MTP head: pass --mtp PATH (mtp_path=...)")
         if mtp_draft is None and self.mtp is not None:
@@ -165,6 +166,9 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
             tokenizer = Tokenizer.from_metadata(f.metadata)
         except ModelFileError as e:
             raise ModelFileError(f"{model_path}: {e}") from None
+        if tokenizer.vocab_size > model.args.vocab_size:
+            raise ModelFileError(f"{model_path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
+                                 f"vocabulary (deepseek4.vocab_size) is {model.args.vocab_size}")
         bar.update()
         mtp = MTPHead.from_gguf(model, mtp_path) if mtp_path else None
         bar.update()

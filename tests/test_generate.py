@@ -52,6 +52,7 @@ def test_api_matches_cli_greedy(tiny_gguf):
     (["--temp", "-1"], "--temp must be >= 0"),
     (["--mtp-draft", "many"], "--mtp-draft must be an integer or 'auto'"),
     (["--backend", "cuda-magic"], "unknown backend"),
+    (["--mtp-draft", "99"], "--mtp-draft must be an integer 0..16"),
     (["--threads", "-1"], "--threads must be >= 0"),
     (["--dump-logits", "/nonexistent/logits.npy"], "--dump-logits /nonexistent/logits.npy: the directory"),
 ])
@@ -73,3 +74,15 @@ def test_load_names_the_file_without_a_vocabulary(tmp_path):
     gguf.write(path, {k: v for k, v in md.items() if not k.startswith("tokenizer.")}, base)
     with pytest.raises(ModelFileError, match=f"^{path}: tokenizer metadata: missing key 'tokenizer.ggml.tokens'"):
         ds4.load(str(path), backend="torch")
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    from ds4 import gguf
+    from ds4.errors import ModelFileError
+    from ds4.tiny import tiny_model_weights
+    from ds4.tokenizer import tiny_vocab_metadata
+    md, base, _ = tiny_model_weights(vocab_size=300)
+    path = str(tmp_path / "bad.gguf")
+    gguf.write(path, md | tiny_vocab_metadata(400), base)
+    with pytest.raises(ModelFileError, match="tokenizer has 400 tokens but the model's vocabulary"):
+        ds4.load(path)
