@@ -46,17 +46,27 @@ class Token:
 class RunStats:
     """Timings and counters of the last `generate` call."""
 
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     counters: dict[str, int] = field(default_factory=dict)
     spec: SpecMetrics = field(default_factory=SpecMetrics)
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Length of the prompt."""
+        return len(self.prompt_ids)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens generated so far (counted by the decoder)."""
+        return self.spec.generated_tokens
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready view."""
         tps = self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
-        return {"prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+        return {"prompt_ids": self.prompt_ids, "prompt_tokens": self.prompt_tokens,
+                "generated_tokens": self.generated_tokens,
                 "prefill_s": round(self.prefill_s, 4), "decode_s": round(self.decode_s, 4),
                 "decode_tokens_per_s": round(tps, 2), "counters": self.counters, "speculative": self.spec.as_dict()}
 
@@ -106,11 +116,11 @@ class Engine:
         """Yield generated tokens with their text as they are committed; stats land in `self.stats`."""
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
         ids = self.encode(prompt, system=system, think=think, raw=raw)
-        session = self.session(ctx, prefill_chunk)
+        ctx = ctx or self.ctx
         if not ids:
             raise UsageError("the prompt is empty")
-        if len(ids) >= session.ctx:
-            raise UsageError(f"the prompt has {len(ids)} tokens but the context is {session.ctx} (--ctx)")
+        if len(ids) >= ctx:
+            raise UsageError(f"the prompt has {len(ids)} tokens but the context is {ctx} (--ctx)")
         if max_tokens < 0:
             raise UsageError(f"-n/max_tokens must be >= 0, got {max_tokens}")
         mtp_draft = check_draft(mtp_draft)
@@ -118,7 +128,8 @@ class Engine:
             raise UsageError("--mtp-draft needs an MTP head: pass --mtp PATH (mtp_path=...)")
         if mtp_draft is None and self.mtp is not None:
             mtp_draft = 1  # seed 003: continuous depth-1 speculation is the default with an MTP head
-        self.stats = stats = RunStats(prompt_tokens=len(ids))
+        session = self.session(ctx, prefill_chunk)
+        self.stats = stats = RunStats(prompt_ids=ids)
         decoder = StreamDecoder(self.tokenizer)
         long_prompt = len(ids) > session.prefill_chunk
         bar = tqdm(total=len(ids), desc="prefill", unit="tok", leave=False, disable=None if long_prompt else True)
@@ -133,7 +144,7 @@ class Engine:
                 stats.prefill_s, t1 = now - t0, now
                 bar.close()
                 session.on_chunk = None
-            stats.generated_tokens, stats.decode_s = n + 1, now - t1
+            stats.decode_s = now - t1
             stats.counters = dict(session.counters)
             yield Token(token, decoder.push(token))
         tail = decoder.flush()

@@ -120,9 +120,8 @@ def run(a: argparse.Namespace) -> int:
         np.save(a.dump_logits, torch.stack(logits).float().numpy() if logits else np.zeros((0, engine.args.vocab_size)))
     stats = engine.stats
     if a.json:
-        out = {"model": engine.paths[0], "mtp": engine.paths[1], "prompt_ids": engine.encode(
-            prompt, system=a.system, think=a.think, raw=a.raw), "generated_ids": ids, "text": "".join(text),
-            **stats.as_dict(), "backends": engine.ops.report()}
+        out = {"model": engine.paths[0], "mtp": engine.paths[1], "generated_ids": ids, "text": "".join(text),
+               **stats.as_dict(), "backends": engine.ops.report()}
         print(json.dumps(out, ensure_ascii=False))
     print(f"[ds4py] {stats.prompt_tokens} prompt tokens in {stats.prefill_s:.2f}s, {stats.generated_tokens} "
           f"generated in {stats.decode_s:.2f}s; {stats.spec.summary()}", file=sys.stderr)
