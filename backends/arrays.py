@@ -3,10 +3,11 @@ the model needs besides its ops — allocation, index arrays, concatenation, sel
 all on one device, so the model itself never names a framework or a device."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from ds4.errors import BackendUnavailable
 from ops.quants import QTensor
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64, "bool": torch.bool}
@@ -43,6 +44,17 @@ class TorchArrays:
     def to_torch(self, x: torch.Tensor) -> torch.Tensor:
         """`x` as a torch tensor for the decoder (already one: no copy)."""
         return x
+
+    def compile(self, fn: Callable) -> Callable:
+        """`fn` compiled by torch.compile (inductor) with static shapes: one graph per distinct input shape
+        (a step per verify width), traced on first use and replayed after. CPU only for now: capturing
+        the Triton step in CUDA graphs is not written yet."""
+        if self.device.type != "cpu":
+            raise BackendUnavailable(f"compiled steps run on the CPU only for now, not on {self.device}; "
+                                     "use --no-compile")
+        # one recompile per verify width (1..16) and per MTP row count; dynamo's default limit is 8
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        return torch.compile(fn, dynamic=False, fullgraph=True)  # a graph break is an error, not a slow path
 
 
 def best_device() -> str:

@@ -14,7 +14,8 @@ Resolution for an `OpSet(backend=..., overrides=...)`:
   `BackendUnavailable` (its ops could not read the arrays); `backend="mlx"` without a device means `mlx`.
 Per-op overrides (`{"qmatmul": "torch"}` or `DS4_OPS=qmatmul:torch,moe:triton`) pin single ops.
 Besides the ops, an OpSet carries its device's array primitives (`zeros`, `array`, `cat`, `where`,
-`place`, `to_torch`; see backends/arrays.py), so the model allocates and places everything through it.
+`place`, `to_torch`, `compile`; see backends/arrays.py), so the model allocates and places everything
+through it.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from backends.arrays import TorchArrays
 from ds4.errors import BackendUnavailable
@@ -186,6 +189,7 @@ class OpSet:
             self.arrays = TorchArrays(self.device)
         self.zeros, self.array, self.cat = self.arrays.zeros, self.arrays.array, self.arrays.cat
         self.where, self.place, self.to_torch = self.arrays.where, self.arrays.place, self.arrays.to_torch
+        self.compile = self.arrays.compile
         for name in {self.backend, *self.overrides.values()} - {"auto"}:
             ok, why = backend_status(name)
             if not ok:
@@ -221,7 +225,8 @@ class OpSet:
         impl, _ = self.resolve(op)
 
         def call(*args, **kwargs):
-            self.calls[op] += 1
+            if not torch.compiler.is_compiling():  # a compiled step's calls are counted by its caller
+                self.calls[op] += 1
             return impl.fn(*args, **kwargs)
 
         return call

@@ -26,6 +26,7 @@ from ds4.errors import NonFiniteError, UsageError
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
 
+COMPILED_ROWS = 16  # compiled sessions compile a step per row count up to this (decode, verify, MTP rows)
 KEPT_STATES = 32  # trunk/MTP output states kept for the latest positions, so truncate() can resume MTP
 
 
@@ -95,7 +96,8 @@ def check_finite(logits: torch.Tensor, positions: list[int], what: str) -> None:
 class Session:
     """KV state plus prefill / decode / batched forward / MTP drafting / rollback for one sequence."""
 
-    def __init__(self, model: DeepseekV4, ctx: int, prefill_chunk: int = 2048, mtp: MTPHead | None = None):
+    def __init__(self, model: DeepseekV4, ctx: int, prefill_chunk: int = 2048, mtp: MTPHead | None = None,
+                 compile: bool = False):
         ctx = check_size("ctx (--ctx)", ctx)
         prefill_chunk = check_size("prefill_chunk (--prefill-chunk)", prefill_chunk)
         prefill_chunk = min(prefill_chunk, ctx)  # a longer chunk could never be filled
@@ -123,6 +125,17 @@ class Session:
         self.counters: Counter[str] = Counter()  # forward_rows, lm_head_rows, mtp_rows, mtp_lm_head_rows
         self.mtp_paused = False  # True: forwards skip the MTP catch-up (no draft will read it)
         self.on_chunk: Callable[[int], None] | None = None  # called with each forward chunk's size (progress)
+        self.compiled = compile  # decode, verify and MTP rows (M <= COMPILED_ROWS) run the compiled step
+        if compile:
+            model.compiled_step()
+            if mtp:
+                mtp.compiled_step()
+
+    def batch_invariant(self) -> bool:
+        """Whether a forward of M <= SMALL_M rows gives each row the one-row forward's result bit for bit:
+        every op resolves to a batch-invariant implementation and no compiled step runs (inductor
+        generates different kernels per row count)."""
+        return self.model.ops.batch_invariant() and not self.compiled
 
     @property
     def pos(self) -> int:
@@ -132,22 +145,24 @@ class Session:
     # ---- forward --------------------------------------------------------------------------------
 
     def prefill(self, ids: Sequence[int]) -> torch.Tensor:
-        """Feed a prompt in chunks of `prefill_chunk`; logits [V] of its last row only."""
+        """Feed a prompt in chunks of `prefill_chunk` (never through the compiled step); logits [V] of its
+        last row only."""
         ids = self._check_ids(ids)
         if len(ids) == 0:
             raise UsageError("prefill needs at least one token")
         mtp_min = self.pos + len(ids) - self.model.args.window  # older MTP rows are never attended
-        return self.forward(ids, [len(ids) - 1], mtp_min=mtp_min)[0]
+        return self.forward(ids, [len(ids) - 1], mtp_min=mtp_min, eager=True)[0]
 
     def decode(self, token: int) -> torch.Tensor:
         """Feed one token; its logits [V]."""
         return self.forward([token], [0])[0]
 
     def forward(self, ids: Sequence[int], logit_rows: Sequence[int] | str | None = "all",
-                mtp_min: int = 0) -> torch.Tensor | None:
+                mtp_min: int = 0, eager: bool = False) -> torch.Tensor | None:
         """Feed `ids` (e.g. a verify batch [first, d1..dk]) and return logits [len(rows), V] of
         `logit_rows` (indices into ids, "all", "last", or None for no LM head). The MTP cache is caught
-        up on rows at positions >= mtp_min."""
+        up on rows at positions >= mtp_min. A compiled session runs chunks of at most COMPILED_ROWS rows
+        through the compiled step unless `eager`."""
         ids = self._check_ids(ids)
         n = len(ids)
         if self.pos + n > self.ctx:
@@ -165,7 +180,7 @@ class Session:
         for s in range(0, n, self.prefill_chunk):
             chunk = ids[s:s + self.prefill_chunk]
             local = [r - s for r in rows if s <= r < s + len(chunk)]
-            out.append(self._forward_chunk(chunk, local or None, mtp_min))
+            out.append(self._forward_chunk(chunk, local or None, mtp_min, eager))
             if self.on_chunk:
                 self.on_chunk(len(chunk))
         logits = [x for x in out if x is not None]
@@ -188,11 +203,17 @@ class Session:
             raise UsageError(f"token ids must be in [0, {self.model.args.vocab_size})")
         return [int(i) for i in ids]
 
-    def _forward_chunk(self, ids: list[int], logit_rows: list[int] | None, mtp_min: int):
+    def step_for(self, rows: int, eager: bool = False) -> str:
+        """How a forward of `rows` rows runs (see DeepseekV4.forward)."""
+        return "compiled" if self.compiled and not eager and rows <= COMPILED_ROWS else "eager"
+
+    def _forward_chunk(self, ids: list[int], logit_rows: list[int] | None, mtp_min: int, eager: bool):
         """One model forward of at most prefill_chunk tokens, then the MTP catch-up."""
         start, M = self.pos, len(ids)
-        X, logits = self.model.forward(ids, start, self.caches, logit_rows)
+        step = self.step_for(M, eager)
+        X, logits = self.model.forward(ids, start, self.caches, logit_rows, step)
         self.counters["forward_rows"] += M
+        self.counters["compiled_rows"] += M if step == "compiled" else 0
         self.counters["lm_head_rows"] += 0 if logit_rows is None else len(logit_rows)
         previous_tail = self.trunk_tail
         self.tokens.extend(ids)
@@ -200,13 +221,12 @@ class Session:
         self.trunk_tail, self.n_drafted = X[-1], 0
         self._keep_recent("trunk", start, X)
         if self.mtp and not self.mtp_paused:
-            self._mtp_catch_up(ids, X, previous_tail, start, mtp_min)
+            self._mtp_catch_up(ids, X, previous_tail, start, mtp_min, eager)
         elif self.mtp:  # rows not written: the MTP window restarts after them
             self.mtp_from = self.pos
         return logits
 
-    def _mtp_catch_up(self, ids: list[int], X, previous_tail,
-                      start: int, mtp_min: int) -> None:
+    def _mtp_catch_up(self, ids: list[int], X, previous_tail, start: int, mtp_min: int, eager: bool) -> None:
         """Write the MTP rows of the tokens just fed (pairing per ModelArgs.mtp_pairing), no LM head."""
         if self.model.args.mtp_pairing == "official":  # row j: (H_{j-1}, t_j)
             states = X[:-1] if previous_tail is None else self.model.ops.cat([previous_tail[None], X[:-1]])
@@ -220,7 +240,9 @@ class Session:
             return
         if j0 != start or start < self.mtp_from:
             self.mtp_from = j0
-        Y, _ = self.mtp.forward(states[keep:], ids[j0 - start:], j0, self.mtp_cache, self.mtp_from)
+        rows = ids[j0 - start:]
+        Y, _ = self.mtp.forward(states[keep:], rows, j0, self.mtp_cache, self.mtp_from,
+                                step=self.step_for(len(rows), eager))
         self.counters["mtp_rows"] += Y.shape[0]
         self.mtp_tail = Y[-1]
         self._keep_recent("mtp", j0, Y)
@@ -258,7 +280,7 @@ class Session:
             raise UsageError(f"MTP draft at position {j} exceeds the context of {self.ctx}")
         if self.n_drafted >= self.prefill_chunk:
             raise UsageError(f"at most prefill_chunk ({self.prefill_chunk}) drafts between forwards")
-        Y, logits = self.mtp.forward(state[None], [token], j, self.mtp_cache, self.mtp_from, [0])
+        Y, logits = self.mtp.forward(state[None], [token], j, self.mtp_cache, self.mtp_from, [0], self.step_for(1))
         self.n_drafted += 1
         self.high_water = max(self.high_water, j + 1)
         self.counters["mtp_rows"] += 1

@@ -12,9 +12,10 @@ Modes:
   reference ops for verifies of <= SMALL_M rows) these equal one-row decode bit for bit; otherwise they
   can differ from plain greedy only at exact-tie precision (near-greedy).
 - strict: committed tokens are bit-identical to plain greedy decode at every depth and prefill chunk.
-  When every op the session's OpSet resolves is batch-invariant (`OpSet.batch_invariant()`), the verify
-  is the same single batched pass (<= SMALL_M rows); otherwise it falls back to exact per-token
-  verification — one one-row decode per row, stopping at the first mismatch (no passes saved).
+  When the session's forwards are batch-invariant (`Session.batch_invariant()`: every op is, and no
+  compiled step runs), the verify is the same single batched pass (<= SMALL_M rows); otherwise it falls
+  back to exact per-token verification — one one-row decode per row, stopping at the first mismatch (no
+  passes saved).
 - `continuous=False`: ds4's older cycle, a standalone one-row decode of `first` before every draft.
 - sampled (temperature > 0): speculative sampling, accept d with probability min(1, p(d)/q(d)), resample
   from max(0, p − q) on reject — the committed stream has exactly the target's filtered distribution.
@@ -189,7 +190,7 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
     if drafter is None:
         draft = None
     greedy = sampler.params.greedy
-    batched = not strict or session.model.ops.batch_invariant()   # strict batches only when that is exact
+    batched = not strict or session.batch_invariant()   # strict batches only when that is exact
     adaptive = AdaptiveDepth() if draft == "auto" else None
     gate = ProbeGate()
     if max_tokens <= 0:

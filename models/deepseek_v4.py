@@ -27,6 +27,7 @@ OPTIONAL = ("exp_probs_b.bias",)  # the selection bias may be absent on the base
 SMALL = ("norm.weight", "_scale.weight", "_base.weight", "attn_sinks.weight", "_ape.weight", ".bias",
          "tid2eid.weight")  # tensors kept dequantized (vectors and tiny tables)
 
+STEPS = ("eager", "fixed", "compiled")  # how a forward runs (DeepseekV4.forward)
 Array = Any  # an array of the OpSet's family (a torch tensor, or an mx.array)
 
 
@@ -186,6 +187,10 @@ class LayerCache:
     index_kv: Array | None = None
     index_score: Array | None = None
 
+    def comp_capacity(self) -> int:
+        """Compressed rows a position can ever see; the row after them is a scratch row no query reads."""
+        return self.rows.shape[0] - self.raw_cap - 1
+
 
 # ---- positions planned on the host ------------------------------------------------------------------
 
@@ -210,42 +215,57 @@ class Plan:
     raw_slots: Array                # [M] raw ring slot of each row
     raw_rows: Array                 # [M, window] raw ring slots each row attends to (−1 = none)
     n_raw: tuple[int, ...]          # valid leading entries of each raw_rows row
-    visible: tuple[int, ...] = ()   # compressed rows each row sees ((p + 1) // ratio)
-    visible_rows: Array | None = None  # the same counts as an array (for indexer_topk)
-    comp_rows: Array | None = None  # [M, max visible] compressed rows (ratio != 4; −1 = none)
+    visible: tuple[int, ...] = ()   # compressed rows each row sees ((p + 1) // ratio); fixed plan: the capacity
+    visible_rows: Array | None = None  # the counts (p + 1) // ratio as an array (for indexer_topk)
+    comp_rows: Array | None = None  # [M, max visible or capacity] compressed rows (ratio != 4; −1 = none)
     compressor: CompressorPlan | None = None
 
 
-def plan_compressor(ops: OpSet, pos: range, ratio: int, cap: int) -> CompressorPlan:
-    """Ring slots and completed blocks of a compressor of `ratio` with a ring of `cap` slots."""
-    blocks = [(p + 1) // ratio - 1 for p in pos if (p + 1) % ratio == 0]
+def plan_compressor(ops: OpSet, pos: range, ratio: int, cap: int, scratch: int | None = None) -> CompressorPlan:
+    """Ring slots and completed blocks of a compressor of `ratio` with a ring of `cap` slots. With a
+    `scratch` row (a fixed-capacity plan) every row pools its own block, and a block that is not complete
+    yet is written to that never-read row, so the shapes do not depend on the positions."""
     slots, ape = ops.array([p % cap for p in pos]), ops.array([p % ratio for p in pos])
-    if not blocks:
-        return CompressorPlan(slots, ape)
+    if scratch is None:
+        blocks = [(p + 1) // ratio - 1 for p in pos if (p + 1) % ratio == 0]
+        if not blocks:
+            return CompressorPlan(slots, ape)
+        targets = blocks
+    else:
+        blocks = [p // ratio for p in pos]
+        targets = [b if (p + 1) % ratio == 0 else scratch for p, b in zip(pos, blocks, strict=True)]
     tokens = [[b * ratio + i for i in range(ratio)] for b in blocks]
     prev = [[t - ratio for t in row] for row in tokens]
-    return CompressorPlan(slots, ape, ops.array(blocks), ops.array([b * ratio for b in blocks]),
+    return CompressorPlan(slots, ape, ops.array(targets), ops.array([b * ratio for b in blocks]),
                           ops.array([[t % cap for t in row] for row in tokens]),
                           ops.array([[t % cap for t in row] for row in prev]),
                           ops.array([[[t >= 0] for t in row] for row in prev], "bool"))
 
 
-def plan_positions(ops: OpSet, start: int, M: int, window: int, cache: LayerCache, valid_from: int = 0) -> Plan:
+def plan_positions(ops: OpSet, start: int, M: int, window: int, cache: LayerCache, valid_from: int = 0,
+                   fixed: bool = False) -> Plan:
     """Every index array a forward of rows start..start+M-1 needs for layers shaped like `cache`; raw
-    rows below position `valid_from` are not attended (the MTP cache may start late)."""
+    rows below position `valid_from` are not attended (the MTP cache may start late).
+
+    `fixed=True` gives the fixed-capacity plan of a compiled step: every shape and count depends only on
+    M and the cache's capacities, never on `start` (counts cover the whole width, unused entries are −1,
+    the compressed part spans the cache's capacity, and every row pools a block, see plan_compressor)."""
     pos = range(start, start + M)
     raw = [[(p - b) % cache.raw_cap if p - b >= valid_from else -1 for b in range(window)] for p in pos]
-    plan = Plan(ops.array(list(pos)), ops.array([p % cache.raw_cap for p in pos]), ops.array(raw),
-                tuple(max(0, min(window, p - valid_from + 1)) for p in pos))
+    n_raw = (window,) * M if fixed else tuple(max(0, min(window, p - valid_from + 1)) for p in pos)
+    plan = Plan(ops.array(list(pos)), ops.array([p % cache.raw_cap for p in pos]), ops.array(raw), n_raw)
     ratio = cache.ratio
     if not ratio:
         return plan
     visible = tuple((p + 1) // ratio for p in pos)
+    capacity = cache.comp_capacity()
+    width = capacity if fixed else max(visible)
     comp = None
     if ratio != 4:
-        comp = ops.array([[cache.raw_cap + c if c < v else -1 for c in range(max(visible))] for v in visible])
-    return replace(plan, visible=visible, visible_rows=ops.array(list(visible)), comp_rows=comp,
-                   compressor=plan_compressor(ops, pos, ratio, cache.comp_cap))
+        comp = ops.array([[cache.raw_cap + c if c < v else -1 for c in range(width)] for v in visible])
+    return replace(plan, visible=(width,) * M if fixed else visible, visible_rows=ops.array(list(visible)),
+                   comp_rows=comp,
+                   compressor=plan_compressor(ops, pos, ratio, cache.comp_cap, capacity if fixed else None))
 
 
 class DeepseekV4:
@@ -253,6 +273,7 @@ class DeepseekV4:
 
     def __init__(self, args: ModelArgs, weights: Mapping[str, QTensor], ops: OpSet | None = None):
         self.args, self.ops = args, ops or OpSet()
+        self._compiled_run = None
         g = bind(weights, {k: v for k, v in model_shapes(args).items() if not k.startswith("blk.")}, "", self.ops)
         self.embedding, self.output = g["token_embd.weight"], g["output.weight"]
         self.head = HCHead(g["output_hc_fn.weight"], g["output_hc_scale.weight"], g["output_hc_base.weight"],
@@ -271,7 +292,7 @@ class DeepseekV4:
         allocated on the OpSet's device."""
         a, hd, zeros = self.args, self.args.head_dim, self.ops.zeros
         raw_cap = a.window + chunk
-        n_comp = ctx // ratio + 1 if ratio else 0
+        n_comp = ctx // ratio + 1 if ratio else 0  # ctx // ratio blocks at most, then the scratch row
         cache = LayerCache(ratio, raw_cap, zeros(raw_cap + n_comp, hd))
         if ratio:
             coff = 2 if ratio == 4 else 1
@@ -303,17 +324,38 @@ class DeepseekV4:
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(self, ids: Sequence[int], start: int, caches: list[LayerCache],
-                logit_rows: Sequence[int] | None = None) -> tuple[Array, Array | None]:
+                logit_rows: Sequence[int] | None = None, step: str = "eager") -> tuple[Array, Array | None]:
         """Run tokens `ids` at positions start..start+M-1; returns the final HC states [M, S, D] and the
-        logits of `logit_rows` (indices into ids; None: no LM head at all)."""
-        ops, M = self.ops, len(ids)
-        token_ids = ops.array(list(ids))
-        x = ops.embed(self.embedding, token_ids)[:, None, :]
-        X = ops.cat([x] * self.args.hc_mult, dim=1)
+        logits of `logit_rows` (indices into ids; None: no LM head at all). `step`: "eager"; "fixed"
+        (eager, with the fixed-capacity plan); "compiled" (fixed plan, run by the compiled step)."""
+        if step not in STEPS:
+            raise ValueError(f"step must be one of {STEPS}, got {step!r}")
+        plans = self.plan(start, len(ids), caches, fixed=step != "eager")
+        run = self.compiled_step() if step == "compiled" else self.run
+        return run(self.ops.array(list(ids)), plans, caches, logit_rows)
+
+    def compiled_step(self):
+        """`run` compiled by the OpSet, built once per model (a graph per row count, traced on first use)."""
+        if self._compiled_run is None:
+            self._compiled_run = self.ops.compile(self.run)
+        return self._compiled_run
+
+    def plan(self, start: int, M: int, caches: list[LayerCache], fixed: bool = False) -> dict[int, Plan]:
+        """The position plan of each compression ratio for rows start..start+M-1."""
         plans: dict[int, Plan] = {}
         for L, cache in zip(self.layers, caches, strict=False):
             if L.ratio not in plans:
-                plans[L.ratio] = plan_positions(ops, start, M, self.args.window, cache)
+                plans[L.ratio] = plan_positions(self.ops, start, M, self.args.window, cache, fixed=fixed)
+        return plans
+
+    def run(self, token_ids: Array, plans: dict[int, Plan], caches: list[LayerCache],
+            logit_rows: Sequence[int] | None = None) -> tuple[Array, Array | None]:
+        """The forward of `token_ids` [M] under `plans` (everything on the device; what a compiled step
+        captures)."""
+        ops = self.ops
+        x = ops.embed(self.embedding, token_ids)[:, None, :]
+        X = ops.cat([x] * self.args.hc_mult, dim=1)
+        for L, cache in zip(self.layers, caches, strict=False):
             X = self.block(L, X, token_ids, plans[L.ratio], cache)
         logits = None if logit_rows is None else self.logits(X[ops.array(list(logit_rows))], self.head)
         return X, logits

@@ -13,7 +13,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from models.args import MTP_PREFIX, mtp_shapes
-from models.deepseek_v4 import OPTIONAL, Array, DeepseekV4, HCHead, LayerCache, bind, make_block, plan_positions
+from models.deepseek_v4 import (
+    OPTIONAL,
+    STEPS,
+    Array,
+    DeepseekV4,
+    HCHead,
+    LayerCache,
+    Plan,
+    bind,
+    make_block,
+    plan_positions,
+)
 from ops.quants import QTensor
 
 
@@ -28,25 +39,38 @@ class MTPHead:
         self.head = HCHead(w.pop("hc_head_fn.weight"), w.pop("hc_head_scale.weight"),
                            w.pop("hc_head_base.weight"), w.pop("norm.weight"))
         self.block = make_block(self.args, self.ops, w, 0, False, self.args.clamp(self.args.n_layers))
+        self._compiled_run = None
 
     def new_cache(self, ctx: int, chunk: int) -> LayerCache:
         """Empty raw window cache of the MTP block."""
         return self.trunk.new_cache(0, ctx, chunk)
 
     def forward(self, states: Array, ids: Sequence[int], start: int, cache: LayerCache, valid_from: int = 0,
-                logit_rows: Sequence[int] | None = None) -> tuple[Array, Array | None]:
+                logit_rows: Sequence[int] | None = None, step: str = "eager") -> tuple[Array, Array | None]:
         """Rows (states [M, S, D], token ids) at cache positions start..start+M-1 -> output HC states
         [M, S, D] and the logits of `logit_rows` (None: no LM head). Cache rows below `valid_from` were
-        never written and are not attended."""
+        never written and are not attended. `step` as in DeepseekV4.forward."""
+        if step not in STEPS:
+            raise ValueError(f"step must be one of {STEPS}, got {step!r}")
+        plan = plan_positions(self.ops, start, len(ids), self.args.window, cache, valid_from, fixed=step != "eager")
+        run = self.compiled_step() if step == "compiled" else self.run
+        return run(states, self.ops.array(list(ids)), plan, cache, logit_rows)
+
+    def compiled_step(self):
+        """`run` compiled by the OpSet, built once per head (a graph per row count, traced on first use)."""
+        if self._compiled_run is None:
+            self._compiled_run = self.ops.compile(self.run)
+        return self._compiled_run
+
+    def run(self, states: Array, token_ids: Array, plan: Plan, cache: LayerCache,
+            logit_rows: Sequence[int] | None = None) -> tuple[Array, Array | None]:
+        """The MTP forward of `token_ids` [M] under `plan` (everything on the device)."""
         a, ops = self.args, self.ops
-        token_ids = ops.array(list(ids))
         e = ops.qmatmul(ops.rms_norm(ops.embed(self.trunk.embedding, token_ids), self.enorm, a.rms_eps), self.e_proj)
         M, S, D = states.shape
         # one M-row product per stream (not one of M·S rows): batch-invariant while M <= SMALL_M
         h = ops.cat([ops.qmatmul(ops.rms_norm(states[:, i], self.hnorm, a.rms_eps), self.h_proj)[:, None]
                      for i in range(S)], dim=1)
-        X = h + e[:, None, :]
-        plan = plan_positions(ops, start, M, a.window, cache, valid_from)
-        X = self.trunk.block(self.block, X, token_ids, plan, cache)
+        X = self.trunk.block(self.block, h + e[:, None, :], token_ids, plan, cache)
         logits = None if logit_rows is None else self.trunk.logits(X[ops.array(list(logit_rows))], self.head)
         return X, logits

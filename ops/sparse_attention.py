@@ -2,13 +2,14 @@
 per-head sink logit.
 
 Contract: `sparse_attention(q [M, H, D], kv [N, D], rows: AttnRows, sinks [H], scale) -> [M, H, D]`.
-Query m attends to `kv[rows.raw[m, :rows.n_raw[m]]]` then `kv[rows.comp[m, :rows.n_comp[m]]]`, in that
-order; every other entry of `raw`/`comp` is −1. The same row is key and value for all heads:
-`o_h = Σ_k e^{s_k−M}·kv_k / (e^{sink_h−M} + Σ_k e^{s_k−M})` with `s_k = scale·q_h·kv_k` (docs/model.md
-§3.4 step 7). The counts are planned on the host (they depend only on positions, the window and the
+Query m attends to the entries of `rows.raw[m, :rows.n_raw[m]]` then of `rows.comp[m, :rows.n_comp[m]]`
+that are not −1, in that order; every entry past the counts is −1 too (a fixed-capacity plan, used
+by compiled steps, sets the counts to the full widths and marks unused entries −1). The same row is key
+and value for all heads: `o_h = Σ_k e^{s_k−M}·kv_k / (e^{sink_h−M} + Σ_k e^{s_k−M})` with
+`s_k = scale·q_h·kv_k` (docs/model.md §3.4 step 7). The counts are planned on the host (they depend only on positions, the window and the
 indexer's k), so no implementation needs to read the index arrays back.
 Batch-invariant for M <= SMALL_M (`BATCH_INVARIANT`, the decode and speculative-verify regime): each
-query is computed alone over exactly its valid rows, so neither the other queries nor the −1 padding
+query is computed alone over its listed rows (−1 entries weigh exactly 0), so neither the other queries nor the −1 padding
 change its reductions. Larger M is processed in blocks of 64 queries over the padded lists, whose
 rounding may depend on the block.
 """
@@ -38,9 +39,11 @@ class AttnRows:
         return self.raw if self.comp is None else torch.cat((self.raw, self.comp), dim=1)
 
 
-def attend_one(q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """Output [H, D] of one query q [H, D] over its rows `keys` [n, D] (sink included)."""
-    s = (q @ keys.T) * scale                                            # [H, n]
+def attend_one(q: torch.Tensor, keys: torch.Tensor, sinks: torch.Tensor, scale: float,
+               unused: torch.Tensor) -> torch.Tensor:
+    """Output [H, D] of one query q [H, D] over its rows `keys` [n, D] (sink included; rows flagged in
+    `unused` [n] weigh exactly 0)."""
+    s = ((q @ keys.T) * scale).masked_fill(unused, float("-inf"))     # [H, n]
     sink = sinks[:, None]
     m = torch.cat((s, sink), dim=1).amax(-1, keepdim=True)
     p = torch.exp(s - m)
@@ -57,7 +60,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: t
             listed = rows.raw[m, :rows.n_raw[m]]
             if rows.comp is not None:
                 listed = torch.cat((listed, rows.comp[m, :rows.n_comp[m]]))
-            out[m] = attend_one(q[m].to(torch.float32), kv[listed].to(torch.float32), sinks, scale)
+            out[m] = attend_one(q[m].to(torch.float32), kv[listed.clamp(min=0)].to(torch.float32), sinks, scale,
+                                listed < 0)
         return out
     padded = rows.padded()
     for start in range(0, q.shape[0], QUERY_BLOCK):

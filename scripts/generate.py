@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="speculative draft depth N (1..16; a batched verify takes at most 15) or 'auto'; "
                         "0 = off (default with an MTP head: 1, continuous)")
     p.add_argument("--strict", action="store_true", help="speculation bit-identical to plain greedy")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="run decode/verify/MTP steps compiled by torch.compile (CPU; each row count compiles once, "
+                        "about a minute on 2 cores; pays off on long generations, see docs/cpu.md; default off)")
     p.add_argument("--no-continuous", dest="continuous", action="store_false",
                    help="decode `first` alone before each draft (ds4's older cycle)")
     p.add_argument("--spec-log", action="store_true", help="per-cycle speculative trace on stderr")
@@ -123,7 +126,7 @@ def run(a: argparse.Namespace) -> int:
         switches["mtp_pairing"] = a.mtp_pairing
     from backends.registry import parse_overrides
     engine = ds4.load(a.model, a.mtp, a.backend, ops=parse_overrides(a.ops), ctx=a.ctx,
-                      prefill_chunk=a.prefill_chunk, device=a.device, **switches)
+                      prefill_chunk=a.prefill_chunk, device=a.device, compile=a.compile, **switches)
     logits = []
     spec_log = (lambda cycle: print(json.dumps(cycle), file=sys.stderr)) if a.spec_log else None
     tokens = engine.generate(prompt, max_tokens=a.max_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,

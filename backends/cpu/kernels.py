@@ -73,6 +73,7 @@ def lib() -> ctypes.CDLL | None:
     return _lib
 
 
+@torch.compiler.assume_constant_result  # a compiled step asks once, while tracing (building is not traceable)
 def available(qtype: str, k: int = 0) -> bool:
     """Whether the fused kernel serves weights of `qtype` with rows of `k` values."""
     return qtype in GGML_TYPE and (qtype != "F32" or k % F32_BLOCK == 0) and lib() is not None
@@ -81,26 +82,38 @@ def available(qtype: str, k: int = 0) -> bool:
 def qgemv(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:
     """`x [M, K] @ W.T` for M <= MAX_ROWS; with `experts` [M] int64, row m uses expert experts[m] of a
     stacked [E, N, K] weight. Float32 [M, N]."""
+    return qgemv_op(x, w.data, GGML_TYPE[w.qtype.name], w.shape[-2], experts)
+
+
+@torch.library.custom_op("ds4::qgemv", mutates_args=())
+def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
+    """qgemv on raw blocks `data` of type `ggml_type` with `n` output rows: an opaque op to torch.compile,
+    which calls it as it is (a ctypes call cannot be traced)."""
     global _pool
     x = x.to(torch.float32).contiguous()
     M, K = x.shape
-    N = w.shape[-2]
-    data = w.data if w.data.is_contiguous() else w.data.contiguous()
+    data = data if data.is_contiguous() else data.contiguous()
     expert_bytes = data[0].numel() if experts is not None else 0
     ids = experts.to(torch.int64).contiguous() if experts is not None else None
-    y = torch.empty((M, N), dtype=torch.float32)
+    y = torch.empty((M, n), dtype=torch.float32)
     k = lib()
-    args = (GGML_TYPE[w.qtype.name], data.data_ptr(), expert_bytes, 0 if ids is None else ids.data_ptr(), N, K,
+    args = (ggml_type, data.data_ptr(), expert_bytes, 0 if ids is None else ids.data_ptr(), n, K,
             x.data_ptr(), M, y.data_ptr())
     weight_bytes = expert_bytes if experts is not None else data.numel()
-    parts = min(torch.get_num_threads(), N) if weight_bytes >= SPLIT_BYTES else 1
+    parts = min(torch.get_num_threads(), n) if weight_bytes >= SPLIT_BYTES else 1
     if parts <= 1:
-        rc = k.qgemv(*args, 0, N)
+        rc = k.qgemv(*args, 0, n)
     else:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="ds4-qgemv")
-        bounds = [N * i // parts for i in range(parts + 1)]
+        bounds = [n * i // parts for i in range(parts + 1)]
         rc = max(_pool.map(lambda i: k.qgemv(*args, bounds[i], bounds[i + 1]), range(parts)))
     if rc:
-        raise ValueError(f"qgemv: unsupported call ({w.qtype.name}, M={M})")
+        name = next((t for t, g in GGML_TYPE.items() if g == ggml_type), ggml_type)
+        raise ValueError(f"qgemv: unsupported call ({name}, M={M})")
     return y
+
+
+@qgemv_op.register_fake
+def _(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)

@@ -75,3 +75,7 @@ class MLXArrays:
         """`x` as a torch tensor for the decoder."""
         return x if isinstance(x, torch.Tensor) else to_torch(x)
 
+
+    def compile(self, fn):
+        """Compiled steps are not written for MLX (its lazy graph already batches the small ops)."""
+        raise BackendUnavailable("compiled steps run on torch CPU tensors only; use --no-compile with MLX")

@@ -1,0 +1,135 @@
+"""The fixed-capacity plan and the compiled step (docs/cpu.md, "The compiled step").
+
+A fixed plan's shapes and counts depend only on the row count and the cache's capacities, so one graph
+per row count serves every position; it attends to exactly what the eager plan does (the cpu backend
+gives bit-identical logits and state, the references the same within float order). The compiled step
+(torch.compile of the sync-free forward, fullgraph) gives the eager tokens, and strict speculation on a
+compiled session still equals plain greedy."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from backends.arrays import TorchArrays
+from backends.registry import OpSet
+from ds4.errors import BackendUnavailable
+from ds4.sampling import Sampler, SamplingParams
+from ds4.session import Session
+from ds4.speculative import generate_ids
+from ds4.tiny import tiny_model_weights
+from models.args import ModelArgs
+from models.deepseek_v4 import DeepseekV4, plan_positions
+from models.mtp import MTPHead
+
+CHUNKS = [1] * 10 + [2, 3, 4, 1, 16, 1, 1, 5, 1, 2]   # crosses the window, ratio-4/16 blocks and the top-k
+
+
+def tiny(backend: str, mix: str = "f32") -> tuple[DeepseekV4, MTPHead]:
+    md, base, mtp = tiny_model_weights(mix=mix, seed=5)
+    trunk = DeepseekV4(ModelArgs.from_metadata(md), base, OpSet(backend))
+    return trunk, MTPHead(trunk, mtp)
+
+
+def shapes(plan) -> dict[str, object]:
+    """Every array's shape and every host count of a plan (what a compiled graph specializes on)."""
+    out = {}
+    for f in dataclasses.fields(plan):
+        v = getattr(plan, f.name)
+        if dataclasses.is_dataclass(v):
+            out.update({f"{f.name}.{k}": s for k, s in shapes(v).items()})
+        else:
+            out[f.name] = tuple(v.shape) if isinstance(v, torch.Tensor) else v
+    return out
+
+
+@pytest.mark.parametrize("M", [1, 2, 5])
+def test_fixed_plan_shapes_do_not_depend_on_position(M):
+    trunk, _ = tiny("torch")
+    caches = trunk.new_caches(200, 16)
+    for cache in caches[:3]:
+        seen = {str(shapes(plan_positions(trunk.ops, start, M, trunk.args.window, cache, fixed=True)))
+                for start in (0, 3, 15, 16, 77, 190)}
+        assert len(seen) == 1, seen
+        eager = {str(shapes(plan_positions(trunk.ops, start, M, trunk.args.window, cache)))
+                 for start in (0, 3, 15, 16, 77, 190)}
+        assert cache.ratio == 0 or len(eager) > 1  # the eager plan does vary: the test can tell them apart
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_fixed_plan_attends_to_what_the_eager_plan_does(backend):
+    trunk, _ = tiny(backend)
+    eager, fixed = Session(trunk, 200, 16), Session(trunk, 200, 16)
+    ids, worst = list(range(5, 45)), 0.0
+    for n in CHUNKS:
+        chunk, ids = ids[:n], ids[n:] + ids[:n]
+        start = eager.pos
+        a = trunk.forward(chunk, start, eager.caches, list(range(n)))[1]
+        b = trunk.forward(chunk, start, fixed.caches, list(range(n)), step="fixed")[1]
+        eager.tokens += chunk
+        fixed.tokens += chunk
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        worst = max(worst, float((a - b).abs().max() / a.abs().max()))
+    state_a, state_b = eager.state_tensors(), fixed.state_tensors()
+    if backend == "cpu":  # padding only appends exact zeros there: bit-identical logits and state
+        assert worst == 0.0
+        assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    else:
+        assert worst < 1e-5
+        assert all(torch.allclose(state_a[k], state_b[k], rtol=1e-4, atol=1e-5) for k in state_a)
+
+
+def test_compile_refuses_devices_it_does_not_serve():
+    with pytest.raises(BackendUnavailable, match="CPU only"):
+        TorchArrays("meta").compile(lambda x: x)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """One cpu-backend trunk + MTP whose compiled steps (M = 1, 2) are shared by the tests below."""
+    return tiny("cpu", "q2")
+
+
+def greedy(session: Session, prompt: list[int], n: int, draft=None, strict=False) -> list[int]:
+    sampler = Sampler(SamplingParams(0.0))
+    return list(generate_ids(session, prompt, max_tokens=n, sampler=sampler, eos_id=None, draft=draft,
+                             strict=strict))
+
+
+def test_compiled_decode_gives_the_eager_tokens(compiled):
+    trunk, mtp = compiled
+    prompt = list(range(5, 45))
+    eager, comp = Session(trunk, 256, 16, mtp), Session(trunk, 256, 16, mtp, compile=True)
+    a, b = eager.prefill(prompt), comp.prefill(prompt)
+    assert torch.equal(a, b)  # prefill is never compiled
+    for i in range(24):
+        tok = int(a.argmax())
+        assert tok == int(b.argmax()), f"step {i}"
+        a, b = eager.decode(tok), comp.decode(tok)
+        assert float((a - b).abs().max() / a.abs().max()) < 1e-5
+    assert comp.counters["compiled_rows"] == 24 and eager.counters["compiled_rows"] == 0
+    state_a, state_b = eager.mtp_first_state(), comp.mtp_first_state()
+    assert float((state_a - state_b).abs().max() / state_a.abs().max()) < 1e-5
+
+
+def test_compiled_verify_rows_match_one_row_steps(compiled):
+    trunk, mtp = compiled
+    one, two = Session(trunk, 256, 16, mtp, compile=True), Session(trunk, 256, 16, mtp, compile=True)
+    one.prefill(list(range(5, 45)))
+    two.prefill(list(range(5, 45)))
+    rows = torch.stack([one.decode(50), one.decode(61)])
+    batched = two.forward([50, 61])
+    assert torch.equal(rows.argmax(-1), batched.argmax(-1))
+    assert float((rows - batched).abs().max() / rows.abs().max()) < 1e-5
+    assert not two.batch_invariant()  # so strict verifies one row at a time on a compiled session
+
+
+def test_strict_speculation_on_a_compiled_session_equals_plain_greedy(compiled):
+    trunk, mtp = compiled
+    prompt = list(range(5, 45)) + list(range(5, 25))
+    plain = greedy(Session(trunk, 256, 16, mtp, compile=True), prompt, 20)
+    for depth in (1, 2):
+        s = Session(trunk, 256, 16, mtp, compile=True)
+        assert greedy(s, prompt, 20, draft=depth, strict=True) == plain
+        assert s.counters["compiled_rows"] > 0
