@@ -4,14 +4,14 @@ per-head sink logit.
 Contract: `sparse_attention(q [M, H, D], kv [N, D], rows: AttnRows, sinks [H], scale) -> [M, H, D]`.
 Query m attends to the entries of `rows.raw[m, :rows.n_raw[m]]` then of `rows.comp[m, :rows.n_comp[m]]`
 that are not −1, in that order; every entry past the counts is −1 too (a fixed-capacity plan, used
-by compiled steps, sets the counts to the full widths and marks unused entries −1). The same row is key
-and value for all heads: `o_h = Σ_k e^{s_k−M}·kv_k / (e^{sink_h−M} + Σ_k e^{s_k−M})` with
-`s_k = scale·q_h·kv_k` (docs/model.md §3.4 step 7). The counts are planned on the host (they depend only on positions, the window and the
-indexer's k), so no implementation needs to read the index arrays back.
+by compiled steps, sets the counts to the full widths and marks unused entries −1). The same row is
+key and value for all heads: `o_h = Σ_k e^{s_k−M}·kv_k / (e^{sink_h−M} + Σ_k e^{s_k−M})` with
+`s_k = scale·q_h·kv_k` (docs/model.md §3.4 step 7). The counts are planned on the host (they depend
+only on positions, the window and the indexer's k), so no implementation reads the index arrays back.
 Batch-invariant for M <= SMALL_M (`BATCH_INVARIANT`, the decode and speculative-verify regime): each
-query is computed alone over its listed rows (−1 entries weigh exactly 0), so neither the other queries nor the −1 padding
-change its reductions. Larger M is processed in blocks of 64 queries over the padded lists, whose
-rounding may depend on the block.
+query is computed alone over its listed rows (−1 entries weigh exactly 0), so neither the other
+queries nor the −1 padding change its reductions. Larger M is processed in blocks of 64 queries over
+the padded lists, whose rounding may depend on the block.
 """
 from __future__ import annotations
 

@@ -33,11 +33,14 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `scripts.*` from any working directory
 
-from ds4.errors import Ds4Error, UsageError
-from ops.quants import QTensor, get
+import torch  # noqa: E402
+
+from ds4.errors import Ds4Error, UsageError  # noqa: E402
+from ops.quants import QTensor, get  # noqa: E402
 
 QMATMUL_TYPES = ("F16", "BF16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "MXFP4", "FP8_E4M3")
 QMATMUL_SHAPES = ("4096x2048", "2048x4096", "4096x1024", "4096x129280")

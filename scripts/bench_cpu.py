@@ -3,8 +3,9 @@
 A random transformers checkpoint (tests/hf_tiny.py's initialisation) is saved, converted with
 convert_hf.py to the f32, q4 and q2 mixes, and each engine prefills a prompt then greedily decodes, for
 1 and 2 threads, in interleaved rounds (every engine once per round); the table gives the median
-tokens/s and ratios. The tiny default model adds ds4py's 1-row decode against a 2-row verify, on the
-cpu backend and on the reference (torch) backend.
+tokens/s and ratios (`--compile` adds each mix with the compiled decode step). The tiny default model
+adds ds4py's 1-row decode against a 2-row verify, on the cpu backend and on the reference (torch)
+backend (and compiled, with `--compile`).
 """
 from __future__ import annotations
 
@@ -64,9 +65,9 @@ def run_hf(model, prompt: list[int], n: int) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
-def run_ds4(model, prompt: list[int], n: int) -> tuple[float, float]:
-    """Prefill and greedy decode seconds of a ds4py trunk."""
-    s = Session(model, len(prompt) + n + 1, 2048)
+def run_ds4(model, prompt: list[int], n: int, compile: bool = False) -> tuple[float, float]:
+    """Prefill and greedy decode seconds of a ds4py trunk (decode through the compiled step if `compile`)."""
+    s = Session(model, len(prompt) + n + 1, 2048, compile=compile)
     t0 = time.perf_counter()
     tok = int(s.prefill(prompt).argmax())
     t1 = time.perf_counter()
@@ -75,18 +76,19 @@ def run_ds4(model, prompt: list[int], n: int) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
-def verify_vs_decode(backend: str, steps: int) -> tuple[float, float]:
-    """Seconds of a 1-row decode and of a 2-row verify on the tiny default model after a 40-token prompt."""
+def verify_vs_decode(backend: str, steps: int, compile: bool = False) -> tuple[float, float]:
+    """Seconds of a 1-row decode and of a 2-row verify on the tiny default model after a 40-token prompt
+    (compiled steps: compiled by an untimed first pair)."""
     from ds4.tiny import tiny_model_weights
     from models.args import ModelArgs
     from models.deepseek_v4 import DeepseekV4
     from models.mtp import MTPHead
     md, base, mtp = tiny_model_weights()
     trunk = DeepseekV4(ModelArgs.from_metadata(md), base, OpSet(backend))
-    s = Session(trunk, 256, 16, MTPHead(trunk, mtp))
+    s = Session(trunk, 256, 16, MTPHead(trunk, mtp), compile=compile)
     s.prefill(list(range(3, 43)))
     one, two = [], []
-    for i in range(steps):
+    for i in range(-1 if compile else 0, steps):
         snap = s.snapshot()
         t0 = time.perf_counter()
         s.decode(50 + i)
@@ -96,7 +98,7 @@ def verify_vs_decode(backend: str, steps: int) -> tuple[float, float]:
         s.forward([50 + i, 60 + i], "all")
         two.append(time.perf_counter() - t0)
         s.restore(snap)
-    return statistics.median(one), statistics.median(two)
+    return statistics.median(one[1:] if compile else one), statistics.median(two[1:] if compile else two)
 
 
 def cpu_rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -105,11 +107,13 @@ def cpu_rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
     mixes = tuple(a.mixes)
     with tempfile.TemporaryDirectory() as d:
         hf, paths = checkpoint(a.size, Path(a.workdir or d), mixes)
-        engines = {"transformers f32": ("hf", hf)}
+        engines = {"transformers f32": ("hf", hf, False)}
         for mix in mixes:
-            engines[f"ds4py {mix}"] = ("ds4", open_model(paths[mix], OpSet(a.backend)))
+            engines[f"ds4py {mix}"] = ("ds4", open_model(paths[mix], OpSet(a.backend)), False)
+            if a.compile:
+                engines[f"ds4py {mix} compiled"] = ("ds4", engines[f"ds4py {mix}"][1], True)
         if a.reference:
-            engines["ds4py f32 (torch ref)"] = ("ds4", open_model(paths[mixes[0]], OpSet("torch")))
+            engines["ds4py f32 (torch ref)"] = ("ds4", open_model(paths[mixes[0]], OpSet("torch")), False)
         vocab = hf.config.vocab_size
         prompt = torch.randint(0, vocab, (a.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
         times: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -120,8 +124,8 @@ def cpu_rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
             for r in range(a.rounds + 1):          # round 0 warms up and is not counted
                 for threads in a.threads:
                     torch.set_num_threads(threads)
-                    for name, (kind, model) in engines.items():
-                        t = (run_hf if kind == "hf" else run_ds4)(model, prompt, a.tokens)
+                    for name, (kind, model, compile) in engines.items():
+                        t = run_hf(model, prompt, a.tokens) if kind == "hf" else run_ds4(model, prompt, a.tokens, compile)
                         if r:
                             times.setdefault((name, threads), []).append(t)
         finally:
@@ -139,9 +143,10 @@ def cpu_rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
                          f"decode_x_ds4py_{mixes[0]}": f"{decode / f32:.2f}"})
     if a.tiny_steps:
         torch.set_num_threads(1)
-        for backend in (a.backend, "torch"):
-            one, two = verify_vs_decode(backend, a.tiny_steps)
-            rows.append({"engine": f"tiny default, {backend}: 1-row decode / 2-row verify", "threads": 1,
+        for backend, compile in [(a.backend, False), ("torch", False)] + [(a.backend, True)] * a.compile:
+            one, two = verify_vs_decode(backend, a.tiny_steps, compile)
+            label = f"{backend}{' compiled' if compile else ''}"
+            rows.append({"engine": f"tiny default, {label}: 1-row decode / 2-row verify", "threads": 1,
                          "prefill_tok_s": "-", "decode_tok_s": f"{1 / one:.1f} / {2 / two:.1f} (rows/s)",
                          "decode_x_transformers": "-", f"decode_x_ds4py_{mixes[0]}": f"verify/decode {two / one:.2f}"})
         torch.set_num_threads(before)
@@ -161,3 +166,5 @@ def add_cpu_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--backend", default="auto", help="ds4py backend (auto = cpu on this machine)")
     p.add_argument("--workdir", help="keep the checkpoint and GGUFs here and reuse them (default: a temp dir)")
     p.add_argument("--reference", action="store_true", help="also time the f32 file on the torch reference backend")
+    p.add_argument("--compile", action="store_true",
+                   help="also time each mix with the compiled decode step (compiled in the warm-up round)")

@@ -21,3 +21,9 @@ def test_bench_cpu_smoke(tmp_path, capsys):
     for engine in ("transformers f32", "ds4py f32", "ds4py q4", "2-row verify"):
         assert engine in out
     assert "decode_x_transformers" in out
+
+
+def test_bench_cpu_compiled_smoke(tmp_path, capsys):
+    bench.main(["cpu", "--size", "smoke", "--mixes", "f32", "--threads", "1", "--rounds", "1", "--prompt", "6",
+                "--tokens", "2", "--tiny-steps", "0", "--compile", "--workdir", str(tmp_path)])
+    assert "ds4py f32 compiled" in capsys.readouterr().out

@@ -28,7 +28,7 @@ CHUNKS = [1] * 10 + [2, 3, 4, 1, 16, 1, 1, 5, 1, 2]   # crosses the window, rati
 
 def tiny(backend: str, mix: str = "f32") -> tuple[DeepseekV4, MTPHead]:
     md, base, mtp = tiny_model_weights(mix=mix, seed=5)
-    trunk = DeepseekV4(ModelArgs.from_metadata(md), base, OpSet(backend))
+    trunk = DeepseekV4(ModelArgs.from_metadata(md), base, OpSet(backend, device="mlx" if backend == "mlx" else "cpu"))
     return trunk, MTPHead(trunk, mtp)
 
 
@@ -57,16 +57,18 @@ def test_fixed_plan_shapes_do_not_depend_on_position(M):
         assert cache.ratio == 0 or len(eager) > 1  # the eager plan does vary: the test can tell them apart
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("backend", ["cpu", "torch", "mlx"])
 def test_fixed_plan_attends_to_what_the_eager_plan_does(backend):
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
     trunk, _ = tiny(backend)
     eager, fixed = Session(trunk, 200, 16), Session(trunk, 200, 16)
     ids, worst = list(range(5, 45)), 0.0
     for n in CHUNKS:
         chunk, ids = ids[:n], ids[n:] + ids[:n]
         start = eager.pos
-        a = trunk.forward(chunk, start, eager.caches, list(range(n)))[1]
-        b = trunk.forward(chunk, start, fixed.caches, list(range(n)), step="fixed")[1]
+        a = trunk.ops.to_torch(trunk.forward(chunk, start, eager.caches, list(range(n)))[1])
+        b = trunk.ops.to_torch(trunk.forward(chunk, start, fixed.caches, list(range(n)), step="fixed")[1])
         eager.tokens += chunk
         fixed.tokens += chunk
         assert torch.equal(a.argmax(-1), b.argmax(-1))

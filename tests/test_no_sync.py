@@ -57,9 +57,11 @@ def session(request):
     return s
 
 
-def test_decode_verify_and_drafts_read_nothing_back(session, monkeypatch):
+@pytest.mark.parametrize("step", ["eager", "fixed"])  # "fixed": the plan of a compiled step
+def test_decode_verify_and_drafts_read_nothing_back(session, monkeypatch, step):
     monkeypatch.setattr(DeepseekV4, "forward", guarded(DeepseekV4.forward))
     monkeypatch.setattr(MTPHead, "forward", guarded(MTPHead.forward))
+    monkeypatch.setattr(session, "step_for", lambda rows, eager=False: "eager" if eager else step)
     logits = session.decode(7)                                   # decode: 1 row + MTP catch-up
     assert logits.shape == (512,)
     _, state = session.mtp_draft(9)                             # an MTP draft step
