@@ -125,7 +125,10 @@ def cpu_rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
                 for threads in a.threads:
                     torch.set_num_threads(threads)
                     for name, (kind, model, compile) in engines.items():
-                        t = run_hf(model, prompt, a.tokens) if kind == "hf" else run_ds4(model, prompt, a.tokens, compile)
+                        if kind == "hf":
+                            t = run_hf(model, prompt, a.tokens)
+                        else:
+                            t = run_ds4(model, prompt, a.tokens, compile)
                         if r:
                             times.setdefault((name, threads), []).append(t)
         finally:
