@@ -55,6 +55,7 @@ def test_api_matches_cli_greedy(tiny_gguf):
     (["--mtp-draft", "99"], "--mtp-draft must be an integer 0..16"),
     (["--threads", "-1"], "--threads must be >= 0"),
     (["--dump-logits", "/nonexistent/logits.npy"], "--dump-logits /nonexistent/logits.npy: the directory"),
+    (["--device", "meta", "--compile"], "compiled steps run on the CPU only"),
 ])
 def test_bad_input_is_one_clear_line(tiny_gguf, args, message):
     if "--model" not in args:
