@@ -538,7 +538,7 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, worker: Wor
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="base GGUF (default: the embedded tiny random model)")
+    p.add_argument("--model", help="base GGUF (default: the embedded tiny model, trained on Python code)")
     p.add_argument("--mtp", help="MTP GGUF for speculative decoding (default model: its own tiny MTP)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -549,6 +549,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mtp-draft", choices=["auto", *map(str, range(MAX_DRAFT + 1))],
                    help="speculative draft depth (0 = off) or 'auto' (default 1 with an MTP head)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for the tiny model)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="compiled decode/verify steps (CPU; about a minute per row count on first use, then "
+                        "faster steps for the server's lifetime; docs/cpu.md)")
     return p.parse_args(argv)
 
 
@@ -562,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--threads must be >= 1, got {a.threads}")
         if a.threads or a.model is None:
             torch.set_num_threads(a.threads or 1)
-        engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk)
+        engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile)
         draft = int(a.mtp_draft) if a.mtp_draft not in (None, "auto") else a.mtp_draft
         app = create_app(engine, a.served_model_name, Worker(engine, draft))
     except Ds4Error as e:
