@@ -436,7 +436,7 @@ def remove_stale_temps(path: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m ds4.gguf FILE [--explain] [--to ds4|llama.cpp OUT [--mtp MTP MTP_OUT]]`: say which layout
     FILE has (ds4 / llama.cpp, base / MTP); --explain adds how each ds4 metadata key was read or derived;
-    --to rewrites FILE (and its MTP GGUF) in the other layout."""
+    --to rewrites FILE (and its MTP GGUF) in the other layout. Bad input: one error line, exit status 2."""
     import argparse
 
     from ds4 import layouts  # imports this module: import it only when run
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{f.path}: {layouts.detect(f.metadata, f.tensors).describe()}")
     except (ModelFileError, UsageError, OSError) as e:
         print(f"ds4.gguf: error: {e}", file=sys.stderr)
-        return 1
+        return 2  # as the other commands (and argparse) do for bad input
     return 0
 
 
