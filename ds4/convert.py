@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from ds4 import gguf, layouts
 from ds4.errors import ModelFileError, UsageError
 from ds4.quant_mix import MIXES, tensor_type
-from ds4.tokenizer import metadata_from_hf
+from ds4.tokenizer import TOKEN_NORMAL, metadata_from_hf
 from ops.quants import QTensor, fp8_e4m3, mxfp4
 
 
@@ -395,7 +395,9 @@ def metadata_from_config(cfg: dict[str, Any], path: str = "config.json") -> dict
 
 
 def tokenizer_metadata(hf_dir: str | Path, vocab_size: int) -> dict[str, Any]:
-    """The GGUF tokenizer keys built from the checkpoint's tokenizer.json."""
+    """The GGUF tokenizer keys built from the checkpoint's tokenizer.json, padded with `[PADi]` tokens up to
+    the model's vocab_size (embedding rows past the tokenizer, as checkpoints often have), so every id the
+    model can produce decodes."""
     path = Path(hf_dir) / "tokenizer.json"
     if not path.exists():
         raise ModelFileError(f"{path}: missing (pass tokenizer=False / --no-tokenizer to convert without one)")
@@ -403,6 +405,9 @@ def tokenizer_metadata(hf_dir: str | Path, vocab_size: int) -> dict[str, Any]:
     n_tokens = len(meta["tokenizer.ggml.tokens"])
     if n_tokens > vocab_size:
         raise ModelFileError(f"{path}: {n_tokens} tokens, more than the model's vocab_size {vocab_size}")
+    pad = range(n_tokens, vocab_size)
+    meta["tokenizer.ggml.tokens"] = meta["tokenizer.ggml.tokens"] + [f"[PAD{i}]" for i in pad]
+    meta["tokenizer.ggml.token_type"] = meta["tokenizer.ggml.token_type"] + [TOKEN_NORMAL] * len(pad)
     return meta
 
 

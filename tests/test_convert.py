@@ -262,7 +262,11 @@ def test_tokenizer_json_becomes_gguf_vocab(checkpoints, tmp_path):
     convert(src, tmp_path / "base.gguf", outtype="f32")
     meta = gguf.open(tmp_path / "base.gguf").metadata
     assert meta["tokenizer.ggml.tokens"][meta["tokenizer.ggml.bos_token_id"]] == "<｜begin▁of▁sentence｜>"
-    assert len(meta["tokenizer.ggml.tokens"]) == tok.get_vocab_size()
+    n, vocab = tok.get_vocab_size(), meta["deepseek4.vocab_size"]
+    assert n < vocab  # the tokenizer is padded up to the model's vocabulary, so every id decodes
+    assert len(meta["tokenizer.ggml.tokens"]) == len(meta["tokenizer.ggml.token_type"]) == vocab
+    assert meta["tokenizer.ggml.tokens"][:n] == [tok.id_to_token(i) for i in range(n)]
+    assert meta["tokenizer.ggml.tokens"][n:] == [f"[PAD{i}]" for i in range(n, vocab)]
 
 
 def write_checkpoint(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
