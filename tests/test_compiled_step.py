@@ -113,6 +113,10 @@ def test_compiled_decode_gives_the_eager_tokens(compiled):
     assert comp.counters["compiled_rows"] == 24 and eager.counters["compiled_rows"] == 0
     state_a, state_b = eager.mtp_first_state(), comp.mtp_first_state()
     assert float((state_a - state_b).abs().max() / state_a.abs().max()) < 1e-5
+    tok = int(a.argmax())
+    draft_a, draft_b = eager.mtp_draft(tok)[0], comp.mtp_draft(tok)[0]   # the MTP head's compiled 1-row step
+    assert int(draft_a.argmax()) == int(draft_b.argmax())
+    assert float((draft_a - draft_b).abs().max() / draft_a.abs().max()) < 1e-5
 
 
 def test_compiled_verify_rows_match_one_row_steps(compiled):
