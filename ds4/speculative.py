@@ -40,9 +40,11 @@ from ops.qmatmul import SMALL_M
 
 MAX_DRAFT = 16        # deepest draft a cycle may verify
 PROBE_SKIP = 15       # probes skipped after a sampled draft is rejected whole (ds4 #385)
-AUTO_MAX_DRAFT = 8    # deepest draft the adaptive depth grows to
-AUTO_REACH = 0.5      # adaptive depth keeps position i while P(all of 1..i accepted) >= this
-AUTO_RATE = 0.125     # weight of the newest cycle in the per-position acceptance estimate
+AUTO_MAX_DRAFT = 8    # deepest draft the adaptive depth considers
+AUTO_PRIOR = 0.5      # adaptive depth's prior P(draft 1 accepted); position i's prior is position i-1's estimate
+AUTO_PRIOR_WEIGHT = 2.0   # the prior counts as this many observations
+AUTO_MEMORY = 0.9     # per-cycle decay of past observations (a memory of about 10 cycles)
+AUTO_DRAFT_COST = 0.01    # target passes charged per drafted token (its MTP step and verify row)
 
 
 @dataclass
@@ -121,26 +123,52 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, token: int, sampler: Sa
 
 
 class AdaptiveDepth:
-    """Draft depth from live acceptance: keep position i while the estimated chance that drafts 1..i
-    are all accepted stays >= AUTO_REACH, plus one position to keep measuring the next."""
+    """`--mtp-draft auto`: the depth with the least expected target passes per committed token (docs/speculative.md)."""
 
-    def __init__(self, max_depth: int = AUTO_MAX_DRAFT):
-        self.rates = [0.0] * max_depth   # P(draft i accepted | drafts before it accepted)
+    # Per position i it estimates r_i = P(draft i accepted | drafts before it accepted) from counts that decay
+    # by `memory` every cycle plus `prior_weight` observations of a prior: `prior` for position 1, r_(i-1)
+    # after it, so a position seldom reached is assumed no better than the one before it. A depth-k draft
+    # then commits 1 + r_1 + r_1 r_2 + ... (k terms) tokens per target pass on average; each drafted token
+    # is charged `draft_cost` passes, so positions almost never reached are not drafted.
+
+    def __init__(self, max_depth: int = AUTO_MAX_DRAFT, prior: float = AUTO_PRIOR,
+                 prior_weight: float = AUTO_PRIOR_WEIGHT, memory: float = AUTO_MEMORY,
+                 draft_cost: float = AUTO_DRAFT_COST):
+        self.prior, self.prior_weight, self.memory, self.draft_cost = prior, prior_weight, memory, draft_cost
+        self.hits = [0.0] * max_depth     # decayed accepted drafts at position i
+        self.trials = [0.0] * max_depth   # decayed decided drafts at position i (drafts before it accepted)
+
+    @property
+    def rates(self) -> list[float]:
+        """Estimated P(draft i accepted | drafts before it accepted), i = 1..max_depth."""
+        rates, before, w = [], self.prior, self.prior_weight
+        for h, n in zip(self.hits, self.trials, strict=True):
+            before = (h + w * before) / (n + w)
+            rates.append(before)
+        return rates
+
+    def expected_costs(self) -> list[float]:
+        """Expected (target passes + draft cost) per committed token for depths 1..max_depth."""
+        costs, reach, tokens = [], 1.0, 1.0
+        for depth, rate in enumerate(self.rates, start=1):
+            reach *= rate
+            tokens += reach
+            costs.append((1 + self.draft_cost * depth) / tokens)
+        return costs
 
     def depth(self) -> int:
-        """The depth to draft next."""
-        reach, depth = 1.0, 1
-        for rate in self.rates[:-1]:
-            reach *= rate
-            if reach < AUTO_REACH:
-                break
-            depth += 1
-        return depth
+        """The depth to draft next (ties to the shallower)."""
+        costs = self.expected_costs()
+        return 1 + costs.index(min(costs))
 
     def update(self, drafted: int, accepted: int) -> None:
-        """Fold in one verified cycle: positions 1..accepted hit, position accepted+1 missed."""
-        for i in range(min(drafted, accepted + 1)):
-            self.rates[i] += AUTO_RATE * ((i < accepted) - self.rates[i])
+        """Fold in one verified cycle: older counts decay, positions 1..accepted hit, accepted+1 missed."""
+        for i in range(len(self.hits)):
+            self.hits[i] *= self.memory
+            self.trials[i] *= self.memory
+            if i < min(drafted, accepted + 1):
+                self.trials[i] += 1
+                self.hits[i] += i < accepted
 
 
 class ProbeGate:

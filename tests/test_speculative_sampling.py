@@ -1,5 +1,5 @@
-"""Speculative sampling keeps the target's distribution exactly; adaptive depth; the seed-002 probe gate
-and what sampled decoding with the MTP loaded costs on the real model (ds4/cost.py)."""
+"""Speculative sampling keeps the target's distribution exactly; the probe gate (ds4 #385) and what sampled
+decoding with the MTP loaded costs on the real model (ds4/cost.py)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +12,6 @@ from ds4.sampling import Sampler, SamplingParams
 from ds4.session import Session
 from ds4.speculative import (
     PROBE_SKIP,
-    AdaptiveDepth,
     Draft,
     ProbeGate,
     SpecMetrics,
@@ -86,21 +85,6 @@ def test_probe_gate_follows_ds4_385():
     gate.allow(metrics)
     gate.record(greedy=False, accepted=2)
     assert gate.allow(metrics) and not gate.missed
-
-
-def test_adaptive_depth_follows_acceptance():
-    """Depth grows while each next position is likely reached, and falls back to 1 when drafts miss."""
-    auto = AdaptiveDepth()
-    assert auto.depth() == 1
-    for _ in range(60):
-        auto.update(auto.depth(), auto.depth())
-    assert auto.depth() == len(auto.rates)
-    for _ in range(60):
-        auto.update(auto.depth(), 0)
-    assert auto.depth() == 1
-    for _ in range(60):                      # first two positions always right, the third always wrong
-        auto.update(auto.depth(), min(2, auto.depth()))
-    assert auto.depth() == 3
 
 
 SAMPLED_TOKENS = 320
