@@ -65,6 +65,17 @@ SIZES = {
 }
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """Loss weights and data mix of a run (the defaults made the shipped model)."""
+
+    mtp_weight: float = 1.0      # weight of the MTP loss beside the LM loss
+    mtp_distill: float = 1.0     # share of the MTP loss that is KL to the trunk's own next-token distribution
+    random_until: float = 0.1    # share of the run that sees only random-token repeats
+    repeat_share: float = 0.2    # after that: share of random-token repeats,
+    copy_share: float = 0.5      # and of code with repeated passages (the rest is plain code)
+
+
 def model_config(s: Size) -> DeepseekV4Config:
     """The transformers config: sizes that fit the q2 mix (expert rows of 256) and ds4py's FP8 KV blocks."""
     return DeepseekV4Config(
@@ -140,6 +151,18 @@ class Probe:
         return hook
 
 
+def mtp_loss(mtp_logits: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, distill: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, cross-entropy to token i+2): (1 - distill) x that cross-entropy + distill x KL(trunk || MTP)."""
+    # the trunk's (detached) distribution for token i+2 is what a draft is verified against
+    logq = mtp_logits[:, :-1].flatten(0, 1).log_softmax(-1)
+    ce = F.nll_loss(logq, ids[:, 2:].flatten())
+    if not distill:
+        return ce, ce
+    logp = logits[:, 1:-1].detach().flatten(0, 1).log_softmax(-1)
+    return (1 - distill) * ce + distill * F.kl_div(logq, logp, log_target=True, reduction="batchmean"), ce
+
+
 def indexer_kl(probe: Probe, T: int, ratio: int = 4) -> torch.Tensor:
     """KL(main attention over compressed rows, summed over heads || softmax of the indexer scores), mean over
     queries that see at least one row; the attention target is detached (the indexer learns, attention does not)."""
@@ -202,14 +225,14 @@ class Corpus:
             out += self.code(self.rng.randint(0, 48)) + chunk * self.rng.randint(2, 4)
         return out[:T]
 
-    def batch(self, B: int, T: int, progress: float) -> torch.Tensor:
-        """B sequences: random repeats only in the first 10%, then a 20/40/40 mix of repeats, repeated code, code."""
+    def batch(self, B: int, T: int, progress: float, recipe: Recipe) -> torch.Tensor:
+        """B sequences: random repeats only at first, then the recipe's mix of repeats, repeated code and code."""
         kinds = []
         for _ in range(B):
             r = self.rng.random()
-            if progress < 0.1 or r < 0.2:
+            if progress < recipe.random_until or r < recipe.repeat_share:
                 kinds.append(self.random_repeat(T))
-            elif r < 0.6:
+            elif r < recipe.repeat_share + recipe.copy_share:
                 kinds.append(self.code_with_repeats(T))
             else:
                 kinds.append(self.code(T))
@@ -273,13 +296,15 @@ class Report:
     held_out_ppl: float
     held_out_mtp_ppl: float
     unigram_ppl: float
+    held_out_mtp_agreement: float = 0.0   # share of held-out rows where the MTP's top-1 is the trunk's
+    recipe: dict = field(default_factory=dict)
     python: str = field(default_factory=lambda: sys.version.split()[0])
     curve: list[tuple[int, float, float, float]] = field(default_factory=list)
 
 
 @torch.no_grad()
-def evaluate(model, mtp, probe: Probe, corpus: Corpus, T: int, n: int = 16) -> tuple[float, float]:
-    """Held-out perplexity of the trunk and of the MTP head, on the first n windows of T tokens."""
+def evaluate(model, mtp, probe: Probe, corpus: Corpus, T: int, n: int = 16) -> tuple[float, float, float]:
+    """Held-out trunk and MTP perplexity, and how often the MTP's top-1 is the trunk's, on n windows of T tokens."""
     model.eval()
     ids = corpus.held_out[: n * T].view(-1, T)
     logits = model(ids).logits
@@ -287,7 +312,8 @@ def evaluate(model, mtp, probe: Probe, corpus: Corpus, T: int, n: int = 16) -> t
     model.train()
     lm = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     ml = F.cross_entropy(mtp_logits[:, :-1].flatten(0, 1), ids[:, 2:].flatten())
-    return math.exp(lm.item()), math.exp(ml.item())
+    agree = (mtp_logits[:, :-1].argmax(-1) == logits[:, 1:-1].argmax(-1)).float().mean()
+    return math.exp(lm.item()), math.exp(ml.item()), agree.item()
 
 
 def unigram_ppl(corpus: Corpus) -> float:
@@ -325,7 +351,8 @@ class Trained:
     mtp: MTPLayer
 
 
-def train(size_name: str, out: Path, minutes: float, max_steps: int, threads: int, mix: str, log) -> Trained:
+def train(size_name: str, out: Path, minutes: float, max_steps: int, threads: int, mix: str, log,
+          recipe: Recipe = Recipe()) -> Trained:
     """Train, evaluate, save the HF checkpoint (+ mtp.safetensors) and convert it to GGUFs in `out`."""
     size = SIZES[size_name]
     torch.manual_seed(SEED)
@@ -350,13 +377,13 @@ def train(size_name: str, out: Path, minutes: float, max_steps: int, threads: in
         lr = 3e-3 * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
             g["lr"] = lr
-        ids = corpus.batch(B, T, progress)
+        ids = corpus.batch(B, T, progress, recipe)
         logits = model(ids).logits
         lm = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        ml = F.cross_entropy(mtp_forward(model, mtp, probe.states, ids)[:, :-1].flatten(0, 1), ids[:, 2:].flatten())
+        mloss, ml = mtp_loss(mtp_forward(model, mtp, probe.states, ids), logits, ids, recipe.mtp_distill)
         kl = indexer_kl(probe, T)
         opt.zero_grad(set_to_none=True)
-        (lm + 0.5 * ml + 0.1 * kl).backward()
+        (lm + recipe.mtp_weight * mloss + 0.1 * kl).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         now = (lm.item(), ml.item(), kl.item())
@@ -370,12 +397,13 @@ def train(size_name: str, out: Path, minutes: float, max_steps: int, threads: in
     train_minutes = (time.perf_counter() - t0) / 60
     for ix in csa:
         ix.index_topk = size.index_topk
-    ppl, mtp_ppl = evaluate(model, mtp, probe, corpus, T)
+    ppl, mtp_ppl, agreement = evaluate(model, mtp, probe, corpus, T)
     report = Report(size_name, sum(p.numel() for p in model.parameters()), sum(p.numel() for p in mtp.parameters()),
                     step, step * B * T, round(train_minutes, 2), threads, n_chars, len(corpus.train),
                     len(corpus.held_out), *(round(x, 4) for x in (ema or (0, 0, 0))), round(ppl, 3),
-                    round(mtp_ppl, 3), round(unigram_ppl(corpus), 3), curve=curve)
-    log(f"held-out perplexity {ppl:.2f} (MTP {mtp_ppl:.2f}), unigram {report.unigram_ppl:.2f}")
+                    round(mtp_ppl, 3), round(unigram_ppl(corpus), 3), round(agreement, 4), asdict(recipe), curve=curve)
+    log(f"held-out perplexity {ppl:.2f} (MTP {mtp_ppl:.2f}, top-1 agreement {agreement:.1%}), "
+        f"unigram {report.unigram_ppl:.2f}")
     export(model, mtp, out, mix)
     plot(curve, report.unigram_ppl, out / "loss.png")
     (out / "report.json").write_text(json.dumps(asdict(report), indent=1) + "\n")
@@ -399,14 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=10**9, help="stop after this many steps")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--outtype", choices=MIXES, default="q2", help="tensor-type mix of the GGUFs")
+    for name, f in Recipe.__dataclass_fields__.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=float, default=f.default, help=f"default {f.default}")
     args = ap.parse_args(argv)
     try:
         if args.minutes <= 0 or args.max_steps < 1 or args.threads < 1:
             raise UsageError("--minutes, --max-steps and --threads must be positive")
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        recipe = Recipe(**{name: getattr(args, name) for name in Recipe.__dataclass_fields__})
         report = train(args.size, out, args.minutes, args.max_steps, args.threads, args.outtype,
-                       lambda msg: print(msg, file=sys.stderr, flush=True)).report
+                       lambda msg: print(msg, file=sys.stderr, flush=True), recipe).report
     except (Ds4Error, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
