@@ -29,7 +29,7 @@ the chunk for per-token strict verify), the context left and the token budget.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Protocol
 
 import torch
@@ -73,6 +73,21 @@ class SpecMetrics:
     def passes_per_token(self) -> float:
         """Target decode passes per generated token (plain decode: 1)."""
         return self.target_forward_passes / self.generated_tokens if self.generated_tokens else 0.0
+
+    def __add__(self, other: SpecMetrics) -> SpecMetrics:
+        """The counters of both runs together (lists add position by position, dicts key by key)."""
+        total = SpecMetrics()
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, list):
+                n = max(len(a), len(b))
+                a = [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)), strict=True)]
+            elif isinstance(a, dict):
+                a = {k: a.get(k, 0) + b.get(k, 0) for k in sorted(a.keys() | b.keys())}
+            else:
+                a = a + b
+            setattr(total, f.name, a)
+        return total
 
     def as_dict(self) -> dict:
         """All counters plus the derived rates, JSON-ready."""

@@ -207,27 +207,40 @@ def stacked_weight(qtype: str, e: int, n: int, k: int, device: torch.device) -> 
     return QTensor(w.qtype, (e, n, k), w.data.reshape(e, n, -1), name=f"bench.{qtype}.{e}x{n}x{k}")
 
 
-# spec: a passage repeated (the MTP can copy it) and a free continuation, both raw code for the embedded model
+# spec: raw code prompts for the embedded model, five copy-heavy ones (a passage written several times, so the MTP
+# can copy it) and four free ones; each row sums the counters of its kind's prompts
 SPEC_PASSAGE = "    for key, value in sorted(items.items()):\n        print(key, value)\n"
-SPEC_PROMPTS = {"copy": "def show(items):\n" + SPEC_PASSAGE * 3 + "\n\ndef show_again(items):\n" + SPEC_PASSAGE,
-                "free": 'class Reader:\n    """Read records from a file."""\n\n    def __init__(self, path):\n'}
+SPEC_PROMPTS = {
+    "copy": ("def show(items):\n" + SPEC_PASSAGE * 3 + "\n\ndef show_again(items):\n" + SPEC_PASSAGE,
+             "def add(a, b):\n    return a + b\n\n" * 3 + "def add(a, b):\n",
+             "import os\nimport sys\nimport re\n" * 3 + "import os\n",
+             "    if name is None:\n        raise ValueError('name')\n" * 3,
+             "x = self.data[key]\ny = self.data[value]\n" * 4),
+    "free": ('class Reader:\n    """Read records from a file."""\n\n    def __init__(self, path):\n',
+             'def read_config(path):\n    """Read the configuration file at path."""\n',
+             "import os\n\n\ndef main():\n",
+             "    def __repr__(self):\n"),
+}
 SPEC_MODES = {"plain": dict(mtp_draft=0), "draft-2 cycle": dict(mtp_draft=2, continuous=False),
               "continuous d1": dict(mtp_draft=1), "d2": dict(mtp_draft=2), "d3": dict(mtp_draft=3),
               "d4": dict(mtp_draft=4), "auto": dict(mtp_draft="auto")}
 
 
-def spec_row(engine, prompt: str, kind: str, mode: str, max_tokens: int, **options) -> dict:
-    """Generate raw from `prompt` and read the speculative counters and the decode cost."""
+def spec_row(engine, prompts: tuple[str, ...], kind: str, mode: str, max_tokens: int, **options) -> dict:
+    """Generate raw from each of `prompts` and sum the speculative counters, the decode time and cost."""
     from ds4.cost import PassCost
-    list(engine.generate(prompt, raw=True, max_tokens=max_tokens, **options))
-    st = engine.stats
-    m, n = st.spec, max(st.generated_tokens, 1)
+    from ds4.speculative import SpecMetrics
+    m, decode_s = SpecMetrics(), 0.0
+    for prompt in prompts:
+        list(engine.generate(prompt, raw=True, max_tokens=max_tokens, **options))
+        m, decode_s = m + engine.stats.spec, decode_s + engine.stats.decode_s
+    n = max(m.generated_tokens, 1)
     per_position = [round(a / m.num_drafts, 2) for a in m.accepted_per_position] if m.num_drafts else []
-    return {"prompt": kind, "mode": mode, "tokens": st.generated_tokens, "passes/token": f"{m.passes_per_token:.3f}",
+    return {"prompt": kind, "mode": mode, "tokens": m.generated_tokens, "passes/token": f"{m.passes_per_token:.3f}",
             "mean_accept_len": f"{m.mean_acceptance_length:.2f}",
             "accept": f"{m.num_accepted_tokens / m.num_draft_tokens:.0%}" if m.num_draft_tokens else "-",
             "accept_per_pos": " ".join(map(str, per_position)) or "-",
-            "tok/s": f"{st.generated_tokens / st.decode_s:.1f}" if st.decode_s else "-",
+            "tok/s": f"{m.generated_tokens / decode_s:.1f}" if decode_s else "-",
             "MB/token": f"{PassCost(engine.args, 'q2').decode(m) / n / 1e6:.2f}"}
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from ds4.speculative import AdaptiveDepth
+from ds4.speculative import AdaptiveDepth, SpecMetrics
 
 # P(draft i accepted | drafts before it accepted): shaped like the embedded model's measured acceptance
 # (copy / free prompt), a head that stays good deep, one that is rarely right, one that is always right
@@ -102,3 +102,14 @@ def test_adaptive_depth_memory_forgets_old_cycles():
         a.update(1, 0)
         b.update(1, 0)
     assert a.rates[0] == pytest.approx(b.rates[0], abs=1e-6) and a.rates[0] < 0.1
+
+
+def test_spec_metrics_add_counter_by_counter():
+    a = SpecMetrics(num_drafts=2, num_accepted_tokens=1, accepted_per_position=[1], target_pass_rows={1: 3, 2: 1},
+                    generated_tokens=5)
+    b = SpecMetrics(num_drafts=1, num_accepted_tokens=2, accepted_per_position=[1, 1], target_pass_rows={2: 2},
+                    generated_tokens=4)
+    total = a + b
+    assert (total.num_drafts, total.num_accepted_tokens, total.generated_tokens) == (3, 3, 9)
+    assert total.accepted_per_position == [2, 1] and total.target_pass_rows == {1: 3, 2: 3}
+    assert a.accepted_per_position == [1] and b.target_pass_rows == {2: 2}   # operands unchanged
