@@ -490,8 +490,10 @@ def test_convert_refuses_its_inputs_and_directories_as_outputs(tmp_path, capsys)
 # ---- signals: a killed write leaves the old output intact and no temp file behind ---------------------
 
 WRITER = """
-import sys, time, torch
+import signal, sys, time, torch
 from ds4 import gguf
+for sig in (signal.SIGTERM, signal.SIGHUP):   # as from a terminal, even if this test runs under nohup
+    signal.signal(sig, signal.SIG_DFL)
 def slow():
     print("writing", flush=True)
     time.sleep(60)
