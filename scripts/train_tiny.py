@@ -19,7 +19,7 @@ import random
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -427,15 +427,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-steps", type=int, default=10**9, help="stop after this many steps")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--outtype", choices=MIXES, default="q2", help="tensor-type mix of the GGUFs")
-    for name, f in Recipe.__dataclass_fields__.items():
-        ap.add_argument("--" + name.replace("_", "-"), type=float, default=f.default, help=f"default {f.default}")
+    for f in fields(Recipe):
+        ap.add_argument("--" + f.name.replace("_", "-"), type=float, default=f.default, help=f"default {f.default}")
     args = ap.parse_args(argv)
     try:
         if args.minutes <= 0 or args.max_steps < 1 or args.threads < 1:
             raise UsageError("--minutes, --max-steps and --threads must be positive")
         out = Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        recipe = Recipe(**{name: getattr(args, name) for name in Recipe.__dataclass_fields__})
+        recipe = Recipe(**{f.name: getattr(args, f.name) for f in fields(Recipe)})
         report = train(args.size, out, args.minutes, args.max_steps, args.threads, args.outtype,
                        lambda msg: print(msg, file=sys.stderr, flush=True), recipe).report
     except (Ds4Error, OSError) as e:

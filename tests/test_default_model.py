@@ -3,7 +3,6 @@ GGUF it exports (a smoke-size run); the shipped model speculates exactly like pl
 accepted, and `generate.py` with no arguments continues code with it."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -17,20 +16,11 @@ import ds4
 from backends.registry import OpSet
 from ds4.engine import open_model, open_mtp
 from ds4.session import Session
+from tests.script_modules import script
 from tests.test_hf_oracle import lower_index_wins, max_rel_diff
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str):
-    """A module of scripts/ (not a package) by file name."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_tiny = load_script("train_tiny")
+train_tiny = script("train_tiny")
 
 REL_TOL = 1e-4
 COPY_PROMPT = "def show(items):\n" + "    for key, value in sorted(items.items()):\n        print(key, value)\n" * 3
@@ -105,14 +95,13 @@ def test_shipped_mtp_head_is_trained(default_engine):
 def test_shipped_model_meets_its_goals_on_the_copy_heavy_prompts(default_engine):
     """The spec benchmark's copy-heavy prompts: continuous depth 1 accepts >= 60% of its drafts and takes <= 0.6
     target passes per committed token, auto depth no more than the best fixed depth; perplexity well below unigram."""
-    bench = load_script("bench")
+    bench = script("bench")
     rows = {mode: bench.spec_row(default_engine, bench.SPEC_PROMPTS["copy"], "copy", mode, 64, **bench.SPEC_MODES[mode])
             for mode in ("continuous d1", "d2", "d3", "d4", "auto")}
     assert int(rows["continuous d1"]["accept"].rstrip("%")) >= 60
     assert float(rows["continuous d1"]["passes/token"]) <= 0.6
     assert float(rows["auto"]["passes/token"]) <= min(float(rows[d]["passes/token"]) for d in ("d2", "d3", "d4"))
-    report = train_tiny.Report(**{k: v for k, v in json.loads((ROOT / "ds4" / "default_model" / "report.json")
-                                                              .read_text()).items() if k != "curve"})
+    report = train_tiny.Report(**json.loads((ROOT / "ds4" / "default_model" / "report.json").read_text()))
     assert report.held_out_ppl < report.unigram_ppl / 5
 
 

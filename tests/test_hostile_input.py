@@ -3,7 +3,6 @@ line with exit status 2 (CLI) within a few seconds, or runs correctly; never a t
 with garbage. CLI cases run in-process through `main(argv)`; only the signal tests need subprocesses."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -31,17 +30,10 @@ from ds4.tokenizer import tiny_vocab_metadata
 from models.args import METADATA_KEYS, PREFIX, SCHEMA, ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from ops.quants import QTensor
+from tests.script_modules import script
 
 ROOT = Path(__file__).resolve().parents[1]
 SECONDS = 10.0  # per case, generously: the CI machine is a shared 2-core CPU
-
-
-def script(name: str):
-    """scripts/NAME.py as a module (its main(argv) runs in-process)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 generate, make_tiny, convert_hf, bench = (script(n) for n in ("generate", "make_tiny", "convert_hf", "bench"))
