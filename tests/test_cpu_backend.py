@@ -65,11 +65,14 @@ def test_qmatmul_matches_reference(qtype, M, fused, monkeypatch):
         monkeypatch.setattr("backends.cpu.kernels._lib", None)
     (x, w), _ = qmatmul_case(M, seed=M, qtype=qtype)
     close(cpu("qmatmul").fn(x, w), reference("qmatmul").fn(x, w))
+    monkeypatch.setattr("backends.cpu.qmatmul.STREAM_BYTES", 0)     # F32 through the kernel too
+    close(cpu("qmatmul").fn(x, w), reference("qmatmul").fn(x, w))
 
 
 CPU_CASES = {name: case for name, case in CASES.items() if name.removesuffix("_hashed") in CPU_OPS}
 CPU_CASES["qmatmul"] = qmatmul_case
 CPU_CASES["qmatmul_f32"] = lambda M, seed: qmatmul_case(M, seed, "F32", n=40, k=96)
+CPU_CASES["qmatmul_f32_streamed"] = lambda M, seed: qmatmul_case(M, seed, "F32", n=1024, k=256)   # 1 MB: the kernel
 CPU_CASES["qmatmul_q4_k"] = lambda M, seed: qmatmul_case(M, seed, "Q4_K", n=40, k=512)
 CPU_CASES["qmatmul_q2_k"] = lambda M, seed: qmatmul_case(M, seed, "Q2_K", n=40, k=512)
 CPU_CASES["moe_q4_k"] = lambda M, seed: quantized_moe_case(M, seed, "Q4_K")
@@ -99,7 +102,7 @@ def quantized_moe_case(M: int, seed: int, qtype: str):
 @pytest.mark.parametrize("case", sorted(CPU_CASES))
 def test_cpu_op_matches_reference_and_is_batch_invariant(case):
     """For every M in 1..SMALL_M: close to the reference, and each row equals its 1-row call bit for bit."""
-    op = case.split("_q")[0].split("_iq")[0].removesuffix("_hashed").removesuffix("_f32")
+    op = case.split("_q")[0].split("_iq")[0].removesuffix("_hashed").removesuffix("_f32_streamed").removesuffix("_f32")
     impl = cpu(op)
     assert impl.batch_invariant
     for M in range(1, SMALL_M + 1):

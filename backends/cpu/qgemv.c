@@ -1,16 +1,19 @@
 /* Fused dequantize-and-multiply for few rows (decode and verify): y[m, n] = sum_k W[n, k] * x[m, k].
  *
  * Each block of W is dequantized exactly as the reference does (ops/quants/<type>.py: the same float
- * products, no fused multiply-add) into a small buffer and used at once by every row, so W is read once
- * per call and never materialized; the weight stream is prefetched 2 KB ahead. Each output is accumulated in 16 lanes (element k goes to lane k % 16)
- * over the whole row, then the lanes are added in order: the same arithmetic for any number of rows, any
- * split of the output rows across threads, hence batch-invariant. Built by backends/cpu/kernels.py.
+ * products, no fused multiply-add) into a small buffer and used at once by every row (F32 blocks are read
+ * in place), so W is read once per call and never materialized; every cache line of the weight stream is
+ * prefetched AHEAD bytes ahead. Each output is accumulated in 16 lanes (element k goes to lane k % 16,
+ * two 8-float vectors) over the whole row, then the lanes are added in order: the same arithmetic for any
+ * number of rows and any split of the output rows across threads, hence batch-invariant. Built by
+ * backends/cpu/kernels.py.
  */
 #include <stdint.h>
 #include <string.h>
 
 #define LANES 16
 #define MAX_ROWS 16
+#define AHEAD 2048      /* bytes of the weight stream prefetched ahead */
 
 static float half_to_float(const uint8_t *p) {
     uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
@@ -93,60 +96,71 @@ static inline void deq_iq2_xxs(const uint8_t *b, float *w) {    /* 66 bytes -> 2
     }
 }
 
-static inline void deq_f32(const uint8_t *b, float *w) {           /* 256 bytes -> 64 values (a copy) */
-    memcpy(w, b, 64 * sizeof(float));
-}
-
+typedef float v8 __attribute__((vector_size(32)));    /* lanes 0-7 or 8-15 of an accumulator */
 typedef void (*deq_fn)(const uint8_t *, float *);
 
-/* Output rows [n0, n1) of y [M, N] for one block type (inlined per type, so the dequantization is too). */
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Lanes (lo, hi) += w[i] * x[i] for the bs values of one block, element i in lane i % 16. */
+static inline __attribute__((always_inline)) void dot_block(v8 *lo, v8 *hi, const float *w, const float *x, int bs) {
+    for (int i = 0; i < bs; i += LANES) {
+        *lo += load8(w + i) * load8(x + i);
+        *hi += load8(w + i + 8) * load8(x + i + 8);
+    }
+}
+
+static inline __attribute__((always_inline)) void prefetch_block(const uint8_t *blk, int bb) {
+    for (int off = 0; off < bb; off += 64) __builtin_prefetch(blk + off + AHEAD);    /* every cache line */
+}
+
+static inline float lane_sum(v8 lo, v8 hi) {                  /* the 16 lanes added in order */
+    float s = 0.0f;
+    for (int l = 0; l < 8; l++) s += lo[l];
+    for (int l = 0; l < 8; l++) s += hi[l];
+    return s;
+}
+
+/* Output rows [n0, n1) of y [M, N] for one block type (inlined per type, so the dequantization is too);
+ * deq == NULL: F32, read in place. */
 static inline __attribute__((always_inline)) void rows_of(
         deq_fn deq, const int bs, const int bb, const uint8_t *w, int64_t expert_bytes, const int64_t *experts,
         int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / bs, row_bytes = nb * bb;
     float wblk[256];
     for (int64_t n = n0; n < n1; n++) {
-        float acc[MAX_ROWS][LANES];
-        memset(acc, 0, (size_t)M * sizeof(acc[0]));
         if (experts == NULL && M == 1) {        /* decode: the same sums, the lanes kept in registers */
-            const uint8_t *row = w + n * row_bytes;
-            float a[LANES] = {0};
-            for (int64_t b = 0; b < nb; b++) {
-                __builtin_prefetch(row + b * bb + 2048);
-                deq(row + b * bb, wblk);
-                const float *xb = x + b * bs;
-                for (int i = 0; i < bs; i += LANES)
-                    for (int l = 0; l < LANES; l++) a[l] += wblk[i + l] * xb[i + l];
-            }
-            memcpy(acc[0], a, sizeof(a));
-        } else if (experts == NULL) {
+            v8 lo = {0}, hi = {0};
             const uint8_t *row = w + n * row_bytes;
             for (int64_t b = 0; b < nb; b++) {
-                __builtin_prefetch(row + b * bb + 2048);
-                deq(row + b * bb, wblk);
-                for (int64_t m = 0; m < M; m++) {
-                    const float *xb = x + m * K + b * bs;
-                    for (int i = 0; i < bs; i += LANES)
-                        for (int l = 0; l < LANES; l++) acc[m][l] += wblk[i + l] * xb[i + l];
-                }
+                const uint8_t *blk = row + b * bb;
+                prefetch_block(blk, bb);
+                if (deq != NULL) deq(blk, wblk);
+                dot_block(&lo, &hi, deq == NULL ? (const float *)blk : wblk, x + b * bs, bs);
             }
-        } else {
-            for (int64_t m = 0; m < M; m++) {
-                const uint8_t *row = w + experts[m] * expert_bytes + n * row_bytes;
-                for (int64_t b = 0; b < nb; b++) {
-                    __builtin_prefetch(row + b * bb + 2048);
-                    deq(row + b * bb, wblk);
-                    const float *xb = x + m * K + b * bs;
-                    for (int i = 0; i < bs; i += LANES)
-                        for (int l = 0; l < LANES; l++) acc[m][l] += wblk[i + l] * xb[i + l];
+            y[n] = lane_sum(lo, hi);
+            continue;
+        }
+        v8 lo[MAX_ROWS], hi[MAX_ROWS];
+        for (int64_t m = 0; m < M; m++) lo[m] = hi[m] = (v8){0};
+        for (int64_t m = 0; m < (experts == NULL ? 1 : M); m++) {
+            const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = row + b * bb;
+                prefetch_block(blk, bb);
+                if (deq != NULL) deq(blk, wblk);
+                const float *wb = deq == NULL ? (const float *)blk : wblk;
+                if (experts != NULL) {
+                    dot_block(&lo[m], &hi[m], wb, x + m * K + b * bs, bs);
+                } else {
+                    for (int64_t r = 0; r < M; r++) dot_block(&lo[r], &hi[r], wb, x + r * K + b * bs, bs);
                 }
             }
         }
-        for (int64_t m = 0; m < M; m++) {
-            float s = 0.0f;
-            for (int l = 0; l < LANES; l++) s += acc[m][l];
-            y[m * N + n] = s;
-        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = lane_sum(lo[m], hi[m]);
     }
 }
 
@@ -157,7 +171,7 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
           const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     if (M > MAX_ROWS) return -1;
     switch (type) {
-    case 0: if (K % 64) return -1; rows_of(deq_f32, 64, 256, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 0: if (K % 64) return -1; rows_of(NULL, 64, 256, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 8: if (K % 32) return -1; rows_of(deq_q8_0, 32, 34, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 12: if (K % 256) return -1; rows_of(deq_q4_k, 256, 144, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 16: if (K % 256) return -1; rows_of(deq_iq2_xxs, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
