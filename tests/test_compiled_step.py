@@ -77,8 +77,9 @@ def test_fixed_plan_attends_to_what_the_eager_plan_does(backend):
     if backend == "cpu":  # padding only appends exact zeros there: bit-identical logits and state
         assert worst == 0.0
         assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
-    else:
-        assert worst < 1e-5
+    else:  # float order differs; once a last-bit difference flips an FP8/F16 cache rounding (docs/cpu.md,
+        # "Numerics") later steps drift: per step <= 1e-6 at first, 3.6e-5 by the 20th chunk with MKL on AMD
+        assert worst < 1e-4
         assert all(torch.allclose(state_a[k], state_b[k], rtol=1e-4, atol=1e-5) for k in state_a)
 
 

@@ -15,25 +15,50 @@
 #define MAX_ROWS 16
 #define AHEAD 2048      /* bytes of the weight stream prefetched ahead */
 
-static float half_to_float(const uint8_t *p) {
-    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (__builtin_expect(exp != 0 && exp != 31, 1)) {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    } else if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else {                                   /* subnormal: normalise */
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) { mant <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else {
-        bits = sign | 0x7f800000u | (mant << 13);
-    }
+static float bits_to_float(uint32_t bits) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+
+static __attribute__((noinline)) float rare_half_to_float(uint32_t h) {    /* zero, subnormal, inf, NaN */
+    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    if (exp == 31) return bits_to_float(sign | 0x7f800000u | (mant << 13));
+    if (mant == 0) return bits_to_float(sign);
+    exp = 127 - 15 + 1;                                                      /* subnormal: normalise */
+    while (!(mant & 0x400)) { mant <<= 1; exp--; }
+    return bits_to_float(sign | (exp << 23) | ((mant & 0x3ff) << 13));
+}
+
+/* Exact F16 -> F32 (inlined: one call per block would cost more than the block's arithmetic). */
+static inline __attribute__((always_inline)) float half_to_float(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8), exp = (h >> 10) & 0x1f;
+    if (__builtin_expect(exp == 0 || exp == 31, 0)) return rare_half_to_float(h);
+    return bits_to_float(((h & 0x8000u) << 16) | ((exp + 127 - 15) << 23) | ((h & 0x3ff) << 13));
+}
+
+typedef float v8 __attribute__((vector_size(32)));    /* 8 floats: lanes 0-7 or 8-15 of an accumulator */
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+static inline v8 splat(float f) { return (v8){f, f, f, f, f, f, f, f}; }
+
+static inline u8x8 bytes8(const uint8_t *p) {
+    u8x8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8 to_float(u8x8 q) {     /* through int32, which compilers widen in one instruction */
+    return __builtin_convertvector(__builtin_convertvector(q, i32x8), v8);
 }
 
 static inline void deq_q8_0(const uint8_t *b, float *w) {          /* 34 bytes -> 32 values */
@@ -66,10 +91,10 @@ static inline void deq_q2_k(const uint8_t *b, float *w) {          /* 84 bytes -
         for (int i = 0; i < 4; i++)
             for (int h = 0; h < 2; h++) {                   /* elements 128k + 32i + 16h + (0..15) */
                 int j = 8 * k + 2 * i + h;
-                float scale = d * (float)(s[j] & 15), low = dmin * (float)(s[j] >> 4);
+                v8 scale = splat(d * (float)(s[j] & 15)), low = splat(dmin * (float)(s[j] >> 4));
                 const uint8_t *q = qs + 32 * k + 16 * h;
                 float *out = w + 128 * k + 32 * i + 16 * h;
-                for (int l = 0; l < 16; l++) out[l] = scale * (float)((q[l] >> (2 * i)) & 3) - low;
+                for (int l = 0; l < 16; l += 8) store8(out + l, scale * to_float((bytes8(q + l) >> (2 * i)) & 3) - low);
             }
 }
 
@@ -88,22 +113,14 @@ static inline void deq_iq2_xxs(const uint8_t *b, float *w) {    /* 66 bytes -> 2
         uint32_t bits = (uint32_t)p[4] | ((uint32_t)p[5] << 8) | ((uint32_t)p[6] << 16) | ((uint32_t)p[7] << 24);
         float db = d * (0.5f + (float)(bits >> 28)) * 0.25f;
         for (int l = 0; l < 4; l++) {
-            uint8_t signs = iq2_ksigns[(bits >> (7 * l)) & 127];
-            const float *grid = iq2_grid[p[l]];
-            for (int i = 0; i < 8; i++)
-                w[32 * g + 8 * l + i] = db * grid[i] * (float)(1 - 2 * ((signs >> i) & 1));
+            i32x8 signs = (i32x8){0} + iq2_ksigns[(bits >> (7 * l)) & 127];
+            v8 sign = __builtin_convertvector(1 - 2 * ((signs >> (i32x8){0, 1, 2, 3, 4, 5, 6, 7}) & 1), v8);
+            store8(w + 32 * g + 8 * l, splat(db) * load8(iq2_grid[p[l]]) * sign);
         }
     }
 }
 
-typedef float v8 __attribute__((vector_size(32)));    /* lanes 0-7 or 8-15 of an accumulator */
 typedef void (*deq_fn)(const uint8_t *, float *);
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
 
 /* Lanes (lo, hi) += w[i] * x[i] for the bs values of one block, element i in lane i % 16. */
 static inline __attribute__((always_inline)) void dot_block(v8 *lo, v8 *hi, const float *w, const float *x, int bs) {
