@@ -148,34 +148,31 @@ static inline __attribute__((always_inline)) void rows_of(
         int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / bs, row_bytes = nb * bb;
     float wblk[256];
-    for (int64_t n = n0; n < n1; n++) {
-        if (experts == NULL && M == 1) {        /* decode: the same sums, the lanes kept in registers */
-            v8 lo = {0}, hi = {0};
-            const uint8_t *row = w + n * row_bytes;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = row + b * bb;
-                prefetch_block(blk, bb);
-                if (deq != NULL) deq(blk, wblk);
-                dot_block(&lo, &hi, deq == NULL ? (const float *)blk : wblk, x + b * bs, bs);
+    if (experts != NULL || M == 1) {    /* a weight of its own per row: one stream each, lanes in registers */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = n0; n < n1; n++) {
+                const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
+                v8 lo = {0}, hi = {0};
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *blk = row + b * bb;
+                    prefetch_block(blk, bb);
+                    if (deq != NULL) deq(blk, wblk);
+                    dot_block(&lo, &hi, deq == NULL ? (const float *)blk : wblk, x + m * K + b * bs, bs);
+                }
+                y[m * N + n] = lane_sum(lo, hi);
             }
-            y[n] = lane_sum(lo, hi);
-            continue;
-        }
+        return;
+    }
+    for (int64_t n = n0; n < n1; n++) { /* one weight for every row: each block dequantized once */
         v8 lo[MAX_ROWS], hi[MAX_ROWS];
         for (int64_t m = 0; m < M; m++) lo[m] = hi[m] = (v8){0};
-        for (int64_t m = 0; m < (experts == NULL ? 1 : M); m++) {
-            const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *blk = row + b * bb;
-                prefetch_block(blk, bb);
-                if (deq != NULL) deq(blk, wblk);
-                const float *wb = deq == NULL ? (const float *)blk : wblk;
-                if (experts != NULL) {
-                    dot_block(&lo[m], &hi[m], wb, x + m * K + b * bs, bs);
-                } else {
-                    for (int64_t r = 0; r < M; r++) dot_block(&lo[r], &hi[r], wb, x + r * K + b * bs, bs);
-                }
-            }
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * bb;
+            prefetch_block(blk, bb);
+            if (deq != NULL) deq(blk, wblk);
+            const float *wb = deq == NULL ? (const float *)blk : wblk;
+            for (int64_t m = 0; m < M; m++) dot_block(&lo[m], &hi[m], wb, x + m * K + b * bs, bs);
         }
         for (int64_t m = 0; m < M; m++) y[m * N + n] = lane_sum(lo[m], hi[m]);
     }
