@@ -80,7 +80,15 @@ def test_fixed_plan_attends_to_what_the_eager_plan_does(backend):
     else:  # float order differs; once a last-bit difference flips an FP8/F16 cache rounding (docs/cpu.md,
         # "Numerics") later steps drift: per step <= 1e-6 at first, 3.6e-5 by the 20th chunk with MKL on AMD
         assert worst < 1e-4
-        assert all(torch.allclose(state_a[k], state_b[k], rtol=1e-4, atol=1e-5) for k in state_a)
+        assert all(close_but_for_cache_roundings(state_a[k], state_b[k]) for k in state_a)
+
+
+def close_but_for_cache_roundings(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within float-order noise except at most 1% of entries, each at most one FP8 step (1/8 of the value)
+    apart: where a last-bit difference upstream flipped a cache rounding."""
+    a, b = a.double(), b.double()
+    off = ~torch.isclose(a, b, rtol=1e-4, atol=1e-5)
+    return float(off.double().mean()) <= 0.01 and bool(((a - b).abs() <= a.abs() / 8 + 1e-6)[off].all())
 
 
 def test_compile_refuses_devices_it_does_not_serve():
