@@ -4,9 +4,10 @@
 - Q8_0, Q4_K, Q2_K and IQ2_XXS with M <= SMALL_M (decode, verify) go through the fused
   dequantize-and-multiply kernel (backends/cpu/qgemv.c): each block is dequantized into a small buffer and
   used by every row at once, so the weight is read once, in its stored size, and never materialized.
-  F32 weights of STREAM_BYTES or more (the LM head) take the kernel too: for a few rows BLAS packs such
-  a weight on every call, a second pass over memory (2.7x slower than the kernel for the 132 MB F32 head
-  of a 129,280-token vocabulary on an AMD EPYC core); smaller ones stay in BLAS, where they are cache-resident.
+  F32 weights of STREAM_BYTES or more (the LM head) take the kernel too: MKL's few-row product over
+  a weight stored [N, K] is far from memory speed once the weight leaves the cache (2-row BLAS 34 ms,
+  the kernel ~10 ms for the 132 MB F32 head of a 129,280-token vocabulary on an AMD EPYC core); smaller,
+  cache-resident ones stay in BLAS (docs/cpu.md).
 - Other types, larger M (prefill) and machines without a C compiler dequantize one tile of output rows at
   a time (about TILE_BYTES of float32, so the tile stays in cache while it is multiplied); a prefill batch
   dequantizes each tile once for all its rows.
