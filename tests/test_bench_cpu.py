@@ -2,16 +2,13 @@
 not checked; tests never time)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+
+from tests.script_modules import script
 
 pytest.importorskip("transformers")
 
-_spec = importlib.util.spec_from_file_location("bench", Path(__file__).parents[1] / "scripts" / "bench.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = script("bench")
 
 
 def test_bench_cpu_smoke(tmp_path, capsys):

@@ -2,9 +2,7 @@
 row with every column and a PNG; the random full-size weights are checked for their stored types and
 byte counts on a 1-layer V4 Flash slice without running it."""
 import csv
-import importlib.util
 import io
-from pathlib import Path
 
 import pytest
 
@@ -12,6 +10,7 @@ from ds4.cost import PassCost
 from ds4.quant_mix import tensor_type
 from ds4.random_model import random_args, random_weight
 from models.args import model_shapes
+from tests.script_modules import script
 
 COLUMNS = ["device", "mix", "layers", "prompt", "prefill_tok_s", "decode_tok_s", "ms_per_layer", "step_GB",
            "copy_GB_s", "roofline_tok_s", "pct_roofline"]
@@ -19,10 +18,7 @@ COLUMNS = ["device", "mix", "layers", "prompt", "prefill_tok_s", "decode_tok_s",
 
 def load_bench():
     """scripts/bench.py as a module."""
-    spec = importlib.util.spec_from_file_location("bench", Path(__file__).parents[1] / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return script("bench")
 
 
 def test_bench_model_smoke(capsys, tmp_path):

@@ -1,7 +1,6 @@
 """Converter: official naming with FP8/FP4 weights, transformers naming, MTP split, mixes, metadata and errors."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import weakref
@@ -19,10 +18,9 @@ from ds4.quant_mix import MIXES, tensor_type
 from ds4.tokenizer import real_v4_tokenizer_json
 from ops.quants import QTensor
 from tests.hf_tiny import CSA, HCA, tiny_config, tiny_model
+from tests.script_modules import script
 
-_spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parents[1] / "scripts" / "convert_hf.py")
-convert_hf = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(convert_hf)
+convert_hf = script("convert_hf")
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
 # transformers parameter -> official name, for the weights the official checkpoint stores as FP8 128x128 tiles
 FP8 = {"self_attn.q_a_proj.weight": "attn.wq_a.weight", "self_attn.q_b_proj.weight": "attn.wq_b.weight",

@@ -9,8 +9,6 @@ experts; the MTP GGUF counts its block in `block_count` (+ `nextn_predict_layers
 shared_head_norm`, the MTP's HC head in the root `output_hc_*` and repeats token_embd/output/output_norm.
 """
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import gguf as gguf_py
 import numpy as np
@@ -24,6 +22,7 @@ from ds4.errors import ModelFileError
 from ds4.session import Session
 from ds4.tiny import mtp_metadata, tiny_model_weights
 from ops.quants import QTensor
+from tests.script_modules import script
 
 P = "deepseek4."
 SIZES = {"n_layers": 4, "compress_ratios": (0, 0, 4, 16)}
@@ -224,9 +223,7 @@ def test_explain_cli(files, capsys, tmp_path):
 
 
 def test_make_tiny_writes_either_mtp_layout(tmp_path, reference):
-    spec = importlib.util.spec_from_file_location("make_tiny", Path(__file__).parents[1] / "scripts" / "make_tiny.py")
-    make_tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_tiny)
+    make_tiny = script("make_tiny")
     sizes = ["--n-layers", str(L), "--compress-ratios", "0,0,4,16", "--seed", "5", "--mix", "f32"]
     for layout in ("ds4", "llama.cpp"):
         base, mtp = str(tmp_path / f"{layout}.gguf"), str(tmp_path / f"{layout}-mtp.gguf")

@@ -3,9 +3,6 @@ by ds4py, gives the same logits (fp32, FP8/FP4 simulations off, shared clamp on,
 for a prompt longer than the window across many ratio-4 and ratio-16 blocks, in chunked prefill and decode."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
@@ -14,13 +11,12 @@ from backends.registry import OpSet
 from ds4.engine import open_model
 from ds4.session import Session
 from tests.hf_tiny import tiny_config, tiny_model
+from tests.script_modules import script
 
 PROMPT_LEN = 90  # window 16; 22 ratio-4 rows (indexer keeps 4 of them); 5 ratio-16 rows
 REL_TOL = 1e-4   # max abs logit difference, relative to the largest |logit|
 
-_spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parents[1] / "scripts" / "convert_hf.py")
-convert_hf = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(convert_hf)
+convert_hf = script("convert_hf")
 
 
 def lower_index_wins(scorer_forward):

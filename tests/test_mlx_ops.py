@@ -40,6 +40,7 @@ from ops import (  # noqa: E402
 from ops.moe import Experts  # noqa: E402
 from ops.quants import TYPES, QTensor  # noqa: E402
 from ops.sparse_attention import AttnRows  # noqa: E402
+from tests.script_modules import script  # noqa: E402
 
 A = MLXArrays("mlx")
 K_OF = {"F32": 41, "F16": 41, "BF16": 41, "I32": 9, "Q8_0": 160, "MXFP4": 96, "FP8_E4M3": 384,
@@ -338,12 +339,7 @@ def test_declared_batch_invariance_holds():
 
 def load_bench():
     """scripts/bench.py as a module."""
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location("bench", Path(__file__).parents[1] / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return script("bench")
 
 
 def test_bench_times_the_mlx_qmatmul(capsys):

@@ -1,6 +1,4 @@
 """Model: metadata and weight validation, GGUF round trip, switches, routing tie rule."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from ops.moe import Experts, route
 from ops.quants import QTensor
+from tests.script_modules import script
 
 TORCH = OpSet("torch")  # the reference; Triton kernels under the interpreter are tested elsewhere
 
@@ -23,9 +22,7 @@ def tiny():
     return tiny_model_weights(seed=5, n_layers=4, compress_ratios=(0, 4, 16, 4))
 
 
-_spec = importlib.util.spec_from_file_location("make_tiny", Path(__file__).parents[1] / "scripts" / "make_tiny.py")
-make_tiny = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_tiny)
+make_tiny = script("make_tiny")
 
 
 def logits_of(model, ids):

@@ -17,6 +17,7 @@ from ds4.errors import BackendUnavailable, UsageError
 from ops.qmatmul import SMALL_M
 from ops.qmatmul import qmatmul as reference
 from ops.quants import QTensor, get
+from tests.script_modules import script
 
 # K per type: not a multiple of 256 where the block size allows; N = 1 exercises split-K.
 K_OF = {"F32": 41, "F16": 41, "BF16": 41, "Q8_0": 160, "MXFP4": 96, "FP8_E4M3": 384,
@@ -133,13 +134,7 @@ def test_triton_on_cpu_tensors_without_the_interpreter_is_a_clear_error(monkeypa
 
 def load_bench():
     """scripts/bench.py as a module."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("bench", Path(__file__).parents[1] / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return script("bench")
 
 
 def test_bench_prints_a_csv_row_per_case(capsys):

@@ -9,6 +9,7 @@ import torch
 from backends.registry import implementations
 from ops.qmatmul import SMALL_M
 from ops.verify_argmax import verify_argmax as reference
+from tests.script_modules import script
 
 
 def kernel():
@@ -61,12 +62,7 @@ def test_float16_logits():
 
 def test_bench_argmax_prints_the_reference_beside_the_kernel(capsys):
     """scripts/bench.py argmax on a CPU: the reference's time, the Triton columns empty (CUDA only)."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("bench", Path(__file__).parents[1] / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = script("bench")
     bench.main(["argmax", "--csv", "--reps", "1"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[2] == "op,case,M,triton_us,reference_us,x_reference"
