@@ -10,6 +10,9 @@
  */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 #define MAX_ROWS 16
@@ -51,14 +54,22 @@ static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
 static inline v8 splat(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 
-static inline u8x8 bytes8(const uint8_t *p) {
+#if defined(__AVX2__)
+static inline i32x8 widen(const uint8_t *p) {     /* 8 bytes as int32 lanes (gcc scalarizes the generic form) */
+    return (i32x8)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#else
+static inline i32x8 widen(const uint8_t *p) {     /* 8 bytes as int32 lanes */
     u8x8 v;
     memcpy(&v, p, sizeof v);
-    return v;
+    return __builtin_convertvector(v, i32x8);
 }
+#endif
 
-static inline v8 to_float(u8x8 q) {     /* through int32, which compilers widen in one instruction */
-    return __builtin_convertvector(__builtin_convertvector(q, i32x8), v8);
+static inline v8 to_float(i32x8 q) { return __builtin_convertvector(q, v8); }
+
+static inline v8 sfloat8(const uint8_t *p) {      /* 8 int8 as floats (the sign applied in int32 lanes) */
+    return __builtin_convertvector((widen(p) ^ 128) - 128, v8);
 }
 
 static inline void deq_q8_0(const uint8_t *b, float *w) {          /* 34 bytes -> 32 values */
@@ -77,10 +88,10 @@ static inline void deq_q4_k(const uint8_t *b, float *w) {          /* 144 bytes 
         low[4 + j] = dmin * (float)((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
     }
     for (int c = 0; c < 4; c++)
-        for (int l = 0; l < 32; l++) {
-            uint8_t q = qs[32 * c + l];
-            w[64 * c + l] = scale[2 * c] * (float)(q & 15) - low[2 * c];
-            w[64 * c + 32 + l] = scale[2 * c + 1] * (float)(q >> 4) - low[2 * c + 1];
+        for (int l = 0; l < 32; l += 8) {
+            i32x8 q = widen(qs + 32 * c + l);
+            store8(w + 64 * c + l, splat(scale[2 * c]) * to_float(q & 15) - splat(low[2 * c]));
+            store8(w + 64 * c + 32 + l, splat(scale[2 * c + 1]) * to_float(q >> 4) - splat(low[2 * c + 1]));
         }
 }
 
@@ -94,7 +105,7 @@ static inline void deq_q2_k(const uint8_t *b, float *w) {          /* 84 bytes -
                 v8 scale = splat(d * (float)(s[j] & 15)), low = splat(dmin * (float)(s[j] >> 4));
                 const uint8_t *q = qs + 32 * k + 16 * h;
                 float *out = w + 128 * k + 32 * i + 16 * h;
-                for (int l = 0; l < 16; l += 8) store8(out + l, scale * to_float((bytes8(q + l) >> (2 * i)) & 3) - low);
+                for (int l = 0; l < 16; l += 8) store8(out + l, scale * to_float((widen(q + l) >> (2 * i)) & 3) - low);
             }
 }
 
@@ -178,6 +189,42 @@ static inline __attribute__((always_inline)) void rows_of(
     }
 }
 
+
+/* One Q8_0 block's 32 products added to the lanes: the same sums as deq_q8_0 then dot_block. */
+static inline __attribute__((always_inline)) void q8_0_dot(v8 *lo, v8 *hi, const uint8_t *blk, const float *x) {
+    v8 d = splat(half_to_float(blk));
+    *lo += (sfloat8(blk + 2) * d) * load8(x);
+    *hi += (sfloat8(blk + 10) * d) * load8(x + 8);
+    *lo += (sfloat8(blk + 18) * d) * load8(x + 16);
+    *hi += (sfloat8(blk + 26) * d) * load8(x + 24);
+}
+
+/* Q8_0 decode (M == 1), dequantized in registers, two rows at a time: their lanes are independent chains. */
+static void q8_0_rows(const uint8_t *w, int64_t K, const float *x, float *y, int64_t n0, int64_t n1) {
+    int64_t nb = K / 32, row_bytes = nb * 34, n = n0;
+    for (; n + 2 <= n1; n += 2) {
+        v8 lo0 = {0}, hi0 = {0}, lo1 = {0}, hi1 = {0};
+        const uint8_t *r0 = w + n * row_bytes, *r1 = r0 + row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            prefetch_block(r0 + b * 34, 34);
+            prefetch_block(r1 + b * 34, 34);
+            q8_0_dot(&lo0, &hi0, r0 + b * 34, x + b * 32);
+            q8_0_dot(&lo1, &hi1, r1 + b * 34, x + b * 32);
+        }
+        y[n] = lane_sum(lo0, hi0);
+        y[n + 1] = lane_sum(lo1, hi1);
+    }
+    for (; n < n1; n++) {
+        v8 lo = {0}, hi = {0};
+        const uint8_t *r0 = w + n * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            prefetch_block(r0 + b * 34, 34);
+            q8_0_dot(&lo, &hi, r0 + b * 34, x + b * 32);
+        }
+        y[n] = lane_sum(lo, hi);
+    }
+}
+
 /* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 8 Q8_0, 12 Q4_K,
  * 10 Q2_K, 16 IQ2_XXS after qgemv_set_iq2_xxs), M <= MAX_ROWS. experts == NULL: every row uses `w`; else row m uses the weight at
  * w + experts[m] * expert_bytes. Returns -1 for a call it cannot serve. */
@@ -186,7 +233,11 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     if (M > MAX_ROWS) return -1;
     switch (type) {
     case 0: if (K % 64) return -1; rows_of(NULL, 64, 256, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 8: if (K % 32) return -1; rows_of(deq_q8_0, 32, 34, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 8:
+        if (K % 32) return -1;
+        if (M == 1 && experts == NULL) q8_0_rows(w, K, x, y, n0, n1);
+        else rows_of(deq_q8_0, 32, 34, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+        return 0;
     case 12: if (K % 256) return -1; rows_of(deq_q4_k, 256, 144, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 16: if (K % 256) return -1; rows_of(deq_iq2_xxs, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 10: if (K % 256) return -1; rows_of(deq_q2_k, 256, 84, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
