@@ -189,7 +189,6 @@ static inline __attribute__((always_inline)) void rows_of(
     }
 }
 
-
 /* One Q8_0 block's 32 products added to the lanes: the same sums as deq_q8_0 then dot_block. */
 static inline __attribute__((always_inline)) void q8_0_dot(v8 *lo, v8 *hi, const uint8_t *blk, const float *x) {
     v8 d = splat(half_to_float(blk));
@@ -199,8 +198,9 @@ static inline __attribute__((always_inline)) void q8_0_dot(v8 *lo, v8 *hi, const
     *hi += (sfloat8(blk + 26) * d) * load8(x + 24);
 }
 
-/* Q8_0 decode (M == 1), dequantized in registers, two rows at a time: their lanes are independent chains. */
-static void q8_0_rows(const uint8_t *w, int64_t K, const float *x, float *y, int64_t n0, int64_t n1) {
+/* Q8_0 decode (M == 1) rows [n0, n1) in pairs, dequantized in registers: the two rows' lanes are independent
+ * chains. Returns the first row not done (an odd last one, left to rows_of). */
+static int64_t q8_0_row_pairs(const uint8_t *w, int64_t K, const float *x, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / 32, row_bytes = nb * 34, n = n0;
     for (; n + 2 <= n1; n += 2) {
         v8 lo0 = {0}, hi0 = {0}, lo1 = {0}, hi1 = {0};
@@ -214,15 +214,7 @@ static void q8_0_rows(const uint8_t *w, int64_t K, const float *x, float *y, int
         y[n] = lane_sum(lo0, hi0);
         y[n + 1] = lane_sum(lo1, hi1);
     }
-    for (; n < n1; n++) {
-        v8 lo = {0}, hi = {0};
-        const uint8_t *r0 = w + n * row_bytes;
-        for (int64_t b = 0; b < nb; b++) {
-            prefetch_block(r0 + b * 34, 34);
-            q8_0_dot(&lo, &hi, r0 + b * 34, x + b * 32);
-        }
-        y[n] = lane_sum(lo, hi);
-    }
+    return n;
 }
 
 /* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 8 Q8_0, 12 Q4_K,
@@ -235,8 +227,8 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 0: if (K % 64) return -1; rows_of(NULL, 64, 256, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 8:
         if (K % 32) return -1;
-        if (M == 1 && experts == NULL) q8_0_rows(w, K, x, y, n0, n1);
-        else rows_of(deq_q8_0, 32, 34, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+        if (M == 1 && experts == NULL) n0 = q8_0_row_pairs(w, K, x, y, n0, n1);
+        rows_of(deq_q8_0, 32, 34, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
     case 12: if (K % 256) return -1; rows_of(deq_q4_k, 256, 144, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 16: if (K % 256) return -1; rows_of(deq_iq2_xxs, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
