@@ -18,7 +18,7 @@ from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
 from ops.qmatmul import SMALL_M
-from ops.quants import QTensor
+from ops.quants import QTensor, get
 from tests.test_batch_invariance import CASES
 
 CPU_OPS = sorted(op for op in ("qmatmul", "moe", "shared_expert", "sparse_attention", "index_scores", "hc_pre",
@@ -67,6 +67,18 @@ def test_qmatmul_matches_reference(qtype, M, fused, monkeypatch):
     close(cpu("qmatmul").fn(x, w), reference("qmatmul").fn(x, w))
     monkeypatch.setattr("backends.cpu.qmatmul.STREAM_BYTES", 0)     # F32 through the kernel too
     close(cpu("qmatmul").fn(x, w), reference("qmatmul").fn(x, w))
+
+
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"))
+def test_block_dequantizer_is_the_reference(qtype):
+    """The kernel library's dequantizer (prefill's tiles) on random bytes, so every scale kind occurs (zero,
+    subnormal, infinite and NaN halves): the reference's values bit for bit."""
+    t = get(qtype)
+    data = torch.randint(0, 256, (24, t.row_bytes(512)), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    w = QTensor(t, (24, 512), data)
+    torch.testing.assert_close(kernels.dequantize(w), w.dequantize(), rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="unsupported call"):
+        torch.ops.ds4.dequantize(data, kernels.GGML_TYPE["Q8_0"], 24, 500)
 
 
 CPU_CASES = {name: case for name, case in CASES.items() if name.removesuffix("_hashed") in CPU_OPS}

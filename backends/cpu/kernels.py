@@ -1,6 +1,6 @@
-"""The fused dequantize-and-multiply kernel (qgemv.c), compiled once per machine with the system C
-compiler and loaded with ctypes; `available()` is False (and the callers fall back to dequantizing one
-tile at a time) when no compiler is found or `DS4_CPU_KERNELS=0`.
+"""The fused dequantize-and-multiply kernel (qgemv.c) and its block dequantizer, compiled once per machine
+with the system C compiler and loaded with ctypes; `available()` is False (and the callers fall back to
+the reference's dequantization, one tile at a time) when no compiler is found or `DS4_CPU_KERNELS=0`.
 
 The shared library is cached under $DS4_CACHE (default ~/.cache/ds4py) keyed by the source's hash.
 ctypes releases the GIL during a call, so large weights are split across `torch.get_num_threads()`
@@ -57,6 +57,8 @@ def _build() -> ctypes.CDLL | None:
     lib.qgemv.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.qgemv.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64]
+    lib.dequantize.restype = ctypes.c_int
+    lib.dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
     grid, ksigns = iq2_xxs.GRID.contiguous(), iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     lib.qgemv_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
     return lib
@@ -85,10 +87,16 @@ def qgemv(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
     return torch.ops.ds4.qgemv(x, w.data, GGML_TYPE[w.qtype.name], w.shape[-2], experts)
 
 
-# The op torch.compile calls as it is (a ctypes call cannot be traced): a plain schema with a CPU kernel,
+def dequantize(w: QTensor) -> torch.Tensor:
+    """Float32 [N, K] of a 2-D weight of a quantized type `available()` serves (bit-identical to the reference)."""
+    return torch.ops.ds4.dequantize(w.data, GGML_TYPE[w.qtype.name], w.shape[0], w.shape[1])
+
+
+# The ops torch.compile calls as they are (a ctypes call cannot be traced): a plain schema with a CPU kernel,
 # ~5 us of dispatch per call where torch.library.custom_op's wrapper costs ~25 us (a step makes ~50 calls).
 _ops = torch.library.Library("ds4", "DEF")
 _ops.define("qgemv(Tensor x, Tensor data, int ggml_type, int n, Tensor? experts) -> Tensor")
+_ops.define("dequantize(Tensor data, int ggml_type, int n, int k) -> Tensor")
 
 
 def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
@@ -124,3 +132,21 @@ _ops.impl("qgemv", qgemv_op, "CPU")
 @torch.library.register_fake("ds4::qgemv")
 def _(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
+def dequantize_op(data: torch.Tensor, ggml_type: int, n: int, k: int) -> torch.Tensor:
+    """`n` rows of `k` values from raw blocks `data` of type `ggml_type`, as float32 [n, k]."""
+    data = data if data.is_contiguous() else data.contiguous()
+    out = torch.empty((n, k), dtype=torch.float32)
+    if lib().dequantize(ggml_type, data.data_ptr(), n, k, out.data_ptr()):
+        name = next((t for t, g in GGML_TYPE.items() if g == ggml_type), ggml_type)
+        raise ValueError(f"dequantize: unsupported call ({name}, K={k})")
+    return out
+
+
+_ops.impl("dequantize", dequantize_op, "CPU")
+
+
+@torch.library.register_fake("ds4::dequantize")
+def _(data: torch.Tensor, ggml_type: int, n: int, k: int) -> torch.Tensor:
+    return data.new_empty((n, k), dtype=torch.float32)

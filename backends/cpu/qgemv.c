@@ -5,8 +5,8 @@
  * in place), so W is read once per call and never materialized; every cache line of the weight stream is
  * prefetched AHEAD bytes ahead. Each output is accumulated in 16 lanes (element k goes to lane k % 16,
  * two 8-float vectors) over the whole row, then the lanes are added in order: the same arithmetic for any
- * number of rows and any split of the output rows across threads, hence batch-invariant. Built by
- * backends/cpu/kernels.py.
+ * number of rows and any split of the output rows across threads, hence batch-invariant. `dequantize`
+ * expands whole rows with the same block functions (prefill's tiles). Built by backends/cpu/kernels.py.
  */
 #include <stdint.h>
 #include <string.h>
@@ -233,6 +233,23 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 12: if (K % 256) return -1; rows_of(deq_q4_k, 256, 144, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 16: if (K % 256) return -1; rows_of(deq_iq2_xxs, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 10: if (K % 256) return -1; rows_of(deq_q2_k, 256, 84, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    default: return -1;
+    }
+}
+
+static inline __attribute__((always_inline)) void blocks_of(deq_fn deq, int bs, int bb, const uint8_t *w,
+                                                            int64_t blocks, float *out) {
+    for (int64_t b = 0; b < blocks; b++) deq(w + b * bb, out + b * bs);
+}
+
+/* out [rows, K] = `rows` rows of a weight of block type `type` (as qgemv; not F32), dequantized as the
+ * reference does. Returns -1 for a type or row length it cannot serve. */
+int dequantize(int type, const uint8_t *w, int64_t rows, int64_t K, float *out) {
+    switch (type) {
+    case 8: if (K % 32) return -1; blocks_of(deq_q8_0, 32, 34, w, rows * (K / 32), out); return 0;
+    case 12: if (K % 256) return -1; blocks_of(deq_q4_k, 256, 144, w, rows * (K / 256), out); return 0;
+    case 16: if (K % 256) return -1; blocks_of(deq_iq2_xxs, 256, 66, w, rows * (K / 256), out); return 0;
+    case 10: if (K % 256) return -1; blocks_of(deq_q2_k, 256, 84, w, rows * (K / 256), out); return 0;
     default: return -1;
     }
 }
