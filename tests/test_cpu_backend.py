@@ -44,8 +44,9 @@ def qmatmul_case(M: int, seed: int, qtype: str = "Q8_0", n: int = 48, k: int = 2
 def test_fused_kernel_is_built_here():
     """This machine has a C compiler, so the fused kernel must serve (a broken build would silently fall
     back to the slow tiled path)."""
-    assert all(kernels.available(t, 256) for t in ("F32", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"))
+    assert all(kernels.available(t, 256) for t in ("F32", "F16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"))
     assert not kernels.available("MXFP4", 256) and not kernels.available("F32", 96)
+    assert kernels.available("F16", 96) and not kernels.available("F16", 48)
 
 
 def test_cpu_backend_serves_auto_on_cpu_only():
@@ -69,7 +70,7 @@ def test_qmatmul_matches_reference(qtype, M, fused, monkeypatch):
     close(cpu("qmatmul").fn(x, w), reference("qmatmul").fn(x, w))
 
 
-@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"))
+@pytest.mark.parametrize("qtype", ("F16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"))
 def test_block_dequantizer_is_the_reference(qtype):
     """The kernel library's dequantizer (prefill's tiles) on random bytes, so every scale kind occurs (zero,
     subnormal, infinite and NaN halves): the reference's values bit for bit."""
@@ -85,12 +86,14 @@ CPU_CASES = {name: case for name, case in CASES.items() if name.removesuffix("_h
 CPU_CASES["qmatmul"] = qmatmul_case
 CPU_CASES["qmatmul_f32"] = lambda M, seed: qmatmul_case(M, seed, "F32", n=40, k=96)
 CPU_CASES["qmatmul_f32_streamed"] = lambda M, seed: qmatmul_case(M, seed, "F32", n=1024, k=256)   # 1 MB: the kernel
+CPU_CASES["qmatmul_f16"] = lambda M, seed: qmatmul_case(M, seed, "F16", n=40, k=96)
 CPU_CASES["qmatmul_q4_k"] = lambda M, seed: qmatmul_case(M, seed, "Q4_K", n=40, k=512)
 CPU_CASES["qmatmul_q2_k"] = lambda M, seed: qmatmul_case(M, seed, "Q2_K", n=40, k=512)
 CPU_CASES["moe_q4_k"] = lambda M, seed: quantized_moe_case(M, seed, "Q4_K")
 CPU_CASES["qmatmul_iq2_xxs"] = lambda M, seed: qmatmul_case(M, seed, "IQ2_XXS", n=40, k=512)
 CPU_CASES["moe_q2_k"] = lambda M, seed: quantized_moe_case(M, seed, "Q2_K")
 CPU_CASES["moe_f32"] = lambda M, seed: quantized_moe_case(M, seed, "F32")   # the kernel reads F32 experts in place
+CPU_CASES["moe_f16"] = lambda M, seed: quantized_moe_case(M, seed, "F16")
 
 
 @functools.cache
@@ -114,7 +117,7 @@ def quantized_moe_case(M: int, seed: int, qtype: str):
 @pytest.mark.parametrize("case", sorted(CPU_CASES))
 def test_cpu_op_matches_reference_and_is_batch_invariant(case):
     """For every M in 1..SMALL_M: close to the reference, and each row equals its 1-row call bit for bit."""
-    op = case.split("_q")[0].split("_iq")[0].removesuffix("_hashed").removesuffix("_f32_streamed").removesuffix("_f32")
+    op = max((o for o in CPU_OPS if case == o or case.startswith(o + "_")), key=len)   # "moe_q4_k" -> "moe"
     impl = cpu(op)
     assert impl.batch_invariant
     for M in range(1, SMALL_M + 1):

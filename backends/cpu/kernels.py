@@ -22,8 +22,8 @@ import torch
 from ops.quants import QTensor, iq2_xxs
 
 SOURCE = Path(__file__).with_name("qgemv.c")
-GGML_TYPE = {"F32": 0, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16}    # the block types qgemv.c reads
-F32_BLOCK = 64   # qgemv.c takes F32 rows 64 values at a time
+GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16}    # the types qgemv.c reads
+ROW_MULTIPLE = {"F32": 64, "F16": 32}   # qgemv.c takes F32 and F16 rows this many values at a time
 MAX_ROWS = 16
 SPLIT_BYTES = 1 << 20   # weights at least this large are split across threads
 FLAGS = (("-O3", "-march=native", "-ffp-contract=off"), ("-O3", "-ffp-contract=off"))
@@ -78,7 +78,7 @@ def lib() -> ctypes.CDLL | None:
 @torch.compiler.assume_constant_result  # a compiled step asks once, while tracing (building is not traceable)
 def available(qtype: str, k: int = 0) -> bool:
     """Whether the fused kernel serves weights of `qtype` with rows of `k` values."""
-    return qtype in GGML_TYPE and (qtype != "F32" or k % F32_BLOCK == 0) and lib() is not None
+    return qtype in GGML_TYPE and k % ROW_MULTIPLE.get(qtype, 1) == 0 and lib() is not None
 
 
 def qgemv(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:

@@ -72,6 +72,14 @@ static inline v8 sfloat8(const uint8_t *p) {      /* 8 int8 as floats (the sign 
     return __builtin_convertvector((widen(p) ^ 128) - 128, v8);
 }
 
+static inline void deq_f16(const uint8_t *b, float *w) {            /* 64 bytes -> 32 values (exact) */
+#if defined(__F16C__)
+    for (int i = 0; i < 32; i += 8) store8(w + i, (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 2 * i))));
+#else
+    for (int i = 0; i < 32; i++) w[i] = half_to_float(b + 2 * i);
+#endif
+}
+
 static inline void deq_q8_0(const uint8_t *b, float *w) {          /* 34 bytes -> 32 values */
     float d = half_to_float(b);
     for (int i = 0; i < 32; i++) w[i] = (float)(int8_t)b[2 + i] * d;
@@ -217,14 +225,15 @@ static int64_t q8_0_row_pairs(const uint8_t *w, int64_t K, const float *x, float
     return n;
 }
 
-/* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 8 Q8_0, 12 Q4_K,
- * 10 Q2_K, 16 IQ2_XXS after qgemv_set_iq2_xxs), M <= MAX_ROWS. experts == NULL: every row uses `w`; else row m uses the weight at
- * w + experts[m] * expert_bytes. Returns -1 for a call it cannot serve. */
+/* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 1 F16, 8 Q8_0,
+ * 12 Q4_K, 10 Q2_K, 16 IQ2_XXS after qgemv_set_iq2_xxs), M <= MAX_ROWS. experts == NULL: every row uses
+ * `w`; else row m uses the weight at w + experts[m] * expert_bytes. Returns -1 for a call it cannot serve. */
 int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
           const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     if (M > MAX_ROWS) return -1;
     switch (type) {
     case 0: if (K % 64) return -1; rows_of(NULL, 64, 256, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 1: if (K % 32) return -1; rows_of(deq_f16, 32, 64, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 8:
         if (K % 32) return -1;
         if (M == 1 && experts == NULL) n0 = q8_0_row_pairs(w, K, x, y, n0, n1);
@@ -242,10 +251,11 @@ static inline __attribute__((always_inline)) void blocks_of(deq_fn deq, int bs, 
     for (int64_t b = 0; b < blocks; b++) deq(w + b * bb, out + b * bs);
 }
 
-/* out [rows, K] = `rows` rows of a weight of block type `type` (as qgemv; not F32), dequantized as the
+/* out [rows, K] = `rows` rows of a weight of block type `type` (as qgemv, but not F32), dequantized as the
  * reference does. Returns -1 for a type or row length it cannot serve. */
 int dequantize(int type, const uint8_t *w, int64_t rows, int64_t K, float *out) {
     switch (type) {
+    case 1: if (K % 32) return -1; blocks_of(deq_f16, 32, 64, w, rows * (K / 32), out); return 0;
     case 8: if (K % 32) return -1; blocks_of(deq_q8_0, 32, 34, w, rows * (K / 32), out); return 0;
     case 12: if (K % 256) return -1; blocks_of(deq_q4_k, 256, 144, w, rows * (K / 256), out); return 0;
     case 16: if (K % 256) return -1; blocks_of(deq_iq2_xxs, 256, 66, w, rows * (K / 256), out); return 0;

@@ -1,7 +1,7 @@
 """qmatmul on the CPU without dequantizing a whole weight at once (contract: ops/qmatmul.py).
 
 - F32 weights are multiplied in place: the stored blocks are viewed as a float32 matrix (no copy).
-- Q8_0, Q4_K, Q2_K and IQ2_XXS with M <= SMALL_M (decode, verify) go through the fused
+- F16, Q8_0, Q4_K, Q2_K and IQ2_XXS with M <= SMALL_M (decode, verify) go through the fused
   dequantize-and-multiply kernel (backends/cpu/qgemv.c): each block is dequantized into a small buffer and
   used by every row at once, so the weight is read once, in its stored size, and never materialized.
   F32 weights of STREAM_BYTES or more (the LM head) take the kernel too: MKL's few-row product over
@@ -45,7 +45,7 @@ def tiles(w: QTensor):
     for start in range(0, N, step):
         stop = min(N, start + step)
         tile = QTensor(w.qtype, (stop - start, K), w.data[start:stop])
-        yield start, stop, kernels.dequantize(tile) if kernels.available(w.qtype.name) else tile.dequantize()
+        yield start, stop, kernels.dequantize(tile) if kernels.available(w.qtype.name, K) else tile.dequantize()
 
 
 @register("qmatmul", "cpu", batch_invariant=True)
