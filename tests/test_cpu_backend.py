@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from backends.cpu import kernels
+from backends.cpu import hc, kernels
 from backends.registry import OpSet, implementations, reference
 from ds4.sampling import Sampler, SamplingParams
 from ds4.session import Session
@@ -17,6 +17,7 @@ from ds4.tiny import tiny_model_weights
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
+from ops.hc_pre import sinkhorn
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor, get
 from tests.test_batch_invariance import CASES
@@ -80,6 +81,15 @@ def test_block_dequantizer_is_the_reference(qtype):
     torch.testing.assert_close(kernels.dequantize(w), w.dequantize(), rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match="unsupported call"):
         torch.ops.ds4.dequantize(data, kernels.GGML_TYPE["Q8_0"], 24, 500)
+
+
+def test_sinkhorn_torch_path_agrees_with_the_kernel_library(monkeypatch):
+    """hc_pre's Sinkhorn where no C compiler is found (in-place torch ops) against sinkhorn.c."""
+    logits = torch.randn(5, 4, 4, generator=torch.Generator().manual_seed(2)) * 4
+    through_library = hc.sinkhorn(logits, 20, 1e-6)
+    monkeypatch.setattr("backends.cpu.kernels._lib", None)
+    close(hc.sinkhorn(logits, 20, 1e-6), through_library)
+    close(through_library, sinkhorn(logits, 20, 1e-6))
 
 
 CPU_CASES = {name: case for name, case in CASES.items() if name.removesuffix("_hashed") in CPU_OPS}

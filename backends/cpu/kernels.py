@@ -1,8 +1,10 @@
-"""The fused dequantize-and-multiply kernel (qgemv.c) and its block dequantizer, compiled once per machine
-with the system C compiler and loaded with ctypes; `available()` is False (and the callers fall back to
-the reference's dequantization, one tile at a time) when no compiler is found or `DS4_CPU_KERNELS=0`.
+"""The CPU kernel library: the fused dequantize-and-multiply kernel and its block dequantizer (qgemv.c) and
+the hyper-connection Sinkhorn (sinkhorn.c), compiled once per machine with the system C compiler and
+loaded with ctypes. `built()` and `available()` are False (and the callers take their torch paths: the
+reference's dequantization one tile at a time, the Sinkhorn as torch ops) when no compiler is found or
+`DS4_CPU_KERNELS=0`.
 
-The shared library is cached under $DS4_CACHE (default ~/.cache/ds4py) keyed by the source's hash.
+The shared library is cached under $DS4_CACHE (default ~/.cache/ds4py) keyed by the sources' hash.
 ctypes releases the GIL during a call, so large weights are split across `torch.get_num_threads()`
 Python threads by output rows (each output's arithmetic does not depend on the split).
 """
@@ -21,7 +23,7 @@ import torch
 
 from ops.quants import QTensor, iq2_xxs
 
-SOURCE = Path(__file__).with_name("qgemv.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16}    # the types qgemv.c reads
 ROW_MULTIPLE = {"F32": 64, "F16": 32}   # qgemv.c takes F32 and F16 rows this many values at a time
 MAX_ROWS = 16
@@ -38,15 +40,15 @@ def _build() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:16]
     cache = Path(os.environ.get("DS4_CACHE", Path.home() / ".cache" / "ds4py"))
-    target = cache / f"qgemv-{digest}.so"
+    target = cache / f"cpu-kernels-{digest}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         for flags in FLAGS:
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 out = Path(tmp) / target.name
-                done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(out), str(SOURCE)],
+                done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(out), *map(str, SOURCES)],
                                       capture_output=True, check=False)
                 if done.returncode == 0:
                     os.replace(out, target)     # atomic: concurrent builders race harmlessly
@@ -59,6 +61,8 @@ def _build() -> ctypes.CDLL | None:
     lib.qgemv.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64]
     lib.dequantize.restype = ctypes.c_int
     lib.dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+    lib.sinkhorn.restype = None
+    lib.sinkhorn.argtypes = [ptr, ptr, i64, i64, i64, ctypes.c_float]
     grid, ksigns = iq2_xxs.GRID.contiguous(), iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     lib.qgemv_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
     return lib
@@ -76,15 +80,25 @@ def lib() -> ctypes.CDLL | None:
 
 
 @torch.compiler.assume_constant_result  # a compiled step asks once, while tracing (building is not traceable)
+def built() -> bool:
+    """Whether the kernel library could be built and loaded here."""
+    return lib() is not None
+
+
 def available(qtype: str, k: int = 0) -> bool:
     """Whether the fused kernel serves weights of `qtype` with rows of `k` values."""
-    return qtype in GGML_TYPE and k % ROW_MULTIPLE.get(qtype, 1) == 0 and lib() is not None
+    return qtype in GGML_TYPE and k % ROW_MULTIPLE.get(qtype, 1) == 0 and built()
 
 
 def qgemv(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:
     """`x [M, K] @ W.T` for M <= MAX_ROWS; with `experts` [M] int64, row m uses expert experts[m] of a
     stacked [E, N, K] weight. Float32 [M, N]."""
     return torch.ops.ds4.qgemv(x, w.data, GGML_TYPE[w.qtype.name], w.shape[-2], experts)
+
+
+def sinkhorn(p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The Sinkhorn rounds of ops/hc_pre.py on row-softmaxed float32 matrices `p` [M, S, S]."""
+    return torch.ops.ds4.sinkhorn(p, iters, eps)
 
 
 def dequantize(w: QTensor) -> torch.Tensor:
@@ -97,6 +111,7 @@ def dequantize(w: QTensor) -> torch.Tensor:
 _ops = torch.library.Library("ds4", "DEF")
 _ops.define("qgemv(Tensor x, Tensor data, int ggml_type, int n, Tensor? experts) -> Tensor")
 _ops.define("dequantize(Tensor data, int ggml_type, int n, int k) -> Tensor")
+_ops.define("sinkhorn(Tensor p, int iters, float eps) -> Tensor")
 
 
 def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
@@ -150,3 +165,19 @@ _ops.impl("dequantize", dequantize_op, "CPU")
 @torch.library.register_fake("ds4::dequantize")
 def _(data: torch.Tensor, ggml_type: int, n: int, k: int) -> torch.Tensor:
     return data.new_empty((n, k), dtype=torch.float32)
+
+
+def sinkhorn_op(p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """sinkhorn.c on float32 [M, S, S]."""
+    p = p.to(torch.float32).contiguous()
+    c = torch.empty_like(p)
+    lib().sinkhorn(p.data_ptr(), c.data_ptr(), p.shape[0], p.shape[-1], iters, eps)
+    return c
+
+
+_ops.impl("sinkhorn", sinkhorn_op, "CPU")
+
+
+@torch.library.register_fake("ds4::sinkhorn")
+def _(p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    return torch.empty_like(p, dtype=torch.float32)
