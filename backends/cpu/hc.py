@@ -1,7 +1,8 @@
 """Hyper-connection steps on the CPU (contracts: ops/hc_pre.py, ops/hc_head.py): the sigmoids run on rows
-padded to whole vectors (`rows.rowwise`) instead of one row at a time, the Sinkhorn's rounds are one call
-into the kernel library (backends/cpu/sinkhorn.c; in-place torch ops where it cannot be built), and the HC
-head uses the CPU qmatmul. Row-wise, so batch-invariant."""
+padded to whole vectors (`rows.rowwise`) instead of one row at a time, the eager Sinkhorn's rounds are one
+call into the kernel library (backends/cpu/sinkhorn.c; in-place torch ops where it cannot be built, and in
+a compiled step, where Inductor fuses them, a little faster than the opaque call), and the HC head uses the CPU qmatmul.
+Row-wise, so batch-invariant."""
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,7 @@ from . import kernels
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Row softmax + eps, a column normalisation, then iters-1 rounds of row then column normalisation."""
-    if kernels.built():
+    if kernels.built() and not torch.compiler.is_compiling():   # a compiled step fuses the torch ops instead
         return kernels.sinkhorn(torch.softmax(logits, dim=-1), iters, eps)
     c = torch.softmax(logits, dim=-1).add_(eps)
     c.div_(c.sum(-2, keepdim=True).add_(eps))
