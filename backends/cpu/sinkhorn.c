@@ -5,21 +5,13 @@
  */
 #include <stdint.h>
 
-static void normalize_rows(float *c, int64_t S, float eps) {
-    for (int64_t i = 0; i < S; i++) {
-        float sum = 0.0f;
-        for (int64_t j = 0; j < S; j++) sum += c[i * S + j];
+/* Each of the S lines of c (line l holds c[l * step + k * stride], k < S) divided by its sum + eps. */
+static void normalize(float *c, int64_t S, int64_t step, int64_t stride, float eps) {
+    for (int64_t l = 0; l < S; l++) {
+        float *line = c + l * step, sum = 0.0f;
+        for (int64_t k = 0; k < S; k++) sum += line[k * stride];
         sum += eps;
-        for (int64_t j = 0; j < S; j++) c[i * S + j] /= sum;
-    }
-}
-
-static void normalize_columns(float *c, int64_t S, float eps) {
-    for (int64_t j = 0; j < S; j++) {
-        float sum = 0.0f;
-        for (int64_t i = 0; i < S; i++) sum += c[i * S + j];
-        sum += eps;
-        for (int64_t i = 0; i < S; i++) c[i * S + j] /= sum;
+        for (int64_t k = 0; k < S; k++) line[k * stride] /= sum;
     }
 }
 
@@ -28,10 +20,10 @@ void sinkhorn(const float *p, float *c, int64_t M, int64_t S, int64_t iters, flo
     for (int64_t m = 0; m < M; m++) {
         float *a = c + m * S * S;
         for (int64_t i = 0; i < S * S; i++) a[i] = p[m * S * S + i] + eps;
-        normalize_columns(a, S, eps);
+        normalize(a, S, 1, S, eps);                           /* columns */
         for (int64_t it = 1; it < iters; it++) {
-            normalize_rows(a, S, eps);
-            normalize_columns(a, S, eps);
+            normalize(a, S, S, 1, eps);                       /* rows */
+            normalize(a, S, 1, S, eps);
         }
     }
 }
