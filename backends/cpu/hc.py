@@ -1,8 +1,8 @@
 """Hyper-connection steps on the CPU (contracts: ops/hc_pre.py, ops/hc_head.py): the sigmoids run on rows
-padded to whole vectors (`rows.rowwise`) instead of one row at a time, the eager Sinkhorn's rounds are one
-call into the kernel library (backends/cpu/sinkhorn.c; in-place torch ops where it cannot be built, and in
-a compiled step, where Inductor fuses them, a little faster than the opaque call), and the HC head uses the CPU qmatmul.
-Row-wise, so batch-invariant."""
+padded to whole vectors (`rows.rowwise`) instead of one row at a time, an eager step's Sinkhorn rounds are
+one call into the kernel library (backends/cpu/sinkhorn.c; a compiled step, which fuses them, and machines
+where the library cannot be built keep in-place torch ops), and the HC head uses the CPU qmatmul. Row-wise,
+so batch-invariant."""
 from __future__ import annotations
 
 import torch

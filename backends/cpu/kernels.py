@@ -96,6 +96,11 @@ def qgemv(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
     return torch.ops.ds4.qgemv(x, w.data, GGML_TYPE[w.qtype.name], w.shape[-2], experts)
 
 
+def type_name(ggml_type: int) -> str:
+    """The quant type name of a GGUF type number the library reads (the number itself if it reads none)."""
+    return next((t for t, g in GGML_TYPE.items() if g == ggml_type), str(ggml_type))
+
+
 def sinkhorn(p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """The Sinkhorn rounds of ops/hc_pre.py on row-softmaxed float32 matrices `p` [M, S, S]."""
     return torch.ops.ds4.sinkhorn(p, iters, eps)
@@ -119,7 +124,7 @@ def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, expert
     global _pool
     x = x.to(torch.float32).contiguous()
     M, K = x.shape
-    data = data if data.is_contiguous() else data.contiguous()
+    data = data.contiguous()
     expert_bytes = data[0].numel() if experts is not None else 0
     ids = experts.to(torch.int64).contiguous() if experts is not None else None
     y = torch.empty((M, n), dtype=torch.float32)
@@ -136,8 +141,7 @@ def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, expert
         bounds = [n * i // parts for i in range(parts + 1)]
         rc = max(_pool.map(lambda i: k.qgemv(*args, bounds[i], bounds[i + 1]), range(parts)))
     if rc:
-        name = next((t for t, g in GGML_TYPE.items() if g == ggml_type), ggml_type)
-        raise ValueError(f"qgemv: unsupported call ({name}, M={M})")
+        raise ValueError(f"qgemv: unsupported call ({type_name(ggml_type)}, M={M})")
     return y
 
 
@@ -151,11 +155,10 @@ def _(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torc
 
 def dequantize_op(data: torch.Tensor, ggml_type: int, n: int, k: int) -> torch.Tensor:
     """`n` rows of `k` values from raw blocks `data` of type `ggml_type`, as float32 [n, k]."""
-    data = data if data.is_contiguous() else data.contiguous()
+    data = data.contiguous()
     out = torch.empty((n, k), dtype=torch.float32)
     if lib().dequantize(ggml_type, data.data_ptr(), n, k, out.data_ptr()):
-        name = next((t for t, g in GGML_TYPE.items() if g == ggml_type), ggml_type)
-        raise ValueError(f"dequantize: unsupported call ({name}, K={k})")
+        raise ValueError(f"dequantize: unsupported call ({type_name(ggml_type)}, K={k})")
     return out
 
 

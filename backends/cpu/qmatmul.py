@@ -42,10 +42,10 @@ def tiles(w: QTensor):
     """(start, stop, float32 tile [stop-start, K]) over the output rows of `w`, one tile dequantized at a time."""
     N, K = w.shape
     step = max(1, TILE_BYTES // (4 * K))
+    dequantize = kernels.dequantize if kernels.available(w.qtype.name, K) else QTensor.dequantize
     for start in range(0, N, step):
         stop = min(N, start + step)
-        tile = QTensor(w.qtype, (stop - start, K), w.data[start:stop])
-        yield start, stop, kernels.dequantize(tile) if kernels.available(w.qtype.name, K) else tile.dequantize()
+        yield start, stop, dequantize(QTensor(w.qtype, (stop - start, K), w.data[start:stop]))
 
 
 @register("qmatmul", "cpu", batch_invariant=True)
