@@ -2,7 +2,7 @@
 
 
 def __getattr__(name: str):
-    """Lazy `ds4.load` / `ds4.Engine`, so `import ds4.gguf` stays light."""
+    """Lazy `ds4.load` / `ds4.Engine`, so `import ds4.formats.gguf` stays light."""
     if name in ("load", "Engine"):
         from ds4 import engine
         return getattr(engine, name)

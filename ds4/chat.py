@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ds4.errors import UsageError
-from ds4.tokenizer import ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER, Tokenizer
+from ds4.formats.vocab import ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER
+from ds4.tokenizer import Tokenizer
 
 LATEST_REMINDER = "<｜latest_reminder｜>"
 THINKING_MODES = ("chat", "thinking")

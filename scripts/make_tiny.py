@@ -5,8 +5,8 @@ import argparse
 import sys
 
 from ds4.errors import Ds4Error, UsageError
-from ds4.quant_mix import MIXES
-from ds4.tiny import TINY, write_tiny
+from ds4.formats.quant_mix import MIXES
+from ds4.tiny.build import TINY, write_tiny
 
 
 def main(argv: list[str] | None = None) -> int:

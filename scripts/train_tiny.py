@@ -32,10 +32,11 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from ds4.convert import convert
 from ds4.errors import Ds4Error, UsageError
-from ds4.quant_mix import MIXES
-from ds4.tokenizer import TINY_ADDED, v4_pre_tokenizer
+from ds4.formats.convert import convert
+from ds4.formats.quant_mix import MIXES
+from ds4.formats.vocab import v4_pre_tokenizer
+from ds4.tiny.vocab import TINY_ADDED
 
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 SEED = 0

@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> tuple[str, str]:
     """Paths of a tiny random base GGUF and its MTP GGUF, written once per test run."""
-    from ds4.tiny import write_tiny
+    from ds4.tiny.build import write_tiny
     d = tmp_path_factory.mktemp("tiny")
     base, mtp = str(d / "tiny.gguf"), str(d / "tiny-mtp.gguf")
     write_tiny(base, mtp, mix="f32", seed=0)

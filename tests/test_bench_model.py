@@ -7,8 +7,9 @@ import io
 import pytest
 
 from ds4.cost import PassCost
-from ds4.quant_mix import tensor_type
-from ds4.random_model import random_args, random_weight
+from ds4.errors import UsageError
+from ds4.formats.quant_mix import tensor_type
+from ds4.tiny.random_model import random_args, random_weight
 from models.args import model_shapes
 from tests.script_modules import script
 
@@ -39,7 +40,7 @@ def test_bench_model_smoke(capsys, tmp_path):
 
 def test_bench_model_rejects_bad_sizes():
     bench = load_bench()
-    with pytest.raises(bench.UsageError, match=">= 1"):
+    with pytest.raises(UsageError, match=">= 1"):
         bench.run(["model", "--tiny", "--layers", "0"])
 
 

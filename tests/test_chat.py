@@ -17,7 +17,9 @@ from ds4.chat import (
     prompt_ids,
     render_chat,
 )
-from ds4.tokenizer import ASSISTANT, BOS, DSML, EOS, PAD, THINK_END, THINK_START, USER, Tokenizer, tiny_vocab_metadata
+from ds4.formats.vocab import ASSISTANT, BOS, DSML, EOS, PAD, THINK_END, THINK_START, USER
+from ds4.tiny.vocab import tiny_vocab_metadata
+from ds4.tokenizer import Tokenizer
 
 SYSTEM = "You are a helpful assistant."
 TOOLS = [

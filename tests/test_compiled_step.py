@@ -18,7 +18,7 @@ from ds4.errors import BackendUnavailable
 from ds4.sampling import Sampler, SamplingParams
 from ds4.session import Session
 from ds4.speculative import generate_ids
-from ds4.tiny import tiny_model_weights
+from ds4.tiny.build import tiny_model_weights
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4, plan_positions
 from models.mtp import MTPHead

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import ds4.convert
-from ds4 import gguf, layouts
-from ds4.convert import convert, metadata_from_config, read_config
+import ds4.formats.convert
 from ds4.errors import ModelFileError, UsageError
-from ds4.quant_mix import MIXES, tensor_type
-from ds4.tokenizer import real_v4_tokenizer_json
+from ds4.formats import gguf, layouts
+from ds4.formats.convert import convert, metadata_from_config, read_config
+from ds4.formats.quant_mix import MIXES, tensor_type
+from ds4.formats.vocab import real_v4_tokenizer_json
+from ds4.tiny.hf import CSA, HCA, tiny_config, tiny_model
 from ops.quants import QTensor
-from tests.hf_tiny import CSA, HCA, tiny_config, tiny_model
 from tests.script_modules import script
 
 convert_hf = script("convert_hf")
@@ -352,7 +352,7 @@ def test_conversion_streams_one_tensor_at_a_time(checkpoints, tmp_path, monkeypa
     """Each tensor is read (experts one by one), encoded and dropped before the next; progress follows the writes."""
     root, *_ = checkpoints
     live, most_live, loaded, progressed = set(), [0], [], []
-    encode, load = ds4.convert.encode, ds4.convert.Checkpoint.load
+    encode, load = ds4.formats.convert.encode, ds4.formats.convert.Checkpoint.load
 
     def tracked_encode(ckpt, name, parts, ggml_type):
         out = encode(ckpt, name, parts, ggml_type)
@@ -371,8 +371,8 @@ def test_conversion_streams_one_tensor_at_a_time(checkpoints, tmp_path, monkeypa
             progressed.append((name, sorted(p.name for p in tmp_path.glob(".*.tmp"))))
             yield name, t
 
-    monkeypatch.setattr(ds4.convert, "encode", tracked_encode)
-    monkeypatch.setattr(ds4.convert.Checkpoint, "load", tracked_load)
+    monkeypatch.setattr(ds4.formats.convert, "encode", tracked_encode)
+    monkeypatch.setattr(ds4.formats.convert.Checkpoint, "load", tracked_load)
     for kind in ("state_dict", "official"):  # fused expert stacks, FP8/FP4 tensors one per expert
         out = tmp_path / f"{kind}.gguf"
         convert(root / kind, out, outtype="f32", tokenizer=False, progress=progress)

@@ -95,13 +95,13 @@ def test_shipped_mtp_head_is_trained(default_engine):
 def test_shipped_model_meets_its_goals_on_the_copy_heavy_prompts(default_engine):
     """The spec benchmark's copy-heavy prompts: continuous depth 1 accepts >= 60% of its drafts and takes <= 0.6
     target passes per committed token, auto depth no more than the best fixed depth; perplexity well below unigram."""
-    bench = script("bench")
-    rows = {mode: bench.spec_row(default_engine, bench.SPEC_PROMPTS["copy"], "copy", mode, 64, **bench.SPEC_MODES[mode])
+    from ds4.bench import spec
+    rows = {mode: spec.spec_row(default_engine, spec.SPEC_PROMPTS["copy"], "copy", mode, 64, **spec.SPEC_MODES[mode])
             for mode in ("continuous d1", "d2", "d3", "d4", "auto")}
     assert int(rows["continuous d1"]["accept"].rstrip("%")) >= 60
     assert float(rows["continuous d1"]["passes/token"]) <= 0.6
     assert float(rows["auto"]["passes/token"]) <= min(float(rows[d]["passes/token"]) for d in ("d2", "d3", "d4"))
-    report = train_tiny.Report(**json.loads((ROOT / "ds4" / "default_model" / "report.json").read_text()))
+    report = train_tiny.Report(**json.loads((ROOT / "ds4" / "tiny" / "default_model" / "report.json").read_text()))
     assert report.held_out_ppl < report.unigram_ppl / 5
 
 

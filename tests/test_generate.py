@@ -67,9 +67,9 @@ def test_bad_input_is_one_clear_line(tiny_gguf, args, message):
 
 
 def test_load_names_the_file_without_a_vocabulary(tmp_path):
-    from ds4 import gguf
     from ds4.errors import ModelFileError
-    from ds4.tiny import tiny_model_weights
+    from ds4.formats import gguf
+    from ds4.tiny.build import tiny_model_weights
     md, base, _ = tiny_model_weights()
     path = tmp_path / "no-vocab.gguf"
     gguf.write(path, {k: v for k, v in md.items() if not k.startswith("tokenizer.")}, base)
@@ -78,10 +78,10 @@ def test_load_names_the_file_without_a_vocabulary(tmp_path):
 
 
 def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
-    from ds4 import gguf
     from ds4.errors import ModelFileError
-    from ds4.tiny import tiny_model_weights
-    from ds4.tokenizer import tiny_vocab_metadata
+    from ds4.formats import gguf
+    from ds4.tiny.build import tiny_model_weights
+    from ds4.tiny.vocab import tiny_vocab_metadata
     md, base, _ = tiny_model_weights(vocab_size=300)
     path = str(tmp_path / "bad.gguf")
     gguf.write(path, md | tiny_vocab_metadata(400), base)

@@ -1,4 +1,4 @@
-"""ds4.gguf: write a small ds4-layout GGUF, read it back, and compare with gguf.GGUFReader."""
+"""ds4/formats/gguf.py: write a small ds4-layout GGUF, read it back, and compare with gguf.GGUFReader."""
 import os
 import re
 import warnings
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import ds4.gguf
 from ds4.errors import ModelFileError, UsageError
+from ds4.formats import gguf as ds4_gguf
 from ops import quants
 from ops.quants import QTensor
 
@@ -67,7 +67,7 @@ def _tensors() -> dict:
 def written(tmp_path_factory):
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     tensors = _tensors()
-    ds4.gguf.write(path, METADATA, tensors)
+    ds4_gguf.write(path, METADATA, tensors)
     return path, tensors
 
 
@@ -77,7 +77,7 @@ def _as_float(value):
 
 def test_metadata_round_trip(written):
     path, _ = written
-    meta = ds4.gguf.open(path).metadata
+    meta = ds4_gguf.open(path).metadata
     assert meta.pop("general.architecture") == "deepseek4" and meta.pop("general.alignment") == 32
     assert meta.keys() == METADATA.keys()
     for key, value in METADATA.items():
@@ -95,7 +95,7 @@ def test_metadata_types_on_disk(written):
 
 def test_gguf_reader_agrees(written):
     path, tensors = written
-    f = ds4.gguf.open(path)
+    f = ds4_gguf.open(path)
     reader = gguf.GGUFReader(path)
     fields = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")}
     assert f.metadata == fields
@@ -118,7 +118,7 @@ def test_raw_and_dequantize_round_trip(written, name):
     path, tensors = written
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. torch's "non-writable array" warning
-        f = ds4.gguf.open(path)
+        f = ds4_gguf.open(path)
         q = f.raw(name)
     src = tensors[name]
     assert q.shape == tuple(src.shape) and q.qtype.name == f.tensors[name].type
@@ -133,10 +133,10 @@ def test_raw_and_dequantize_round_trip(written, name):
 def test_raw_views_are_copy_on_write(written):
     path, _ = written
     before = path.read_bytes()
-    f = ds4.gguf.open(path)
+    f = ds4_gguf.open(path)
     start = f.tensors["output_norm.weight"].offset
     f._bytes[start:start + 16] = 0xFF
-    assert path.read_bytes() == before and ds4.gguf.open(path)._bytes[start] != 0xFF
+    assert path.read_bytes() == before and ds4_gguf.open(path)._bytes[start] != 0xFF
 
 
 def test_huge_sparse_file_opens_without_reading_it(tmp_path):
@@ -150,21 +150,21 @@ def test_huge_sparse_file_opens_without_reading_it(tmp_path):
     writer.write_ti_data_to_file()
     writer.close()
     os.truncate(path, -(-path.stat().st_size // 32) * 32 + nbytes)
-    f = ds4.gguf.open(path)
+    f = ds4_gguf.open(path)
     assert f.tensors["blk.0.ffn_up_exps.weight"].shape == shape and f.tensors["blk.0.ffn_up_exps.weight"].type == "F16"
     assert f._bytes.numel() == path.stat().st_size > 96 * 2**30
 
 
 def test_check_architecture(written, tmp_path):
-    f = ds4.gguf.open(written[0])
+    f = ds4_gguf.open(written[0])
     with pytest.raises(ModelFileError, match="deepseek4.vocab_size"):
-        ds4.gguf.check_architecture(f)  # the tiny file above lacks most DS4_KEYS
-    ds4.gguf.check_architecture(f, keys=("deepseek4.block_count",))
+        ds4_gguf.check_architecture(f)  # the tiny file above lacks most DS4_KEYS
+    ds4_gguf.check_architecture(f, keys=("deepseek4.block_count",))
     other = tmp_path / "llama.gguf"
-    ds4.gguf.write(other, {}, {"w": torch.zeros(4)}, architecture="llama")
+    ds4_gguf.write(other, {}, {"w": torch.zeros(4)}, architecture="llama")
     with pytest.raises(ModelFileError, match=f"{other}.*'llama'.*'deepseek4'"):
-        ds4.gguf.check_architecture(ds4.gguf.open(other))
-    assert len(set(ds4.gguf.DS4_KEYS)) == len(ds4.gguf.DS4_KEYS) == 34
+        ds4_gguf.check_architecture(ds4_gguf.open(other))
+    assert len(set(ds4_gguf.DS4_KEYS)) == len(ds4_gguf.DS4_KEYS) == 34
 
 
 def test_missing_and_unsupported_tensors(tmp_path):
@@ -175,7 +175,7 @@ def test_missing_and_unsupported_tensors(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    f = ds4.gguf.open(path)
+    f = ds4_gguf.open(path)
     assert f.tensors["odd"].shape == (4, 32) and f.tensors["odd"].type == "Q5_0"
     with pytest.raises(ModelFileError, match=f"{path}.*odd.*Q5_0"):
         f.raw("odd")
@@ -185,12 +185,12 @@ def test_missing_and_unsupported_tensors(tmp_path):
 
 def test_failed_write_keeps_the_old_file(written, tmp_path):
     path = tmp_path / "keep.gguf"
-    ds4.gguf.write(path, {"a": 1}, {"w": torch.ones(4)})
+    ds4_gguf.write(path, {"a": 1}, {"w": torch.ones(4)})
     before = path.read_bytes()
     for meta, tensors in [({"a": 1}, {"w": torch.ones(4, dtype=torch.float64)}),
                           ({"a": []}, {}), ({"a": None}, {}), ({"a": [1, "x"]}, {}), ({"a": 2**64}, {})]:
         with pytest.raises(UsageError, match="w|a"):
-            ds4.gguf.write(path, meta, tensors)
+            ds4_gguf.write(path, meta, tensors)
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["keep.gguf"]
     (tmp_path / "plain").touch()
     assert path.stat().st_mode == (tmp_path / "plain").stat().st_mode  # the umask applies as to any new file
@@ -198,7 +198,7 @@ def test_failed_write_keeps_the_old_file(written, tmp_path):
 
 def _lazy(tensors: dict) -> dict:
     """The same tensors as LazyTensors whose producers return them."""
-    return {name: ds4.gguf.LazyTensor(*ds4.gguf._type_and_shape(name, t), lambda t=t: t) for name, t in tensors.items()}
+    return {name: ds4_gguf.LazyTensor(*ds4_gguf._type_and_shape(name, t), lambda t=t: t) for name, t in tensors.items()}
 
 
 def test_lazy_tensors_stream_one_at_a_time_into_the_same_bytes(written, tmp_path):
@@ -214,13 +214,13 @@ def test_lazy_tensors_stream_one_at_a_time_into_the_same_bytes(written, tmp_path
         log.append(i)
         return t
 
-    lazy = {f"blk.{i}.w": ds4.gguf.LazyTensor("F32", (numel // 64, 64), lambda i=i: produce(i)) for i in range(n)}
-    ds4.gguf.write(tmp_path / "lazy.gguf", METADATA, lazy)
+    lazy = {f"blk.{i}.w": ds4_gguf.LazyTensor("F32", (numel // 64, 64), lambda i=i: produce(i)) for i in range(n)}
+    ds4_gguf.write(tmp_path / "lazy.gguf", METADATA, lazy)
     assert log == list(range(n)) and most_live[0] == 1 and not live
-    ds4.gguf.write(tmp_path / "eager.gguf", METADATA, {f"blk.{i}.w": produce(i) for i in range(n)})
+    ds4_gguf.write(tmp_path / "eager.gguf", METADATA, {f"blk.{i}.w": produce(i) for i in range(n)})
     assert most_live[0] == n  # the counter does see tensors that are kept alive
     assert (tmp_path / "lazy.gguf").read_bytes() == (tmp_path / "eager.gguf").read_bytes()
-    ds4.gguf.write(tmp_path / "mixed.gguf", METADATA, _lazy(written[1]))  # every type, quantized ones included
+    ds4_gguf.write(tmp_path / "mixed.gguf", METADATA, _lazy(written[1]))  # every type, quantized ones included
     assert (tmp_path / "mixed.gguf").read_bytes() == written[0].read_bytes()
 
 
@@ -232,8 +232,8 @@ def test_progress_wraps_the_tensors_as_they_are_written(tmp_path):
             seen.append((item[0], [p.stat().st_size for p in tmp_path.glob(".p.gguf.*.tmp")]))
             yield item
 
-    tensors = {f"w{i}": ds4.gguf.LazyTensor("F32", (64,), lambda: torch.ones(64)) for i in range(3)}
-    ds4.gguf.write(path, {}, tensors, progress=progress)
+    tensors = {f"w{i}": ds4_gguf.LazyTensor("F32", (64,), lambda: torch.ones(64)) for i in range(3)}
+    ds4_gguf.write(path, {}, tensors, progress=progress)
     assert [name for name, _ in seen] == ["w0", "w1", "w2"]
     sizes = [size for _, (size,) in seen]  # the header is on disk before the first tensor is produced
     assert 0 < sizes[0] < sizes[1] < sizes[2] < path.stat().st_size
@@ -246,21 +246,21 @@ def test_progress_wraps_the_tensors_as_they_are_written(tmp_path):
     (lambda: QTensor(quants.get("F32"), (8, 8), torch.zeros(8, 16, dtype=torch.uint8)),
      "w: data is torch.uint8 (8, 16), expected uint8 (8, 32)"),
     (lambda: np.ones((8, 8), np.float32), "w: a ndarray is not a QTensor"),
-    (lambda: ds4.gguf.LazyTensor("F32", (8, 8), lambda: torch.ones(8, 8)), "w: its producer returned a LazyTensor"),
+    (lambda: ds4_gguf.LazyTensor("F32", (8, 8), lambda: torch.ones(8, 8)), "w: its producer returned a LazyTensor"),
 ])
 def test_bad_producer_leaves_the_old_file(tmp_path, produce, error):
     path = tmp_path / "keep.gguf"
-    ds4.gguf.write(path, {"a": 1}, {"w": torch.ones(4)})
+    ds4_gguf.write(path, {"a": 1}, {"w": torch.ones(4)})
     before = path.read_bytes()
-    tensors = {"ok": torch.ones(4), "w": ds4.gguf.LazyTensor("F32", (8, 8), produce)}
+    tensors = {"ok": torch.ones(4), "w": ds4_gguf.LazyTensor("F32", (8, 8), produce)}
     with pytest.raises(UsageError, match=re.escape(f"tensor {error}")):
-        ds4.gguf.write(path, {"a": 2}, tensors)
+        ds4_gguf.write(path, {"a": 2}, tensors)
 
     def fail():
         raise ModelFileError("unreadable shard")
 
     with pytest.raises(ModelFileError, match="unreadable shard"):
-        ds4.gguf.write(path, {"a": 2}, tensors | {"w": ds4.gguf.LazyTensor("F32", (8, 8), fail)})
+        ds4_gguf.write(path, {"a": 2}, tensors | {"w": ds4_gguf.LazyTensor("F32", (8, 8), fail)})
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["keep.gguf"]
 
 
@@ -272,5 +272,5 @@ def test_bad_producer_leaves_the_old_file(tmp_path, produce, error):
 def test_bad_lazy_declaration_fails_before_producing(tmp_path, type_name, shape, error):
     produced = []
     with pytest.raises(UsageError, match=error):
-        ds4.gguf.write(tmp_path / "x.gguf", {}, {"w": ds4.gguf.LazyTensor(type_name, shape, produced.append)})
+        ds4_gguf.write(tmp_path / "x.gguf", {}, {"w": ds4_gguf.LazyTensor(type_name, shape, produced.append)})
     assert not produced and not os.listdir(tmp_path)

@@ -7,8 +7,8 @@ import gguf
 import pytest
 import torch
 
-import ds4.gguf
 from ds4.errors import ModelFileError
+from ds4.formats import gguf as ds4_gguf
 
 SECONDS_PER_CASE = 1.0
 
@@ -26,7 +26,7 @@ def base(tmp_path_factory):
     tensors = {"token_embd.weight": torch.ones(40, 32).half(), "output_norm.weight": torch.ones(32),
                "blk.0.ffn_gate_tid2eid.weight": torch.zeros(40, 6, dtype=torch.int32),
                "blk.0.ffn_up_exps.weight": torch.ones(4, 8, 32)}  # last: 4 KiB, so no padding after it
-    ds4.gguf.write(path, metadata, tensors)
+    ds4_gguf.write(path, metadata, tensors)
     reader = gguf.GGUFReader(path)
     fields = {k: f.offset for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     infos = {t.name: t.field.offset for t in reader.tensors}
@@ -42,7 +42,7 @@ def _expect_error(tmp_path, blob: bytes, *names: str) -> str:
     path.write_bytes(blob)
     start = time.perf_counter()
     with pytest.raises(ModelFileError) as err:
-        ds4.gguf.open(path)
+        ds4_gguf.open(path)
     assert time.perf_counter() - start < SECONDS_PER_CASE
     msg = str(err.value)
     assert str(path) in msg and all(n in msg for n in names), msg
@@ -64,7 +64,7 @@ def _dims_offset(blob: bytes, info_offset: int) -> int:
 
 
 def test_base_file_opens(base):
-    f = ds4.gguf.open(base[0])
+    f = ds4_gguf.open(base[0])
     assert f.metadata["tokenizer.ggml.tokens"][39] == "tok39" and len(f.tensors) == 4
 
 
@@ -156,9 +156,9 @@ def test_bad_keys(base, tmp_path):
 
 def test_wrong_architecture(tmp_path):
     path = tmp_path / "other.gguf"
-    ds4.gguf.write(path, {}, {"w": torch.zeros(4)}, architecture="qwen3")
+    ds4_gguf.write(path, {}, {"w": torch.zeros(4)}, architecture="qwen3")
     with pytest.raises(ModelFileError, match="general.architecture is 'qwen3'"):
-        ds4.gguf.check_architecture(ds4.gguf.open(path))
+        ds4_gguf.check_architecture(ds4_gguf.open(path))
 
 
 def _mutate(blob: bytes, rng: random.Random, header_end: int) -> bytes:
@@ -189,7 +189,7 @@ def test_fuzz(base, tmp_path):
         path.write_bytes(_mutate(blob, rng, data_start))
         start = time.perf_counter()
         try:
-            f = ds4.gguf.open(path)
+            f = ds4_gguf.open(path)
             for name in f.tensors:
                 try:
                     f.raw(name)

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from backends.registry import OpSet
-from ds4 import gguf, layouts
 from ds4.engine import open_model, open_mtp
 from ds4.errors import ModelFileError
+from ds4.formats import gguf, layouts
+from ds4.formats.__main__ import main as formats_cli
 from ds4.session import Session
-from ds4.tiny import mtp_metadata, tiny_model_weights
+from ds4.tiny.build import mtp_metadata, tiny_model_weights
 from ops.quants import QTensor
 from tests.script_modules import script
 
@@ -206,19 +207,19 @@ def test_round_trip_ds4_llamacpp_ds4(files, tmp_path, reference):
 
 
 def test_explain_cli(files, capsys, tmp_path):
-    assert gguf.main([files["llama_mtp"], "--explain"]) == 0
+    assert formats_cli([files["llama_mtp"], "--explain"]) == 0
     out = capsys.readouterr().out
     assert "llama.cpp layout, mtp, MTP block blk.4" in out
     assert "deepseek4.vocab_size" in out and "derived: rows of token_embd.weight" in out
     assert "mtp.0.h_proj.weight  <-  blk.4.nextn.eh_proj.weight[:, 128:]" in out
-    assert gguf.main([files["antirez"]]) == 0
+    assert formats_cli([files["antirez"]]) == 0
     assert "ds4 layout, base (ds4 keys)" in capsys.readouterr().out
     out_base, out_mtp = str(tmp_path / "l.gguf"), str(tmp_path / "lm.gguf")
-    assert gguf.main([files["ds4"], "--to", "llama.cpp", out_base, "--mtp", files["ds4_mtp"], out_mtp]) == 0
+    assert formats_cli([files["ds4"], "--to", "llama.cpp", out_base, "--mtp", files["ds4_mtp"], out_mtp]) == 0
     f = gguf.open(out_mtp)
     assert layouts.detect(f.metadata, f.tensors).kind == "mtp" and layouts.llamacpp_problems(f.metadata, f.tensors) \
         == ["compress ratios [16]: the loader supports only 0, 4 and 128"]
-    assert gguf.main([files["ds4"], "--to", "gguf2", out_base]) == 2
+    assert formats_cli([files["ds4"], "--to", "gguf2", out_base]) == 2
     assert "unknown layout 'gguf2'" in capsys.readouterr().err
 
 
@@ -251,7 +252,7 @@ def test_hostile_llamacpp_keys_raise_model_file_errors():
 
 
 def test_files_ds4py_writes_meet_llamacpp_loader_rules(files, tmp_path):
-    from ds4.tiny import write_tiny
+    from ds4.tiny.build import write_tiny
     base, mtp = str(tmp_path / "b.gguf"), str(tmp_path / "m.gguf")
     write_tiny(base, mtp, mtp_layout="llama.cpp", n_layers=4, compress_ratios=(0, 0, 4, 128))
     for path in (base, mtp):

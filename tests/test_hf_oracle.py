@@ -10,7 +10,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 from backends.registry import OpSet
 from ds4.engine import open_model
 from ds4.session import Session
-from tests.hf_tiny import tiny_config, tiny_model
+from ds4.tiny.hf import tiny_config, tiny_model
 from tests.script_modules import script
 
 PROMPT_LEN = 90  # window 16; 22 ratio-4 rows (indexer keeps 4 of them); 5 ratio-16 rows

@@ -22,11 +22,11 @@ import torch
 
 import ds4
 from backends.registry import OpSet
-from ds4 import gguf
 from ds4.errors import Ds4Error, ModelFileError, NonFiniteError, UsageError
+from ds4.formats import gguf
 from ds4.session import Session, state_bytes
-from ds4.tiny import tiny_model_weights
-from ds4.tokenizer import tiny_vocab_metadata
+from ds4.tiny.build import tiny_model_weights
+from ds4.tiny.vocab import tiny_vocab_metadata
 from models.args import METADATA_KEYS, PREFIX, SCHEMA, ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from ops.quants import QTensor
@@ -483,7 +483,7 @@ def test_convert_refuses_its_inputs_and_directories_as_outputs(tmp_path, capsys)
 
 WRITER = """
 import signal, sys, time, torch
-from ds4 import gguf
+from ds4.formats import gguf
 for sig in (signal.SIGTERM, signal.SIGHUP):   # as from a terminal, even if this test runs under nohup
     signal.signal(sig, signal.SIG_DFL)
 def slow():

@@ -1,14 +1,36 @@
-"""Imports point downward: ops ← backends ← models ← ds4 ← scripts. The one exception is `ds4.errors`, a
-leaf module of error classes that backends and models may raise (ops raise ValueError/TypeError).
-No module imports itself back through a cycle."""
+"""Imports point downward through the floors below, and no module imports itself back through a cycle.
+
+A module belongs to the longest unit that prefixes its name; each unit may import only itself and the units
+it lists. `ds4.errors` is a leaf of error classes that backends and models may raise (ops raise
+ValueError/TypeError); `ds4.formats` is pure file work below the engine; the server and the benchmark suites
+sit on top, and only their entry points in scripts/ import them."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("ops", "backends", "models", "ds4", "scripts")
-SHARED_LEAF = {"ds4.errors": ("backends", "models")}
+TOP_LEVEL = ("ops", "backends", "models", "ds4", "scripts")
+_ENGINE_BELOW = ("ops", "backends", "models", "models.args", "ds4.errors", "ds4.formats", "ds4.tiny")
+FLOORS: dict[str, tuple[str, ...]] = {   # unit -> the units below it that it may import, bottom to top
+    "ops": (),
+    "ds4.errors": (),
+    "models.args": ("ds4.errors",),
+    "backends": ("ops", "ds4.errors"),
+    "models": ("ops", "backends", "models.args", "ds4.errors"),
+    "ds4.formats": ("ops", "models.args", "ds4.errors"),
+    "ds4.tiny": ("ops", "backends", "models", "models.args", "ds4.errors", "ds4.formats"),
+    "ds4": _ENGINE_BELOW,
+    "ds4.bench": (*_ENGINE_BELOW, "ds4"),
+    "ds4.server": (*_ENGINE_BELOW, "ds4"),
+    "scripts": (*_ENGINE_BELOW, "ds4", "ds4.bench", "ds4.server"),
+}
+ENTRY_POINTS = {"ds4.server": {"scripts.serve"}, "ds4.bench": {"scripts.bench"}}
+
+
+def unit(module: str) -> str:
+    """The floor `module` belongs to: the longest unit that prefixes its name."""
+    return max((u for u in FLOORS if module == u or module.startswith(u + ".")), key=len)
 
 
 def module_name(path: Path) -> str:
@@ -32,24 +54,35 @@ def imports(path: Path) -> list[tuple[str, bool]]:
             names = [package] if node.module else [f"{package}.{a.name}" for a in node.names]
         else:
             continue
-        found += [(n, id(node) in top) for n in names if n.split(".")[0] in LAYERS]
+        found += [(n, id(node) in top) for n in names if n.split(".")[0] in TOP_LEVEL]
     return found
 
 
 def project_files() -> list[Path]:
-    return [p for layer in LAYERS for p in sorted((ROOT / layer).rglob("*.py"))]
+    return [p for top in TOP_LEVEL for p in sorted((ROOT / top).rglob("*.py"))]
 
 
 def test_imports_point_downward():
     upward = []
     for path in project_files():
-        layer = path.relative_to(ROOT).parts[0]
+        source = unit(module_name(path))
         for name, _ in imports(path):
-            target = name.split(".")[0]
-            allowed = LAYERS.index(target) <= LAYERS.index(layer) or layer in SHARED_LEAF.get(name, ())
-            if not allowed:
-                upward.append(f"{path.relative_to(ROOT)} imports {name}")
+            target = unit(name)
+            if target != source and target not in FLOORS[source]:
+                upward.append(f"{path.relative_to(ROOT)} ({source}) imports {name} ({target})")
     assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_only_entry_points_import_the_top():
+    """The server and the bench suites are imported by nothing but their own modules and their scripts."""
+    wrong = []
+    for path in project_files():
+        module = module_name(path)
+        for name, _ in imports(path):
+            top = unit(name)
+            if top in ENTRY_POINTS and unit(module) != top and module not in ENTRY_POINTS[top]:
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_no_import_cycles():
@@ -72,16 +105,17 @@ def test_no_import_cycles():
 
 
 def test_the_layering_check_can_fail(tmp_path, monkeypatch):
-    """An ops module importing the engine is reported."""
-    bad = tmp_path / "ops" / "bad.py"
-    bad.parent.mkdir()
-    bad.write_text("from ds4.errors import UsageError\n")
+    """An ops module importing the engine and a formats module importing the engine are both reported."""
+    for top in TOP_LEVEL:
+        (tmp_path / top).mkdir()
+    (tmp_path / "ops" / "bad.py").write_text("from ds4.errors import UsageError\n")
+    (tmp_path / "ds4" / "formats").mkdir()
+    (tmp_path / "ds4" / "formats" / "bad.py").write_text("from ds4.session import Session\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    for layer in LAYERS[1:]:
-        (tmp_path / layer).mkdir()
     try:
         test_imports_point_downward()
     except AssertionError as e:
-        assert "ops/bad.py imports ds4.errors" in str(e)
+        assert "ops/bad.py (ops) imports ds4.errors" in str(e)
+        assert "ds4/formats/bad.py (ds4.formats) imports ds4.session (ds4)" in str(e)
     else:
-        raise AssertionError("the upward import was not reported")
+        raise AssertionError("the upward imports were not reported")

@@ -125,7 +125,7 @@ def test_cli_refuses_impossible_combinations(tiny_gguf):
 def test_quantized_model_equals_torch(tmp_path):
     """A 2-layer model in the q4 mix (Q4_K experts through gather_qmm, Q8_0 projections, F16 tables), with a
     prompt crossing the window and both compressors: tokens and logits as on the torch backend."""
-    from ds4.tiny import write_tiny
+    from ds4.tiny.build import write_tiny
     base, mtp = str(tmp_path / "q4.gguf"), str(tmp_path / "q4-mtp.gguf")
     write_tiny(base, mtp, mix="q4", seed=3, n_layers=2, dim=256, moe_inter_dim=256, n_experts=4, n_hash_layers=1,
                compress_ratios=(4, 16), vocab_size=320)

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from backends.registry import OpSet
-from ds4 import gguf
 from ds4.engine import open_model
 from ds4.errors import ModelFileError, UsageError
-from ds4.tiny import tiny_metadata, tiny_model_weights, write_tiny
+from ds4.formats import gguf
+from ds4.tiny.build import tiny_metadata, tiny_model_weights, write_tiny
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from ops.moe import Experts, route

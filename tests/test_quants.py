@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-import ds4.gguf
+from ds4.formats import gguf as ds4_gguf
 from ops import quants
 from ops.quants import QTensor
 from ops.quants.fp8_e4m3 import round_e4m3
@@ -103,7 +103,7 @@ def test_gguf_file_round_trip(tmp_path):
     writer.close()
 
     reader = gguf.GGUFReader(path)
-    ours = ds4.gguf.open(path)
+    ours = ds4_gguf.open(path)
     assert {t.name for t in reader.tensors} == set(weights)
     for t in reader.tensors:
         q = weights[t.name]

@@ -17,8 +17,9 @@ import uvicorn
 
 import ds4
 from ds4.chat import parse_completion, prompt_ids
-from ds4.serve import DEFAULT_MODEL_NAME, Worker, create_app, main
-from ds4.tokenizer import DSML, EOS
+from ds4.formats.vocab import DSML, EOS
+from ds4.server.app import DEFAULT_MODEL_NAME, create_app, main
+from ds4.server.worker import Worker
 
 MODEL = DEFAULT_MODEL_NAME
 CTX, CHUNK = 256, 64

@@ -5,7 +5,7 @@ import torch
 from backends.registry import OpSet
 from ds4.errors import UsageError
 from ds4.session import Session
-from ds4.tiny import tiny_model_weights
+from ds4.tiny.build import tiny_model_weights
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead

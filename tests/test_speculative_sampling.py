@@ -18,7 +18,7 @@ from ds4.speculative import (
     accept_or_resample,
     generate_ids,
 )
-from ds4.tiny import tiny_model_weights
+from ds4.tiny.build import tiny_model_weights
 from models.args import ModelArgs, model_shapes, mtp_shapes
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead

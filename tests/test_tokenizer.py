@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds4.errors import ModelFileError, UsageError
-from ds4.tokenizer import (
+from ds4.formats.vocab import (
     ASSISTANT,
     BOS,
     DSML,
@@ -20,13 +20,12 @@ from ds4.tokenizer import (
     THINK_END,
     THINK_START,
     USER,
-    StreamDecoder,
-    Tokenizer,
     metadata_from_hf,
     real_v4_metadata,
     real_v4_tokenizer_json,
-    tiny_vocab_metadata,
 )
+from ds4.tiny.vocab import tiny_vocab_metadata
+from ds4.tokenizer import StreamDecoder, Tokenizer
 
 CORPUS = [
     # English
@@ -196,7 +195,7 @@ def test_tiny_vocab_shape_and_speed():
 
 
 def test_tiny_vocab_is_identical_across_processes():
-    code = "from ds4.tokenizer import tiny_vocab_metadata as t; print(repr(sorted(t().items())))"
+    code = "from ds4.tiny.vocab import tiny_vocab_metadata as t; print(repr(sorted(t().items())))"
     runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
     assert runs[0] == runs[1] == repr(sorted(tiny_vocab_metadata().items())) + "\n"

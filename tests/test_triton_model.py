@@ -15,7 +15,7 @@ import torch
 import ds4
 from backends.registry import OPS, OpSet, implementations
 from ds4.session import Session
-from ds4.tiny import tiny_model_weights
+from ds4.tiny.build import tiny_model_weights
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from ops.qmatmul import SMALL_M

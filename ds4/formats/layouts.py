@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from ds4 import gguf
 from ds4.errors import ModelFileError, UsageError
+from ds4.formats import gguf
 from models.args import METADATA_KEYS, MTP_PREFIX, PREFIX, ModelArgs, block_shapes, model_shapes
 from ops import quants
 from ops.quants import QTensor

@@ -1,7 +1,7 @@
-"""`python scripts/bench.py cpu`: ds4py against transformers' `deepseek_v4` on the same random checkpoint.
+"""cpu: ds4py against transformers' `deepseek_v4` on the same random checkpoint.
 
-A random transformers checkpoint (tests/hf_tiny.py's initialisation) is saved, converted with
-convert_hf.py to the f32, q4 and q2 mixes, and each engine prefills a prompt then greedily decodes, for
+A random transformers checkpoint (ds4/tiny/hf.py's initialisation) is saved, converted (ds4/formats/convert.py)
+to the f32, q4 and q2 mixes, and each engine prefills a prompt then greedily decodes, for
 1 and 2 threads, in interleaved rounds (every engine once per round); the table gives the median
 tokens/s and ratios (`--compile` adds each mix with the compiled decode step). The tiny default model
 adds ds4py's 1-row decode against a 2-row verify, on the cpu backend and on the reference (torch)
@@ -10,7 +10,6 @@ backend (and compiled, with `--compile`).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import tempfile
 import time
@@ -19,35 +18,33 @@ from pathlib import Path
 import torch
 
 from backends.registry import OpSet
+from ds4.bench.common import machine
 from ds4.engine import open_model
+from ds4.formats.convert import convert
 from ds4.session import Session
+from ds4.tiny.build import tiny_model_weights
+from models.args import ModelArgs
+from models.deepseek_v4 import DeepseekV4
+from models.mtp import MTPHead
 
-SIZES = {  # keyword overrides of tests/hf_tiny.tiny_config
+SIZES = {  # keyword overrides of ds4.tiny.hf.tiny_config
     "smoke": {"head_dim": 80},
     "small": {"head_dim": 80, "hidden_size": 256, "vocab_size": 129280, "n_routed_experts": 16,
               "num_experts_per_tok": 4, "moe_intermediate_size": 256, "sliding_window": 128},
 }
 
 
-def _convert_hf():
-    spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parent / "convert_hf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def checkpoint(size: str, tmp: Path, mixes: tuple[str, ...]):
     """The transformers model and its GGUF paths per mix (files already in `tmp` are reused)."""
-    from tests.hf_tiny import tiny_config, tiny_model
+    from ds4.tiny.hf import tiny_config, tiny_model  # transformers: a test extra
     model = tiny_model(tiny_config(**SIZES[size]), seed=0)
     if not (tmp / "hf" / "config.json").exists():
         model.save_pretrained(tmp / "hf")
     paths = {}
     for mix in mixes:
         paths[mix] = str(tmp / f"{mix}.gguf")
-        argv = [str(tmp / "hf"), "--out", paths[mix], "--outtype", mix, "--no-tokenizer"]
-        if not Path(paths[mix]).exists() and _convert_hf().main(argv):
-            raise RuntimeError(f"convert_hf failed for {mix}")
+        if not Path(paths[mix]).exists():
+            convert(tmp / "hf", paths[mix], outtype=mix, tokenizer=False)
     return model, paths
 
 
@@ -79,10 +76,6 @@ def run_ds4(model, prompt: list[int], n: int, compile: bool = False) -> tuple[fl
 def verify_vs_decode(backend: str, steps: int, compile: bool = False) -> tuple[float, float]:
     """Seconds of a 1-row decode and of a 2-row verify on the tiny default model after a 40-token prompt
     (compiled steps: compiled by an untimed first pair)."""
-    from ds4.tiny import tiny_model_weights
-    from models.args import ModelArgs
-    from models.deepseek_v4 import DeepseekV4
-    from models.mtp import MTPHead
     md, base, mtp = tiny_model_weights()
     trunk = DeepseekV4(ModelArgs.from_metadata(md), base, OpSet(backend))
     s = Session(trunk, 256, 16, MTPHead(trunk, mtp), compile=compile)
@@ -101,9 +94,8 @@ def verify_vs_decode(backend: str, steps: int, compile: bool = False) -> tuple[f
     return statistics.median(one[1:] if compile else one), statistics.median(two[1:] if compile else two)
 
 
-def cpu_rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
+def rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
     """Interleaved rounds of every engine and thread count; medians and ratios."""
-    from scripts.bench import machine
     mixes = tuple(a.mixes)
     with tempfile.TemporaryDirectory() as d:
         hf, paths = checkpoint(a.size, Path(a.workdir or d), mixes)
@@ -156,7 +148,7 @@ def cpu_rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
     return rows
 
 
-def add_cpu_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
+def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     """Options of the CPU end-to-end benchmark."""
     p.add_argument("--size", choices=sorted(SIZES), default="small",
                    help="small: hidden 256, 16 experts top-4, 129,280 vocabulary (the issue's model); smoke: tiny")

@@ -11,10 +11,10 @@ import math
 
 import torch
 
-from ds4 import gguf, layouts
 from ds4.errors import UsageError
-from ds4.quant_mix import tensor_type
-from ds4.tokenizer import tiny_vocab_metadata
+from ds4.formats import gguf, layouts
+from ds4.formats.quant_mix import tensor_type
+from ds4.tiny.vocab import tiny_vocab_metadata
 from models.args import METADATA_KEYS, PREFIX, ModelArgs, model_shapes, mtp_shapes
 from ops.quants import QTensor
 
@@ -22,6 +22,13 @@ TINY = {"n_layers": 6, "dim": 128, "vocab_size": 512, "n_heads": 4, "head_dim": 
         "q_lora_rank": 64, "o_lora_rank": 32, "o_groups": 2, "n_experts": 8, "n_experts_used": 2,
         "moe_inter_dim": 64, "n_hash_layers": 3, "window": 16, "index_n_heads": 4, "index_head_dim": 32,
         "index_topk": 4, "original_ctx": 64, "compress_ratios": (0, 0, 4, 16, 4, 16)}
+
+# DeepSeek V4 Flash (docs/model.md §1): layers 0-1 ratio 0, then 4 on even and 128 on odd layers
+FLASH_SIZES = {"n_layers": 43, "dim": 4096, "vocab_size": 129280, "n_heads": 64, "head_dim": 512,
+               "rope_dim": 64, "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8, "n_experts": 256,
+               "n_experts_used": 6, "moe_inter_dim": 2048, "n_hash_layers": 3, "window": 128,
+               "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "original_ctx": 65536,
+               "compress_ratios": [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)]}
 
 
 # Sizes and constants shared by every tiny model (DeepSeek V4's own values where they are not sizes).

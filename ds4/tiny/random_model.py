@@ -15,9 +15,8 @@ import math
 import torch
 
 from backends.registry import OpSet
-from ds4.cost import FLASH_SIZES
-from ds4.quant_mix import tensor_type
-from ds4.tiny import TINY, random_tensor, tiny_metadata
+from ds4.formats.quant_mix import tensor_type
+from ds4.tiny.build import FLASH_SIZES, TINY, random_tensor, tiny_metadata
 from models.args import ModelArgs, model_shapes
 from models.deepseek_v4 import DeepseekV4
 from ops.quants import QTensor, get

@@ -6,7 +6,7 @@ Two source namings are understood, tensor by tensor (a `model.` prefix is ignore
 - HF transformers `deepseek_v4` naming (`model.layers.N.self_attn.q_a_proj.weight`, fused
   `mlp.experts.gate_up_proj [E, 2I, D]`, `mlp.experts.down_proj [E, D, I]`, int64 `tid2eid`).
 Conversion streams: each GGUF tensor is a `gguf.LazyTensor` that reads its source (one expert at a time
-for expert stacks), quantizes it to the type of a `ds4.quant_mix` mix and is dropped once written, so
+for expert stacks), quantizes it to the type of a `ds4.formats.quant_mix` mix and is dropped once written, so
 peak memory is about one output tensor, not the model.
 """
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ds4 import gguf, layouts
 from ds4.errors import ModelFileError, UsageError
-from ds4.quant_mix import MIXES, tensor_type
-from ds4.tokenizer import TOKEN_NORMAL, metadata_from_hf
+from ds4.formats import gguf, layouts
+from ds4.formats.quant_mix import MIXES, tensor_type
+from ds4.formats.vocab import TOKEN_NORMAL, metadata_from_hf
 from ops.quants import QTensor, fp8_e4m3, mxfp4
 
 

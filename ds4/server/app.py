@@ -1,0 +1,97 @@
+"""The server's app and its lifecycle: `python -m ds4.server` (docs/server.md).
+
+The app serves one engine through one worker thread (ds4/server/worker.py); the routes live beside it
+(openai_routes.py), request bodies in schemas.py, streaming in streaming.py.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from contextlib import asynccontextmanager
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ds4.engine import Engine, load
+from ds4.errors import Ds4Error, UsageError
+from ds4.server.openai_routes import openai_router
+from ds4.server.schemas import ApiError
+from ds4.server.worker import Worker
+from ds4.speculative import MAX_DRAFT
+
+DEFAULT_MODEL_NAME = "deepseek-v4-flash"
+
+
+def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, worker: Worker | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` under `model_name` (the worker stops with the app)."""
+    worker = worker or Worker(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        worker.close()
+
+    app = FastAPI(title="ds4py", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.worker = worker
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        traceback.print_exc()
+        return ApiError(500, f"internal error ({type(e).__name__})").response()
+
+    app.include_router(openai_router(engine, worker, model_name))
+    return app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(prog="python -m ds4.server",
+                                description="Serve DeepSeek V4 Flash over an OpenAI-compatible HTTP API.")
+    p.add_argument("--model", help="base GGUF (default: the embedded tiny model, trained on Python code)")
+    p.add_argument("--mtp", help="MTP GGUF for speculative decoding (default model: its own tiny MTP)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME, help=f"model id (default {DEFAULT_MODEL_NAME})")
+    p.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="prefill chunk (default 2048)")
+    p.add_argument("--backend", default="auto", help="auto | torch | triton | mlx")
+    p.add_argument("--mtp-draft", choices=["auto", *map(str, range(MAX_DRAFT + 1))],
+                   help="speculative draft depth (0 = off) or 'auto' (default 1 with an MTP head)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for the tiny model)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="compiled decode/verify steps (CPU; about a minute per row count on first use, then "
+                        "faster steps for the server's lifetime; docs/cpu.md)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Load the model and serve until Ctrl-C; bad options print one `error:` line and exit 2."""
+    a = parse_args(argv)
+    try:
+        if not 0 <= a.port < 65536:
+            raise UsageError(f"--port must be in 0..65535 (0: any free port), got {a.port}")
+        if a.threads is not None and a.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {a.threads}")
+        if a.threads or a.model is None:
+            torch.set_num_threads(a.threads or 1)
+        engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile)
+        draft = int(a.mtp_draft) if a.mtp_draft not in (None, "auto") else a.mtp_draft
+        app = create_app(engine, a.served_model_name, Worker(engine, draft))
+    except Ds4Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    return 0
+

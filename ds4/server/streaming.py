@@ -1,0 +1,113 @@
+"""Streaming helpers: stop strings, a job's events with disconnect cancellation, server-sent events, usage."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from ds4.chat import Delta, held_back
+from ds4.server.schemas import ApiError
+from ds4.server.worker import Failed, Finished, Job
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
+
+
+class StopMatcher:
+    """Cuts generated text at the first stop string, holding back text that may start one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.buffer, self.hit = stops, "", False
+
+    def feed(self, text: str) -> str:
+        """The text that is safe to emit now."""
+        if self.hit:
+            return ""
+        self.buffer += text
+        found = [(self.buffer.find(s), s) for s in self.stops if s in self.buffer]
+        if found:
+            self.hit = True
+            out, self.buffer = self.buffer[:min(found)[0]], ""
+            return out
+        keep = held_back(self.buffer, self.stops)
+        out, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+        return out
+
+    def flush(self) -> str:
+        """Whatever is held back at the end."""
+        out, self.buffer = self.buffer, ""
+        return out
+
+
+async def job_events(job: Job, request: Request) -> AsyncIterator[str | Finished]:
+    """The texts of a job, then its Finished; a client that disconnects (or a consumer that stops) cancels it."""
+    loop = asyncio.get_running_loop()
+    check_at = loop.time() + DISCONNECT_POLL_S
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                event = None
+            if loop.time() >= check_at:
+                if await request.is_disconnected():
+                    raise ApiError(499, "the client closed the request")
+                check_at = loop.time() + DISCONNECT_POLL_S
+            if event is None:
+                continue
+            if isinstance(event, Failed):
+                raise ApiError(event.status, event.message)
+            yield event
+            if isinstance(event, Finished):
+                return
+    finally:
+        job.cancel.set()
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def usage(done: Finished) -> dict:
+    """OpenAI's usage block plus the cached prefix and the speculative decoding counters."""
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}, "speculative": done.spec.as_dict()}
+
+
+@dataclass
+class Reply:
+    """A chat reply as it accumulates: reasoning, content and tool calls."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+
+    def add(self, delta: Delta) -> dict:
+        """Fold a delta in; return it as an OpenAI streaming delta."""
+        if delta.tool_call:
+            call = delta.tool_call.openai(f"call_{uuid.uuid4().hex[:24]}")
+            self.tool_calls.append(call)
+            return {"tool_calls": [{"index": len(self.tool_calls) - 1, **call}]}
+        self.reasoning += delta.reasoning
+        self.content += delta.content
+        return {"reasoning_content": delta.reasoning} if delta.reasoning else {"content": delta.content}
+
+    def finish_reason(self, done: Finished) -> str:
+        """OpenAI's finish_reason."""
+        return "tool_calls" if self.tool_calls and done.reason == "stop" else done.reason
+
+
+async def sse_stream(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Server-sent events of `events`, an error event if the job failed, then [DONE]."""
+    try:
+        async for data in events:
+            yield sse(data)
+    except ApiError as e:
+        yield sse(e.response().body.decode())
+        return
+    yield sse("[DONE]")
