@@ -47,18 +47,21 @@ class Imatrix:
     chunk_size: int = 0
 
     def add(self, name: str, x: torch.Tensor, matrix: int = 0, n_mat: int = 1) -> None:
-        """Accumulate rows `x` `[rows, n_in]` fed to matrix `matrix` of weight `name` (of `n_mat` matrices)."""
+        """Accumulate rows `x` `[rows, n_in]` fed to matrix `matrix` of weight `name`, which has at least `n_mat`
+        matrices (experts, or row groups fed different inputs; the entry grows to the largest seen)."""
         x = x.detach().to("cpu", torch.float64).reshape(-1, x.shape[-1])
         e = self.entries.get(name)
         if e is None:
-            e = self.entries[name] = Entry(torch.zeros(n_mat, x.shape[-1], dtype=torch.float64),
-                                           torch.zeros(n_mat, dtype=torch.int64))
-        if e.sums.shape != (n_mat, x.shape[-1]):
-            raise ValueError(f"imatrix entry {name}: rows of {x.shape[-1]} values for {n_mat} matrices, "
-                             f"but the entry holds {tuple(e.sums.shape)}")
+            e = self.entries[name] = Entry(torch.zeros(0, x.shape[-1], dtype=torch.float64),
+                                           torch.zeros(0, dtype=torch.int64))
+        if e.sums.shape[1] != x.shape[-1]:
+            raise ValueError(f"imatrix entry {name}: rows of {x.shape[-1]} values, the entry holds {e.sums.shape[1]}")
+        grow = max(n_mat, matrix + 1) - e.sums.shape[0]
+        if grow > 0:
+            e.sums = torch.cat([e.sums, e.sums.new_zeros(grow, e.sums.shape[1])])
+            e.counts = torch.cat([e.counts, e.counts.new_zeros(grow)])
         e.sums[matrix] += (x * x).sum(0)
         e.counts[matrix] += x.shape[0]
-
 
 def write(path: str | os.PathLike[str], im: Imatrix) -> None:
     """Write `im` in llama.cpp's GGUF imatrix format, atomically (temp file + rename)."""

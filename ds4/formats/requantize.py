@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterable
@@ -142,23 +143,21 @@ def takes_weights(qtype: quants.QuantType) -> bool:
 
 
 def importance_for(im: imatrix.Imatrix | None, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """The imatrix's importance for weight `name` broadcast to `shape` (float32), or None when it has none."""
+    """The imatrix's importance for weight `name` broadcast to `shape` (float32), or None when it has none.
+
+    An entry of k matrices (experts, or row groups fed different inputs) covers the rows in k equal runs.
+    """
     entry = im.entries.get(name) if im else None
     if entry is None:
         return None
-    imp = entry.importance().reshape(-1)
-    n_in, n_mat = shape[-1], (shape[0] if len(shape) == 3 else 1)
-    if imp.numel() == n_in:
-        imp = imp.reshape(1, n_in)
-    elif imp.numel() == n_mat * n_in:
-        imp = imp.reshape(n_mat, n_in)
-    else:
-        raise UsageError(f"imatrix entry {name} has {imp.numel()} values; the tensor {shape} needs {n_in} "
-                         f"or {n_mat * n_in}")
-    if not torch.isfinite(imp).all():
+    flat, n_in, rows = entry.importance().reshape(-1), shape[-1], math.prod(shape[:-1])
+    k = flat.numel() // n_in
+    if flat.numel() % n_in or rows % k:
+        raise UsageError(f"imatrix entry {name} has {flat.numel()} values, which do not split into matrices of "
+                         f"{n_in} columns covering the {rows} rows of the tensor {shape}")
+    if not torch.isfinite(flat).all():
         raise UsageError(f"imatrix entry {name} holds non-finite values")
-    view = imp[:, None, :] if len(shape) == 3 else imp
-    return view.expand(shape)
+    return flat.reshape(k, 1, n_in).expand(k, rows // k, n_in).reshape(shape)
 
 
 def encode(src: QTensor, target: str, importance: torch.Tensor | None) -> QTensor:
