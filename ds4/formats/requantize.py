@@ -101,9 +101,8 @@ def _n_layer(f: gguf.GGUFFile) -> int:
     return max(layers, default=-1) + 1
 
 
-def plan(f: gguf.GGUFFile, mix: Mix, has_imatrix: bool = False) -> list[Choice]:
-    """Each tensor's stored and written type under `mix`; UsageError for a type ds4py cannot write yet, or a
-    type llama.cpp quantizes only with an importance matrix when there is none."""
+def choose(f: gguf.GGUFFile, mix: Mix, has_imatrix: bool = False) -> list[Choice]:
+    """Each tensor's stored type and the type `mix` writes it in (whether or not ds4py has that type yet)."""
     n_layer, downs, out = _n_layer(f), 0, []
     for name, info in f.tensors.items():
         shape, note = tuple(info.shape), ""
@@ -122,16 +121,24 @@ def plan(f: gguf.GGUFFile, mix: Mix, has_imatrix: bool = False) -> list[Choice]:
                                                   has_imatrix=has_imatrix)
                 downs += "ffn_down" in name
             target, note = llamacpp_mix.fallback(picked, shape[-1])
-        if target not in quants.TYPES:
-            why = f" ({note})" if note else ""
-            raise UsageError(f"tensor {name}: type {target}{why} is not (yet) registered in ops.quants; ds4py writes "
-                             f"{', '.join(t for t, q in quants.TYPES.items() if q.ggml_type is not None)}")
-        needs = target in llamacpp_mix.NEEDS_IMATRIX or (target == "Q2_K" and mix.name == "Q2_K_S")
-        if needs and not has_imatrix and name not in _UNTOUCHED and target != info.type:
-            raise UsageError(f"tensor {name}: {target} needs an importance matrix, as llama-quantize requires; "
-                             "make one with scripts/imatrix.py and pass --imatrix FILE")
         out.append(Choice(name, shape, info.type, target, note))
     return out
+
+
+def plan(f: gguf.GGUFFile, mix: Mix, has_imatrix: bool = False) -> list[Choice]:
+    """`choose`, checked: UsageError for a type ds4py cannot write yet, or a type llama.cpp quantizes only with
+    an importance matrix when there is none."""
+    choices = choose(f, mix, has_imatrix)
+    for c in choices:
+        if c.target not in quants.TYPES:
+            why = f" ({c.note})" if c.note else ""
+            raise UsageError(f"tensor {c.name}: type {c.target}{why} is not (yet) registered in ops.quants; ds4py "
+                             f"writes {', '.join(t for t, q in quants.TYPES.items() if q.ggml_type is not None)}")
+        needs = c.target in llamacpp_mix.NEEDS_IMATRIX or (c.target == "Q2_K" and mix.name == "Q2_K_S")
+        if needs and not has_imatrix and c.name not in _UNTOUCHED and c.target != c.stored:
+            raise UsageError(f"tensor {c.name}: {c.target} needs an importance matrix, as llama-quantize requires; "
+                             "make one with scripts/imatrix.py and pass --imatrix FILE")
+    return choices
 
 
 def takes_weights(qtype: quants.QuantType) -> bool:

@@ -63,16 +63,17 @@ class RecordingOps:
 
     def moe(self, x: Any, ids: Any, ex: Experts) -> Any:
         rows = self._rows(x)
-        chosen, weight = route(rows, self._inner.to_torch(ids), ex)
+        self.imatrix.add(ex.router.name, rows)
+        chosen, _ = route(rows, self._inner.to_torch(ids), ex)
         n_exp = ex.gate.shape[0]
         for e in torch.unique(chosen).tolist():
-            r, slot = torch.nonzero(chosen == e, as_tuple=True)
+            r, _ = torch.nonzero(chosen == e, as_tuple=True)
             xe = rows[r]
             g = qmatmul(xe, _expert(ex.gate, e)).clamp(max=ex.clamp)
             u = qmatmul(xe, _expert(ex.up, e)).clamp(-ex.clamp, ex.clamp)
             for w in (ex.gate, ex.up):
                 self.imatrix.add(w.name, xe, e, n_exp)
-            self.imatrix.add(ex.down.name, F.silu(g) * u * weight[r, slot, None], e, n_exp)
+            self.imatrix.add(ex.down.name, F.silu(g) * u, e, n_exp)
         return self._inner.moe(x, ids, ex)
 
 
