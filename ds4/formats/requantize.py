@@ -17,7 +17,7 @@ import gguf as gguf_py
 import torch
 
 from ds4.errors import UsageError
-from ds4.formats import gguf, imatrix, llamacpp_mix, quant_mix
+from ds4.formats import gguf, imatrix, layouts, llamacpp_mix, quant_mix
 from ops import quants
 from ops.quants import QTensor
 
@@ -205,6 +205,7 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], mix: Mi
     f = gguf.open(src)
     if src.resolve() == dst.resolve() or (dst.exists() and os.path.samefile(src, dst)):
         raise UsageError(f"{dst}: is the input file; write the requantized model to another path")
+    layouts.check_types(f)  # every stored type must be readable, to be dequantized or copied
     im = imatrix.read(imatrix_path) if imatrix_path else None
     choices = plan(f, mix, has_imatrix=im is not None)
     for c in choices:
