@@ -180,7 +180,7 @@ def test_bench_quants_smoke(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
     args = argparse.Namespace(model=TINY, mixes=["Q8_0", "blk.0.ffn_down_exps=IQ2_XXS"], text=str(text), imatrix=None,
-                              imatrix_text=str(text), imatrix_chunks=2, no_imatrix=False, ctx=32, chunks=2, tokens=2,
+                              imatrix_text=str(text), imatrix_chunks=1, no_imatrix=False, ctx=32, chunks=1, tokens=2,
                               runs=1, threads=1, workdir=str(tmp_path / "w"), png=str(tmp_path / "q.png"))
     rows = bench_quants.rows(args, torch.device("cpu"))
     iq2 = "blk.0.ffn_down_exps=IQ2_XXS"
