@@ -115,14 +115,17 @@ def plot(table: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labelled = set()
     for r in table:
         if r["bits/weight"] == "-" or r["imatrix"] == "-":
             continue
         x, y = float(r["bits/weight"]), max(float(r["mean KLD"]), 1e-6)
         with_im = r["imatrix"] == "yes"
         ax.scatter([x], [y], marker="x" if with_im else "o", color="C1" if with_im else "C0")
-        ax.annotate(r["mix"][:24], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        if r["mix"] not in labelled:
+            labelled.add(r["mix"])
+            ax.annotate(r["mix"][:32], (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
     ax.set_yscale("log")
     ax.set_xlabel("bits per weight (whole file)")
     ax.set_ylabel("mean KL divergence from the model as given")
