@@ -21,7 +21,6 @@ from ds4.formats import gguf, imatrix, layouts, llamacpp_mix, quant_mix
 from ops import quants
 from ops.quants import QTensor
 
-KINDS = ("llama.cpp", "ds4", "rules")
 _GGML_NAMES = {t.name for t in gguf_py.GGMLQuantizationType}
 _UNTOUCHED = ("token_embd.weight", "output.weight")  # llama.cpp never asks an imatrix for these
 
@@ -57,6 +56,7 @@ class Result:
 
     @property
     def bits_per_weight(self) -> float:
+        """Tensor bytes x 8 / values, over every tensor of the file."""
         return 8 * self.tensor_bytes / max(self.n_values, 1)
 
 

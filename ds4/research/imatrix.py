@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from backends.registry import is_mlx_device
 from ds4.engine import Engine
 from ds4.errors import UsageError
 from ds4.formats.imatrix import Imatrix
@@ -88,8 +89,10 @@ def collect(engine: Engine, ids: Sequence[int], chunk: int, *, process_output: b
     n_chunks = len(ids) // chunk
     if chunk < 2 or n_chunks < 1:
         raise UsageError(f"the text has {len(ids)} tokens: too few for one chunk of {chunk} (lower --ctx)")
-    im = Imatrix(datasets=[dataset] if dataset else [], chunk_size=chunk)
     model = engine.model
+    if is_mlx_device(model.ops.device):
+        raise UsageError("imatrix collection runs on torch devices (cpu, cuda); load the model without --backend mlx")
+    im = Imatrix(datasets=[dataset] if dataset else [], chunk_size=chunk)
     recorder = RecordingOps(model.ops, im, process_output)
     model.ops = recorder
     try:
