@@ -1,9 +1,9 @@
 """Requantization: mix parsing, llama.cpp's per-tensor choices, the round trip per mix, refusals, the script."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import gguf as gguf_py
 import pytest
@@ -18,7 +18,7 @@ from ops import quants
 from tests.script_modules import script
 
 TINY = default_model_paths()[0]
-LLAMA_QUANTIZE = Path("/work/llamacpp/build/bin/llama-quantize")
+LLAMA_QUANTIZE = shutil.which("llama-quantize", path=os.environ.get("LLAMA_CPP_BIN"))  # $LLAMA_CPP_BIN, else PATH
 # a ggml type ds4py does not register (none once every type is ported: the test that needs one skips)
 UNREGISTERED = sorted({t.name for t in gguf_py.GGMLQuantizationType} - set(quants.TYPES) - {"Q8_1", "Q8_K"})
 
@@ -134,7 +134,7 @@ def test_quantize_script(tmp_path, capsys):
     assert "quantize: error: unknown --mix 'Q_NOPE'" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not LLAMA_QUANTIZE.exists(), reason="llama.cpp's llama-quantize is not built here")
+@pytest.mark.skipif(LLAMA_QUANTIZE is None, reason="llama-quantize not found ($LLAMA_CPP_BIN or PATH)")
 def test_choices_match_llama_quantize(tmp_path):
     """llama-quantize's own per-tensor types on a tiny model its deepseek4 loader accepts are ours, tensor by tensor."""
     base, lc = tmp_path / "base.gguf", tmp_path / "lc.gguf"
@@ -142,13 +142,13 @@ def test_choices_match_llama_quantize(tmp_path):
                index_head_dim=128)
     layouts.convert_files(str(base), str(lc), to="llama.cpp")
     for mix in ("Q4_K_M", "Q3_K_M", "IQ4_XS"):
-        subprocess.run([str(LLAMA_QUANTIZE), str(lc), str(tmp_path / f"{mix}.gguf"), mix, "1"], check=True,
+        subprocess.run([LLAMA_QUANTIZE, str(lc), str(tmp_path / f"{mix}.gguf"), mix, "1"], check=True,
                        capture_output=True)
         theirs = {t.name: t.tensor_type.name for t in gguf_py.GGUFReader(tmp_path / f"{mix}.gguf").tensors}
         ours = {c.name: c.target for c in requantize.choose(gguf.open(lc), parse_mix(mix))}
         assert ours == theirs
     ours_q8 = requantize.requantize(lc, tmp_path / "ours-q8.gguf", "Q8_0").path
-    subprocess.run([str(LLAMA_QUANTIZE), str(lc), str(tmp_path / "q8.gguf"), "Q8_0", "1"], check=True,
+    subprocess.run([LLAMA_QUANTIZE, str(lc), str(tmp_path / "q8.gguf"), "Q8_0", "1"], check=True,
                    capture_output=True)
     mine, theirs = gguf.open(ours_q8), gguf.open(tmp_path / "q8.gguf")   # Q8_0: byte for byte llama.cpp's
     assert all(torch.equal(mine.raw(n).data, theirs.raw(n).data) for n in theirs.tensors)

@@ -3,9 +3,10 @@ quantizers, perplexity and KL divergence, the scripts and the quants bench at sm
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import struct
 import subprocess
-from pathlib import Path
 
 import gguf as gguf_py
 import pytest
@@ -23,7 +24,7 @@ from ops.quants import q2_k, q4_k
 from tests.script_modules import script
 
 TINY = default_model_paths()[0]
-LLAMA_IMATRIX = Path("/work/llamacpp/build/bin/llama-imatrix")
+LLAMA_IMATRIX = shutil.which("llama-imatrix", path=os.environ.get("LLAMA_CPP_BIN"))  # $LLAMA_CPP_BIN, else PATH
 TEXT = '''def read_config(path):
     """Read the configuration file at path."""
     with open(path) as f:
@@ -100,11 +101,11 @@ def test_imatrix_file_round_trip_and_legacy(tmp_path, collected):
         imatrix_file.read(tmp_path / "bad.dat")
 
 
-@pytest.mark.skipif(not LLAMA_IMATRIX.exists(), reason="llama.cpp's llama-imatrix is not built here")
+@pytest.mark.skipif(LLAMA_IMATRIX is None, reason="llama-imatrix not found ($LLAMA_CPP_BIN or PATH)")
 def test_llama_imatrix_reads_ours_and_we_read_its_output(tmp_path, collected):
     imatrix_file.write(tmp_path / "ours.gguf", collected)
     for fmt, out in (("dat", "conv.dat"), ("gguf", "conv.gguf")):
-        subprocess.run([str(LLAMA_IMATRIX), "-m", "/dev/null", "--in-file", str(tmp_path / "ours.gguf"),
+        subprocess.run([LLAMA_IMATRIX, "-m", "/dev/null", "--in-file", str(tmp_path / "ours.gguf"),
                         "--output-format", fmt, "-o", str(tmp_path / out)], check=True, capture_output=True)
         back = imatrix_file.read(tmp_path / out)
         assert set(back.entries) == set(collected.entries)
