@@ -153,9 +153,11 @@ class Engine:
                        self.model_id)
 
     def session_from_file(self, path: str | os.PathLike[str], ctx: int | None = None) -> Session:
-        """The session saved to `path` (`Session.save`), continuing on this model; SessionFileError when the
-        file is damaged or from another model, layout, prefill chunk, or holds more than `ctx` allows."""
-        return Session.load(path, self.model, self.mtp, ctx, self.compile, self.model_id)
+        """The session saved to `path` (`Session.save`), continuing on this model with its prefill chunk and `ctx`
+        (default the engine's); SessionFileError when the file is damaged or from another model, layout or
+        prefill chunk, or holds more than `ctx` allows."""
+        return Session.load(path, self.model, self.mtp, self.ctx if ctx is None else ctx, self.compile,
+                            self.model_id, self.prefill_chunk)
 
     def encode(self, prompt: str | Sequence[int], *, system: str | None = None, think: bool = False,
                raw: bool = False) -> list[int]:

@@ -136,13 +136,14 @@ class Session:
 
     @classmethod
     def load(cls, path, model: DeepseekV4, mtp: MTPHead | None = None, ctx: int | None = None,
-             compile: bool = False, model_id: str | None = None) -> Session:
-        """A session continuing exactly where the one saved to `path` (`save`) stopped; `ctx` defaults to the
-        saved one. A damaged file or one from another model, layout, prefill chunk or a context too small for
-        it raises SessionFileError."""
+             compile: bool = False, model_id: str | None = None, prefill_chunk: int | None = None) -> Session:
+        """A session continuing exactly where the one saved to `path` (`save`) stopped; `ctx` and `prefill_chunk`
+        default to the saved ones. A damaged file or one from another model, layout, prefill chunk or a context
+        too small for it raises SessionFileError."""
         saved = session_file.read(path)
         ctx = saved.header["ctx"] if ctx is None else check_size("ctx (--ctx)", ctx)
-        chunk = min(saved.header["prefill_chunk"], ctx)
+        chunk = saved.header["prefill_chunk"] if prefill_chunk is None else check_size("prefill_chunk", prefill_chunk)
+        chunk = min(chunk, ctx)
         saved.check(model, mtp, ctx, chunk, model_id, str(path))
         session = cls(model, ctx, chunk, mtp, compile, model_id)
         saved.apply(session)

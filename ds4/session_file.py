@@ -190,12 +190,16 @@ def state(session, model_id: str | None) -> tuple[dict[str, Any], dict[str, torc
 
 
 def save(session, path: str | os.PathLike[str], model_id: str | None = None) -> Path:
-    """Write `session` to `path` atomically (temp file in the same folder + rename; SIGTERM/SIGHUP remove the
-    temp file); an unwritable place raises OSError for the caller to report. Returns the path."""
+    """Write `session` to `path` atomically (see `write`). Returns the path."""
+    return write(path, *state(session, model_id))
+
+
+def write(path: str | os.PathLike[str], header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    """Write a session's `state` to `path` atomically (temp file in the same folder + rename; SIGTERM/SIGHUP
+    remove the temp file); an unwritable place raises OSError for the caller to report. Returns the path."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{path}: is a directory; give a file path to save the session to")
-    header, tensors = state(session, model_id)
     remove_stale_temps(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     restore = _raise_on_termination()
@@ -210,6 +214,18 @@ def save(session, path: str | os.PathLike[str], model_id: str | None = None) -> 
     finally:
         restore()
     return path
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON header of a session file, without reading its tensors or checking them (see `read`)."""
+    try:
+        with safetensors.safe_open(path, "pt") as f:
+            header = json.loads((f.metadata() or {})[METADATA_KEY])
+    except (safetensors.SafetensorError, OSError, ValueError, KeyError, RuntimeError) as e:
+        raise SessionFileError(f"{path}: not a readable session file ({str(e).splitlines()[0][:100]})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise SessionFileError(f"{path}: not a ds4py session file")
+    return header
 
 
 def read(path: str | os.PathLike[str]) -> SavedSession:
