@@ -92,8 +92,9 @@ class PrefixCache:
             if key:
                 try:
                     tokens = int(session_file.read_header(path)["n_tokens"])
-                except (SessionFileError, KeyError, TypeError, ValueError):
-                    key = None
+                except (SessionFileError, KeyError, TypeError, ValueError) as e:
+                    self._refuse(Entry(path, key, 0, stat.st_size, stat.st_mtime), e)
+                    continue
             self.entries[path] = Entry(path, key, tokens, stat.st_size, stat.st_mtime)
 
     def _key_of(self, path: Path) -> str | None:
@@ -136,9 +137,7 @@ class PrefixCache:
             if session.tokens != ids[:entry.tokens]:
                 raise SessionFileError(f"{entry.path}: holds other tokens than its name says")
         except (SessionFileError, OSError) as e:
-            log.warning("ds4 KV disk cache: entry refused and removed: %s", e)
-            self.counts["refused"] += 1
-            self._remove(entry)
+            self._refuse(entry, e)
             return None
         entry.hits, entry.used = entry.hits + 1, time.time()
         self.counts["hits"] += 1
@@ -183,6 +182,12 @@ class PrefixCache:
             total -= entry.size
             self._remove(entry)
             self.counts["evicted"] += 1
+
+    def _refuse(self, entry: Entry, why: Exception) -> None:
+        """Drop an entry that does not load (damaged, another model's layout) with a warning."""
+        log.warning("ds4 KV disk cache: entry refused and removed: %s", why)
+        self.counts["refused"] += 1
+        self._remove(entry)
 
     def _remove(self, entry: Entry) -> None:
         with self.lock:
