@@ -164,3 +164,17 @@ def test_flags(engine, tmp_path):
     assert parse_args([]).kv_disk_dir is None
     with pytest.raises(UsageError, match="--kv-disk-space-mb must be > 0"):
         PrefixCache(engine, tmp_path, 0)
+
+
+def test_kvdisk_bench_conversation_and_flags():
+    """The kvdisk suite's pieces that need no server processes (the run itself is measured in docs/server.md)."""
+    import argparse
+
+    from ds4.bench import kvdisk
+    from ds4.engine import default_model_paths
+    turn1, turn2 = kvdisk.conversation(default_model_paths()[0], 50, 7)
+    assert len(turn1) == 50 and turn2[:50] == turn1 and len(turn2) == 57
+    p = argparse.ArgumentParser()
+    kvdisk.add_args(p, False)
+    with pytest.raises(UsageError, match="--first must be >= 2"):
+        kvdisk.rows(p.parse_args(["--first", "1"]), None)
