@@ -202,3 +202,19 @@ def test_save_is_atomic_and_refuses_a_directory(tiny, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         s.save(tmp_path / "s")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_mlx_session_round_trip_and_portability(tiny_gguf, tmp_path):
+    """An MLX session saves and loads like a torch one; the file itself names no backend (a torch engine of the
+    same model loads it)."""
+    pytest.importorskip("mlx.core")
+    import ds4
+    mlx = ds4.load(*tiny_gguf, backend="mlx", ctx=CTX, prefill_chunk=CHUNK)
+    a = mlx.session()
+    a.prefill(prompt(20))
+    a.save(tmp_path / "s")
+    b = mlx.session_from_file(tmp_path / "s")
+    assert all(torch.equal(a.decode(t), b.decode(t)) for t in (5, 6, 7))
+    assert_same_state(a, b)
+    on_torch = ds4.load(*tiny_gguf, backend="torch", ctx=CTX, prefill_chunk=CHUNK).session_from_file(tmp_path / "s")
+    assert on_torch.tokens == prompt(20)

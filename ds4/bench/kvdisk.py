@@ -48,24 +48,25 @@ class Server:
                     raise UsageError(f"the server did not answer within {START_TIMEOUT_S} s") from None
                 time.sleep(0.2)
 
-    def complete(self, ids: list[int], max_tokens: int) -> tuple[float, str]:
-        """Greedy streamed completion of `ids`: (seconds to the first text, the whole text)."""
+    def complete(self, ids: list[int], max_tokens: int) -> tuple[float, str, int]:
+        """Greedy streamed completion of `ids`: (seconds to the first text, the whole text, cached prompt tokens)."""
         body = json.dumps({"model": SERVED_NAME, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                           "stream": True})
+                           "stream": True, "stream_options": {"include_usage": True}})
         request = urllib.request.Request(f"{self.url}/completions", body.encode(),
                                          {"Content-Type": "application/json"})
-        start, first, pieces = time.perf_counter(), None, []
+        start, first, pieces, cached = time.perf_counter(), None, [], 0
         with urllib.request.urlopen(request, timeout=3600) as response:
             for line in response:
                 line = line.decode().strip()
                 if not line.startswith("data: {"):
                     continue
-                choices = json.loads(line[6:])["choices"]
-                text = choices[0]["text"] if choices else ""
+                chunk = json.loads(line[6:])
+                text = chunk["choices"][0]["text"] if chunk["choices"] else ""
                 if text and first is None:
                     first = time.perf_counter() - start
                 pieces.append(text)
-        return (first if first is not None else time.perf_counter() - start), "".join(pieces)
+                cached = (chunk.get("usage") or {}).get("prompt_tokens_details", {}).get("cached_tokens", cached)
+        return (first if first is not None else time.perf_counter() - start), "".join(pieces), cached
 
     def stop(self) -> None:
         """SIGINT, as Ctrl-C: the server finishes its cache writes and exits."""
@@ -104,10 +105,11 @@ def rows(args: argparse.Namespace, device) -> list[dict]:
             server = Server(flags + extra)
             try:
                 server.complete([1, 2, 3], 1)  # warm-up: the first request's one-time costs are not prefill
-                ttft, text = server.complete(ids, args.tokens)
+                ttft, text, cached = server.complete(ids, args.tokens)
             finally:
                 server.stop()
-            out.append({"run": name, "prompt_tokens": len(ids), "ttft_s": round(ttft, 3), "text": text,
+            out.append({"run": name, "prompt_tokens": len(ids), "cached_tokens": cached, "ttft_s": round(ttft, 3),
+                        "text": text,
                         "cache_files": len(os.listdir(cache_dir))})
     cold, warm = out[1], out[2]
     warm["cold/warm"] = f"{cold['ttft_s'] / max(warm['ttft_s'], 1e-9):.2f}x"
