@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ds4 import session_file
-from ds4.errors import NonFiniteError, UsageError
+from ds4.errors import NonFiniteError, SessionFileError, UsageError
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
 
@@ -146,7 +146,10 @@ class Session:
         chunk = min(chunk, ctx)
         saved.check(model, mtp, ctx, chunk, model_id, str(path))
         session = cls(model, ctx, chunk, mtp, compile, model_id)
-        saved.apply(session)
+        try:
+            saved.apply(session)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # a well-formed file holding the wrong parts
+            raise SessionFileError(f"{path}: malformed session file ({type(e).__name__}: {e})") from None
         return session
 
     def save(self, path) -> None:

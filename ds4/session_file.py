@@ -30,6 +30,8 @@ FORMAT = "ds4py-session"
 VERSION = 1
 METADATA_KEY = "ds4py.session"
 CACHE_FIELDS = ("comp_kv", "comp_score", "index_kv", "index_score")  # rings stored whole
+HEADER_FIELDS = {"layout": dict, "model_id": str | None, "ctx": int, "prefill_chunk": int, "n_tokens": int,
+                 "mtp_from": int, "high_water": int, "n_drafted": int, "counters": dict, "recent": dict}
 
 
 def tensor_types(root: Any) -> str:
@@ -252,4 +254,10 @@ def read(path: str | os.PathLike[str]) -> SavedSession:
                                f"version {VERSION}")
     if header.get("checksum") != checksum(header, tensors):
         raise SessionFileError(f"{path}: checksum mismatch: the file is damaged")
+    for name, kind in HEADER_FIELDS.items():
+        if not isinstance(header.get(name), kind) or isinstance(header.get(name), bool):
+            raise SessionFileError(f"{path}: header field {name!r} is missing or not {kind}")
+    tokens = tensors.get("tokens")
+    if tokens is None or tokens.dtype != torch.int64 or tuple(tokens.shape) != (header["n_tokens"],):
+        raise SessionFileError(f"{path}: the tokens tensor is missing or does not hold n_tokens ids")
     return SavedSession(header, tensors)

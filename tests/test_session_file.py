@@ -170,6 +170,12 @@ BAD_FILES = {  # case: (make the file from a good one, loader (model, mtp) or No
                     "saved with prefill chunk 64, this session uses 40"),
     "bad ring shape": (lambda p, t: rewrite(p, t, change_tensors=replace("blk.2.comp_kv", 3, 3)), None, {},
                        "blk.2.comp_kv: shape"),
+    "header field missing": (lambda p, t: rewrite(p, t, lambda h: h.pop("high_water")), None, {},
+                             "header field 'high_water' is missing"),
+    "tokens tensor wrong": (lambda p, t: rewrite(p, t, change_tensors=replace("tokens", 3)), None, {},
+                            "the tokens tensor is missing"),
+    "layer tensor missing": (lambda p, t: rewrite(p, t, change_tensors=lambda x: x.pop("blk.3.comp")), None, {},
+                             "malformed session file \\(KeyError: 'blk.3.comp'"),
     "bad raw rows": (lambda p, t: rewrite(p, t, change_tensors=replace("blk.0.raw", 99, 80)), None, {}, "do not fit"),
 }
 
