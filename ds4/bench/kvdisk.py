@@ -112,8 +112,9 @@ def rows(args: argparse.Namespace, device) -> list[dict]:
                         "text": text,
                         "cache_files": len(os.listdir(cache_dir))})
     cold, warm = out[1], out[2]
-    warm["cold/warm"] = f"{cold['ttft_s'] / max(warm['ttft_s'], 1e-9):.2f}x"
-    warm["same_output"] = cold["text"] == warm["text"]
+    for row in out:
+        row["no_cache/this"] = f"{cold['ttft_s'] / max(row['ttft_s'], 1e-9):.2f}x" if row is not out[0] else "-"
+        row["same_output"] = "-" if row is out[0] else row["text"] == cold["text"]
     print(f"# {os.cpu_count()} CPUs, {args.threads} torch threads; model {model}", flush=True)
     for row in out:
         row["text"] = f"{len(row.pop('text'))} chars"
