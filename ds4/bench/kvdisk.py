@@ -111,7 +111,7 @@ def rows(args: argparse.Namespace, device) -> list[dict]:
             out.append({"run": name, "prompt_tokens": len(ids), "cached_tokens": cached, "ttft_s": round(ttft, 3),
                         "text": text,
                         "cache_files": len(os.listdir(cache_dir))})
-    cold, warm = out[1], out[2]
+    cold = out[1]
     for row in out:
         row["no_cache/this"] = f"{cold['ttft_s'] / max(row['ttft_s'], 1e-9):.2f}x" if row is not out[0] else "-"
         row["same_output"] = "-" if row is out[0] else row["text"] == cold["text"]
