@@ -141,6 +141,10 @@ class PrefixCache:
             return None
         entry.hits, entry.used = entry.hits + 1, time.time()
         self.counts["hits"] += 1
+        try:
+            os.utime(entry.path)  # the file's mtime is its last use for the next server's eviction
+        except OSError:
+            pass
         return session
 
     def maybe_save(self, session: Session) -> bool:

@@ -116,10 +116,12 @@ class Worker:
         held, common = self.session.tokens if self.session else [], 0
         while common < min(len(held), len(ids) - 1) and held[common] == ids[common]:
             common += 1
-        loaded = self.prefix_cache.load(ids, common) if self.prefix_cache else None
-        if loaded is not None:  # the disk holds a longer prefix than this session
-            self.session, self.snapshot = loaded, None
-            return loaded.pos
+        stored = self.prefix_cache.longest(ids, len(ids) - 1) if self.prefix_cache else None
+        if stored is not None and stored.tokens > common:  # the disk holds a longer prefix than this session
+            self.session = self.snapshot = None  # one session's KV state in memory at a time
+            self.session = self.prefix_cache.load(ids, common)
+            if self.session is not None:
+                return self.session.pos
         if self.session is None:
             self.session, self.snapshot = self.engine.session(), None
         try:
