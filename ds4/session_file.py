@@ -155,8 +155,8 @@ def checksum(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def state(session, model_id: str | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The header and host tensors of `session`, ready to write."""
+def state(session, model_id: str | None) -> SavedSession:
+    """The header and host tensors of `session` (copies: the session may go on), ready to `write`."""
     ops, pos = session.model.ops, session.pos
 
     def host(x) -> torch.Tensor:  # an own copy: safetensors refuses tensors that share memory
@@ -188,15 +188,15 @@ def state(session, model_id: str | None) -> tuple[dict[str, Any], dict[str, torc
               "counters": dict(session.counters),
               "recent": {k: v[0] if v is not None else None for k, v in session.recent.items()}}
     header["checksum"] = checksum(header, tensors)
-    return header, tensors
+    return SavedSession(header, tensors)
 
 
 def save(session, path: str | os.PathLike[str], model_id: str | None = None) -> Path:
     """Write `session` to `path` atomically (see `write`). Returns the path."""
-    return write(path, *state(session, model_id))
+    return write(path, state(session, model_id))
 
 
-def write(path: str | os.PathLike[str], header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+def write(path: str | os.PathLike[str], saved: SavedSession) -> Path:
     """Write a session's `state` to `path` atomically (temp file in the same folder + rename; SIGTERM/SIGHUP
     remove the temp file); an unwritable place raises OSError for the caller to report. Returns the path."""
     path = Path(path)
@@ -206,7 +206,7 @@ def write(path: str | os.PathLike[str], header: dict[str, Any], tensors: dict[st
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     restore = _raise_on_termination()
     try:
-        safetensors.torch.save_file(tensors, tmp, metadata={METADATA_KEY: json.dumps(header)})
+        safetensors.torch.save_file(saved.tensors, tmp, metadata={METADATA_KEY: json.dumps(saved.header)})
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)

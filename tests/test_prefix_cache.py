@@ -71,7 +71,7 @@ def test_two_servers_in_sequence_share_the_cache(engine, tmp_path):
     stored = len(turn1) - 1  # the loaded counters hold the first server's prefill of these rows
     assert forward_rows - stored == cold_rows - stored  # the second server ran all but the stored rows
     assert warm_text == cold_text
-    assert second.prefix_cache.counts["hits"] == 1
+    assert second.prefix_cache.counts.hits == 1
     assert len(entries(tmp_path)) == 2  # turn 2 grew INTERVAL past its stored prefix: saved again
 
 
@@ -107,8 +107,8 @@ def test_eviction_keeps_the_directory_under_its_limit(engine, tmp_path):
         assert sum(p.stat().st_size for p in entries(tmp_path)) <= limit * 2**20
     worker.close()
     c = worker.prefix_cache
-    assert c.counts["saved"] == 38 and c.counts["hits"] == 12  # 37 one-off conversations, 1 asked back 12 times
-    assert c.counts["evicted"] == c.counts["saved"] - len(entries(tmp_path)) and len(entries(tmp_path)) <= 5
+    assert c.counts.saved == 38 and c.counts.hits == 12  # 37 one-off conversations, 1 asked back 12 times
+    assert c.counts.evicted == c.counts.saved - len(entries(tmp_path)) and len(entries(tmp_path)) <= 5
     assert c.path(regular[:-1]).exists()
 
 
@@ -153,7 +153,7 @@ def test_a_bad_or_foreign_entry_is_refused_not_fatal(engine, tiny_gguf, tmp_path
     with caplog.at_level(logging.WARNING, logger="ds4.server"):
         text, done = ask(reader, prompt + [7])
     reader.close()
-    assert done.cached_tokens == 0 and reader.prefix_cache.counts["refused"] == 1
+    assert done.cached_tokens == 0 and reader.prefix_cache.counts.refused == 1
     assert any("entry refused" in r.getMessage() for r in caplog.records)
     assert not path.exists()
 

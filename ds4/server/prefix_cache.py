@@ -54,6 +54,17 @@ class Entry:
         return (1 + self.hits) / ((1 + max(0.0, now - self.used) / AGE_UNIT_S) * max(1, self.size))
 
 
+@dataclass
+class CacheCounts:
+    """What the cache did since the server started."""
+
+    hits: int = 0      # requests that loaded a stored prefix
+    misses: int = 0    # requests with no stored prefix of their prompt
+    saved: int = 0     # entries written
+    evicted: int = 0   # entries deleted to fit the space limit
+    refused: int = 0   # entries that did not load (damaged, another layout) and were removed
+
+
 class PrefixCache:
     """Session files of prompt prefixes in one directory, under a space limit, for one engine."""
 
@@ -68,7 +79,7 @@ class PrefixCache:
         self.lock = threading.Lock()
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds4-kv-disk")
         self.enabled = True
-        self.counts = {"hits": 0, "misses": 0, "saved": 0, "evicted": 0, "refused": 0}
+        self.counts = CacheCounts()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             probe = self.dir / f".probe.{os.getpid()}"
@@ -130,7 +141,7 @@ class PrefixCache:
         than `better_than` tokens, else None. A file that does not load is dropped with a warning."""
         entry = self.longest(ids, len(ids) - 1)
         if entry is None or entry.tokens <= better_than:
-            self.counts["misses"] += entry is None
+            self.counts.misses += entry is None
             return None
         try:
             session = self.engine.session_from_file(entry.path)
@@ -140,7 +151,7 @@ class PrefixCache:
             self._refuse(entry, e)
             return None
         entry.hits, entry.used = entry.hits + 1, time.time()
-        self.counts["hits"] += 1
+        self.counts.hits += 1
         try:
             os.utime(entry.path)  # the file's mtime is its last use for the next server's eviction
         except OSError:
@@ -159,19 +170,19 @@ class PrefixCache:
         self.writer.submit(self._write, self.path(ids), len(ids), state)
         return True
 
-    def _write(self, path: Path, tokens: int, state) -> None:
+    def _write(self, path: Path, tokens: int, state: session_file.SavedSession) -> None:
         """The background write of one entry, then eviction; a disk error turns the cache off."""
         if not self.enabled:
             return
         try:
-            session_file.write(path, *state)
+            session_file.write(path, state)
             size = path.stat().st_size
         except OSError as e:
             self._disable(f"writing {path.name} failed ({e.strerror or e})")
             return
         with self.lock:
             self.entries[path] = Entry(path, self._key_of(path), tokens, size, time.time())
-            self.counts["saved"] += 1
+            self.counts.saved += 1
         self._evict()
 
     def _evict(self) -> None:
@@ -185,12 +196,12 @@ class PrefixCache:
                 break
             total -= entry.size
             self._remove(entry)
-            self.counts["evicted"] += 1
+            self.counts.evicted += 1
 
     def _refuse(self, entry: Entry, why: Exception) -> None:
         """Drop an entry that does not load (damaged, another model's layout) with a warning."""
         log.warning("ds4 KV disk cache: entry refused and removed: %s", why)
-        self.counts["refused"] += 1
+        self.counts.refused += 1
         self._remove(entry)
 
     def _remove(self, entry: Entry) -> None:
