@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from backends.registry import OpSet, backend_status, format_quant_support, implementations, quant_support
+from ds4.errors import BackendUnavailable
 from ds4.formats import gguf as ds4_gguf
 from ops import quants
 from ops.quants import QTensor
@@ -266,3 +268,31 @@ def test_fp8_from_official_hand_built(scale_dtype):
     assert same_bits(quants.fp8_e4m3.from_official(w, scale).dequantize(), official)
     with pytest.raises(ValueError, match="w3"):
         quants.fp8_e4m3.from_official(w[:, :200], scale, name="w3")
+
+
+# --- one registration point: every backend declares every type --------------------------------------
+
+@pytest.mark.parametrize("backend", ["triton", "cpu", "mlx"])
+def test_every_backend_declares_every_quant_type(backend):
+    """A registered type is served by each backend or declared unsupported there: never silently missing."""
+    ok, why = backend_status(backend)
+    if not ok:
+        pytest.skip(why)
+    assert set(quant_support(backend)) == set(quants.TYPES)
+
+
+def test_the_op_report_lists_how_each_type_is_served():
+    ops = OpSet(backend="cpu")
+    ops.qmatmul(torch.randn(1, 256), QTensor.quantize(torch.randn(4, 256), "Q6_K"))
+    report = ops.format_report()
+    assert "cpu fused kernel (qgemv.c): F32 F16 Q8_0" in report
+    assert "cpu reference dequantize per tile:" in report and " Q6_K" in report
+    assert "triton unsupported here:" in format_quant_support("triton") and " IQ1_S" in format_quant_support("triton")
+
+
+def test_an_unsupported_type_is_a_clear_error_on_triton():
+    from backends.triton.quants import UNSUPPORTED
+    name = sorted(UNSUPPORTED - {"I32"})[0]
+    w = QTensor.quantize(torch.randn(2, 256), name, "w.odd")
+    with pytest.raises(BackendUnavailable, match=f"triton qmatmul has no kernel for quant type {name} \\(tensor w.odd"):
+        implementations("qmatmul")["triton"].fn(torch.randn(1, 256), w)

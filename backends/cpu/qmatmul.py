@@ -8,7 +8,8 @@
   a weight stored [N, K] is far from memory speed once the weight leaves the cache (2-row BLAS 34 ms,
   the kernel ~10 ms for the 132 MB F32 head of a 129,280-token vocabulary on an AMD EPYC core); smaller,
   cache-resident ones stay in BLAS (docs/cpu.md).
-- Other types, larger M (prefill) and machines without a C compiler dequantize one tile of output rows at
+- Other types (REFERENCE_TILES, declared: qgemv.c has no block-dot for them), larger M (prefill) and
+  machines without a C compiler dequantize one tile of output rows at
   a time (about TILE_BYTES of float32, so the tile stays in cache while it is multiplied); a prefill batch
   dequantizes each tile once for all its rows, through the kernel library's block dequantizer where it
   serves the type (the same values as the reference's, several times faster).
@@ -21,12 +22,19 @@ from __future__ import annotations
 import torch
 
 from backends.cpu.rows import grouped_product
-from backends.registry import register
+from backends.registry import declare_quants, register
 from ops.qmatmul import SMALL_M, check_args
 from ops.quants import QTensor
 
 from . import kernels
 
+# Types qgemv.c does not read: served by the reference dequantizer, one tile at a time (qmatmul, moe,
+# shared_expert; correct and batch-invariant, but each decode step dequantizes the weight).
+REFERENCE_TILES = frozenset({"BF16", "I32", "MXFP4", "FP8_E4M3", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q3_K", "Q5_K",
+                             "Q6_K", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                             "IQ1_S", "IQ1_M"})
+declare_quants("cpu", {**dict.fromkeys(kernels.GGML_TYPE, "fused kernel (qgemv.c)"),
+                       **dict.fromkeys(REFERENCE_TILES, "reference dequantize per tile")})
 TILE_BYTES = 1 << 20   # float32 bytes of one dequantized weight tile
 STREAM_BYTES = 1 << 20   # F32 weights this large go through the kernel for M <= SMALL_M
 
