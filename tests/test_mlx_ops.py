@@ -126,7 +126,7 @@ def test_qmatmul_rejects_bad_arguments():
         linear.qmatmul(mx.zeros((2, 32)), QTensor.quantize(torch.randn(4, 32), "Q8_0", "w"))
 
 
-@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_K", "IQ2_XXS"])
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_K", "IQ2_XXS", "Q4_1", "Q5_K", "IQ4_XS"])
 def test_embed_is_exact(qtype):
     table = QTensor.quantize(torch.randn(11, 256, generator=gen(6)), qtype, "emb")
     ids = torch.tensor([3, 0, 10, 3, 7])
@@ -153,7 +153,8 @@ def experts(qtype: str, hashed: bool, D: int = 256, inter: int = 64, E: int = 5,
     return ex, mex
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K", "IQ2_XXS", "MXFP4", "Q2_K", "FP8_E4M3"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K", "IQ2_XXS", "MXFP4", "Q2_K", "FP8_E4M3",
+                                   "Q5_0", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("hashed", [False, True])
 @pytest.mark.parametrize("M", [1, 3, 19])   # 19 rows x top-2 > 5 experts: the dequantized stack + gather_mm
 def test_moe(qtype, hashed, M):
