@@ -9,8 +9,9 @@ helper fills a GEMV tile, a GEMM tile or a transposed tile. Layouts follow `ops/
 (docs/model.md §4); every product below is exact in float32, so the values equal the reference
 dequantizers bit for bit.
 
-Table-driven types read one small uint8 tensor `grid_ptr` (`tables()`): the IQ2_XXS grid (256x8 bytes), then
-the IQ4_NL levels as int8 at byte TABLE_IQ4; `signs_ptr` holds the 128 IQ2_XXS sign bytes.
+Table-driven types read one small uint8 tensor `grid_ptr` (`tables()`): each codebook's grid, one byte per
+value, at the byte offsets TABLE_* below (IQ4_NL's levels as int8, IQ1's {-1, 0, 1} stored plus one);
+`signs_ptr` holds the 128 even-parity sign bytes of IQ2_XXS, IQ2_XS and IQ3_XXS.
 Registered types without a helper here are declared in UNSUPPORTED; the kernels refuse them by name.
 """
 import functools
@@ -20,9 +21,15 @@ import triton
 import triton.language as tl
 
 from backends.registry import declare_quants
-from ops.quants import iq2_xxs, iq4_nl
+from ops.quants import iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs, iq4_nl
 
-TABLE_IQ4 = 2048  # byte offset of the IQ4_NL levels in `tables()`'s grid tensor
+# byte offsets in `tables()`'s grid tensor
+TABLE_IQ4 = tl.constexpr(2048)  # after IQ2_XXS's 256x8 grid
+TABLE_IQ2_XS = tl.constexpr(TABLE_IQ4.value + 16)
+TABLE_IQ2_S = tl.constexpr(TABLE_IQ2_XS.value + 512 * 8)
+TABLE_IQ3_XXS = tl.constexpr(TABLE_IQ2_S.value + 1024 * 8)
+TABLE_IQ3_S = tl.constexpr(TABLE_IQ3_XXS.value + 256 * 4)
+TABLE_IQ1 = tl.constexpr(TABLE_IQ3_S.value + 512 * 4)
 
 
 @triton.jit
@@ -235,7 +242,7 @@ def dequant_tq2_0(row, k, mask):
 @triton.jit
 def _iq4_level(grid_ptr, q, mask):
     """IQ4_NL's level of code q (the int8 table at TABLE_IQ4 in `tables()`), as float32."""
-    level = (grid_ptr + 2048 + q).to(tl.pointer_type(tl.int8))  # 2048 = TABLE_IQ4
+    level = (grid_ptr + TABLE_IQ4 + q).to(tl.pointer_type(tl.int8))
     return tl.load(level, mask=mask, other=0).to(tl.float32)
 
 
@@ -256,6 +263,114 @@ def dequant_iq4_xs(row, k, mask, grid_ptr):
     high = ((_u16(block + 2, mask) >> (2 * sub).to(tl.uint32)) & 3).to(tl.int32)
     scale = _f16(block, mask) * ((low | (high << 4)) - 32).to(tl.float32)
     return scale * _iq4_level(grid_ptr, _nibble(block + 8 + sub * 16, e % 32, mask), mask)
+
+
+@triton.jit
+def _signed(magnitude, negative, db):
+    """`db * magnitude`, negated where `negative` (as the reference's db * grid * ±1)."""
+    return tl.where(negative != 0, -db, db) * magnitude
+
+
+@triton.jit
+def _nibble_scale(byte, c):
+    """IQ2_XS/IQ2_S: 4-bit scale `ls` of 8-value chunk c (two chunks per nibble), as float32."""
+    return ((byte >> (((c // 2) % 2) * 4)) & 15).to(tl.float32)
+
+
+@triton.jit
+def dequant_iq2_xs(row, k, mask, grid_ptr, signs_ptr):
+    """IQ2_XS: 74-byte blocks of 256 = f16 d, u16 qs[32] (9-bit grid index, 7-bit sign index), scales[8]."""
+    block = row + (k // 256) * 74
+    j = k % 256
+    c = j // 8
+    i = j % 8
+    qs = _u16(block + 2 + 2 * c, mask).to(tl.int32)
+    negative = (tl.load(signs_ptr + (qs >> 9), mask=mask, other=0).to(tl.int32) >> i) & 1
+    magnitude = tl.load(grid_ptr + TABLE_IQ2_XS + (qs & 511) * 8 + i, mask=mask, other=0).to(tl.float32)
+    db = _f16(block, mask) * (0.5 + _nibble_scale(_u8(block + 66 + c // 4, mask), c)) * 0.25
+    return _signed(magnitude, negative, db)
+
+
+@triton.jit
+def dequant_iq2_s(row, k, mask, grid_ptr):
+    """IQ2_S: 82-byte blocks of 256 = f16 d, qs[32], signs[32], qh[8] (2 index bits a chunk), scales[8]."""
+    block = row + (k // 256) * 82
+    j = k % 256
+    c = j // 8
+    i = j % 8
+    index = _u8(block + 2 + c, mask) | (((_u8(block + 66 + c // 4, mask) >> ((c % 4) * 2)) & 3) << 8)
+    db = _f16(block, mask) * (0.5 + _nibble_scale(_u8(block + 74 + c // 4, mask), c)) * 0.25
+    magnitude = tl.load(grid_ptr + TABLE_IQ2_S + index * 8 + i, mask=mask, other=0).to(tl.float32)
+    return _signed(magnitude, (_u8(block + 34 + c, mask) >> i) & 1, db)
+
+
+@triton.jit
+def dequant_iq3_xxs(row, k, mask, grid_ptr, signs_ptr):
+    """IQ3_XXS: 98-byte blocks of 256 = f16 d, qs[64] (grid indices of 4 values), u32 aux[8] (signs, scale)."""
+    block = row + (k // 256) * 98
+    j = k % 256
+    sub = j // 32
+    aux = _u16(block + 66 + 4 * sub, mask) | (_u16(block + 68 + 4 * sub, mask) << 16)
+    db = _f16(block, mask) * (0.5 + (aux >> 28).to(tl.float32)) * 0.5
+    index = _u8(block + 2 + j // 4, mask)
+    magnitude = tl.load(grid_ptr + TABLE_IQ3_XXS + index * 4 + j % 4, mask=mask, other=0).to(tl.float32)
+    sign_index = ((aux >> (7 * ((j % 32) // 8)).to(tl.uint32)) & 127).to(tl.int32)
+    negative = (tl.load(signs_ptr + sign_index, mask=mask, other=0).to(tl.int32) >> (j % 8)) & 1
+    return _signed(magnitude, negative, db)
+
+
+@triton.jit
+def dequant_iq3_s(row, k, mask, grid_ptr):
+    """IQ3_S: 110-byte blocks of 256 = f16 d, qs[64], qh[8], signs[32], scales[4]; db = d*(1 + 2*ls)."""
+    block = row + (k // 256) * 110
+    j = k % 256
+    sub = j // 32
+    c = j // 4
+    ls = ((_u8(block + 106 + sub // 2, mask) >> ((sub % 2) * 4)) & 15).to(tl.float32)
+    db = _f16(block, mask) * (1 + 2 * ls)
+    index = _u8(block + 2 + c, mask) | (((_u8(block + 66 + c // 8, mask) >> (c % 8)) & 1) << 8)
+    magnitude = tl.load(grid_ptr + TABLE_IQ3_S + index * 4 + j % 4, mask=mask, other=0).to(tl.float32)
+    return _signed(magnitude, (_u8(block + 74 + j // 8, mask) >> (j % 8)) & 1, db)
+
+
+@triton.jit
+def _iq1_value(grid_ptr, index, i, high_delta, dl, mask):
+    """IQ1_S/IQ1_M: dl * (grid[index][i] + delta), delta -1/8 where `high_delta` else +1/8."""
+    point = tl.load(grid_ptr + TABLE_IQ1 + index * 8 + i, mask=mask, other=1).to(tl.float32) - 1
+    return dl * (point + tl.where(high_delta != 0, -0.125, 0.125))
+
+
+@triton.jit
+def dequant_iq1_s(row, k, mask, grid_ptr):
+    """IQ1_S: 50-byte blocks of 256 = f16 d, qs[32], u16 qh[8] (3 index bits a chunk, scale, delta sign)."""
+    block = row + (k // 256) * 50
+    j = k % 256
+    sub = j // 32
+    chunk = (j % 32) // 8
+    qh = _u16(block + 34 + 2 * sub, mask).to(tl.int32)
+    dl = _f16(block, mask) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+    index = _u8(block + 2 + j // 8, mask) | (((qh >> (3 * chunk)) & 7) << 8)
+    return _iq1_value(grid_ptr, index, j % 8, qh & 0x8000, dl, mask)
+
+
+@triton.jit
+def dequant_iq1_m(row, k, mask, grid_ptr):
+    """IQ1_M: 56-byte blocks of 256 = qs[32], qh[16], u16 sc[4] (3-bit scales per 16, f16 d in the top nibbles)."""
+    block = row + (k // 256) * 56
+    j = k % 256
+    sc0 = _u16(block + 48, mask)
+    sc1 = _u16(block + 50, mask)
+    sc2 = _u16(block + 52, mask)
+    sc3 = _u16(block + 54, mask)
+    d_bits = (sc0 >> 12) | ((sc1 >> 8) & 0xF0) | ((sc2 >> 4) & 0xF00) | (sc3 & 0xF000)
+    d = d_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    sub = j // 16
+    word = tl.where(sub < 4, sc0, tl.where(sub < 8, sc1, tl.where(sub < 12, sc2, sc3))).to(tl.int32)
+    dl = d * (2 * ((word >> (3 * (sub % 4))) & 7) + 1).to(tl.float32)
+    c = j // 8
+    nibble = (_u8(block + 32 + c // 2, mask) >> ((c % 2) * 4)) & 15
+    index = _u8(block + c, mask) | ((nibble & 7) << 8)
+    return _iq1_value(grid_ptr, index, j % 8, nibble & 8, dl, mask)
 
 
 @triton.jit
@@ -331,6 +446,18 @@ def dequant(QTYPE: tl.constexpr, row, k, mask, grid_ptr, signs_ptr):
         w = dequant_iq4_nl(row, k, mask, grid_ptr)
     elif QTYPE == "IQ4_XS":
         w = dequant_iq4_xs(row, k, mask, grid_ptr)
+    elif QTYPE == "IQ2_XS":
+        w = dequant_iq2_xs(row, k, mask, grid_ptr, signs_ptr)
+    elif QTYPE == "IQ2_S":
+        w = dequant_iq2_s(row, k, mask, grid_ptr)
+    elif QTYPE == "IQ3_XXS":
+        w = dequant_iq3_xxs(row, k, mask, grid_ptr, signs_ptr)
+    elif QTYPE == "IQ3_S":
+        w = dequant_iq3_s(row, k, mask, grid_ptr)
+    elif QTYPE == "IQ1_S":
+        w = dequant_iq1_s(row, k, mask, grid_ptr)
+    elif QTYPE == "IQ1_M":
+        w = dequant_iq1_m(row, k, mask, grid_ptr)
     else:
         tl.static_assert(QTYPE == "FP8_E4M3", "no Triton dequantizer for this quant type")
         w = dequant_fp8_e4m3(row, k, mask)
@@ -338,13 +465,16 @@ def dequant(QTYPE: tl.constexpr, row, k, mask, grid_ptr, signs_ptr):
 
 
 SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "MXFP4", "FP8_E4M3", "Q4_0", "Q4_1", "Q5_0",
-             "Q5_1", "Q3_K", "Q5_K", "Q6_K", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS")
-UNSUPPORTED = frozenset({"I32", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"})  # no helper yet
+             "Q5_1", "Q3_K", "Q5_K", "Q6_K", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+             "IQ3_S", "IQ1_S", "IQ1_M")
+UNSUPPORTED = frozenset({"I32"})  # integer indices (tid2eid), never a matmul weight
 declare_quants("triton", {t: "kernel" for t in SUPPORTED}, UNSUPPORTED)
 
 
 @functools.cache
 def tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The lookup tables of the table-driven helpers on `device`: (grid bytes, IQ2_XXS sign bytes)."""
-    grid = torch.cat([iq2_xxs.GRID.to(torch.uint8).flatten(), iq4_nl.KVALUES.to(torch.int8).view(torch.uint8)])
+    parts = [iq2_xxs.GRID, iq4_nl.KVALUES.to(torch.int8).view(torch.uint8), iq2_xs.GRID, iq2_s.GRID, iq3_xxs.GRID,
+             iq3_s.GRID, iq1_s.GRID + 1]
+    grid = torch.cat([p.to(torch.uint8).flatten() for p in parts])
     return grid.to(device), iq2_xxs.KSIGNS.to(torch.uint8).to(device)
