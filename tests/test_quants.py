@@ -1,4 +1,6 @@
 """Quant types: bit-exact dequantize against gguf-py, GGUF round trips, quantize error bounds, FP8/FP4 values."""
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -296,3 +298,15 @@ def test_an_unsupported_type_is_a_clear_error_on_triton():
     w = QTensor.quantize(torch.randn(2, 256), name, "w.odd")
     with pytest.raises(BackendUnavailable, match=f"triton qmatmul has no kernel for quant type {name} \\(tensor w.odd"):
         implementations("qmatmul")["triton"].fn(torch.randn(1, 256), w)
+
+
+def test_the_docs_type_table_lists_every_registered_type():
+    """docs/model.md §4 has a row per registered type, with its GGUF id and block size (the docs cannot drift)."""
+    text = (Path(__file__).parents[1] / "docs" / "model.md").read_text()
+    table = text.split("## §4")[1].split("| type | GGUF id |")[1].split("\n\n")[0]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in table.splitlines() if line.startswith("| ")}
+    for t in ALL:
+        assert t.name in rows, f"docs/model.md §4 has no row for {t.name}"
+        ggml, sizes = (c.strip() for c in rows[t.name])
+        assert ggml == (str(t.ggml_type) if t.ggml_type is not None else "none (ds4py only)"), t.name
+        assert sizes == f"{t.block_size} / {t.block_bytes}", t.name
