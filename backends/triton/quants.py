@@ -214,7 +214,7 @@ def dequant_q6_k(row, k, mask):
     r = e % 128
     low = (_u8(block + c * 64 + r % 64, mask) >> ((r // 64) * 4)) & 15
     high = (_u8(block + 128 + c * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
-    sc = tl.load((block + 192 + e // 16).to(tl.pointer_type(tl.int8)), mask=mask, other=0).to(tl.float32)
+    sc = ((_u8(block + 192 + e // 16, mask) ^ 128) - 128).to(tl.float32)  # int8 scale
     return (_f16(block + 208, mask) * sc) * ((low | (high << 4)) - 32).to(tl.float32)
 
 
