@@ -57,7 +57,7 @@ def test_cpu_backend_serves_auto_on_cpu_only():
     assert OpSet().batch_invariant()
 
 
-@pytest.mark.parametrize("qtype", [*kernels.GGML_TYPE, "Q4_0"])   # Q4_0: a type the kernel does not read
+@pytest.mark.parametrize("qtype", [*kernels.GGML_TYPE, "TQ2_0"])   # TQ2_0: a type the kernel does not read
 @pytest.mark.parametrize("M", (1, 3, 16, 40))
 @pytest.mark.parametrize("fused", (True, False))
 def test_qmatmul_matches_reference(qtype, M, fused, monkeypatch):
