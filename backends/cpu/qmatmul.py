@@ -3,7 +3,8 @@
 - F32 weights are multiplied in place: the stored blocks are viewed as a float32 matrix (no copy).
 - The types qgemv.c reads (`kernels.GGML_TYPE`: F16, the legacy Q4/Q5/Q8_0, K-quants, IQ4, IQ2_XXS) with
   M <= SMALL_M (decode, verify) go through the fused dequantize-and-multiply kernel (backends/cpu/qgemv.c):
-  each block is dequantized into a small buffer and used by every row at once, so the weight is read once, in its stored size, and never materialized.
+  each block is dequantized into a small buffer and used by every row at once, so the weight is read once,
+  in its stored size, and never materialized.
   F32 weights of STREAM_BYTES or more (the LM head) take the kernel too: MKL's few-row product over
   a weight stored [N, K] is far from memory speed once the weight leaves the cache (2-row BLAS 34 ms,
   the kernel ~10 ms for the 132 MB F32 head of a 129,280-token vocabulary on an AMD EPYC core); smaller,
