@@ -102,9 +102,9 @@ def le_bytes(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def bit_planes(x: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
-    """`(x[..., None, :] >> shift) & mask` for each shift: `[..., k]` -> int64 `[..., len(shifts), k]`."""
-    s = torch.tensor(shifts, dtype=torch.int64, device=x.device)[:, None]
-    return (x.to(torch.int64)[..., None, :] >> s) & mask
+    """`(x[..., None, :] >> shift) & mask` for each shift: `[..., k]` -> `[..., len(shifts), k]` in x's dtype."""
+    s = torch.tensor(shifts, dtype=x.dtype, device=x.device)[:, None]
+    return (x[..., None, :] >> s) & mask
 
 
 def pack_planes(q: torch.Tensor, shifts: list[int]) -> torch.Tensor:

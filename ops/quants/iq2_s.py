@@ -21,7 +21,7 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     """uint8 `[..., 82]` -> float32 `[..., 256]`."""
     b = blocks.reshape(-1, BYTES)
     high = bit_planes(b[:, 66:74, None], _PAIRS, 3).reshape(-1, 32)
-    idx = b[:, 2:34].to(torch.int64) | (high << 8)
+    idx = b[:, 2:34].to(torch.int64) | (high.to(torch.int64) << 8)
     db = sub_scales(f16_field(b, 0), b[:, 74:82]).reshape(-1, 16, 1, 1)
     grid = GRID.to(b.device)[idx].reshape(-1, 16, 2, 8)
     signs = sign_values(b[:, 34:66]).reshape(-1, 16, 2, 8)

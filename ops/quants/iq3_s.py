@@ -24,7 +24,7 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     ls = torch.stack([b[:, 106:110] & 15, b[:, 106:110] >> 4], -1).flatten(1).to(torch.float32)
     db = (f16_field(b, 0) * (1 + 2 * ls)).reshape(-1, 8, 1, 1)
     high = bit_planes(b[:, 66:74, None], list(range(8)), 1).reshape(-1, 64)
-    grid = GRID.to(b.device)[b[:, 2:66].to(torch.int64) | (high << 8)].reshape(-1, 8, 8, 4)
+    grid = GRID.to(b.device)[b[:, 2:66].to(torch.int64) | (high.to(torch.int64) << 8)].reshape(-1, 8, 8, 4)
     signs = sign_values(b[:, 74:106]).reshape(-1, 8, 8, 4)
     return (db * grid * signs).reshape(*blocks.shape[:-1], BLOCK)
 

@@ -20,10 +20,10 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     b = blocks.reshape(-1, BYTES)
     low = bit_planes(b[:, 96:104], [0, 4], 15).reshape(-1, 16)
     high = bit_planes(b[:, 104:108], _PAIRS, 3).reshape(-1, 16)
-    scale = (f16_field(b, 108) * ((low | (high << 4)) - 32).to(torch.float32))[:, :, None]
+    scale = (f16_field(b, 108) * ((low | (high << 4)).to(torch.int32) - 32).to(torch.float32))[:, :, None]
     ql = bit_planes(b[:, 32:96].reshape(-1, 2, 32), _PAIRS, 3).reshape(-1, 256)
     h = bit_planes(b[:, :32], list(range(8)), 1).reshape(-1, 256)
-    q = (ql - 4 * (1 - h)).to(torch.float32).reshape(-1, 16, 16)
+    q = (ql.to(torch.int32) - 4 * (1 - h.to(torch.int32))).to(torch.float32).reshape(-1, 16, 16)
     return (scale * q).reshape(*blocks.shape[:-1], BLOCK)
 
 

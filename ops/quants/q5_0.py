@@ -6,7 +6,7 @@ reference one (as gguf-py's): `d = v/-16` for the value v of largest magnitude, 
 import torch
 
 from . import QuantType
-from ._blocks import f16_bytes, f16_field, le_bytes, u32_fields
+from ._blocks import bit_planes, f16_bytes, f16_field, le_bytes
 from .q4_0 import inverse, nibbles, pack_nibbles, signed_max
 
 BLOCK, BYTES = 32, 22
@@ -14,9 +14,9 @@ _BITS = torch.arange(32)
 
 
 def codes(b: torch.Tensor, qh_at: int) -> torch.Tensor:
-    """The 5-bit codes `[n, 32]` of Q5_0/Q5_1 blocks whose `qh` is at byte `qh_at` (nibbles follow it)."""
-    high = (u32_fields(b, qh_at, 1) >> _BITS.to(b.device)) & 1
-    return nibbles(b[:, qh_at + 4 :]).to(torch.int64) | (high << 4)
+    """The 5-bit codes (uint8 `[n, 32]`) of Q5_0/Q5_1 blocks whose `qh` is at byte `qh_at` (nibbles follow it)."""
+    high = bit_planes(b[:, qh_at : qh_at + 4, None], list(range(8)), 1).reshape(-1, 32)  # bit j of qh: element j
+    return nibbles(b[:, qh_at + 4 :]) | (high << 4)
 
 
 def pack_codes(q: torch.Tensor) -> torch.Tensor:
@@ -29,7 +29,7 @@ def pack_codes(q: torch.Tensor) -> torch.Tensor:
 def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     """uint8 `[..., 22]` -> float32 `[..., 32]`."""
     b = blocks.reshape(-1, BYTES)
-    q = (codes(b, 2) - 16).to(torch.float32)
+    q = (codes(b, 2).to(torch.int32) - 16).to(torch.float32)
     return (f16_field(b, 0) * q).reshape(*blocks.shape[:-1], BLOCK)
 
 

@@ -22,7 +22,7 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     scale = (f16_field(b, 0) * sc.to(torch.float32))[:, :, None]
     low = (f16_field(b, 2) * m.to(torch.float32))[:, :, None]
     qs = b[:, 48:].reshape(-1, 4, 1, 32)
-    ql = torch.cat([qs & 15, qs >> 4], 2).reshape(-1, 8, 32).to(torch.int64)
+    ql = torch.cat([qs & 15, qs >> 4], 2).reshape(-1, 8, 32)
     qh = bit_planes(b[:, 16:48], _EIGHT, 1)
     q = (ql | (qh << 4)).to(torch.float32)
     return (scale * q - low).reshape(*blocks.shape[:-1], BLOCK)

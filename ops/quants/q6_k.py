@@ -21,7 +21,7 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     scale = (f16_field(b, 208) * b[:, 192:208].contiguous().view(torch.int8).to(torch.float32))[:, :, None]
     ql = bit_planes(b[:, :128].reshape(-1, 2, 64), [0, 4], 15).reshape(-1, 256)
     qh = bit_planes(b[:, 128:192].reshape(-1, 2, 32), _PAIRS, 3).reshape(-1, 256)
-    q = ((ql | (qh << 4)) - 32).to(torch.float32).reshape(-1, 16, 16)
+    q = ((ql | (qh << 4)).to(torch.int32) - 32).to(torch.float32).reshape(-1, 16, 16)
     return (scale * q).reshape(*blocks.shape[:-1], BLOCK)
 
 

@@ -22,7 +22,7 @@ def ternary(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     """uint8 `[..., 66]` -> float32 `[..., 256]`."""
     b = blocks.reshape(-1, BYTES)
-    q = bit_planes(b[:, :64].reshape(-1, 2, 32), _PAIRS, 3).reshape(-1, 256) - 1
+    q = bit_planes(b[:, :64].reshape(-1, 2, 32), _PAIRS, 3).reshape(-1, 256).to(torch.int32) - 1
     return (f16_field(b, 64) * q.to(torch.float32)).reshape(*blocks.shape[:-1], BLOCK)
 
 
