@@ -51,7 +51,8 @@ def super_scale(scale: torch.Tensor, mult: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def codebook_quantize(target: torch.Tensor, grid: torch.Tensor, mult: torch.Tensor,
-                      db: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+                      db: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Groups `[n, S, C, G]` -> `d` `[n]`, `ls` `[n, S]` and point indices `[n, S, C]`; `db(d, ls)` is the
     decoder's exact per-sub-block scale."""
     scale, _ = fit(target, grid)
