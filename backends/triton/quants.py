@@ -210,12 +210,10 @@ def dequant_q6_k(row, k, mask):
     """Q6_K: 210-byte blocks of 256 = ql[128], qh[64], int8 scales[16], f16 d; y = d*scales[j]*(q - 32)."""
     block = row + (k // 256) * 210
     e = k % 256
-    c = e // 128
-    r = e % 128
-    low = (_u8(block + c * 64 + r % 64, mask) >> ((r // 64) * 4)) & 15
-    high = (_u8(block + 128 + c * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
-    sc = ((_u8(block + 192 + e // 16, mask) ^ 128) - 128).to(tl.float32)  # int8 scale
-    return (_f16(block + 208, mask) * sc) * ((low | (high << 4)) - 32).to(tl.float32)
+    scale = _f16(block + 208, mask) * ((_u8(block + 192 + e // 16, mask) ^ 128) - 128).to(tl.float32)
+    low = (_u8(block + (e // 128) * 64 + e % 64, mask) >> (((e // 64) % 2) * 4)) & 15
+    high = (_u8(block + 128 + (e // 128) * 32 + e % 32, mask) >> (((e // 32) % 4) * 2)) & 3
+    return scale * ((low | (high << 4)) - 32).to(tl.float32)
 
 
 @triton.jit
