@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +84,12 @@ class Prompt:
         self.parts.append((text, True))
 
     def plain(self, text: str) -> None:
-        """Append caller-supplied text, always tokenized as plain text."""
+        """Append caller-supplied text, always tokenized as plain text; it must be valid Unicode."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ChatFormatError(f"a lone surrogate at character {e.start} of {text[:40]!r}: text must be valid "
+                                  "Unicode") from None
         self.parts.append((text, False))
 
     @property
@@ -388,13 +393,16 @@ class CompletionParser:
     """Incremental parser of a generated reply: feed text pieces, get Deltas; never emits half a marker.
 
     thinking mode: reasoning up to `</think>`, then content. Content ends at EOS; a DSML tool-call block
-    (`\\n\\n<｜DSML｜tool_calls>`) yields one ToolCall per complete invoke. An invoke that does not parse is
-    passed on as content text, so no generated text is lost.
+    (`\\n\\n<｜DSML｜tool_calls>`) yields one ToolCall per complete invoke. An invoke that does not parse, or
+    that calls a name not in `tools` (when given), is passed on as content text, so no generated text is
+    lost; with `tools` empty no block is parsed at all.
     """
 
-    def __init__(self, thinking_mode: str = "chat"):
+    def __init__(self, thinking_mode: str = "chat", tools: Collection[str] | None = None):
         if thinking_mode not in THINKING_MODES:
             raise ChatFormatError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
+        self.tools = tools
+        self.content_markers = (EOS,) if tools is not None and not tools else (TOOL_CALLS_START, EOS)
         self.state = "reasoning" if thinking_mode == "thinking" else "content"
         self.buffer = ""
         self.block_start = ""  # the tool-call block's opening marker, until something of the block is out
@@ -419,7 +427,7 @@ class CompletionParser:
         """Consume from the buffer; False when more text is needed."""
         if self.state == "tools":
             return self._step_tools(out, final)
-        markers = (THINK_END, EOS) if self.state == "reasoning" else (TOOL_CALLS_START, EOS)
+        markers = (THINK_END, EOS) if self.state == "reasoning" else self.content_markers
         hits = [(self.buffer.find(m), m) for m in markers if m in self.buffer]
         if hits:
             at, marker = min(hits)
@@ -447,6 +455,7 @@ class CompletionParser:
             return final
         invoke, self.buffer = self.buffer[:end + len(INVOKE_END)], self.buffer[end + len(INVOKE_END):]
         call = parse_invoke(invoke)
+        call = call if call and (self.tools is None or call.name in self.tools) else None
         out.append(Delta(tool_call=call) if call else Delta(content=self.block_start + invoke))
         self.block_start = ""
         return True

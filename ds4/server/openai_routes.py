@@ -9,16 +9,24 @@ from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from ds4.chat import ChatFormatError, CompletionParser, prompt_ids
 from ds4.engine import Engine
 from ds4.errors import UsageError
 from ds4.sampling import SamplingParams
+from ds4.server.guards import json_body
 from ds4.server.schemas import ApiError, ChatRequest, CompletionRequest, SamplingFields, parse_body
 from ds4.server.streaming import Reply, StopMatcher, job_events, sse_stream, usage
 from ds4.server.worker import Finished, Job, Worker
 
 EFFORTS = {"low": None, "medium": None, "high": "high", "max": "max"}  # OpenAI names -> the V4 encoding's
+
+
+def tool_names(tools: list[dict] | None) -> frozenset[str]:
+    """The function names a reply may call: only these become tool_calls (none without tools)."""
+    return frozenset(t["function"]["name"] for t in tools or [] if isinstance(t, dict)
+                     and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str))
 
 
 def openai_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
@@ -49,7 +57,7 @@ def openai_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
                     job.cancel.set()
 
     def usage_chunk(body: SamplingFields, head: dict, done: Finished) -> list[dict]:
-        wanted = (body.stream_options or {}).get("include_usage")
+        wanted = body.stream_options and body.stream_options.include_usage
         return [{**head, "choices": [], "usage": usage(done)}] if wanted else []
 
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "ds4py"}
@@ -67,19 +75,20 @@ def openai_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request):
-        body: ChatRequest = await parse_body(request, ChatRequest, model_name)
+        body: ChatRequest = parse_body(await json_body(request), ChatRequest, model_name)
         mode = body.thinking_mode()
         tools = body.tools if body.tool_choice != "none" else None
         try:
-            fmt = body.response_format if (body.response_format or {}).get("type", "text") != "text" else None
-            ids = prompt_ids(engine.tokenizer, body.messages, mode, tools=tools, response_format=fmt,
-                             reasoning_effort=EFFORTS[body.reasoning_effort] if body.reasoning_effort else None)
+            fmt = body.response_format if body.response_format and body.response_format["type"] != "text" else None
+            ids = await run_in_threadpool(
+                prompt_ids, engine.tokenizer, body.messages, mode, tools=tools, response_format=fmt,
+                reasoning_effort=EFFORTS[body.reasoning_effort] if body.reasoning_effort else None)
         except ChatFormatError as e:
             raise ApiError(400, str(e), param="messages") from None
         job = queue_job(body, ids)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model_name}
-        parser, reply = CompletionParser(mode), Reply()
+        parser, reply = CompletionParser(mode, tool_names(tools)), Reply()
 
         async def events() -> AsyncIterator[tuple[list[dict], Finished | None]]:
             """(OpenAI deltas, None) as text arrives, then ([], Finished)."""
@@ -117,13 +126,14 @@ def openai_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(request: Request):
-        body: CompletionRequest = await parse_body(request, CompletionRequest, model_name)
+        body: CompletionRequest = parse_body(await json_body(request), CompletionRequest, model_name)
         if isinstance(body.prompt, list):
             bad = [t for t in body.prompt if not 0 <= t < engine.args.vocab_size]
             if bad:
                 raise ApiError(400, f"prompt token ids {bad[:5]} are outside [0, {engine.args.vocab_size})",
                                param="prompt")
-        ids = list(body.prompt) if isinstance(body.prompt, list) else engine.tokenizer.encode(body.prompt)
+        ids = list(body.prompt) if isinstance(body.prompt, list) else \
+            await run_in_threadpool(engine.tokenizer.encode, body.prompt)
         job = queue_job(body, ids)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": model_name}

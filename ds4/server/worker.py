@@ -6,10 +6,11 @@ that common prefix and prefills only the rest.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
-import traceback
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ds4.engine import Engine
@@ -18,6 +19,8 @@ from ds4.sampling import Sampler, SamplingParams
 from ds4.session import Session, Snapshot
 from ds4.speculative import SpecMetrics, check_draft, generate_ids
 from ds4.tokenizer import StreamDecoder
+
+log = logging.getLogger("ds4.server")
 
 
 @dataclass
@@ -29,6 +32,8 @@ class Finished:
     completion_tokens: int
     cached_tokens: int
     spec: SpecMetrics
+    first_token_s: float | None = None  # from submission to the first token
+    decode_s: float = 0.0                # from the first token to the last
 
 
 @dataclass
@@ -49,6 +54,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)
 
     def emit(self, event: str | Finished | Failed) -> None:
         """Hand an event to the request's event loop (from the worker thread)."""
@@ -72,6 +78,7 @@ class Worker:
         self.finished: list[Finished] = []   # the last 100 outcomes, newest last
         self.current: Job | None = None
         self.closing = False
+        self.on_finished: Callable[[Finished], None] | None = None  # e.g. the server's metrics
         self.thread = threading.Thread(target=self._run, name="ds4-worker", daemon=True)
         self.thread.start()
 
@@ -96,10 +103,12 @@ class Worker:
                     raise Ds4Error("the server is shutting down")
                 outcome = self._generate(job)
                 self.finished = [*self.finished[-99:], outcome]
+                if self.on_finished:
+                    self.on_finished(outcome)
             except Ds4Error as e:
                 self.session, outcome = None, Failed(503 if self.closing else 400, str(e))
             except Exception as e:  # a bug: log it here, tell the client only that it happened
-                traceback.print_exc()
+                log.exception("generation failed")
                 self.session, outcome = None, Failed(500, f"internal error ({type(e).__name__})")
             job.emit(outcome)
             self.current = None
@@ -140,7 +149,7 @@ class Worker:
                             eos_id=self.engine.tokenizer.eos_id, draft=self.mtp_draft, metrics=spec)
 
     def _generate(self, job: Job) -> Finished:
-        spec, count, reason = SpecMetrics(), 0, "length"
+        spec, count, reason, first_at = SpecMetrics(), 0, "length", None
         if job.cancel.is_set():
             return Finished("cancelled", len(job.ids), 0, 0, spec)
         cached = self._reuse(job.ids)
@@ -149,6 +158,7 @@ class Worker:
         try:
             for token in stream:
                 count += 1
+                first_at = first_at or time.monotonic()
                 if token == self.engine.tokenizer.eos_id:
                     reason = "stop"
                     break
@@ -163,4 +173,6 @@ class Worker:
         tail = decoder.flush()
         if tail:
             job.emit(tail)
-        return Finished(reason, len(job.ids), count, cached, spec)
+        first_token_s = first_at - job.submitted if first_at else None
+        return Finished(reason, len(job.ids), count, cached, spec, first_token_s,
+                        time.monotonic() - first_at if first_at else 0.0)
