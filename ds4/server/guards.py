@@ -78,7 +78,8 @@ class Guard:
             return ApiError(421, f"the Host header {headers.get('host', '')!r} is not this server "
                                  "(DNS rebinding guard; allow it with --allowed-host)", code="misdirected_request")
         if self.config.api_key is not None:
-            given = headers.get("authorization", "").removeprefix("Bearer ").strip() or headers.get("x-api-key", "")
+            bearer = headers.get("authorization", "")
+            given = bearer[len("Bearer "):] if bearer.startswith("Bearer ") else headers.get("x-api-key", "")
             if not hmac.compare_digest(given.encode(), self.config.api_key.encode()):
                 return ApiError(401, "a valid API key is required (Authorization: Bearer KEY, or x-api-key)",
                                 code="invalid_api_key")

@@ -1,0 +1,291 @@
+"""The server under hostile requests: every probed failure answers 4xx (never 5xx, never a traceback), the
+guards (API key, Host, JSON only, body size), the operations routes, and /health during a long prefill."""
+import http.client
+import json
+import logging
+import random
+import threading
+import time
+import urllib.parse
+
+import pytest
+
+import ds4
+from ds4.formats.vocab import DSML, EOS
+from ds4.server.app import create_app
+from ds4.server.guards import MAX_DEPTH, GuardConfig
+from ds4.server.worker import Worker
+from tests.test_serve import MODEL, WEATHER_CALL, WEATHER_TOOL, LiveServer, ScriptedWorker
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+class Records(logging.Handler):
+    """Collects log records that carry a traceback."""
+
+    def __init__(self):
+        super().__init__()
+        self.tracebacks = []
+
+    def emit(self, record):
+        if record.exc_info:
+            self.tracebacks.append(record)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_gguf):
+    return ds4.load(tiny_gguf[0], backend="torch")  # the default context fits tool prompts
+
+
+def serve(engine, script="ok" + EOS, **guards):
+    worker = ScriptedWorker(engine, script)
+    server = LiveServer(create_app(engine, worker=worker, guards=GuardConfig(**guards)))
+    records = Records()
+    for name in ("uvicorn", "ds4.server"):
+        logging.getLogger(name).addHandler(records)
+    return server, worker, records
+
+
+def stop(server, records):
+    for name in ("uvicorn", "ds4.server"):
+        logging.getLogger(name).removeHandler(records)
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def hostile(engine):
+    server, worker, records = serve(engine, max_body_bytes=1 << 20)
+    yield server, worker, records
+    stop(server, records)
+
+
+def request(server, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+            chunked: bool = False) -> tuple[int, dict | str]:
+    """A raw HTTP request (http.client: any header, any body)."""
+    url = urllib.parse.urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    conn.request(method, path, body, {k: v for k, v in headers.items() if v is not None}, encode_chunked=chunked)
+    r = conn.getresponse()
+    text = r.read().decode()
+    conn.close()
+    return r.status, json.loads(text) if r.headers.get("content-type", "").startswith("application/json") else text
+
+
+def nested(depth: int):
+    value = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def chat(**change) -> bytes:
+    """A chat body; the value DEEP becomes 2,000 nested arrays (too deep for json.dumps to write)."""
+    return json.dumps({**CHAT, **change}).replace(f'"{DEEP}"', "[" * 2000 + "1" + "]" * 2000).encode()
+
+
+SURROGATE = "a\ud800b"
+DEEP = "@deep@"
+HOSTILE = [  # (path, body, headers, status, part of the message)
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": SURROGATE}]), {}, 400, "lone surrogate"),
+    ("/v1/chat/completions", chat(messages=[{"role": "system", "content": SURROGATE},
+                                            {"role": "user", "content": "hi"}]), {}, 400, "messages[0].content"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": SURROGATE}}]), {}, 400,
+     "tools[0].function.name"),
+    ("/v1/completions", json.dumps({"model": MODEL, "prompt": SURROGATE}).encode(), {}, 400, "lone surrogate"),
+    ("/v1/chat/completions", chat(stop=SURROGATE), {}, 400, "stop"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": DEEP}]), {}, 400, "nested deeper than"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": DEEP}}]), {},
+     400, "nested deeper than"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                                          "schema": DEEP}}),
+     {}, 400, "nested deeper than"),
+    ("/v1/chat/completions", chat(messages=nested(MAX_DEPTH)), {}, 400, f"nested deeper than {MAX_DEPTH}"),
+    ("/v1/chat/completions", chat(stop=""), {}, 400, "stop: String should have at least 1 character"),
+    ("/v1/chat/completions", chat(response_format={"type": "bogus"}), {}, 400, "response_format"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), {}, 400,
+     "json_schema.schema: Field required"),
+    ("/v1/chat/completions", chat(stream=True, stream_options={"include_usage": "yes"}), {}, 400,
+     "stream_options"),
+    ("/v1/chat/completions", chat(), {"Content-Type": "text/plain"}, 415, "must be JSON"),
+    ("/v1/chat/completions", chat(), {"Content-Type": None}, 415, "must be JSON"),
+    ("/v1/chat/completions", chat(), {"Host": "evil.example"}, 421, "DNS rebinding"),
+    ("/health", None, {"Host": "attacker.test:8000"}, 421, "is not this server"),
+    ("/v1/chat/completions", b"x" * 100, {"Content-Length": str(2 << 20)}, 413, "larger than 1 MB"),
+    ("/v1/completions", b"[" * 100_000, {}, 400, "nested deeper than"),
+    ("/v1/completions", b"\xff\xfe", {}, 400, "not valid JSON"),
+    ("/tokenize", json.dumps({"prompt": "hi", "messages": []}).encode(), {}, 400, "exactly one of"),
+    ("/detokenize", json.dumps({"tokens": [1, 10**9]}).encode(), {}, 400, "outside"),
+    ("/tokenize", json.dumps({"messages": [{"role": "user", "content": SURROGATE}]}).encode(), {}, 400,
+     "lone surrogate"),
+]
+
+
+@pytest.mark.parametrize("path, body, headers, status, message", HOSTILE)
+def test_hostile_request_table(hostile, path, body, headers, status, message):
+    server, _, records = hostile
+    got, answer = request(server, "GET" if body is None else "POST", path, body, headers)
+    assert (got, message in answer["error"]["message"]) == (status, True), answer
+    assert not records.tracebacks
+
+
+def test_body_limit_holds_without_a_declared_length(hostile):
+    server, _, records = hostile
+    body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * (1 << 20)}]}).encode()
+    assert request(server, "POST", "/v1/chat/completions", body, chunked=True)[0] == 413
+    assert not records.tracebacks
+
+
+def fuzz_value(rng: random.Random, depth: int = 0):
+    kinds = ["int", "float", "str", "bool", "null", "list", "dict", "big", "neg"]
+    kind = rng.choice(kinds if depth < 3 else kinds[:5])
+    return {"int": lambda: rng.randint(-3, 300), "float": lambda: rng.uniform(-5, 5), "big": lambda: 10**30,
+            "str": lambda: rng.choice(["", "auto", "none", "text", "\u0000", "<｜User｜>", "x" * 50, "json_object"]),
+            "bool": lambda: rng.random() < 0.5, "null": lambda: None, "neg": lambda: -1,
+            "list": lambda: [fuzz_value(rng, depth + 1) for _ in range(rng.randint(0, 3))],
+            "dict": lambda: {rng.choice(["type", "role", "content", "name", "x"]): fuzz_value(rng, depth + 1)
+                             for _ in range(rng.randint(0, 3))}}[kind]()
+
+
+FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+          "stream", "stream_options", "n", "tools", "tool_choice", "response_format", "thinking", "logprobs",
+          "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "reasoning_effort", "user"]
+
+
+def test_seeded_fuzz_of_request_bodies(hostile):
+    server, worker, records = hostile
+    rng = random.Random(27)
+    seen = set()
+    for _ in range(150):
+        path = rng.choice(["/v1/chat/completions", "/v1/completions", "/tokenize"])
+        body = {**CHAT, "prompt": "hi"} if path != "/tokenize" else {"prompt": "hi"}
+        for _ in range(rng.randint(1, 3)):
+            body[rng.choice(FIELDS)] = fuzz_value(rng)
+        status, answer = request(server, "POST", path, json.dumps(body).encode())
+        assert status in (200, 400, 404), (body, answer)
+        seen.add(status)
+    assert seen == {200, 400, 404} and not records.tracebacks
+    assert 'status="500"' not in request(server, "GET", "/metrics")[1]
+
+
+def test_unexpected_errors_are_logged_once(engine):
+    server, _, records = serve(engine)
+    app = server.server.config.app
+
+    async def broken():
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/broken", broken)
+    try:
+        status, answer = request(server, "GET", "/broken")
+        assert (status, answer["error"]["message"]) == (500, "internal error (RuntimeError)")
+        assert len(records.tracebacks) == 1 and "a bug" in str(records.tracebacks[0].exc_info[1])
+    finally:
+        stop(server, records)
+
+
+def test_tool_calls_only_for_declared_tools(hostile):
+    server, worker, _ = hostile
+    worker.script = WEATHER_CALL
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    for tools, choice in ((None, None), ([WEATHER_TOOL], "none"), ([other], "auto")):
+        extra = {"tools": tools, "tool_choice": choice} if tools else {}
+        r = server.client.chat.completions.create(model=MODEL, messages=messages, **extra)
+        assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+        assert f'<{DSML}invoke name="get_weather">' in r.choices[0].message.content
+    r = server.client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, other])
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
+    worker.script = "ok" + EOS
+
+
+def test_api_key_on_every_endpoint(engine):
+    server, _, records = serve(engine, api_key="s3cret")
+    try:
+        for method, path, body in (("GET", "/health", None), ("GET", "/metrics", None), ("GET", "/v1/models", None),
+                                   ("POST", "/v1/chat/completions", chat()), ("POST", "/tokenize", b"{}")):
+            for key in (None, "Bearer wrong", "s3cret"):
+                status, _ = request(server, method, path, body, {"Authorization": key})
+                assert status == 401, (path, key)
+        assert request(server, "GET", "/health", None, {"Authorization": "Bearer s3cret"})[0] == 200
+        assert request(server, "GET", "/v1/models", None, {"x-api-key": "s3cret"})[0] == 200
+        server.client.api_key = "s3cret"
+        assert server.client.chat.completions.create(model=MODEL, messages=CHAT["messages"]).choices[0]
+    finally:
+        stop(server, records)
+
+
+def test_tokenize_detokenize_and_metrics(hostile):
+    server, worker, _ = hostile
+    tokenizer = worker.engine.tokenizer
+    status, answer = request(server, "POST", "/tokenize", json.dumps({"prompt": "Hello world"}).encode())
+    assert status == 200 and answer["tokens"] == tokenizer.encode("Hello world") and answer["count"] > 0
+    status, chat_ids = request(server, "POST", "/tokenize", json.dumps({"messages": CHAT["messages"]}).encode())
+    assert status == 200 and chat_ids["count"] > answer["count"] - 2
+    status, text = request(server, "POST", "/detokenize", json.dumps({"tokens": answer["tokens"]}).encode())
+    assert (status, text) == (200, {"prompt": "Hello world"})
+    server.client.chat.completions.create(model=MODEL, messages=CHAT["messages"])
+    server.client.chat.completions.create(model=MODEL, messages=CHAT["messages"])
+    status, exposition = request(server, "GET", "/metrics")
+    assert status == 200
+    for name in ("ds4_requests_total", "ds4_completion_tokens_total", "ds4_time_to_first_token_seconds_bucket",
+                 "ds4_decode_tokens_per_second_bucket", "ds4_spec_acceptance_rate", "ds4_prefix_cache_hits_total"):
+        assert name in exposition, name
+    assert 'ds4_requests_total{path="/v1/chat/completions",status="200"}' in exposition
+    assert request(server, "GET", "/health")[1]["status"] == "ok"
+
+
+def timed_gets(server, path: str, busy, count: int = 5) -> list[float]:
+    """Latencies of GET `path` sent while `busy()` holds (at least one)."""
+    latencies = []
+    while busy() or not latencies:
+        start = time.monotonic()
+        assert request(server, "GET", path)[0] == 200
+        latencies.append(time.monotonic() - start)
+        if len(latencies) >= count:
+            break
+        time.sleep(0.05)
+    return latencies
+
+
+def test_endpoints_answer_during_a_long_tokenize(engine):
+    server, _, records = serve(engine)
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "hello world, this is text " * 50_000}).encode()  # 1.3 MB
+        out = {}
+        thread = threading.Thread(target=lambda: out.update(r=request(server, "POST", "/v1/completions", body)))
+        thread.start()
+        time.sleep(0.3)  # the body is read and being tokenized
+        latencies = timed_gets(server, "/v1/models", thread.is_alive)
+        thread.join()
+        assert out["r"][0] == 400 and out["r"][1]["error"]["code"] == "context_length_exceeded"
+        assert max(latencies) < 1.0, latencies  # generous: the tokenizer runs in a thread, not on the loop
+    finally:
+        stop(server, records)
+
+
+def test_health_answers_during_a_long_prefill(tiny_gguf):
+    engine = ds4.load(tiny_gguf[0], backend="torch", ctx=2048, prefill_chunk=256)
+    worker = Worker(engine)
+    server = LiveServer(create_app(engine, worker=worker))
+    try:
+        ids = [random.Random(0).randrange(3, 500) for _ in range(2000)]
+        prefilling = threading.Event()
+        engine_session = engine.session
+
+        def watched_session(*args, **kwargs):
+            session = engine_session(*args, **kwargs)
+            session.on_chunk = lambda n: prefilling.set()
+            return session
+
+        engine.session = watched_session
+        thread = threading.Thread(target=lambda: server.client.completions.create(model=MODEL, prompt=ids,
+                                                                                  max_tokens=1))
+        thread.start()
+        assert prefilling.wait(60)
+        latencies = timed_gets(server, "/health", lambda: worker.current is not None)
+        thread.join()
+        assert max(latencies) < 1.0, latencies  # the prefill runs in the worker thread
+        assert worker.finished[-1].prompt_tokens == 2000 and len(latencies) > 1
+    finally:
+        server.close()
