@@ -6,7 +6,9 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-MAX_STOPS = 16  # stop strings a request may give
+MAX_STOPS = 16  # stop strings (and stop token ids) a request may give
+MAX_N = 8  # choices one request may ask for
+MAX_TOP_LOGPROBS = 20  # alternatives per token (chat; completions: 5, as OpenAI)
 
 
 class ApiError(Exception):
@@ -71,12 +73,14 @@ class SamplingFields(BaseModel):
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: Annotated[str, Field(min_length=1)] | \
         Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOPS)] | None = None
-    n: Literal[1] = 1
-    frequency_penalty: Literal[0] = 0
-    presence_penalty: Literal[0] = 0
-    logprobs: Literal[False] | None = None  # not supported: refused rather than ignored, as below
-    top_logprobs: Literal[0] | None = None
-    logit_bias: Annotated[dict, Field(max_length=0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=1024)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOPS)] | None = None
 
     def stops(self) -> list[str]:
         """The stop strings as a list."""
@@ -92,6 +96,14 @@ class ChatRequest(SamplingFields):
     reasoning_effort: Literal["low", "medium", "high", "max"] | None = None
     response_format: dict | None = None  # checked as a ResponseFormat; the dict is what the prompt shows
     thinking: dict | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    def logprob_count(self) -> int | None:
+        """None when logprobs are off, else the alternatives per token."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("response_format")
     @classmethod
@@ -119,6 +131,11 @@ class CompletionRequest(SamplingFields):
     echo: Literal[False] = False
     suffix: None = None
     best_of: Literal[1] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+    def logprob_count(self) -> int | None:
+        """None when logprobs are off, else the alternatives per token."""
+        return self.logprobs
 
 
 def validation_message(e: ValidationError, keys: bool = False) -> tuple[str, str]:

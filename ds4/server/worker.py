@@ -10,12 +10,15 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
+
 from ds4.engine import Engine
 from ds4.errors import Ds4Error, UsageError
-from ds4.sampling import Sampler, SamplingParams
+from ds4.sampling import LogitAdjustments, Sampler, SamplingParams
 from ds4.session import Session, Snapshot
 from ds4.speculative import SpecMetrics, check_draft, generate_ids
 from ds4.tokenizer import StreamDecoder
@@ -37,6 +40,16 @@ class Finished:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the model (before any sampling filter or adjustment)
+    and the `top` most likely tokens with theirs."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Failed:
     """A generation that raised: the message for the client."""
 
@@ -46,17 +59,21 @@ class Failed:
 
 @dataclass
 class Job:
-    """One queued generation; its events (token texts, then Finished or Failed) go to an asyncio queue."""
+    """One queued generation; its events (token texts, each token's TokenLogprob first when `logprobs` is a
+    count, then Finished or Failed) go to an asyncio queue."""
 
     ids: list[int]
     max_tokens: int
     sampling: SamplingParams
     loop: asyncio.AbstractEventLoop
+    adjust: LogitAdjustments = LogitAdjustments()
+    logprobs: int | None = None      # None: off; else how many top alternatives each token reports
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the generation (their text is not emitted)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
 
-    def emit(self, event: str | Finished | Failed) -> None:
+    def emit(self, event: str | TokenLogprob | Finished | Failed) -> None:
         """Hand an event to the request's event loop (from the worker thread)."""
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -79,6 +96,7 @@ class Worker:
         self.current: Job | None = None
         self.closing = False
         self.on_finished: Callable[[Finished], None] | None = None  # e.g. the server's metrics
+        self.rows: deque[torch.Tensor] = deque()  # the logits each token yielded by tokens() was chosen from
         self.thread = threading.Thread(target=self._run, name="ds4-worker", daemon=True)
         self.thread.start()
 
@@ -138,15 +156,46 @@ class Worker:
 
     def tokens(self, job: Job, cached: int, spec: SpecMetrics) -> Iterator[int]:
         """The generated ids of a job (the session holds ids[:cached]); snapshots the session before the last
-        prompt token, so the next turn of this conversation can come back here."""
+        prompt token, so the next turn of this conversation can come back here. A job with logit adjustments
+        decodes plainly (no speculation: drafts would be drawn from the unadjusted distribution)."""
         session, fresh = self.session, job.ids[cached:-1]
         if fresh:
             session.mtp_paused = not self.mtp_draft  # as generate_ids' own prefill would
             session.forward(fresh, None, mtp_min=session.pos + len(fresh) + 1 - self.engine.args.window)
             session.mtp_paused = False
         self.snapshot = session.snapshot()
+        keep = self.rows.append if job.logprobs is not None else None
+        if job.adjust.active:
+            return self.adjusted(job, keep)
         return generate_ids(session, job.ids[-1:], max_tokens=job.max_tokens, sampler=Sampler(job.sampling),
-                            eos_id=self.engine.tokenizer.eos_id, draft=self.mtp_draft, metrics=spec)
+                            eos_id=self.engine.tokenizer.eos_id, draft=self.mtp_draft, metrics=spec, on_logits=keep)
+
+    def adjusted(self, job: Job, keep: Callable[[torch.Tensor], None] | None) -> Iterator[int]:
+        """Plain decoding with the job's logit adjustments applied before every choice."""
+        session, sampler, generated = self.session, Sampler(job.sampling), []
+        session.mtp_paused = True
+        try:
+            logits = session.prefill(job.ids[-1:])
+            while True:
+                token = sampler.sample(job.adjust.apply(logits, job.ids, generated))
+                if keep:
+                    keep(logits)
+                yield token
+                generated.append(token)
+                if len(generated) >= job.max_tokens or token == self.engine.tokenizer.eos_id:
+                    return
+                logits = session.decode(token)
+        finally:
+            session.mtp_paused = False
+
+    def logprob(self, job: Job, token: int) -> TokenLogprob | None:
+        """The TokenLogprob of a token just yielded, when the job asked for them."""
+        if job.logprobs is None or not self.rows:
+            return None
+        logprobs = torch.log_softmax(self.rows.popleft().to("cpu", torch.float32).reshape(-1), -1)
+        top = torch.topk(logprobs, job.logprobs) if job.logprobs else None
+        return TokenLogprob(token, float(logprobs[token]),
+                            list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else [])
 
     def _generate(self, job: Job) -> Finished:
         spec, count, reason, first_at = SpecMetrics(), 0, "length", None
@@ -154,14 +203,18 @@ class Worker:
             return Finished("cancelled", len(job.ids), 0, 0, spec)
         cached = self._reuse(job.ids)
         decoder = StreamDecoder(self.engine.tokenizer)
+        self.rows.clear()
         stream = self.tokens(job, cached, spec)
         try:
             for token in stream:
                 count += 1
                 first_at = first_at or time.monotonic()
-                if token == self.engine.tokenizer.eos_id:
+                logprob = self.logprob(job, token)
+                if token == self.engine.tokenizer.eos_id or token in job.stop_ids:
                     reason = "stop"
                     break
+                if logprob:
+                    job.emit(logprob)
                 piece = decoder.push(token)
                 if piece:
                     job.emit(piece)
