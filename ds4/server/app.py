@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from ds4.engine import Engine, load
 from ds4.errors import Ds4Error, UsageError
+from ds4.server.anthropic_routes import ANTHROPIC_PREFIX, anthropic_router
 from ds4.server.guards import Guard, GuardConfig, allowed_hosts, is_loopback
 from ds4.server.metrics import Metered, Metrics
 from ds4.server.openai_routes import openai_router
@@ -73,13 +74,15 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, worker: Wor
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return e.response()
+        return e.response(anthropic=request.url.path.startswith(ANTHROPIC_PREFIX))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").response()
+        error = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+        return error.response(anthropic=request.url.path.startswith(ANTHROPIC_PREFIX))
 
-    routers = [openai_router(engine, worker, model_name), ops_router(engine, worker, metrics, model_name)]
+    routers = [openai_router(engine, worker, model_name), anthropic_router(engine, worker, model_name),
+               ops_router(engine, worker, metrics, model_name)]
     for router in routers:
         app.include_router(router)
     app.add_middleware(LogOnce)

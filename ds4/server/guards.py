@@ -69,7 +69,7 @@ class Guard:
         headers = Headers(scope=scope)
         error = self.check(scope, headers)
         if error:
-            return await error.response()(scope, receive, send)
+            return await error.response(anthropic=scope["path"].startswith("/v1/messages"))(scope, receive, send)
         await self.app(scope, receive, send)
 
     def check(self, scope: Scope, headers: Headers) -> ApiError | None:

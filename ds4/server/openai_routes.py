@@ -5,7 +5,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -17,7 +16,7 @@ from ds4.errors import UsageError
 from ds4.sampling import LogitAdjustments, SamplingParams
 from ds4.server.guards import json_body
 from ds4.server.schemas import ApiError, ChatRequest, CompletionRequest, SamplingFields, parse_body
-from ds4.server.streaming import Reply, StopMatcher, chat_logprobs, completion_logprobs, job_events, sse_stream, usage
+from ds4.server.streaming import Reply, StopMatcher, chat_logprobs, completion_logprobs, cut_texts, sse_stream, usage
 from ds4.server.worker import Finished, Job, TokenLogprob, Worker
 
 EFFORTS = {"low": None, "medium": None, "high": "high", "max": "max"}  # OpenAI names -> the V4 encoding's
@@ -74,21 +73,8 @@ def openai_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
                             body.logprob_count(), stop_ids))
         return [worker.submit(job) for job in jobs]
 
-    async def texts(job: Job, request: Request, stops: list[str]) -> AsyncIterator[str | TokenLogprob | Finished]:
-        """The job's texts (and logprobs) cut at the first stop string (which ends the generation), then its
-        Finished."""
-        stopper = StopMatcher(stops)
-        async for event in job_events(job, request):
-            if isinstance(event, Finished):
-                yield stopper.flush()
-                yield replace(event, reason="stop") if stopper.hit else event
-            elif isinstance(event, TokenLogprob):
-                if not stopper.hit:
-                    yield event
-            else:
-                yield stopper.feed(event)
-                if stopper.hit:
-                    job.cancel.set()
+    def texts(job: Job, request: Request, stops: list[str]) -> AsyncIterator[str | TokenLogprob | Finished]:
+        return cut_texts(job, request, StopMatcher(stops))
 
     def usage_chunk(body: SamplingFields, head: dict, done: list[Finished]) -> list[dict]:
         wanted = body.stream_options and body.stream_options.include_usage

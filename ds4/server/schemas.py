@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+ANTHROPIC_ERRORS = {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+                    503: "overloaded_error"}
 MAX_STOPS = 16  # stop strings (and stop token ids) a request may give
 MAX_N = 8  # choices one request may ask for
 MAX_TOP_LOGPROBS = 20  # alternatives per token (chat; completions: 5, as OpenAI)
@@ -18,8 +20,12 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
 
-    def response(self) -> JSONResponse:
-        """The JSON body OpenAI clients expect."""
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        """The JSON body OpenAI clients expect (or, with `anthropic`, Anthropic's)."""
+        if anthropic:
+            kind = ANTHROPIC_ERRORS.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+            return JSONResponse({"type": "error", "error": {"type": kind, "message": self.message}},
+                                status_code=self.status)
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
                                        "code": self.code}}, status_code=self.status)

@@ -5,7 +5,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 
@@ -22,7 +22,7 @@ class StopMatcher:
     """Cuts generated text at the first stop string, holding back text that may start one."""
 
     def __init__(self, stops: list[str]):
-        self.stops, self.buffer, self.hit = stops, "", False
+        self.stops, self.buffer, self.hit = stops, "", None  # hit: the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """The text that is safe to emit now."""
@@ -31,8 +31,8 @@ class StopMatcher:
         self.buffer += text
         found = [(self.buffer.find(s), s) for s in self.stops if s in self.buffer]
         if found:
-            self.hit = True
-            out, self.buffer = self.buffer[:min(found)[0]], ""
+            at, self.hit = min(found)
+            out, self.buffer = self.buffer[:at], ""
             return out
         keep = held_back(self.buffer, self.stops)
         out, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
@@ -67,6 +67,22 @@ async def job_events(job: Job, request: Request) -> AsyncIterator[str | Finished
                 return
     finally:
         job.cancel.set()
+
+
+async def cut_texts(job: Job, request: Request, stopper: StopMatcher) -> AsyncIterator[str | TokenLogprob | Finished]:
+    """The job's texts (and logprobs) cut at the first stop string (which ends the generation), then its
+    Finished (reason "stop" after a stop string)."""
+    async for event in job_events(job, request):
+        if isinstance(event, Finished):
+            yield stopper.flush()
+            yield replace(event, reason="stop") if stopper.hit else event
+        elif isinstance(event, TokenLogprob):
+            if not stopper.hit:
+                yield event
+        else:
+            yield stopper.feed(event)
+            if stopper.hit:
+                job.cancel.set()
 
 
 def sse(data: dict | str) -> str:
