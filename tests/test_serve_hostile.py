@@ -12,10 +12,10 @@ import pytest
 
 import ds4
 from ds4.formats.vocab import DSML, EOS
-from ds4.server.app import create_app
-from ds4.server.guards import MAX_DEPTH, GuardConfig
+from ds4.server.app import create_app, main
+from ds4.server.guards import MAX_DEPTH, GuardConfig, allowed_hosts, exposure_warning
 from ds4.server.worker import Worker
-from tests.test_serve import MODEL, WEATHER_CALL, WEATHER_TOOL, LiveServer, ScriptedWorker
+from tests.test_serve import MODEL, WEATHER_CALL, WEATHER_TOOL, LiveServer, ScriptedWorker, rss_mb
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -140,8 +140,11 @@ def test_hostile_request_table(hostile, path, body, headers, status, message):
 def test_body_limit_holds_without_a_declared_length(hostile):
     server, _, records = hostile
     body = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * (1 << 20)}]}).encode()
-    assert request(server, "POST", "/v1/chat/completions", body, chunked=True)[0] == 413
-    assert not records.tracebacks
+    before = rss_mb()
+    for _ in range(4):
+        assert request(server, "POST", "/v1/chat/completions", body, chunked=True)[0] == 413
+        assert request(server, "POST", "/v1/chat/completions", body[:100], {"Content-Length": str(50 << 20)})[0] == 413
+    assert rss_mb() - before < 50 and not records.tracebacks
 
 
 def fuzz_value(rng: random.Random, depth: int = 0):
@@ -298,3 +301,18 @@ def test_health_answers_during_a_long_prefill(tiny_gguf):
         assert worker.finished[-1].prompt_tokens == 2000 and len(latencies) > 1
     finally:
         server.close()
+
+
+def test_exposure_warning_hosts_and_flags(capsys):
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
+    assert exposure_warning("0.0.0.0", "k") is None
+    assert "without --api-key" in exposure_warning("0.0.0.0", None)
+    assert "without --api-key" in exposure_warning("192.168.1.5", None)
+    config = GuardConfig(allowed_hosts=allowed_hosts("192.168.1.5", ["box.lan"]))
+    assert all(config.host_allowed(h) for h in ("192.168.1.5:8000", "box.lan", "localhost:1", "[::1]:8000"))
+    assert not any(config.host_allowed(h) for h in ("evil.example", "192.168.1.6:8000", ""))
+    assert not GuardConfig(allowed_hosts=allowed_hosts("0.0.0.0", [])).host_allowed("0.0.0.0:8000")
+    for argv, message in ((["--max-body-mb", "0"], "--max-body-mb must be in (0, 4096], got 0.0"),
+                          (["--api-key", " "], "--api-key (DS4_API_KEY) is empty")):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 from ds4.engine import Engine, load
 from ds4.errors import Ds4Error, UsageError
 from ds4.server.anthropic_routes import ANTHROPIC_PREFIX, anthropic_router
-from ds4.server.guards import Guard, GuardConfig, allowed_hosts, is_loopback
+from ds4.server.guards import Guard, GuardConfig, allowed_hosts, exposure_warning
 from ds4.server.metrics import Metered, Metrics
 from ds4.server.openai_routes import openai_router
 from ds4.server.ops_routes import ops_router
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     except Ds4Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not is_loopback(a.host) and a.api_key is None:
-        print(f"warning: serving on {a.host} without --api-key: anyone who can reach this port can use the model",
-              file=sys.stderr)
+    warning = exposure_warning(a.host, a.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level="info")
     return 0
 

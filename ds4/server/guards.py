@@ -50,6 +50,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning for a server reachable from the network with no API key, if it is one."""
+    if is_loopback(host) or api_key is not None:
+        return None
+    return f"warning: serving on {host} without --api-key: anyone who can reach this port can use the model"
+
+
 def allowed_hosts(bind: str, extra: list[str]) -> list[str]:
     """The Host names a server bound to `bind` answers: loopback names, the bound address, and `extra`."""
     names = [*LOOPBACK_NAMES, *([] if bind in ("0.0.0.0", "::") else [bind])]
