@@ -13,6 +13,8 @@ from starlette.concurrency import run_in_threadpool
 from ds4.chat import ChatFormatError, CompletionParser, prompt_ids
 from ds4.engine import Engine
 from ds4.errors import UsageError
+from ds4.formats.vocab import THINK_END
+from ds4.grammar import Constraint, json_grammar, tool_call_grammar
 from ds4.sampling import LogitAdjustments, SamplingParams
 from ds4.server.guards import json_body
 from ds4.server.schemas import ApiError, ChatRequest, CompletionRequest, SamplingFields, parse_body
@@ -28,6 +30,26 @@ def tool_names(tools: list[dict] | None) -> frozenset[str]:
                      and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str))
 
 
+def chat_grammar(body: ChatRequest, tools: list[dict] | None) -> str | None:
+    """The grammar a chat reply must follow: tool calls for tool_choice required or named, JSON for a
+    json_object / json_schema response_format, else none."""
+    choice = body.tool_choice
+    if choice == "required" or choice is not None and not isinstance(choice, str):
+        functions = [t["function"] for t in tools or [] if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+        if not isinstance(choice, str):
+            functions = [f for f in functions if f.get("name") == choice.function.name]
+        if not functions:
+            raise ApiError(400, "tool_choice names a function that is not in tools" if not isinstance(choice, str)
+                           else "tool_choice 'required' needs tools", param="tool_choice")
+        return tool_call_grammar(functions)
+    kind = (body.response_format or {}).get("type")
+    if kind == "json_object":
+        return json_grammar()
+    if kind == "json_schema":
+        return json_grammar(body.response_format["json_schema"]["schema"])
+    return None
+
+
 def cancel(jobs: list[Job]) -> None:
     """Cancel a request's jobs (a choice not yet read when the client left, or after an error)."""
     for job in jobs:
@@ -38,6 +60,7 @@ def openai_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
     """The OpenAI routes serving `engine` through `worker` under `model_name`."""
     router = APIRouter()
     vocab, eos = engine.args.vocab_size, engine.tokenizer.eos_id
+    think_end = engine.tokenizer.encode(THINK_END, specials=True)[0]
 
     def token_ids(ids: list[int], param: str) -> list[int]:
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -54,15 +77,24 @@ def openai_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
         return LogitAdjustments(body.presence_penalty, body.frequency_penalty, body.repetition_penalty, bias,
                                 (eos, *stop_ids), body.min_tokens, (eos,) if body.ignore_eos else ())
 
-    def queue_jobs(body: SamplingFields, ids: list[int]) -> list[Job]:
-        """The request's n jobs (choice i seeded with seed + i), queued."""
+    def constraints(grammar: str | None, n: int) -> list[Constraint | None]:
+        """One grammar state per choice (ApiError when the grammar cannot be enforced)."""
+        try:
+            return [Constraint(engine.tokenizer, vocab, grammar) if grammar else None for _ in range(n)]
+        except UsageError as e:
+            raise ApiError(400, str(e), param="response_format") from None
+
+    def queue_jobs(body: SamplingFields, ids: list[int], states: list[Constraint | None] | None = None,
+                   after: int | None = None) -> list[Job]:
+        """The request's n jobs (choice i seeded with seed + i), queued; `states` constrain their outputs (after
+        the token `after`, when given)."""
         if len(ids) >= engine.ctx:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the context is {engine.ctx} tokens",
                            code="context_length_exceeded", param="messages")
         wanted = body.max_completion_tokens or body.max_tokens or engine.ctx
         adjust = adjustments(body)
         stop_ids = frozenset(token_ids(body.stop_token_ids or [], "stop_token_ids"))
-        jobs = []
+        jobs, states = [], states or [None] * body.n
         for i in range(body.n):
             seed = None if body.seed is None else (body.seed + i) % 2**63
             try:
@@ -70,7 +102,7 @@ def openai_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
             except UsageError as e:
                 raise ApiError(400, str(e)) from None
             jobs.append(Job(ids, min(wanted, engine.ctx - len(ids)), sampling, asyncio.get_running_loop(), adjust,
-                            body.logprob_count(), stop_ids))
+                            body.logprob_count(), stop_ids, states[i], after))
         return [worker.submit(job) for job in jobs]
 
     def texts(job: Job, request: Request, stops: list[str]) -> AsyncIterator[str | TokenLogprob | Finished]:
@@ -105,7 +137,9 @@ def openai_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
                 reasoning_effort=EFFORTS[body.reasoning_effort] if body.reasoning_effort else None)
         except ChatFormatError as e:
             raise ApiError(400, str(e), param="messages") from None
-        jobs = queue_jobs(body, ids)
+        grammar = chat_grammar(body, tools)
+        states = await run_in_threadpool(constraints, grammar, body.n) if grammar else None
+        jobs = queue_jobs(body, ids, states, think_end if mode == "thinking" else None)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model_name}
         replies = [Reply() for _ in jobs]

@@ -63,6 +63,21 @@ class ResponseFormat(BaseModel):
         return self
 
 
+class FunctionName(BaseModel):
+    """`{"name": ...}` of a named tool choice."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: Annotated[str, Field(min_length=1)]
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`: that function must be called."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
 class SamplingFields(BaseModel):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -98,7 +113,7 @@ class ChatRequest(SamplingFields):
 
     messages: list[dict]
     tools: list[dict] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     reasoning_effort: Literal["low", "medium", "high", "max"] | None = None
     response_format: dict | None = None  # checked as a ResponseFormat; the dict is what the prompt shows
     thinking: dict | None = None

@@ -18,6 +18,7 @@ import torch
 
 from ds4.engine import Engine
 from ds4.errors import Ds4Error, UsageError
+from ds4.grammar import Constraint
 from ds4.sampling import LogitAdjustments, Sampler, SamplingParams
 from ds4.session import Session, Snapshot
 from ds4.speculative import SpecMetrics, check_draft, generate_ids
@@ -69,6 +70,8 @@ class Job:
     adjust: LogitAdjustments = LogitAdjustments()
     logprobs: int | None = None      # None: off; else how many top alternatives each token reports
     stop_ids: frozenset[int] = frozenset()  # tokens that end the generation (their text is not emitted)
+    constraint: Constraint | None = None  # the grammar the output must follow
+    constrain_after: int | None = None   # a token (</think>) before which the output is free; None: from the start
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
@@ -156,8 +159,8 @@ class Worker:
 
     def tokens(self, job: Job, cached: int, spec: SpecMetrics) -> Iterator[int]:
         """The generated ids of a job (the session holds ids[:cached]); snapshots the session before the last
-        prompt token, so the next turn of this conversation can come back here. A job with logit adjustments
-        decodes plainly (no speculation: drafts would be drawn from the unadjusted distribution)."""
+        prompt token, so the next turn of this conversation can come back here. A job with logit adjustments or
+        a grammar decodes plainly (no speculation: drafts would be drawn from the unadjusted distribution)."""
         session, fresh = self.session, job.ids[cached:-1]
         if fresh:
             session.mtp_paused = not self.mtp_draft  # as generate_ids' own prefill would
@@ -165,26 +168,45 @@ class Worker:
             session.mtp_paused = False
         self.snapshot = session.snapshot()
         keep = self.rows.append if job.logprobs is not None else None
-        if job.adjust.active:
+        if job.adjust.active or job.constraint:
             return self.adjusted(job, keep)
         return generate_ids(session, job.ids[-1:], max_tokens=job.max_tokens, sampler=Sampler(job.sampling),
                             eos_id=self.engine.tokenizer.eos_id, draft=self.mtp_draft, metrics=spec, on_logits=keep)
 
     def adjusted(self, job: Job, keep: Callable[[torch.Tensor], None] | None) -> Iterator[int]:
-        """Plain decoding with the job's logit adjustments applied before every choice."""
+        """Plain decoding with the job's logit adjustments and grammar applied before every choice; the tokens a
+        grammar forces after a choice are fed with it in one forward."""
         session, sampler, generated = self.session, Sampler(job.sampling), []
+        grammar, eos = (job.constraint if job.constrain_after is None else None), self.engine.tokenizer.eos_id
         session.mtp_paused = True
         try:
             logits = session.prefill(job.ids[-1:])
             while True:
-                token = sampler.sample(job.adjust.apply(logits, job.ids, generated))
+                adjusted = job.adjust.apply(logits, job.ids, generated)
+                token, forced = sampler.sample(grammar.mask(adjusted) if grammar else adjusted), []
+                if grammar and token != eos:
+                    grammar.advance(token)
+                    forced = grammar.forced()[:job.max_tokens - len(generated) - 1]
+                elif token == job.constrain_after:
+                    grammar = job.constraint
                 if keep:
                     keep(logits)
                 yield token
                 generated.append(token)
-                if len(generated) >= job.max_tokens or token == self.engine.tokenizer.eos_id:
+                if len(generated) >= job.max_tokens or token == eos:
                     return
-                logits = session.decode(token)
+                if not forced:
+                    logits = session.decode(token)
+                    continue
+                out = session.forward([token, *forced], "all" if keep else "last")  # row k: after token k
+                for k, token in enumerate(forced):
+                    if keep:
+                        keep(out[k])
+                    yield token
+                    generated.append(token)
+                    if len(generated) >= job.max_tokens or token == eos:
+                        return
+                logits = out[-1]
         finally:
             session.mtp_paused = False
 
