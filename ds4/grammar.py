@@ -83,6 +83,18 @@ def tool_call_grammar(tools: list[dict]) -> str:
                       f"{_lark_string(chr(10) + TOOL_CALLS_END)}", *rules])
 
 
+def unpack(bitmask: bytes, vocab_size: int) -> torch.Tensor:
+    """llguidance's bitmask (bit i of byte i // 8 for token i) as [vocab_size] bool."""
+    bits = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
+    return ((bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)[:vocab_size].bool()
+
+
+def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`logits` [V] as float32 on the host, -inf where not `allowed`."""
+    logits = logits.to("cpu", torch.float32).reshape(-1)
+    return torch.where(allowed, logits, torch.full_like(logits, float("-inf")))
+
+
 class Constraint:
     """One generation's grammar state: `mask` the logits, then `advance` with the token chosen."""
 
@@ -94,14 +106,11 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next (EOS once the output is complete)."""
-        bits = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
-        unpacked = (bits[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
-        return unpacked.reshape(-1)[:self.vocab_size].bool()
+        return unpack(self.matcher.compute_bitmask(), self.vocab_size)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [V] (float32, host) with the tokens the grammar forbids at -inf."""
-        logits = logits.to("cpu", torch.float32).reshape(-1)
-        return torch.where(self.allowed(), logits, torch.full_like(logits, float("-inf")))
+        return masked(logits, self.allowed())
 
     def advance(self, token: int) -> None:
         """Move the parser past `token` (one the mask allowed)."""

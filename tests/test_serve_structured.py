@@ -1,5 +1,6 @@
 """Structured output on the tiny model: json_schema replies validate, json_object replies parse, tool_choice
 required / named always yields a parsed call of an allowed tool; the grammar's mask against its definition."""
+import argparse
 import json
 
 import jsonschema
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import ds4
+from ds4.bench import grammar as grammar_bench
 from ds4.formats.vocab import THINK_END
 from ds4.grammar import Constraint, json_grammar, tool_call_grammar
 from ds4.server.app import create_app
@@ -109,3 +111,9 @@ def test_grammar_errors_are_400(live):
         with pytest.raises(openai.BadRequestError, match=message):
             live.client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, extra_body=extra)
     assert "/[^<]{0,4}/" in tool_call_grammar([TOOLS[0]["function"]])
+
+
+def test_grammar_bench_smoke():
+    rows = grammar_bench.rows(argparse.Namespace(skip_outlines=True, threads=1), torch.device("cpu"))
+    assert [r["schema"] for r in rows] == list(grammar_bench.SCHEMAS)
+    assert all(float(r["llg us/token"]) > 0 and r["tokens"] > 5 for r in rows)
