@@ -9,7 +9,7 @@ from ds4.chat import prompt_ids
 from ds4.formats.vocab import EOS
 from ds4.server.app import create_app
 from ds4.server.guards import GuardConfig
-from tests.test_serve import CHUNK, CTX, MODEL, WEATHER_CALL, LiveServer, ScriptedWorker
+from tests.test_serve import MODEL, WEATHER_CALL, LiveServer, ScriptedWorker
 
 WEATHER = {"name": "get_weather", "description": "Get the weather for a location",
            "input_schema": {"type": "object", "properties": {"location": {"type": "string"},
@@ -32,7 +32,7 @@ def scripted(tiny_gguf):
 
 
 def test_text_reply_matches_the_model(tiny_gguf):
-    engine = ds4.load(*tiny_gguf, backend="torch", ctx=CTX, prefill_chunk=CHUNK)
+    engine = ds4.load(*tiny_gguf, backend="torch", ctx=1536, prefill_chunk=512)
     server = LiveServer(create_app(engine))
     try:
         c = client(server)
@@ -48,6 +48,10 @@ def test_text_reply_matches_the_model(tiny_gguf):
                                messages=[{"role": "user", "content": "Hello"}]) as stream:
             assert "".join(stream.text_stream) == expected
             assert stream.get_final_message().stop_reason == "max_tokens"
+        forced = c.messages.create(model=MODEL, max_tokens=400, tools=[WEATHER], tool_choice={"type": "any"},
+                                   messages=[{"role": "user", "content": "Weather?"}])
+        assert forced.stop_reason == "tool_use" and forced.content[-1].name == "get_weather"
+        assert isinstance(forced.content[-1].input, dict)
         with pytest.raises(anthropic.NotFoundError):
             c.messages.create(model="claude", max_tokens=4, messages=[{"role": "user", "content": "x"}])
     finally:
@@ -95,7 +99,8 @@ def test_thinking_tool_use_and_tool_result(scripted):
     ({"max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "system", "content": "x"}]}, "role must be user or assistant"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "got 'image'"),
-    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice 'any' needs tools"),
+    ({"tool_choice": {"type": "tool", "name": "x"}, "tools": [WEATHER]}, "names 'x', which is not in tools"),
     ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "budget_tokens must be less than max_tokens"),
     ({"temperature": 1.5}, "temperature"),
 ])

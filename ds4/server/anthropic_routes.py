@@ -16,6 +16,8 @@ from starlette.concurrency import run_in_threadpool
 
 from ds4.chat import ChatFormatError, CompletionParser, Delta, prompt_ids
 from ds4.engine import Engine
+from ds4.formats.vocab import THINK_END
+from ds4.grammar import Constraint, tool_call_grammar
 from ds4.sampling import SamplingParams
 from ds4.server.guards import json_body
 from ds4.server.schemas import MAX_STOPS, ApiError, validation_message
@@ -43,10 +45,11 @@ class Tool(BaseModel):
 
 
 class ToolChoice(BaseModel):
-    """`tool_choice`: auto or none (any / a named tool would need constrained decoding: refused)."""
+    """`tool_choice`: auto, none, any (some tool must be called) or tool (the one named)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
-    type: Literal["auto", "none"]
+    type: Literal["auto", "none", "any", "tool"]
+    name: str | None = None
 
 
 class MessagesRequest(BaseModel):
@@ -184,6 +187,17 @@ def stop_reason(done: Finished, stopper: StopMatcher, blocks: Blocks) -> str:
     return "tool_use" if any(b["type"] == "tool_use" for b in blocks.content) else "end_turn"
 
 
+def forced_call(engine: Engine, tools: list[dict] | None, choice: ToolChoice | None) -> Constraint | None:
+    """The grammar state making the reply a tool call, for tool_choice any or tool (None otherwise)."""
+    if choice is None or choice.type in ("auto", "none"):
+        return None
+    functions = [t["function"] for t in tools or [] if choice.type == "any" or t["function"]["name"] == choice.name]
+    if not functions:
+        raise ApiError(400, f"tool_choice {choice.type!r} needs tools" if choice.type == "any" else
+                       f"tool_choice names {choice.name!r}, which is not in tools", param="tool_choice")
+    return Constraint(engine.tokenizer, engine.args.vocab_size, tool_call_grammar(functions))
+
+
 def anthropic_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
     """The Anthropic Messages route serving `engine` through `worker` under `model_name`."""
     router = APIRouter()
@@ -211,8 +225,10 @@ def anthropic_router(engine: Engine, worker: Worker, model_name: str) -> APIRout
         if len(ids) >= engine.ctx:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the context is {engine.ctx} tokens")
         sampling = SamplingParams(body.temperature, body.top_k, body.top_p)
-        job = worker.submit(Job(ids, min(body.max_tokens, engine.ctx - len(ids)), sampling,
-                                asyncio.get_running_loop()))
+        state = await run_in_threadpool(forced_call, engine, tools, body.tool_choice)
+        think_end = engine.tokenizer.encode(THINK_END, specials=True)[0]
+        job = worker.submit(Job(ids, min(body.max_tokens, engine.ctx - len(ids)), sampling, asyncio.get_running_loop(),
+                                constraint=state, constrain_after=think_end if state and thinking else None))
         names = frozenset(t["function"]["name"] for t in tools or [])
         parser, blocks, stopper = CompletionParser(mode, names), Blocks(), StopMatcher(body.stop_sequences or [])
         message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model_name}
