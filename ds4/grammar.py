@@ -64,15 +64,19 @@ def tool_call_grammar(tools: list[dict]) -> str:
     parameters as text, the others as JSON of their schema, required ones always, in schema order."""
     rules, invokes = [], []
     for t, fn in enumerate(tools):
-        schema = fn.get("parameters") or {"type": "object"}
-        props, required = schema.get("properties") or {}, set(schema.get("required") or [])
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise UsageError(f"tool {t} has no function name")
+        schema = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = set(schema.get("required")) if isinstance(schema.get("required"), list) else set()
         params = []
         for p, (name, prop) in enumerate(props.items()):
-            text = prop.get("type") == "string" if isinstance(prop, dict) else False
+            prop = prop if isinstance(prop, dict) else {}
+            text = prop.get("type") == "string"
             head = f'<{DSML}parameter name="{name}" string="{"true" if text else "false"}">'
             limit = prop.get("maxLength") if text and isinstance(prop.get("maxLength"), int) else None
             value = (f"/[^<]{{0,{limit}}}/" if limit is not None else "/[^<]*/") if text else \
-                f"%json {json.dumps(prop if isinstance(prop, dict) else {})}"
+                f"%json {json.dumps(prop)}"
             rules.append(f"p{t}_{p}: {_lark_string(head)} {value} {_lark_string(f'</{DSML}parameter>')} \"\\n\"")
             params.append(f"p{t}_{p}" + ("" if name in required else "?"))
         head = f'<{DSML}invoke name="{fn["name"]}">\n'

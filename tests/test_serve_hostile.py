@@ -151,10 +151,12 @@ def fuzz_value(rng: random.Random, depth: int = 0):
     kinds = ["int", "float", "str", "bool", "null", "list", "dict", "big", "neg"]
     kind = rng.choice(kinds if depth < 3 else kinds[:5])
     return {"int": lambda: rng.randint(-3, 300), "float": lambda: rng.uniform(-5, 5), "big": lambda: 10**30,
-            "str": lambda: rng.choice(["", "auto", "none", "text", "\u0000", "<｜User｜>", "x" * 50, "json_object"]),
+            "str": lambda: rng.choice(["", "auto", "none", "text", "\u0000", "<｜User｜>", "x" * 50, "json_object",
+                                       "required", "function", "json_schema", "enabled"]),
             "bool": lambda: rng.random() < 0.5, "null": lambda: None, "neg": lambda: -1,
             "list": lambda: [fuzz_value(rng, depth + 1) for _ in range(rng.randint(0, 3))],
-            "dict": lambda: {rng.choice(["type", "role", "content", "name", "x"]): fuzz_value(rng, depth + 1)
+            "dict": lambda: {rng.choice(["type", "role", "content", "name", "x", "function", "json_schema",
+                                         "schema", "parameters", "properties"]): fuzz_value(rng, depth + 1)
                              for _ in range(rng.randint(0, 3))}}[kind]()
 
 
@@ -178,6 +180,42 @@ def test_seeded_fuzz_of_request_bodies(hostile):
         seen.add(status)
     assert {200, 400} <= seen and not records.tracebacks
     assert 'status="500"' not in request(server, "GET", "/metrics")[1]
+
+
+TEMPLATES = [
+    ("/v1/chat/completions", {**CHAT, "tools": [WEATHER_TOOL], "tool_choice": "required"}),
+    ("/v1/chat/completions", {**CHAT, "tools": [WEATHER_TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}}),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}}),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}]}),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 4, "tools": [{"name": "w", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}], "tool_choice": {"type": "any"},
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}),
+]
+
+
+def mutate(rng: random.Random, value):
+    """`value` with one node, reached by a random walk from the root, replaced by a fuzz value."""
+    if not isinstance(value, dict | list) or not value or rng.random() < 0.25:
+        return fuzz_value(rng)
+    value = dict(value) if isinstance(value, dict) else list(value)
+    key = rng.choice(list(value) if isinstance(value, dict) else range(len(value)))
+    value[key] = mutate(rng, value[key])
+    return value
+
+
+def test_seeded_fuzz_of_nested_fields(hostile):
+    server, _, records = hostile
+    rng, seen = random.Random(2727), set()
+    for _ in range(300):
+        path, template = rng.choice(TEMPLATES)
+        status, answer = request(server, "POST", path, json.dumps(mutate(rng, template)).encode())
+        assert status in (200, 400, 404), answer
+        seen.add(status)
+    assert {200, 400} <= seen and not records.tracebacks
 
 
 def test_unexpected_errors_are_logged_once(engine):

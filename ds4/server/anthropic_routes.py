@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ds4.chat import ChatFormatError, CompletionParser, Delta, prompt_ids
 from ds4.engine import Engine
+from ds4.errors import UsageError
 from ds4.formats.vocab import THINK_END
 from ds4.grammar import Constraint, tool_call_grammar
 from ds4.sampling import SamplingParams
@@ -195,7 +196,10 @@ def forced_call(engine: Engine, tools: list[dict] | None, choice: ToolChoice | N
     if not functions:
         raise ApiError(400, f"tool_choice {choice.type!r} needs tools" if choice.type == "any" else
                        f"tool_choice names {choice.name!r}, which is not in tools", param="tool_choice")
-    return Constraint(engine.tokenizer, engine.args.vocab_size, tool_call_grammar(functions))
+    try:
+        return Constraint(engine.tokenizer, engine.args.vocab_size, tool_call_grammar(functions))
+    except UsageError as e:
+        raise ApiError(400, str(e), param="tools") from None
 
 
 def anthropic_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:

@@ -137,7 +137,10 @@ def openai_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
                 reasoning_effort=EFFORTS[body.reasoning_effort] if body.reasoning_effort else None)
         except ChatFormatError as e:
             raise ApiError(400, str(e), param="messages") from None
-        grammar = chat_grammar(body, tools)
+        try:
+            grammar = chat_grammar(body, tools)
+        except UsageError as e:
+            raise ApiError(400, str(e), param="response_format" if body.response_format else "tools") from None
         states = await run_in_threadpool(constraints, grammar, body.n) if grammar else None
         jobs = queue_jobs(body, ids, states, think_end if mode == "thinking" else None)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
