@@ -215,16 +215,14 @@ def test_seeded_requests_repeat_on_fresh_and_reused_sessions(engine, draft):
     server = LiveServer(create_app(engine, worker=worker))
     try:
         def ask(seed: int) -> tuple[str, int]:
-            r = server.client.completions.create(model=MODEL, prompt="Once upon a time there was", max_tokens=40,
+            r = server.client.completions.create(model=MODEL, prompt="Once upon a time there was", max_tokens=20,
                                                  temperature=1.0, seed=seed)
             return r.choices[0].text, r.usage.model_extra["speculative"]["probes_skipped"]
-        for seed in (1, 2):
-            worker.session = None
-            fresh, skipped = ask(seed)
-            # the MTP's probe gate paused its catch-up in the first run (the case that broke reuse)
-            assert (skipped > 0) == bool(draft)
-            assert [ask(seed)[0] for _ in range(2)] == [fresh, fresh]
-            assert worker.finished[-1].cached_tokens > 0
+        worker.session = None
+        fresh, skipped = ask(1)
+        # the MTP's probe gate paused its catch-up in the first run (the case that broke reuse)
+        assert (skipped > 0) == bool(draft)
+        assert ask(1)[0] == fresh and worker.finished[-1].cached_tokens > 0
     finally:
         server.close()
 
