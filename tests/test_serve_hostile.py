@@ -11,6 +11,7 @@ import urllib.parse
 import pytest
 
 import ds4
+from ds4.chat import ChatFormatError, CompletionParser, prompt_ids
 from ds4.formats.vocab import DSML, EOS
 from ds4.server.app import create_app, main
 from ds4.server.guards import MAX_DEPTH, GuardConfig, allowed_hosts, exposure_warning
@@ -232,6 +233,28 @@ def test_unexpected_errors_are_logged_once(engine):
         assert len(records.tracebacks) == 1 and "a bug" in str(records.tracebacks[0].exc_info[1])
     finally:
         stop(server, records)
+
+
+def test_chat_format_refuses_surrogates_and_gates_tool_calls(engine):
+    tokenizer = engine.tokenizer
+    bad_tool = [{"type": "function", "function": {"name": SURROGATE}}]
+    for messages, tools in (([{"role": "user", "content": SURROGATE}], None),
+                            ([{"role": "system", "content": SURROGATE}, {"role": "user", "content": "x"}], None),
+                            ([{"role": "user", "content": "x"}], bad_tool)):
+        with pytest.raises(ChatFormatError, match="lone surrogate"):
+            prompt_ids(tokenizer, messages, tools=tools)
+    text = "ok" + WEATHER_CALL
+    calls = {names: parse(text, names) for names in (None, frozenset(), frozenset({"get_time"}),
+                                                     frozenset({"get_weather"}))}
+    assert [len(c["tool_calls"]) for c in calls.values()] == [1, 0, 0, 1]
+    assert calls[frozenset()]["content"] == text.removesuffix(EOS)
+    assert f'<{DSML}invoke name="get_weather">' in calls[frozenset({"get_time"})]["content"]
+
+
+def parse(text: str, names) -> dict:
+    parser = CompletionParser("chat", names)
+    deltas = parser.feed(text) + parser.finish()
+    return {"content": "".join(d.content for d in deltas), "tool_calls": [d.tool_call for d in deltas if d.tool_call]}
 
 
 def test_tool_calls_only_for_declared_tools(hostile):
