@@ -182,7 +182,7 @@ class Worker:
         try:
             logits = session.prefill(job.ids[-1:])
             while True:
-                adjusted = job.adjust.apply(logits, job.ids, generated)
+                adjusted = job.adjust.apply(logits, job.ids, generated) if job.adjust.active else logits
                 token, forced = sampler.sample(grammar.mask(adjusted) if grammar else adjusted), []
                 if grammar and token != eos:
                     grammar.advance(token)
