@@ -65,8 +65,12 @@ def llguidance_walk(tokenizer: llguidance.LLTokenizer, schema: dict,
 
 def outlines_walk(spec: str, schema: dict, tokens: list[int]) -> tuple[float, float, list[float]]:
     """(vocabulary seconds, per-schema index seconds, mask seconds per token) for outlines-core along `tokens`."""
-    import outlines_core
-    from outlines_core.json_schema import build_regex_from_schema
+    try:
+        import outlines_core
+        from outlines_core.json_schema import build_regex_from_schema
+    except ImportError:
+        raise UsageError("the comparison needs outlines-core: pip install outlines-core, or pass --skip-outlines") \
+            from None
 
     hf = HF.from_str(spec)
     eos = hf.token_to_id("<｜end▁of▁sentence｜>")
