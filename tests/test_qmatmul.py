@@ -19,6 +19,8 @@ from ops.qmatmul import qmatmul as reference
 from ops.quants import QTensor, get
 from tests.script_modules import script
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
 # K per type: not a multiple of 256 where the block size allows; N = 1 exercises split-K.
 K_OF = {"F32": 41, "F16": 41, "BF16": 41, "Q8_0": 160, "MXFP4": 96, "FP8_E4M3": 384,
         "Q4_K": 256, "Q2_K": 256, "IQ2_XXS": 256}
@@ -128,7 +130,7 @@ def test_triton_on_cpu_tensors_without_the_interpreter_is_a_clear_error(monkeypa
     """Outside the interpreter, CPU tensors raise BackendUnavailable before any kernel launch."""
     import backends.triton.qmatmul as kernel
     monkeypatch.setattr(kernel, "INTERPRET", False)
-    with pytest.raises(BackendUnavailable, match="w.Q8_0.*are on cpu; use DS4_OPS=qmatmul:torch"):
+    with torch.device("cpu"), pytest.raises(BackendUnavailable, match="w.Q8_0.*are on cpu; use DS4_OPS=qmatmul:torch"):
         kernel.qmatmul(activations(2, K_OF["Q8_0"]), weight("Q8_0", 4))
 
 

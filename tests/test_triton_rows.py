@@ -11,6 +11,8 @@ from backends.registry import implementations
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
 
 def impl(op: str, backend: str):
     """The registered implementation of op for backend."""
