@@ -73,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="compiled decode/verify steps (CPU; about a minute per row count on first use, then "
                         "faster steps for the server's lifetime; docs/cpu.md)")
+    p.add_argument("--cuda-graphs", action="store_true", help="decode/verify steps as CUDA graphs (CUDA only)")
     return p.parse_args(argv)
 
 
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--threads must be >= 1, got {a.threads}")
         if a.threads or a.model is None:
             torch.set_num_threads(a.threads or 1)
-        engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile)
+        engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile,
+                      cuda_graphs=a.cuda_graphs)
         draft = int(a.mtp_draft) if a.mtp_draft not in (None, "auto") else a.mtp_draft
         app = create_app(engine, a.served_model_name, Worker(engine, draft))
     except Ds4Error as e:
