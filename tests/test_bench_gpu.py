@@ -11,7 +11,7 @@ from ds4.errors import UsageError
 from tests.script_modules import script
 
 TABLES = ["native kernel tests", "qmatmul", "moe", "indexer", "argmax", "model q2", "model q4",
-          "speculative frontier", "compile report"]
+          "model q2 cuda graphs", "model q4 cuda graphs", "speculative frontier", "compile report"]
 
 
 @pytest.mark.interpreter_only(reason="the dry run is the CPU's stand-in for the GPU run")

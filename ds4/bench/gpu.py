@@ -111,13 +111,15 @@ def op_tables(report: Report, device: torch.device, dry_run: bool, reps: int) ->
 
 
 def model_tables(report: Report, device: torch.device, dry_run: bool, reps: int) -> None:
-    """Whole-model prefill and decode, q2 and q4, against the roofline."""
+    """Whole-model prefill and decode, q2 and q4, eager and with decode steps replayed from CUDA graphs."""
     sizes = SMOKE_MODEL if dry_run else FULL_MODEL
-    for mix in ("q2", "q4"):
-        a = suite_args(dry_run, reps, mix=mix, tiny=dry_run, backend="auto", png=None, **sizes)
-        report.add(f"model {mix}", lambda a=a: model.rows(a, device),
-                   f"{'tiny sizes' if dry_run else 'V4 Flash shapes'}, first {sizes['layers']} layers, random weights; "
-                   "roofline = copy bandwidth / decode step bytes")
+    for graphs in (False, True):
+        for mix in ("q2", "q4"):
+            a = suite_args(dry_run, reps, mix=mix, tiny=dry_run, backend="auto", png=None, cuda_graphs=graphs, **sizes)
+            report.add(f"model {mix}{' cuda graphs' if graphs else ''}", lambda a=a: model.rows(a, device),
+                       f"{'tiny sizes' if dry_run else 'V4 Flash shapes'}, first {sizes['layers']} layers, random "
+                       "weights; roofline = copy bandwidth / decode step bytes"
+                       + ("; decode steps replayed from CUDA graphs" if graphs else ""))
 
 
 def spec_table(report: Report, device: torch.device, dry_run: bool) -> None:
@@ -211,8 +213,9 @@ def plot(report: Report, path: Path) -> None:
     left.set_title("qmatmul")
     left.tick_params(axis="x", labelsize=6, rotation=90)
     left.legend(fontsize=7)
-    models = [r for title, rows in tables.items() if title.startswith("model") for r in rows if "decode_tok_s" in r]
-    labels = [f"{r['mix']} {r['layers']}L" for r in models]
+    named = [(title.removeprefix("model "), r) for title, rows in tables.items() if title.startswith("model")
+             for r in rows if "decode_tok_s" in r]
+    labels, models = [f"{name}\n{r['layers']} layers" for name, r in named], [r for _, r in named]
     right.bar([i - 0.2 for i in range(len(models))], [float(r["decode_tok_s"]) for r in models], 0.4, label="decode")
     right.bar([i + 0.2 for i in range(len(models))], [float(r["roofline_tok_s"]) for r in models], 0.4,
               label="roofline")
