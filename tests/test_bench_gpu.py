@@ -3,9 +3,11 @@ without --dry-run a CPU machine gets one usage error; pytest's summary is read i
 from __future__ import annotations
 
 import csv
+from types import SimpleNamespace
 
 import pytest
 
+from ds4.bench import gpu
 from ds4.bench.gpu import test_summary as summarize
 from ds4.errors import UsageError
 from tests.script_modules import script
@@ -48,3 +50,22 @@ def test_pytest_summary_is_read_into_counts_and_failing_ids():
     assert (got["exit"], got["passed"], got["failed"], got["errors"], got["skipped"]) == (1, 3, 1, 1, 1)
     assert got["failing"] == "tests/test_qmatmul.py::test_x[Q4_K] tests/test_native_gpu.py::test_y"
     assert got["summary"].startswith("1 failed, 3 passed")
+
+
+def test_compile_report_reads_registers_spills_and_shared_memory(monkeypatch):
+    """From each compiled variant's metadata; occupancy limited by registers, shared memory or threads."""
+    def compiled(regs: int, shared: int):
+        meta = SimpleNamespace(num_warps=4, num_stages=2, shared=shared)
+        return SimpleNamespace(n_regs=regs, n_spills=8, metadata=meta, _init_handles=lambda: None)
+    kernel = SimpleNamespace(device_caches={0: ({"a": compiled(128, 0), "b": compiled(32, 100_000)}, {}, None)})
+    monkeypatch.setattr(gpu, "jit_kernels", lambda: [("norms.fake_kernel", kernel)])
+    h100 = SimpleNamespace(warp_size=32, max_threads_per_multi_processor=2048, shared_memory_per_multiprocessor=233472)
+    rows = gpu.compile_report(h100)
+    assert [(r["registers"], r["spills"], r["shared_B"], r["occupancy"]) for r in rows] == [
+        (128, 8, 0, "25%"), (32, 8, 100_000, "12%")]   # 4 blocks of 128 threads by registers; 2 by shared memory
+    assert rows[0]["kernel"] == "norms.fake_kernel" and rows[0]["warps"] == 4
+
+
+def test_every_triton_kernel_is_found():
+    names = {name for name, _ in gpu.jit_kernels()}
+    assert {"norms.rms_norm_kernel", "qmatmul.qmatmul_kernel", "moe.route_kernel", "hyper.hc_pre_kernel"} <= names

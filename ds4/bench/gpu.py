@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NATIVE_TESTS = ("tests/test_native_gpu.py", "tests/test_cuda_graphs.py", "tests/test_qmatmul.py",
                 "tests/test_triton_*.py", "tests/test_device_choice.py")
 SMOKE_TESTS = ("tests/test_triton_argmax.py", "-k", "float16")
+REGISTERS_PER_SM, MAX_BLOCKS_PER_SM = 65536, 32
 FULL_MODEL, SMOKE_MODEL = {"layers": 4, "prompt": 512, "decode": 64}, {"layers": 2, "prompt": 4, "decode": 2}
 
 
@@ -52,12 +54,14 @@ class Report:
     tables: list[Table] = field(default_factory=list)
 
     def add(self, title: str, make: Callable[[], list[dict]], note: str = "") -> Table:
-        """Run one stage, time it, keep its table (a stage that fails is recorded with its error, and the rest runs)."""
+        """Run one stage, time it, keep its table. A stage that fails is recorded with its error (its traceback on
+        stderr) and the others still run: one broken kernel must not cost the whole GPU run."""
         start = time.perf_counter()
         print(f"# gpu: {title} ...", file=sys.stderr, flush=True)
         try:
             rows = make()
-        except (RuntimeError, UsageError, subprocess.SubprocessError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - recorded in the table and printed, never swallowed
+            traceback.print_exc()
             rows, note = [{"error": f"{type(e).__name__}: {e}"}], "this stage failed; the others ran"
         table = Table(title, rows, note, time.perf_counter() - start)
         self.tables.append(table)
@@ -130,29 +134,30 @@ def spec_table(report: Report, device: torch.device, dry_run: bool) -> None:
 
 
 def jit_kernels() -> list[tuple[str, object]]:
-    """(name, JITFunction) of every Triton kernel in backends/triton (autotuned ones unwrapped)."""
-    from triton.runtime.jit import JITFunction
+    """(module.name, kernel) of every Triton kernel in backends/triton, autotuner wrappers unwrapped (under the
+    interpreter the kernels are interpreted functions, which compile nothing)."""
+    from triton.runtime.jit import KernelInterface
 
     import backends.triton as package
-    found = {}
+    found: dict[int, tuple[str, object]] = {}
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         for name, obj in vars(module).items():
-            fn = getattr(obj, "fn", obj)
-            if isinstance(fn, JITFunction):
-                found[f"{info.name}.{name}"] = fn
-    return sorted(found.items())
+            while isinstance(getattr(obj, "fn", None), KernelInterface):
+                obj = obj.fn
+            if isinstance(obj, KernelInterface):
+                found.setdefault(id(obj), (f"{info.name}.{name}", obj))
+    return sorted(found.values(), key=lambda item: item[0])
 
 
-def compile_report(device: torch.device) -> list[dict]:
-    """Registers, spills, shared memory and estimated occupancy of every kernel variant this process compiled."""
+def compile_report(props) -> list[dict]:
+    """Registers, spills, shared memory and occupancy of every kernel variant this process compiled, read from
+    Triton's compiled kernels (`props`: the CUDA device's properties)."""
     rows = []
-    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
     for name, fn in jit_kernels():
-        caches = getattr(fn, "device_caches", {})
-        for cache in caches.values():
-            for kernel in cache[0].values():
-                kernel._init_handles()  # loads the binary: registers and spills come from the driver
+        for kernel_cache, *_ in getattr(fn, "device_caches", {}).values():
+            for kernel in kernel_cache.values():
+                kernel._init_handles()  # loads the binary: the driver reports registers and spills
                 warps, shared = kernel.metadata.num_warps, kernel.metadata.shared
                 rows.append({"kernel": name, "warps": warps, "stages": kernel.metadata.num_stages,
                              "registers": kernel.n_regs, "spills": kernel.n_spills, "shared_B": shared,
@@ -164,12 +169,12 @@ def compile_report(device: torch.device) -> list[dict]:
 
 
 def occupancy(props, warps: int, regs: int, shared: int) -> str:
-    """Resident threads per SM over the maximum, from registers, shared memory and threads (register allocation
-    granularity ignored: an estimate)."""
+    """Resident threads per SM over the maximum, from registers (64K per SM on every NVIDIA GPU since Maxwell),
+    shared memory, threads and 32 blocks per SM; register allocation granularity ignored, so an estimate."""
     threads = warps * props.warp_size
-    limits = [props.max_threads_per_multi_processor // threads, 32]
+    limits = [props.max_threads_per_multi_processor // threads, MAX_BLOCKS_PER_SM]
     if regs:
-        limits.append(props.regs_per_multiprocessor // (regs * threads))
+        limits.append(REGISTERS_PER_SM // (regs * threads))
     if shared:
         limits.append(props.shared_memory_per_multiprocessor // shared)
     return f"{100 * min(limits) * threads / props.max_threads_per_multi_processor:.0f}%"
@@ -242,7 +247,8 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     op_tables(report, device, args.dry_run, args.reps)
     model_tables(report, device, args.dry_run, args.reps)
     spec_table(report, device, args.dry_run)
-    report.add("compile report", lambda: compile_report(device),
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    report.add("compile report", lambda: compile_report(props),
                "read from the kernels compiled by the stages above; occupancy estimated from registers, shared "
                "memory and warps")
     (out / "gpu.md").write_text(markdown(report, header))
