@@ -167,7 +167,7 @@ def check_hyper(S: int, D: int) -> None:
     y, post, comb = randn(SMALL_M, D, seed=4), torch.rand(SMALL_M, S), torch.rand(SMALL_M, S, S)
     torch.testing.assert_close(rows_equal_single_calls(tri, X, y, post, comb), ref(X, y, post, comb), **tol)
     tri, ref = impls("hc_head")
-    fn = QTensor.quantize(randn(S, S * D, seed=5) * 0.1, "F32", name="hc_head.fn")
+    fn = QTensor.quantize(randn(S, S * D, seed=5) * 0.01, "F32", name="hc_head.fn")
     head_scale, head_base = torch.rand(1) + 0.5, randn(S, seed=6)
     got = rows_equal_single_calls(lambda a: tri(a, fn, head_scale, head_base, 1e-6, 1e-6), X)
     torch.testing.assert_close(got, ref(X, fn, head_scale, head_base, 1e-6, 1e-6), **tol)
@@ -194,25 +194,40 @@ def flash_models():
             random_model(args, "q2", OpSet("torch", device=DEVICE), seed=0))
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference over the largest reference magnitude."""
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def steps_through_graphs(session: Session, model, steps: list[int], capture: bool, passes: int) -> list[torch.Tensor]:
+    """Logits of one-token decodes of `steps`, then of one verify of them, from the same position, `passes` times,
+    on a copy of `session` whose steps run through CUDA graphs (`capture`) or their static buffers eagerly."""
+    graphed = copy.deepcopy(session, memo={id(model): model})
+    graphed.graphs = step_graphs(model, None, capture=capture)
+    out = []
+    for _ in range(passes):  # a step is recorded on its first call and replayed after
+        graphed.truncate(session.pos)
+        out.append(torch.stack([graphed.decode(t) for t in steps]))
+        graphed.truncate(session.pos)
+        out.append(graphed.forward(steps))
+    assert graphed.graphs["trunk"].replays == passes * (len(steps) + 1) - 2  # all but the first decode and verify
+    return out
+
+
 def check_model(triton_model, reference_model, prompt: list[int], steps: list[int]) -> None:
-    """Triton against the references on a prefill and decodes; a verify equals the decodes bit for bit, on
-    eager steps and on CUDA-graph replays of the same session."""
+    """Triton against the references on a prefill and decodes; a verify equals the decodes bit for bit; the
+    fixed plan's steps close to the eager ones, and their CUDA-graph replays equal to them bit for bit."""
     ctx = len(prompt) + 3 * len(steps) + 8
     tri, ref = Session(triton_model, ctx, 16), Session(reference_model, ctx, 16)
     for got, want in [(tri.prefill(prompt), ref.prefill(prompt))] + [(tri.decode(t), ref.decode(t)) for t in steps]:
-        assert float((got - want).abs().max() / want.abs().max()) < 1e-3
+        assert relative_error(got, want) < 1e-2  # FP8 cache roundings may flip on last-bit differences
     snapshot = copy.deepcopy(tri, memo={id(triton_model): triton_model})
     decoded = torch.stack([tri.decode(t) for t in steps])
     assert torch.equal(snapshot.forward(steps), decoded)
-    graphed = copy.deepcopy(snapshot, memo={id(triton_model): triton_model})
-    graphed.graphs = step_graphs(triton_model, None, capture=DEVICE == "cuda")
-    start = graphed.pos - len(steps)
-    for _ in range(2):  # recorded on the first pass, replayed on the second
-        graphed.truncate(start)
-        assert torch.equal(torch.stack([graphed.decode(t) for t in steps]), decoded)
-        graphed.truncate(start)
-        assert torch.equal(graphed.forward(steps), decoded)
-    assert graphed.graphs["trunk"].replays == 2 * len(steps)  # 2 decodes, then 3 decodes and the verify
+    fixed = steps_through_graphs(snapshot, triton_model, steps, capture=False, passes=1)
+    assert all(relative_error(f, decoded) < 1e-5 for f in fixed)
+    replayed = steps_through_graphs(snapshot, triton_model, steps, capture=DEVICE == "cuda", passes=2)
+    assert all(torch.equal(r, f) for r, f in zip(replayed, fixed * 2, strict=True))
 
 
 def test_flash_model_matches_reference_and_its_cuda_graphs(flash_models):
