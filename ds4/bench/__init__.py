@@ -16,6 +16,8 @@ SUITES = {  # suite name -> module in ds4/bench/
     "spec": "spec",
     "cpu": "cpu",
     "gpu": "gpu",
+    "kvdisk": "kvdisk",
+    "quants": "quants",
 }
 
 
