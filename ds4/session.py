@@ -23,11 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from ds4 import session_file
+from ds4.cuda_graphs import StepGraphs
 from ds4.errors import NonFiniteError, SessionFileError, UsageError
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
 
-COMPILED_ROWS = 16  # compiled sessions compile a step per row count up to this (decode, verify, MTP rows)
+COMPILED_ROWS = 16  # compiled (or graphed) sessions make a step per row count up to this (decode, verify, MTP)
 KEPT_STATES = 32  # trunk/MTP output states kept for the latest positions, so truncate() can resume MTP
 
 
@@ -94,11 +95,32 @@ def check_finite(logits: torch.Tensor, positions: list[int], what: str) -> None:
                              "(damaged weights, or values beyond float range)")
 
 
+def check_cuda_graphs(device: str, compile: bool) -> None:
+    """UsageError unless CUDA graphs can record steps on `device`: a CUDA device, without --compile."""
+    if not str(device).startswith("cuda"):
+        raise UsageError(f"--cuda-graphs records CUDA kernels, but the model is on {device!r}; use --device cuda "
+                         "on a machine with a CUDA GPU (on a CPU, --compile speeds up steps)")
+    if compile:
+        raise UsageError("--cuda-graphs and --compile are exclusive (--compile is for the CPU)")
+
+
+def step_graphs(model: DeepseekV4, mtp: MTPHead | None, compile: bool = False,
+                capture: bool = True) -> dict[str, StepGraphs]:
+    """CUDA graphs for a session's trunk and MTP steps (UsageError where they cannot record); `capture=False`
+    keeps the static buffers without recording, which is what a CPU can check."""
+    if capture:
+        check_cuda_graphs(model.ops.device, compile)
+    graphs = {"trunk": StepGraphs(model.run, state_arg=2, capture=capture)}
+    if mtp:
+        graphs["mtp"] = StepGraphs(mtp.run, state_arg=3, capture=capture)
+    return graphs
+
+
 class Session:
     """KV state plus prefill / decode / batched forward / MTP drafting / rollback for one sequence."""
 
     def __init__(self, model: DeepseekV4, ctx: int, prefill_chunk: int = 2048, mtp: MTPHead | None = None,
-                 compile: bool = False, model_id: str | None = None):
+                 compile: bool = False, model_id: str | None = None, cuda_graphs: bool = False):
         ctx = check_size("ctx (--ctx)", ctx)
         prefill_chunk = check_size("prefill_chunk (--prefill-chunk)", prefill_chunk)
         prefill_chunk = min(prefill_chunk, ctx)  # a longer chunk could never be filled
@@ -134,6 +156,9 @@ class Session:
             model.compiled_step()
             if mtp:
                 mtp.compiled_step()
+        self.graphs: dict[str, StepGraphs] = {}  # "trunk", "mtp": recorded decode/verify steps (--cuda-graphs)
+        if cuda_graphs:
+            self.graphs = step_graphs(model, mtp, compile)
 
     @classmethod
     def load(cls, path, model: DeepseekV4, mtp: MTPHead | None = None, ctx: int | None = None,
@@ -165,7 +190,7 @@ class Session:
     def batch_invariant(self) -> bool:
         """Whether a forward of M <= SMALL_M rows gives each row the one-row forward's result bit for bit:
         every op resolves to a batch-invariant implementation and no compiled step runs (inductor
-        generates different kernels per row count)."""
+        generates different kernels per row count; a CUDA graph replays the eager kernels, so it keeps it)."""
         return self.model.ops.batch_invariant() and not self.compiled
 
     @property
@@ -238,16 +263,24 @@ class Session:
         return [int(i) for i in ids]
 
     def step_for(self, rows: int, eager: bool = False) -> str:
-        """How a forward of `rows` rows runs (see DeepseekV4.forward)."""
-        return "compiled" if self.compiled and not eager and rows <= COMPILED_ROWS else "eager"
+        """How a forward of `rows` rows runs: "eager", "compiled" (see DeepseekV4.forward) or "graph" (a CUDA
+        graph of the fixed-plan step)."""
+        if eager or rows > COMPILED_ROWS:
+            return "eager"
+        return "compiled" if self.compiled else "graph" if self.graphs else "eager"
+
+    def _step_args(self, kind: str, step: str) -> dict:
+        """The model forward's `step` and `runner` for a session step (a graph runs the fixed plan)."""
+        return {"step": "fixed", "runner": self.graphs[kind]} if step == "graph" else {"step": step}
 
     def _forward_chunk(self, ids: list[int], logit_rows: list[int] | None, mtp_min: int, eager: bool):
         """One model forward of at most prefill_chunk tokens, then the MTP catch-up."""
         start, M = self.pos, len(ids)
         step = self.step_for(M, eager)
-        X, logits = self.model.forward(ids, start, self.caches, logit_rows, step)
+        X, logits = self.model.forward(ids, start, self.caches, logit_rows, **self._step_args("trunk", step))
         self.counters["forward_rows"] += M
         self.counters["compiled_rows"] += M if step == "compiled" else 0
+        self.counters["graph_rows"] += M if step == "graph" else 0
         self.counters["lm_head_rows"] += 0 if logit_rows is None else len(logit_rows)
         previous_tail = self.trunk_tail
         self.tokens.extend(ids)
@@ -278,7 +311,7 @@ class Session:
             self.mtp_from = j0
         rows = ids[j0 - start:]
         Y, _ = self.mtp.forward(states[keep:], rows, j0, self.mtp_cache, self.mtp_from,
-                                step=self.step_for(len(rows), eager))
+                                **self._step_args("mtp", self.step_for(len(rows), eager)))
         self.counters["mtp_rows"] += Y.shape[0]
         self.mtp_tail = Y[-1]
         self._keep_recent("mtp", j0, Y)
@@ -316,7 +349,8 @@ class Session:
             raise UsageError(f"MTP draft at position {j} exceeds the context of {self.ctx}")
         if self.n_drafted >= self.prefill_chunk:
             raise UsageError(f"at most prefill_chunk ({self.prefill_chunk}) drafts between forwards")
-        Y, logits = self.mtp.forward(state[None], [token], j, self.mtp_cache, self.mtp_from, [0], self.step_for(1))
+        Y, logits = self.mtp.forward(state[None], [token], j, self.mtp_cache, self.mtp_from, [0],
+                                     **self._step_args("mtp", self.step_for(1)))
         self.n_drafted += 1
         self.high_water = max(self.high_water, j + 1)
         self.counters["mtp_rows"] += 1

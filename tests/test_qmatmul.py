@@ -18,6 +18,7 @@ from ops.qmatmul import qmatmul as reference
 from ops.quants import QTensor, get
 from tests.script_modules import script
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
 
 def k_of(qtype: str) -> int:
     """K for a type's tests: not a multiple of 256 (or of a power of two) where the block size allows."""
@@ -131,7 +132,7 @@ def test_triton_on_cpu_tensors_without_the_interpreter_is_a_clear_error(monkeypa
     """Outside the interpreter, CPU tensors raise BackendUnavailable before any kernel launch."""
     import backends.triton.qmatmul as kernel
     monkeypatch.setattr(kernel, "INTERPRET", False)
-    with pytest.raises(BackendUnavailable, match="w.Q8_0.*are on cpu; use DS4_OPS=qmatmul:torch"):
+    with torch.device("cpu"), pytest.raises(BackendUnavailable, match="w.Q8_0.*are on cpu; use DS4_OPS=qmatmul:torch"):
         kernel.qmatmul(activations(2, k_of("Q8_0")), weight("Q8_0", 4))
 
 

@@ -18,6 +18,8 @@ from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 from ops.shared_expert import shared_expert as reference_shared
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
 E, VOCAB = 5, 50
 
 

@@ -12,6 +12,8 @@ from backends.triton.quants import SUPPORTED
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor, get
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
 
 def impl(op: str, backend: str):
     """The registered implementation of op for backend."""

@@ -116,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="compiled decode/verify steps (CPU; about a minute per row count on first use, then "
                         "faster steps for the server's lifetime; docs/cpu.md)")
+    p.add_argument("--cuda-graphs", action="store_true", help="decode/verify steps as CUDA graphs (CUDA only)")
     p.add_argument("--kv-disk-dir", metavar="DIR",
                    help="keep session files of long prompts in DIR so later requests and later server processes "
                         "skip prefilling them (docs/server.md)")
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         guards = GuardConfig(a.api_key, allowed_hosts(a.host, a.allowed_host), int(a.max_body_mb * 2**20))
         if a.threads or a.model is None:
             torch.set_num_threads(a.threads or 1)
-        engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile)
+        engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile,
+                      cuda_graphs=a.cuda_graphs)
         draft = int(a.mtp_draft) if a.mtp_draft not in (None, "auto") else a.mtp_draft
         cache = PrefixCache(engine, a.kv_disk_dir, a.kv_disk_space_mb) if a.kv_disk_dir else None
         app = create_app(engine, a.served_model_name, Worker(engine, draft, cache), guards)
