@@ -19,3 +19,8 @@ class UsageError(Ds4Error):
 
 class NonFiniteError(Ds4Error):
     """The model produced NaN or Inf where a finite value is needed (e.g. the logits of a step)."""
+
+
+class ParallelError(Ds4Error):
+    """The ranks of a parallel run disagree (different files or options, diverged decisions) or one stopped
+    answering within the timeout."""

@@ -38,7 +38,7 @@ from backends.triton.qmatmul import accumulate_w_xt, iq2_tables
 from backends.triton.qmatmul import qmatmul as triton_qmatmul
 from backends.triton.quants import SUPPORTED, dequant
 from ds4.errors import BackendUnavailable
-from ops.moe import Experts
+from ops.moe import Experts, owned_pairs
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 
@@ -289,7 +289,7 @@ def experts_ffn(x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, gat
 def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
     """Routed-expert output of each row of `x` (shared expert not included)."""
     check("moe", x, experts.router, experts.gate, experts.up, experts.down)
-    chosen, weight = route(x, ids, experts)
+    chosen, weight = owned_pairs(*route(x, ids, experts), experts)   # expert parallelism: others weigh 0
     return experts_ffn(x, chosen, weight, experts.gate, experts.up, experts.down, float(experts.clamp))
 
 
