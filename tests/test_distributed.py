@@ -109,6 +109,26 @@ def generations(paths: tuple[str, str], parallel: str | None) -> dict:
     return out
 
 
+def steps_read_nothing_back(paths: tuple[str, str]) -> bool:
+    """A decode, an MTP draft and a 4-row verify of the parallel model under tests/test_no_sync.py's guard."""
+    from test_no_sync import guarded
+
+    from models.deepseek_v4 import DeepseekV4
+    from models.mtp import MTPHead
+    engine = ds4.load(*paths, "auto", ctx=64, prefill_chunk=16, parallel="ep")
+    session = engine.session()
+    session.prefill(PROMPT)
+    real = DeepseekV4.forward, MTPHead.forward
+    DeepseekV4.forward, MTPHead.forward = guarded(real[0]), guarded(real[1])
+    try:
+        session.decode(5)
+        session.mtp_draft(6)
+        session.forward([7, 8, 9, 10], "all")
+    finally:
+        DeepseekV4.forward, MTPHead.forward = real
+    return True
+
+
 def rank_main(rank: int, port: int, models: dict[str, tuple[str, str]], other: tuple[str, str], out_dir: str) -> None:
     """One rank: a start-up with mismatched files (every rank must refuse), the runs on each model, then rank 1
     stops answering and rank 0's next collective must fail, not hang."""
@@ -122,6 +142,7 @@ def rank_main(rank: int, port: int, models: dict[str, tuple[str, str]], other: t
         out["mismatch"] = str(e)
     for name, paths in models.items():
         out[name] = generations(paths, "ep")
+    out["no_host_reads"] = steps_read_nothing_back(models["tiny"])
     world = distributed.start("ep", None)[0]
     if rank == 1:
         torch.save(out, f"{out_dir}/rank1.pt")
@@ -179,6 +200,11 @@ def test_two_ranks_match_one_process(models, two_ranks):
             ref = single["logits"]
             torch.testing.assert_close(got["logits"], ref, rtol=0, atol=1e-4 * ref.abs().max().item())
             assert got["expert_bytes"] * 2 == single["expert_bytes"]
+
+
+def test_parallel_steps_read_nothing_back(two_ranks):
+    """The all_reduce adds no host read to a decode or verify step (the sync guard on the model's code)."""
+    assert two_ranks[0]["no_host_reads"] and two_ranks[1]["no_host_reads"]
 
 
 def test_mismatched_files_fail_on_every_rank(two_ranks):
