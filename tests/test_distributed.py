@@ -129,6 +129,19 @@ def steps_read_nothing_back(paths: tuple[str, str]) -> bool:
     return True
 
 
+def bench_rows() -> list[dict]:
+    """`bench.py model --parallel ep` at smoke size (the tiny model's sizes, 2 layers, torch backend)."""
+    import argparse
+    import warnings
+
+    from ds4.bench import model
+    args = argparse.Namespace(mix="q2", layers=2, tiny=True, prompt=3, decode=2, backend="torch", png=None,
+                              parallel="ep", reps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.rows(args, torch.device("cpu"))
+
+
 def rank_main(rank: int, port: int, models: dict[str, tuple[str, str]], other: tuple[str, str], out_dir: str) -> None:
     """One rank: a start-up with mismatched files (every rank must refuse), the runs on each model, then rank 1
     stops answering and rank 0's next collective must fail, not hang."""
@@ -143,6 +156,7 @@ def rank_main(rank: int, port: int, models: dict[str, tuple[str, str]], other: t
     for name, paths in models.items():
         out[name] = generations(paths, "ep")
     out["no_host_reads"] = steps_read_nothing_back(models["tiny"])
+    out["bench"] = bench_rows()
     world = distributed.start("ep", None)[0]
     if rank == 1:
         torch.save(out, f"{out_dir}/rank1.pt")
@@ -205,6 +219,24 @@ def test_two_ranks_match_one_process(models, two_ranks):
 def test_parallel_steps_read_nothing_back(two_ranks):
     """The all_reduce adds no host read to a decode or verify step (the sync guard on the model's code)."""
     assert two_ranks[0]["no_host_reads"] and two_ranks[1]["no_host_reads"]
+
+
+def test_bench_model_parallel_smoke(two_ranks):
+    """Rank 0 prints one row with the ranks and its expert bytes (half the tiny model's); rank 1 prints nothing."""
+    assert two_ranks[1]["bench"] == []
+    (row,) = two_ranks[0]["bench"]
+    assert row["ranks"] == 2 and float(row["decode_tok_s"]) > 0 and float(row["peak_rss_GB"]) > 0
+    import warnings
+
+    from ds4.cost import tensor_bytes
+    from ds4.tiny.random_model import random_args
+    from models.args import model_shapes
+    from models.deepseek_v4 import ROUTED
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = sum(tensor_bytes(n, s, "q2") for n, s in model_shapes(random_args(2, tiny=True)).items()
+                   if n.endswith(ROUTED))
+    assert float(row["expert_GB"]) * 1e9 == pytest.approx(full / 2, rel=1e-3)
 
 
 def test_mismatched_files_fail_on_every_rank(two_ranks):
