@@ -91,6 +91,15 @@ def test_parallel_without_torchrun_says_how_to_start(monkeypatch, tiny_gguf):
         OpSet("torch", parallel="ep")
 
 
+def test_generate_parallel_without_torchrun_is_one_error_line(monkeypatch, capsys):
+    from tests.script_modules import script
+    for key in distributed.TORCHRUN_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert script("generate").main(["--parallel", "ep", "-n", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --parallel ep runs one process per rank, started by torchrun") and "\n" == err[-1]
+
+
 def expert_bytes(engine) -> int:
     """Bytes of the routed expert stacks this process holds (trunk and MTP block)."""
     blocks = [L.experts for L in engine.model.layers] + [engine.mtp.block.experts]
