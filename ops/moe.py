@@ -65,16 +65,19 @@ def check_owned(ex: Experts) -> None:
         raise ValueError(f"moe: owned experts [{ex.first}, {ex.first + n}) fall outside the router's {total}")
 
 
-def owned_pairs(chosen: torch.Tensor, w: torch.Tensor, ex: Experts) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chosen global expert ids as indices into the stacks (clamped into them) and their routing weights,
-    0 where the expert is not held here; unchanged when the stacks hold every expert."""
+def owned_pairs(chosen: torch.Tensor, w: torch.Tensor, ex: Experts,
+                missing: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen global expert ids as indices into the stacks and their routing weights, 0 where the expert is not
+    held here, whose index is clamped into the stacks (or `missing`, for a kernel that skips it); unchanged when
+    the stacks hold every expert."""
     if ex.holds_all():
         return chosen, w
     check_owned(ex)
     n = ex.gate.shape[0]
     local = chosen - ex.first
     mine = (local >= 0) & (local < n)
-    return local.clamp(0, n - 1), torch.where(mine, w, torch.zeros((), dtype=w.dtype, device=w.device))
+    index = local.clamp(0, n - 1) if missing is None else torch.where(mine, local, missing)
+    return index, torch.where(mine, w, torch.zeros((), dtype=w.dtype, device=w.device))
 
 
 def expert(w: QTensor, e: int | torch.Tensor) -> QTensor:

@@ -33,7 +33,9 @@ def gathered(w: QTensor, chosen: torch.Tensor) -> torch.Tensor:
 
 
 def pairs_product(x: torch.Tensor, w: QTensor, chosen: torch.Tensor) -> torch.Tensor:
-    """[P, out] products of rows x [P, in] with the experts `chosen` [P] of a stacked [E, out, in] weight."""
+    """[P, out] products of rows x [P, in] with the experts `chosen` [P] of a stacked [E, out, in] weight; an
+    expert -1 (another rank's) gives 0 from the kernel, and the last expert's products on the gathered path,
+    which its routing weight 0 cancels."""
     if kernels.available(w.qtype.name, w.shape[-1]):
         out = [kernels.qgemv(x[i:i + kernels.MAX_ROWS], w, chosen[i:i + kernels.MAX_ROWS])
                for i in range(0, x.shape[0], kernels.MAX_ROWS)]
@@ -56,7 +58,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
     chosen, w = route(x, ids, experts)
     if M > SMALL_M:
         return grouped(x, chosen, w, experts)
-    chosen, w = owned_pairs(chosen, w, experts)   # expert parallelism: others weigh 0 (ops/moe.py)
+    chosen, w = owned_pairs(chosen, w, experts, missing=-1)   # expert parallelism: the kernel skips the others
     k, flat = chosen.shape[1], chosen.reshape(-1)
     xs = x.repeat_interleave(k, dim=0)                                      # [M*k, D]
     g = pairs_product(xs, experts.gate, flat).clamp(max=experts.clamp)
