@@ -1,6 +1,8 @@
 """The public API: `ds4.load(...)` returns an Engine that tokenizes, generates and opens sessions."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import numbers
 import os
 import time
@@ -24,6 +26,8 @@ from ds4.tokenizer import StreamDecoder, Tokenizer
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
+
+MODEL_ID_BYTES = 1 << 20  # bytes read from each end of a model file for Engine.model_id
 
 
 def default_model_paths() -> tuple[str, str]:
@@ -130,10 +134,32 @@ class Engine:
         """The registry view the model calls; `engine.ops.report()` says which kernels ran."""
         return self.model.ops
 
+    @functools.cached_property
+    def model_id(self) -> str:
+        """SHA-256 of the model files' sizes, first and last MiB: tells a session file saved from another model
+        file (say, another fine-tune of the same layout) from one of this model."""
+        h = hashlib.sha256()
+        for path in filter(None, self.paths):
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(0)
+                h.update(f"{size}:".encode() + f.read(MODEL_ID_BYTES))
+                f.seek(max(0, size - MODEL_ID_BYTES))
+                h.update(f.read(MODEL_ID_BYTES))
+        return h.hexdigest()
+
     def session(self, ctx: int | None = None, prefill_chunk: int | None = None) -> Session:
         """A fresh session (KV state) for experiments: prefill / decode / forward / snapshot / restore."""
         return Session(self.model, self.ctx if ctx is None else ctx,
-                       self.prefill_chunk if prefill_chunk is None else prefill_chunk, self.mtp, self.compile)
+                       self.prefill_chunk if prefill_chunk is None else prefill_chunk, self.mtp, self.compile,
+                       self.model_id)
+
+    def session_from_file(self, path: str | os.PathLike[str], ctx: int | None = None) -> Session:
+        """The session saved to `path` (`Session.save`), continuing on this model with its prefill chunk and `ctx`
+        (default the engine's); SessionFileError when the file is damaged or from another model, layout or
+        prefill chunk, or holds more than `ctx` allows."""
+        return Session.load(path, self.model, self.mtp, self.ctx if ctx is None else ctx, self.compile,
+                            self.model_id, self.prefill_chunk)
 
     def encode(self, prompt: str | Sequence[int], *, system: str | None = None, think: bool = False,
                raw: bool = False) -> list[int]:

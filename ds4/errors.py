@@ -21,6 +21,11 @@ class NonFiniteError(Ds4Error):
     """The model produced NaN or Inf where a finite value is needed (e.g. the logits of a step)."""
 
 
+class SessionFileError(Ds4Error):
+    """A session file (Session.save) that cannot be loaded: damaged, truncated, or saved for another model,
+    layout, context or prefill chunk."""
+
+
 class ParallelError(Ds4Error):
     """The ranks of a parallel run disagree (different files or options, diverged decisions) or one stopped
     answering within the timeout."""

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ds4.errors import NonFiniteError, UsageError
+from ds4 import session_file
+from ds4.errors import NonFiniteError, SessionFileError, UsageError
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
 
@@ -97,11 +98,12 @@ class Session:
     """KV state plus prefill / decode / batched forward / MTP drafting / rollback for one sequence."""
 
     def __init__(self, model: DeepseekV4, ctx: int, prefill_chunk: int = 2048, mtp: MTPHead | None = None,
-                 compile: bool = False):
+                 compile: bool = False, model_id: str | None = None):
         ctx = check_size("ctx (--ctx)", ctx)
         prefill_chunk = check_size("prefill_chunk (--prefill-chunk)", prefill_chunk)
         prefill_chunk = min(prefill_chunk, ctx)  # a longer chunk could never be filled
         self.model, self.mtp, self.ctx, self.prefill_chunk = model, mtp, ctx, prefill_chunk
+        self.model_id = model_id  # names the model file in saved sessions (Engine.model_id), so loads can check it
         self._id = next(_session_ids)
         need, free = state_bytes(model, ctx, prefill_chunk, mtp), available_bytes(model.ops.device)
         if free is not None and need > free:
@@ -122,6 +124,7 @@ class Session:
         self.recent: dict[str, tuple[int, torch.Tensor] | None] = {"trunk": None, "mtp": None}  # last rows
         self.trunk_tail: torch.Tensor | None = None  # H_{pos-1}
         self.mtp_tail: torch.Tensor | None = None    # MTP output state of row pos-1
+        self.logits_at: dict[int, torch.Tensor] = {}  # logits rows of the last forward, by position
         self.counters: Counter[str] = Counter()  # forward_rows, lm_head_rows, mtp_rows, mtp_lm_head_rows
         self.mtp_paused = False  # True: forwards skip the MTP catch-up (no draft will read it)
         self.on_chunk: Callable[[int], None] | None = None  # called with each forward chunk's size (progress)
@@ -130,6 +133,33 @@ class Session:
             model.compiled_step()
             if mtp:
                 mtp.compiled_step()
+
+    @classmethod
+    def load(cls, path, model: DeepseekV4, mtp: MTPHead | None = None, ctx: int | None = None,
+             compile: bool = False, model_id: str | None = None, prefill_chunk: int | None = None) -> Session:
+        """A session continuing exactly where the one saved to `path` (`save`) stopped; `ctx` and `prefill_chunk`
+        default to the saved ones. A damaged file or one from another model, layout, prefill chunk or a context
+        too small for it raises SessionFileError."""
+        saved = session_file.read(path)
+        ctx = saved.header["ctx"] if ctx is None else check_size("ctx (--ctx)", ctx)
+        chunk = saved.header["prefill_chunk"] if prefill_chunk is None else check_size("prefill_chunk", prefill_chunk)
+        chunk = min(chunk, ctx)
+        saved.check(model, mtp, ctx, chunk, model_id, str(path))
+        session = cls(model, ctx, chunk, mtp, compile, model_id)
+        try:
+            saved.apply(session)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # a well-formed file holding the wrong parts
+            raise SessionFileError(f"{path}: malformed session file ({type(e).__name__}: {e})") from None
+        return session
+
+    def save(self, path) -> None:
+        """Write the whole state to `path` (atomically) so that `Session.load` continues it bit for bit."""
+        session_file.save(self, path, self.model_id)
+
+    @property
+    def last_logits(self) -> torch.Tensor | None:
+        """Logits [V] of the last position when the forward that wrote it computed them, else None."""
+        return self.logits_at.get(self.pos - 1)
 
     def batch_invariant(self) -> bool:
         """Whether a forward of M <= SMALL_M rows gives each row the one-row forward's result bit for bit:
@@ -185,9 +215,12 @@ class Session:
                 self.on_chunk(len(chunk))
         logits = [x for x in out if x is not None]
         if not logits:
+            self.logits_at = {}
             return None
         logits = self.model.ops.to_torch(self.model.ops.cat(logits))
-        check_finite(logits, [self.pos - n + r for r in rows], "logits")
+        positions = [self.pos - n + r for r in rows]
+        check_finite(logits, positions, "logits")
+        self.logits_at = {positions[i]: logits[i] for i in range(max(0, len(rows) - KEPT_STATES), len(rows))}
         return logits
 
     def _check_ids(self, ids) -> list[int]:

@@ -15,6 +15,8 @@ SUITES = {  # suite name -> module in ds4/bench/
     "model": "model",
     "spec": "spec",
     "cpu": "cpu",
+    "kvdisk": "kvdisk",
+    "quants": "quants",
 }
 
 

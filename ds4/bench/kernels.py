@@ -1,4 +1,6 @@
-"""moe, indexer, argmax: the Triton kernels of those ops at V4 Flash sizes (routed experts with the q2 mix's
+"""moe, indexer, argmax: the Triton kernels of those ops beside their PyTorch references.
+
+The Triton kernels of those ops at V4 Flash sizes (routed experts with the q2 mix's
 stacks and the shared expert; index scores and top-512; verify argmax over the vocabulary), each with the
 PyTorch reference's time beside it and the ratio. Without CUDA only the reference runs, at smaller sizes in
 quick mode."""

@@ -1,4 +1,6 @@
-"""model: the whole model at V4 Flash shapes (or its first `--layers N`) with random weights stored in a
+"""model: prefill and decode tokens/s of a random-weight V4 Flash against its decode roofline.
+
+The whole model at V4 Flash shapes (or its first `--layers N`) with random weights stored in a
 mix (q2, q4), built on the device from the shape schema (ds4/tiny/random_model.py): prefill tokens/s for a
 `--prompt`-token prompt, decode tokens/s over `--decode` one-token steps (fixed token ids, so no
 sampling readback), the decode step's weight bytes (ds4/cost.py) and the roofline they imply at the

@@ -1,4 +1,6 @@
-"""qmatmul: per quant type, weight shape N x K (out x in) and row count M, the time of one call, the
+"""qmatmul: time, GB/s and share of copy bandwidth of one call per quant type, shape and row count.
+
+Per quant type, weight shape N x K (out x in) and row count M, the time of one call, the
 effective bandwidth (weight bytes / time), its share of the device's copy bandwidth measured in the
 same run (bytes read + written by a device-to-device copy, per second), and the speed-up over the
 PyTorch baseline (dequantize, then one torch.matmul). On CUDA, calls are replayed in a CUDA graph

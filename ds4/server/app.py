@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from ds4.engine import Engine, load
 from ds4.errors import Ds4Error, UsageError
 from ds4.server.openai_routes import openai_router
+from ds4.server.prefix_cache import PrefixCache
 from ds4.server.schemas import ApiError
 from ds4.server.worker import Worker
 from ds4.speculative import MAX_DRAFT
@@ -73,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="compiled decode/verify steps (CPU; about a minute per row count on first use, then "
                         "faster steps for the server's lifetime; docs/cpu.md)")
+    p.add_argument("--kv-disk-dir", metavar="DIR",
+                   help="keep session files of long prompts in DIR so later requests and later server processes "
+                        "skip prefilling them (docs/server.md)")
+    p.add_argument("--kv-disk-space-mb", metavar="N", type=float, default=4096,
+                   help="space limit of --kv-disk-dir in MiB (default 4096); least useful entries go first")
     return p.parse_args(argv)
 
 
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(a.threads or 1)
         engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile)
         draft = int(a.mtp_draft) if a.mtp_draft not in (None, "auto") else a.mtp_draft
-        app = create_app(engine, a.served_model_name, Worker(engine, draft))
+        cache = PrefixCache(engine, a.kv_disk_dir, a.kv_disk_space_mb) if a.kv_disk_dir else None
+        app = create_app(engine, a.served_model_name, Worker(engine, draft, cache))
     except Ds4Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

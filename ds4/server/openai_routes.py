@@ -10,7 +10,7 @@ from dataclasses import replace
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from ds4.chat import ChatFormatError, CompletionParser, prompt_ids
+from ds4.chat import ChatFormatError, CompletionParser, prompt_ids, prompt_task
 from ds4.engine import Engine
 from ds4.errors import UsageError
 from ds4.sampling import SamplingParams
@@ -79,7 +79,7 @@ def openai_router(engine: Engine, worker: Worker, model_name: str) -> APIRouter:
         job = queue_job(body, ids)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": model_name}
-        parser, reply = CompletionParser(mode), Reply()
+        parser, reply = CompletionParser(mode, prompt_task(body.messages)), Reply()
 
         async def events() -> AsyncIterator[tuple[list[dict], Finished | None]]:
             """(OpenAI deltas, None) as text arrives, then ([], Finished)."""

@@ -1,7 +1,8 @@
 """The worker thread: it owns the engine and one session and runs generations one at a time, in arrival order.
 
 A request whose prompt starts with tokens the session already holds (a continuing conversation) rolls back to
-that common prefix and prefills only the rest.
+that common prefix and prefills only the rest; with a disk prefix cache (prefix_cache.py) a longer stored prefix
+is loaded instead, and long prompts are saved there.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from ds4.engine import Engine
 from ds4.errors import Ds4Error, UsageError
 from ds4.sampling import Sampler, SamplingParams
+from ds4.server.prefix_cache import PrefixCache
 from ds4.session import Session, Snapshot
 from ds4.speculative import SpecMetrics, check_draft, generate_ids
 from ds4.tokenizer import StreamDecoder
@@ -61,8 +63,8 @@ class Job:
 class Worker:
     """Owns the engine and one session; runs jobs one at a time in arrival order (FIFO, so fair)."""
 
-    def __init__(self, engine: Engine, mtp_draft: int | str | None = None):
-        self.engine = engine
+    def __init__(self, engine: Engine, mtp_draft: int | str | None = None, prefix_cache: PrefixCache | None = None):
+        self.engine, self.prefix_cache = engine, prefix_cache
         self.mtp_draft = check_draft(mtp_draft if mtp_draft is not None else (1 if engine.mtp else None))
         if self.mtp_draft and engine.mtp is None:
             raise UsageError("--mtp-draft needs an MTP head: pass --mtp PATH")
@@ -87,6 +89,8 @@ class Worker:
             self.current.cancel.set()
         self.jobs.put(None)
         self.thread.join()
+        if self.prefix_cache:
+            self.prefix_cache.close()
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -105,14 +109,21 @@ class Worker:
             self.current = None
 
     def _reuse(self, ids: list[int]) -> int:
-        """Roll the session back to its longest common prefix with `ids` (keeping one token to feed), or to the
-        snapshot taken at the end of the last prompt when the prefix reaches past it but the states needed to
-        truncate there are gone; else start a fresh session. Returns the number of tokens kept."""
-        if self.session is None:
-            self.session, self.snapshot = self.engine.session(), None
-        held, common = self.session.tokens, 0
+        """Load the disk cache's longest prefix of `ids` when it beats the session's; else roll the session back to
+        its longest common prefix with `ids` (keeping one token to feed), or to the snapshot taken at the end of
+        the last prompt when the prefix reaches past it but the states needed to truncate there are gone; else
+        start a fresh session. Returns the number of tokens kept."""
+        held, common = self.session.tokens if self.session else [], 0
         while common < min(len(held), len(ids) - 1) and held[common] == ids[common]:
             common += 1
+        stored = self.prefix_cache.longest(ids, len(ids) - 1) if self.prefix_cache else None
+        if stored is not None and stored.tokens > common:  # the disk holds a longer prefix than this session
+            self.session = self.snapshot = None  # one session's KV state in memory at a time
+            self.session = self.prefix_cache.load(ids, common)
+            if self.session is not None:
+                return self.session.pos
+        if self.session is None:
+            self.session, self.snapshot = self.engine.session(), None
         try:
             self.session.truncate(common)
             return common
@@ -136,6 +147,8 @@ class Worker:
             session.forward(fresh, None, mtp_min=session.pos + len(fresh) + 1 - self.engine.args.window)
             session.mtp_paused = False
         self.snapshot = session.snapshot()
+        if self.prefix_cache:
+            self.prefix_cache.maybe_save(session)
         return generate_ids(session, job.ids[-1:], max_tokens=job.max_tokens, sampler=Sampler(job.sampling),
                             eos_id=self.engine.tokenizer.eos_id, draft=self.mtp_draft, metrics=spec)
 

@@ -19,23 +19,26 @@ def round_half_away(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
-def fit_affine(x: torch.Tensor, nmax: int, steps: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_affine(x: torch.Tensor, nmax: int, steps: int = 12,
+               weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sub-block `scale >= 0, low <= 0` so that `x ≈ scale*q + low` with q in 0..nmax; x is `[..., L]`.
 
     Tries `steps` inverse scales around (max-min)/nmax; for each, rounds q and solves the 2x2 least squares
-    for (scale, low), keeping the candidate with the least squared error.
+    for (scale, low), keeping the candidate with the least squared error (weighted by `weights`, same shape
+    as x, when given).
     """
+    w = torch.ones_like(x) if weights is None else weights
     lo = x.amin(-1).clamp(max=0)
     hi = x.amax(-1)
     span = (hi - lo).clamp(min=1e-30)
-    n = x.shape[-1]
-    sum_x = x.sum(-1)
+    n = w.sum(-1)
+    sum_x = (w * x).sum(-1)
     best_scale, best_low = span / nmax, lo
-    best_err = _sq_err(x, best_scale, best_low, nmax)
+    best_err = _sq_err(x, best_scale, best_low, nmax, w)
     for k in range(steps):
         iscale = (nmax - 1 + 2 * k / (steps - 1)) / span  # (nmax-1 .. nmax+1) / span
         q = torch.round((x - lo[..., None]) * iscale[..., None]).clamp(0, nmax)
-        sum_q, sum_qq, sum_qx = q.sum(-1), (q * q).sum(-1), (q * x).sum(-1)
+        sum_q, sum_qq, sum_qx = (w * q).sum(-1), (w * q * q).sum(-1), (w * q * x).sum(-1)
         det = n * sum_qq - sum_q * sum_q
         ok = det > 0
         det = torch.where(ok, det, torch.ones_like(det))
@@ -43,9 +46,9 @@ def fit_affine(x: torch.Tensor, nmax: int, steps: int = 12) -> tuple[torch.Tenso
         low = torch.where(ok, (sum_qq * sum_x - sum_q * sum_qx) / det, best_low)
         # the format needs low <= 0: refit the scale alone with low = 0
         pos = low > 0
-        scale = torch.where(pos, sum_qx / sum_qq.clamp(min=1), scale).clamp(min=0)
+        scale = torch.where(pos, sum_qx / torch.where(sum_qq > 0, sum_qq, 1), scale).clamp(min=0)
         low = low.clamp(max=0)
-        err = _sq_err(x, scale, low, nmax)
+        err = _sq_err(x, scale, low, nmax, w)
         better = err < best_err
         best_scale = torch.where(better, scale, best_scale)
         best_low = torch.where(better, low, best_low)
@@ -53,10 +56,17 @@ def fit_affine(x: torch.Tensor, nmax: int, steps: int = 12) -> tuple[torch.Tenso
     return best_scale, best_low
 
 
-def _sq_err(x: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, nmax: int) -> torch.Tensor:
-    """Squared error of the best q (0..nmax) for a given (scale, low), summed over the last axis."""
+def _sq_err(x: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, nmax: int, w: torch.Tensor) -> torch.Tensor:
+    """Weighted squared error of the best q (0..nmax) for a given (scale, low), summed over the last axis."""
     q = affine_codes(x, scale, low, nmax)
-    return ((q * scale[..., None] + low[..., None] - x) ** 2).sum(-1)
+    return (w * (q * scale[..., None] + low[..., None] - x) ** 2).sum(-1)
+
+
+def importance_weights(x: torch.Tensor, importance: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's K-quant error weights from an imatrix: `importance * sqrt(sigma2 + x^2)`, sigma2 being twice
+    the mean square of each super-block; x and importance are `[n, S, L]`."""
+    sigma2 = 2 * (x * x).mean((-1, -2), keepdim=True)
+    return importance * torch.sqrt(sigma2 + x * x)
 
 
 def affine_codes(x: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, nmax: int) -> torch.Tensor:
