@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,7 +88,12 @@ class Prompt:
         self.parts.append((text, True))
 
     def plain(self, text: str) -> None:
-        """Append caller-supplied text, always tokenized as plain text."""
+        """Append caller-supplied text, always tokenized as plain text; it must be valid Unicode."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ChatFormatError(f"a lone surrogate at character {e.start} of {text[:40]!r}: text must be valid "
+                                  "Unicode") from None
         self.parts.append((text, False))
 
     @property
@@ -418,15 +423,18 @@ class CompletionParser:
 
     thinking mode: reasoning up to `</think>`, then content (a `task`'s reply is content only, but action's in
     thinking mode, whose prompt opened `<think>`). Content ends at EOS; a DSML tool-call block
-    (`\\n\\n<｜DSML｜tool_calls>`) yields one ToolCall per complete invoke. An invoke that does not parse is
-    passed on as content text, so no generated text is lost.
+    (`\\n\\n<｜DSML｜tool_calls>`) yields one ToolCall per complete invoke. An invoke that does not parse, or
+    that calls a name not in `tools` (when given), is passed on as content text, so no generated text is
+    lost; with `tools` empty no block is parsed at all.
     """
 
-    def __init__(self, thinking_mode: str = "chat", task: str | None = None):
+    def __init__(self, thinking_mode: str = "chat", task: str | None = None, tools: Collection[str] | None = None):
         if thinking_mode not in THINKING_MODES:
             raise ChatFormatError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
         if task is not None and not (isinstance(task, str) and task in TASKS):
             raise ChatFormatError(f"task must be one of {', '.join(TASKS)} or None, got {task!r}")
+        self.tools = tools
+        self.content_markers = (EOS,) if tools is not None and not tools else (TOOL_CALLS_START, EOS)
         opens_thinking = thinking_mode == "thinking" and task in (None, "action")  # as build_prompt ends the prompt
         self.state = "reasoning" if opens_thinking else "content"
         self.buffer = ""
@@ -452,7 +460,7 @@ class CompletionParser:
         """Consume from the buffer; False when more text is needed."""
         if self.state == "tools":
             return self._step_tools(out, final)
-        markers = (THINK_END, EOS) if self.state == "reasoning" else (TOOL_CALLS_START, EOS)
+        markers = (THINK_END, EOS) if self.state == "reasoning" else self.content_markers
         hits = [(self.buffer.find(m), m) for m in markers if m in self.buffer]
         if hits:
             at, marker = min(hits)
@@ -480,6 +488,7 @@ class CompletionParser:
             return final
         invoke, self.buffer = self.buffer[:end + len(INVOKE_END)], self.buffer[end + len(INVOKE_END):]
         call = parse_invoke(invoke)
+        call = call if call and (self.tools is None or call.name in self.tools) else None
         out.append(Delta(tool_call=call) if call else Delta(content=self.block_start + invoke))
         self.block_start = ""
         return True

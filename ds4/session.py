@@ -119,6 +119,7 @@ class Session:
                              f"allocated on {model.ops.device} ({type(e).__name__}); lower --ctx") from None
         self.tokens: list[int] = []
         self.mtp_from = 0        # MTP cache rows are valid for positions [mtp_from, pos)
+        self.mtp_before_pause: tuple[int, int] | None = None  # [from, to): the rows written before the last pause
         self.high_water = 0      # highest position ever written + 1 (bounds what rollback may reach)
         self.n_drafted = 0       # MTP draft rows written past pos since the last forward
         self.recent: dict[str, tuple[int, torch.Tensor] | None] = {"trunk": None, "mtp": None}  # last rows
@@ -256,6 +257,8 @@ class Session:
         if self.mtp and not self.mtp_paused:
             self._mtp_catch_up(ids, X, previous_tail, start, mtp_min, eager)
         elif self.mtp:  # rows not written: the MTP window restarts after them
+            if self.mtp_from < start:
+                self.mtp_before_pause = (self.mtp_from, start)
             self.mtp_from = self.pos
         return logits
 
@@ -348,12 +351,15 @@ class Session:
         if n_tokens < self.pos:
             self.trunk_tail = self._row("trunk", n_tokens - 1)
             self.mtp_tail = self._row("mtp", n_tokens - 1)
-            mtp_row_written = n_tokens - 1 >= self.mtp_from  # else the MTP window restarts at n_tokens
+            mtp_from = min(self.mtp_from, n_tokens)  # rows paused past n_tokens: as a cold start, when intact
+            if self.mtp_before_pause and self.mtp_before_pause[0] <= n_tokens <= self.mtp_before_pause[1]:
+                mtp_from = self.mtp_before_pause[0]
+            mtp_row_written = n_tokens - 1 >= mtp_from  # else the MTP window restarts at n_tokens
             if self.mtp and n_tokens > 0 and (self.trunk_tail is None or self.mtp_tail is None and mtp_row_written):
                 raise UsageError(f"cannot truncate to {n_tokens} tokens: the states at position "
                                  f"{n_tokens - 1} are gone; use snapshot()/restore()")
             del self.tokens[n_tokens:]
-            self.mtp_from = min(self.mtp_from, n_tokens)
+            self.mtp_from = mtp_from
         self.n_drafted = 0
 
     def _row(self, kind: str, p: int) -> torch.Tensor | None:

@@ -17,6 +17,7 @@ SUITES = {  # suite name -> module in ds4/bench/
     "cpu": "cpu",
     "kvdisk": "kvdisk",
     "quants": "quants",
+    "grammar": "grammar",
 }
 
 

@@ -91,3 +91,48 @@ def pow2_ceil(y: torch.Tensor) -> torch.Tensor:
     """The smallest power of two >= y, for positive normal float32 y (exact: read off frexp)."""
     mant, expo = torch.frexp(y)
     return torch.ldexp(torch.ones_like(y), torch.where(mant == 0.5, expo - 1, expo))
+
+
+def u16_fields(blocks: torch.Tensor, offset: int, count: int) -> torch.Tensor:
+    """`count` little-endian uint16 at byte `offset` of each block, as int64 `[n, count]`."""
+    b = blocks[:, offset : offset + 2 * count].to(torch.int64).reshape(-1, count, 2)
+    return b[..., 0] | (b[..., 1] << 8)
+
+
+def u32_fields(blocks: torch.Tensor, offset: int, count: int) -> torch.Tensor:
+    """`count` little-endian uint32 at byte `offset` of each block, as int64 `[n, count]`."""
+    lo = u16_fields(blocks, offset, 2 * count).reshape(-1, count, 2)
+    return lo[..., 0] | (lo[..., 1] << 16)
+
+
+def le_bytes(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Integers `[..., c]` -> their `width` little-endian bytes each, uint8 `[..., c * width]`."""
+    x = x.to(torch.int64)
+    return ((x[..., None] >> (8 * torch.arange(width, device=x.device))) & 255).to(torch.uint8).flatten(-2)
+
+
+def bit_planes(x: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
+    """`(x[..., None, :] >> shift) & mask` for each shift: `[..., k]` -> `[..., len(shifts), k]` in x's dtype."""
+    s = torch.tensor(shifts, dtype=x.dtype, device=x.device)[:, None]
+    return (x[..., None, :] >> s) & mask
+
+
+def pack_planes(q: torch.Tensor, shifts: list[int]) -> torch.Tensor:
+    """Inverse of `bit_planes`: int codes `[..., len(shifts), k]` -> uint8 `[..., k]` (fields must not overlap)."""
+    s = torch.tensor(shifts, dtype=torch.int64, device=q.device)[:, None]
+    return (q.to(torch.int64) << s).sum(-2).to(torch.uint8)
+
+
+def gguf_grid(name: str) -> torch.Tensor:
+    """The codebook of IQ type `name` as float32 `[points, width]`, taken from gguf-py rather than retyped."""
+    import gguf
+
+    cls = getattr(gguf.quants, name)
+    cls.init_grid()
+    return torch.from_numpy(cls.grid.reshape(cls.grid_shape).copy())
+
+
+def nearest_level(t: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest of the sorted float `levels` for each value of `t` (ties to the lower one)."""
+    mid = (levels[1:] + levels[:-1]) / 2
+    return torch.searchsorted(mid.to(t.device), t.contiguous(), right=False)
