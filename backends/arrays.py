@@ -1,6 +1,7 @@
 """Array primitives of the torch family (backends `torch` and `triton`): the few structural operations
-the model needs besides its ops — allocation, index arrays, concatenation, selection, weight placement —
-all on one device, so the model itself never names a framework or a device."""
+the model needs besides its ops — allocation, index arrays, concatenation, selection, weight placement,
+the collective that sums the ranks' partial results — all on one device, so the model itself never names a
+framework, a device or a communication library."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -18,8 +19,25 @@ class TorchArrays:
 
     family = "torch"
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, distributed: bool = False):
         self.device = torch.device(device)
+        self.rank, self.world = 0, 1
+        if distributed:
+            import torch.distributed as dist
+            if not (dist.is_available() and dist.is_initialized()):
+                raise BackendUnavailable("a parallel OpSet needs torch.distributed initialised first "
+                                         "(ds4.distributed.start, under torchrun)")
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over every rank (torch.distributed: gloo on CPUs, NCCL on GPUs), summed in place on
+        the device with no host read; `x` itself in a single process."""
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+        x = x.contiguous()
+        dist.all_reduce(x)
+        return x
 
     def zeros(self, *shape: int) -> torch.Tensor:
         """A float32 array of zeros (cache allocation)."""
@@ -49,6 +67,8 @@ class TorchArrays:
         """`fn` compiled by torch.compile (inductor) with static shapes: one graph per distinct input shape
         (a step per verify width), traced on first use and replayed after. CPU only: on CUDA, steps are
         recorded in CUDA graphs instead (ds4/cuda_graphs.py)."""
+        if self.world > 1:
+            raise BackendUnavailable("compiled steps do not run across ranks yet (--parallel); use --no-compile")
         if self.device.type != "cpu":
             raise BackendUnavailable(f"compiled steps run on the CPU only for now, not on {self.device}; "
                                      "use --no-compile")

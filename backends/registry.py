@@ -15,7 +15,9 @@ Resolution for an `OpSet(backend=..., overrides=...)`:
 Per-op overrides (`{"qmatmul": "torch"}` or `DS4_OPS=qmatmul:torch,moe:triton`) pin single ops.
 Besides the ops, an OpSet carries its device's array primitives (`zeros`, `array`, `cat`, `where`,
 `place`, `to_torch`, `compile`; see backends/arrays.py), so the model allocates and places everything
-through it.
+through it, and the collective `all_reduce` (the sum over ranks; identity in one process). A parallel
+OpSet (`parallel="ep"`, made under an initialised torch.distributed group, see ds4/distributed.py) knows
+its `rank` and `world` size; MLX refuses one.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from backends.arrays import TorchArrays
 from ds4.errors import BackendUnavailable
 
 BACKENDS = ("torch", "triton", "mlx", "cpu")
+PARALLEL = ("ep",)  # how a model splits over ranks: ep = routed experts by index (docs/distributed.md)
 AUTO_ORDER = ("triton", "mlx", "cpu", "torch")
 OPS = (
     "qmatmul", "moe", "indexer_topk", "verify_argmax",
@@ -195,7 +198,7 @@ class OpSet:
     `report()` says which implementation ran each op."""
 
     def __init__(self, backend: str | None = None, overrides: dict[str, str] | None = None,
-                 strict: bool = False, device: str | None = "cpu"):
+                 strict: bool = False, device: str | None = "cpu", parallel: str | None = None):
         self.backend = backend or os.environ.get("DS4_BACKEND", "auto")
         if self.backend != "auto" and self.backend not in BACKENDS:
             raise BackendUnavailable(f"unknown backend {self.backend!r}; choose auto or one of {BACKENDS}")
@@ -207,17 +210,24 @@ class OpSet:
                     f"backend {name!r} cannot run on device {self.device!r}: "
                     + ("MLX arrays need --backend mlx (or auto)" if is_mlx_device(self.device)
                        else "the mlx backend needs --device mlx (or no --device)"))
+        if parallel is not None and parallel not in PARALLEL:
+            raise BackendUnavailable(f"unknown parallel mode {parallel!r}; known: {', '.join(PARALLEL)}")
+        self.parallel = parallel
         if is_mlx_device(self.device):
+            if parallel is not None:
+                raise BackendUnavailable("MLX runs in one process: --parallel needs the torch family "
+                                         "(--backend torch, cpu or triton on a CPU or CUDA device)")
             ok, why = backend_status("mlx")
             if not ok:
                 raise BackendUnavailable(f"device {self.device!r} needs the mlx backend, which cannot run: {why}")
             from backends.mlx.arrays import MLXArrays
             self.arrays = MLXArrays(self.device)
         else:
-            self.arrays = TorchArrays(self.device)
+            self.arrays = TorchArrays(self.device, distributed=parallel is not None)
         self.zeros, self.array, self.cat = self.arrays.zeros, self.arrays.array, self.arrays.cat
         self.where, self.place, self.to_torch = self.arrays.where, self.arrays.place, self.arrays.to_torch
-        self.compile = self.arrays.compile
+        self.compile, self.all_reduce = self.arrays.compile, self.arrays.all_reduce
+        self.rank, self.world = self.arrays.rank, self.arrays.world
         for name in {self.backend, *self.overrides.values()} - {"auto"}:
             ok, why = backend_status(name)
             if not ok:

@@ -14,6 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from backends.registry import OpSet
+from ds4 import distributed
 from ds4.chat import chat_ids
 from ds4.errors import BackendUnavailable, ModelFileError, UsageError
 from ds4.formats import gguf, layouts
@@ -117,8 +118,9 @@ class Engine:
     """A loaded model (+ optional MTP head), its tokenizer and the ops it runs on."""
 
     def __init__(self, model: DeepseekV4, tokenizer: Tokenizer, mtp: MTPHead | None, *, ctx: int,
-                 prefill_chunk: int, paths: tuple[str, str | None], compile: bool = False, cuda_graphs: bool = False):
-        self.model, self.tokenizer, self.mtp = model, tokenizer, mtp
+                 prefill_chunk: int, paths: tuple[str, str | None], compile: bool = False, cuda_graphs: bool = False,
+                 world: distributed.World | None = None):
+        self.model, self.tokenizer, self.mtp, self.world = model, tokenizer, mtp, world
         self.ctx, self.prefill_chunk, self.paths, self.compile = ctx, prefill_chunk, paths, compile
         self.cuda_graphs = cuda_graphs
         self.stats = RunStats()
@@ -195,6 +197,8 @@ class Engine:
         """Yield generated tokens with their text as they are committed; stats land in `self.stats`.
 
         Every argument is checked when this is called (UsageError), before the first token is asked for."""
+        if self.world is not None and seed is None and temperature > 0:  # every rank must draw alike
+            seed = distributed.shared_seed(self.world)
         sampler = Sampler(SamplingParams(temperature, top_k, top_p, min_p, seed))
         ids = self.encode(prompt, system=system, think=think, raw=raw)
         ctx = self.ctx if ctx is None else check_size("ctx (--ctx)", ctx, 2)
@@ -220,7 +224,23 @@ class Engine:
     def _stream(self, session: Session, ids: list[int], sampler: Sampler, max_tokens: int,
                 mtp_draft: int | str | None, strict: bool, continuous: bool,
                 spec_log: Callable[[dict], None] | None, on_logits: Callable[[Any], None] | None) -> Iterator[Token]:
-        """The generation `generate` set up, as a generator."""
+        """The generation `generate` set up, as a generator (across ranks: a failed collective is a
+        ParallelError; with $DS4_DIST_CHECK=1 every committed token is compared across ranks)."""
+        if self.world is None:
+            yield from self._tokens(session, ids, sampler, max_tokens, mtp_draft, strict, continuous, spec_log,
+                                    on_logits)
+            return
+        with distributed.collective_errors(self.world):
+            for n, token in enumerate(self._tokens(session, ids, sampler, max_tokens, mtp_draft, strict, continuous,
+                                                   spec_log, on_logits)):
+                if self.world.check_tokens:
+                    distributed.check_same(self.world, token.id, f"generated token {n}")
+                yield token
+
+    def _tokens(self, session: Session, ids: list[int], sampler: Sampler, max_tokens: int,
+                mtp_draft: int | str | None, strict: bool, continuous: bool,
+                spec_log: Callable[[dict], None] | None, on_logits: Callable[[Any], None] | None) -> Iterator[Token]:
+        """The committed tokens of one generation, with their text."""
         self.stats = stats = RunStats(prompt_ids=ids)
         decoder = StreamDecoder(self.tokenizer)
         long_prompt = len(ids) > session.prefill_chunk
@@ -271,6 +291,7 @@ def open_mtp(trunk: DeepseekV4, path: str) -> MTPHead:
 def load(model_path: str | None = None, mtp_path: str | None = None, backend: str = "auto", *,
          ops: dict[str, str] | None = None, strict_backend: bool = False, ctx: int = 4096,
          prefill_chunk: int = 2048, device: str | None = None, compile: bool = False, cuda_graphs: bool = False,
+         parallel: str | None = None,
          **switches: Any) -> Engine:
     """Load a ds4-layout GGUF (default: the embedded tiny model) and optionally its MTP GGUF.
 
@@ -279,6 +300,8 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     the mlx backend, else the best available, see backends.registry.default_device);
     `compile`: run decode, verify and MTP steps through a compiled step (torch.compile, CPU; docs/cpu.md);
     `cuda_graphs`: record decode, verify and MTP steps in CUDA graphs and replay them (CUDA only; docs/kernels.md);
+    `parallel`: "ep" splits the routed experts over the ranks torchrun started (one process each; every
+    rank calls load with the same arguments; docs/distributed.md), None runs in this process alone;
     `switches`: model switches such as indexer_fp4_sim, kv_fp8_sim, shared_swiglu_clamp, mtp_pairing.
     """
     for label, path in (("model_path", model_path), ("mtp_path", mtp_path)):
@@ -291,9 +314,22 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
         if path is not None and not Path(path).is_file():
             raise ModelFileError(f"{label} file not found: {path}")
     ctx, prefill_chunk = check_size("ctx (--ctx)", ctx, 2), check_size("prefill_chunk (--prefill-chunk)", prefill_chunk)
+    world = None
+    if parallel is not None:
+        if parallel not in ("ep",):
+            raise UsageError(f"--parallel must be ep (tp is not written yet), got {parallel!r}")
+        if compile:
+            raise UsageError("--compile does not run across ranks yet: drop it with --parallel")
+        if cuda_graphs:
+            raise UsageError("--cuda-graphs does not run across ranks yet: drop it with --parallel")
+        world, device = distributed.start(parallel, device)
+        distributed.check_same_run(world, {
+            "model file": distributed.fingerprint(model_path),
+            "MTP file": mtp_path and distributed.fingerprint(mtp_path), "number of ranks": world.size,
+            "parallel mode": parallel, "backend": backend, "switches": sorted(switches.items())})
     if device:
         check_device(device)
-    opset = OpSet(backend, ops, strict=strict_backend, device=device)
+    opset = OpSet(backend, ops, strict=strict_backend, device=device, parallel=parallel)
     with tqdm(total=3, desc="loading", unit="step", leave=False, disable=None) as bar:
         f = gguf.open(model_path)
         gguf.check_architecture(f, keys=())
@@ -314,4 +350,4 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     if cuda_graphs:
         check_cuda_graphs(opset.device, compile)
     return Engine(model, tokenizer, mtp, ctx=ctx, prefill_chunk=prefill_chunk, paths=(model_path, mtp_path),
-                  compile=compile, cuda_graphs=cuda_graphs)
+                  compile=compile, cuda_graphs=cuda_graphs, world=world)

@@ -24,3 +24,8 @@ class NonFiniteError(Ds4Error):
 class SessionFileError(Ds4Error):
     """A session file (Session.save) that cannot be loaded: damaged, truncated, or saved for another model,
     layout, context or prefill chunk."""
+
+
+class ParallelError(Ds4Error):
+    """The ranks of a parallel run disagree (different files or options, diverged decisions) or one stopped
+    answering within the timeout."""

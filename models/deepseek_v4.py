@@ -7,6 +7,10 @@ and the ring capacities becomes an index array (`plan_positions`), so a forward 
 the device. The indexer's top-k, the only data-dependent index set, flows from `ops.indexer_topk` straight
 into `ops.sparse_attention`. The KV state lives in `LayerCache` objects that the caller (ds4.session)
 owns; `forward` runs a contiguous block of tokens layer-major, writing their rows into those caches.
+Expert parallelism (an OpSet made with `parallel="ep"`): rank r of N binds only the routed experts
+`owned_experts(E, r, N)` (the stacks are sliced before placing, so each rank holds 1/N of their bytes),
+runs the chosen experts it owns, and one `ops.all_reduce` per MoE layer sums the ranks' partial outputs;
+everything else is replicated (docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from ops.sparse_attention import AttnRows
 OPTIONAL = ("exp_probs_b.bias",)  # the selection bias may be absent on the base model (docs/model.md §2)
 SMALL = ("norm.weight", "_scale.weight", "_base.weight", "attn_sinks.weight", "_ape.weight", ".bias",
          "tid2eid.weight")  # tensors kept dequantized (vectors and tiny tables)
+ROUTED = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")  # stacked [E, ...] experts
 
 STEPS = ("eager", "fixed", "compiled")  # how a forward runs (DeepseekV4.forward)
 Array = Any  # an array of the OpSet's family (a torch tensor, or an mx.array)
@@ -41,10 +46,21 @@ def check_small(name: str, values: Any, n_experts: int) -> None:
             raise ModelFileError(f"tensor {name} holds values that are not expert ids in [0, {n_experts})")
 
 
+def owned_experts(n_experts: int, rank: int, world: int) -> range:
+    """The routed experts rank `rank` of `world` holds: [rank·E/N, (rank+1)·E/N)."""
+    return range(rank * n_experts // world, (rank + 1) * n_experts // world)
+
+
+def experts_slice(w: QTensor, owned: range) -> QTensor:
+    """Zero-copy view of the experts `owned` of a stacked [E, out, in] weight."""
+    return QTensor(w.qtype, (len(owned), *w.shape[1:]), w.data[owned.start:owned.stop], w.name)
+
+
 def bind(weights: Mapping[str, QTensor], shapes: dict[str, tuple[int, ...]], prefix: str, ops: OpSet,
-         optional: tuple[str, ...] = (), n_experts: int = 0) -> dict[str, Any]:
+         optional: tuple[str, ...] = (), n_experts: int = 0, owned: range | None = None) -> dict[str, Any]:
     """Check names/shapes (and SMALL tensors' values, see check_small) and return {name without prefix:
-    QTensor placed on the device, or a float array for SMALL ones}."""
+    QTensor placed on the device, or a float array for SMALL ones}; with `owned`, routed expert stacks
+    keep only those experts (expert parallelism)."""
     bound = {}
     for name, shape in shapes.items():
         if name not in weights:
@@ -60,7 +76,7 @@ def bind(weights: Mapping[str, QTensor], shapes: dict[str, tuple[int, ...]], pre
             check_small(name, values, n_experts)
             bound[short] = ops.array(values, "float32")
         else:
-            bound[short] = ops.place(t)
+            bound[short] = ops.place(experts_slice(t, owned) if owned is not None and name.endswith(ROUTED) else t)
     return bound
 
 
@@ -139,8 +155,10 @@ def make_compressor(w: dict[str, Any], name: str) -> Compressor:
                       w[f"{name}_norm.weight"])
 
 
-def make_block(args: ModelArgs, ops: OpSet, w: dict[str, Any], ratio: int, hashed: bool, clamp: float) -> Block:
-    """A block record from its bound weights (names without the `blk.N.` prefix)."""
+def make_block(args: ModelArgs, ops: OpSet, w: dict[str, Any], ratio: int, hashed: bool, clamp: float,
+               first_expert: int = 0) -> Block:
+    """A block record from its bound weights (names without the `blk.N.` prefix); the expert stacks start
+    at global expert `first_expert` (expert parallelism)."""
     yarn = (args.rope_factor, args.beta_fast, args.beta_slow, args.original_ctx)
     theta = args.compress_rope_theta if ratio else args.rope_theta
     r = args.o_lora_rank
@@ -148,7 +166,8 @@ def make_block(args: ModelArgs, ops: OpSet, w: dict[str, Any], ratio: int, hashe
         router=w["ffn_gate_inp.weight"], bias=w.get("exp_probs_b.bias"),
         tid2eid=ops.array(w["ffn_gate_tid2eid.weight"], "int64") if hashed else None,
         gate=w["ffn_gate_exps.weight"], up=w["ffn_up_exps.weight"], down=w["ffn_down_exps.weight"],
-        top_k=args.n_experts_used, route_scale=args.route_scale, normalize=args.norm_topk_prob, clamp=clamp)
+        top_k=args.n_experts_used, route_scale=args.route_scale, normalize=args.norm_topk_prob, clamp=clamp,
+        first=first_expert)
     return Block(
         ratio=ratio, freqs=ops.array(rope_freqs(args.rope_dim, theta, yarn if ratio else None), "float32"),
         hc_attn=HyperConnection(w["hc_attn_fn.weight"], w["hc_attn_scale.weight"], w["hc_attn_base.weight"]),
@@ -280,6 +299,8 @@ class DeepseekV4:
     def __init__(self, args: ModelArgs, weights: Mapping[str, QTensor], ops: OpSet | None = None):
         self.args, self.ops = args, ops or OpSet()
         self._compiled_run = None
+        self.owned = (owned_experts(args.n_experts, self.ops.rank, self.ops.world) if self.ops.parallel == "ep"
+                      else range(args.n_experts))   # the routed experts this rank holds
         g = bind(weights, {k: v for k, v in model_shapes(args).items() if not k.startswith("blk.")}, "", self.ops)
         self.embedding, self.output = g["token_embd.weight"], g["output.weight"]
         self.head = HCHead(g["output_hc_fn.weight"], g["output_hc_scale.weight"], g["output_hc_base.weight"],
@@ -288,8 +309,8 @@ class DeepseekV4:
         for i in range(args.n_layers):
             prefix, hashed = f"blk.{i}.", i < args.n_hash_layers
             shapes = block_shapes(args, prefix, args.ratio(i), hashed)
-            w = bind(weights, shapes, prefix, self.ops, OPTIONAL, args.n_experts)
-            self.layers.append(make_block(args, self.ops, w, args.ratio(i), hashed, args.clamp(i)))
+            w = bind(weights, shapes, prefix, self.ops, OPTIONAL, args.n_experts, self.owned)
+            self.layers.append(make_block(args, self.ops, w, args.ratio(i), hashed, args.clamp(i), self.owned.start))
 
     # ---- caches -------------------------------------------------------------------------------
 
@@ -379,7 +400,8 @@ class DeepseekV4:
         x, post, comb = self.hc_pre(X, L.hc_attn, L.attn_norm)
         X = self.ops.hc_post(X, self.attention(L, x, plan, cache), post, comb)
         x, post, comb = self.hc_pre(X, L.hc_ffn, L.ffn_norm)
-        ffn = self.ops.moe(x, ids, L.experts) + self.ops.shared_expert(x, *L.shared, L.shared_clamp)
+        routed = self.ops.all_reduce(self.ops.moe(x, ids, L.experts))   # the ranks' experts summed (parallel)
+        ffn = routed + self.ops.shared_expert(x, *L.shared, L.shared_clamp)
         return self.ops.hc_post(X, ffn, post, comb)
 
     def hc_pre(self, X: Array, hc: HyperConnection, norm: Array) -> tuple[Array, Array, Array]:

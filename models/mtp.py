@@ -34,12 +34,13 @@ class MTPHead:
 
     def __init__(self, trunk: DeepseekV4, weights: Mapping[str, QTensor]):
         self.trunk, self.args, self.ops = trunk, trunk.args, trunk.ops
-        w = bind(weights, mtp_shapes(self.args), MTP_PREFIX, self.ops, OPTIONAL)
+        w = bind(weights, mtp_shapes(self.args), MTP_PREFIX, self.ops, OPTIONAL, owned=trunk.owned)
         self.e_proj, self.h_proj = w.pop("e_proj.weight"), w.pop("h_proj.weight")
         self.enorm, self.hnorm = w.pop("enorm.weight"), w.pop("hnorm.weight")
         self.head = HCHead(w.pop("hc_head_fn.weight"), w.pop("hc_head_scale.weight"),
                            w.pop("hc_head_base.weight"), w.pop("norm.weight"))
-        self.block = make_block(self.args, self.ops, w, 0, False, self.args.clamp(self.args.n_layers))
+        self.block = make_block(self.args, self.ops, w, 0, False, self.args.clamp(self.args.n_layers),
+                                trunk.owned.start)
         self._compiled_run = None
 
     def new_cache(self, ctx: int, chunk: int) -> LayerCache:

@@ -7,6 +7,10 @@ Contract: `moe(x [M, D], ids [M] int64, experts: Experts) -> [M, D]` float32 (do
 - weights `w = p_S / max(Σ p_S, 6.1035e-5) · route_scale` (no division when `normalize` is False).
 - each expert adds `down · (silu(min(g, clamp)) · clamp(u, ±clamp) · w)` with `g = gate·x`, `u = up·x`,
   in increasing expert id order.
+Expert parallelism: the stacks may hold only the experts [first, first + n) of the E the router scores
+(`Experts.first`, n = `gate.shape[0]`); routing still ranks all E, and only the owned chosen experts are
+added (the others count with weight 0 on a clamped index, so the shapes never depend on the routing).
+Summing the ranks' outputs gives the full output, up to the order of the sum.
 The expert stacks stay in their stored blocks: an expert's weights are gathered by index on the device,
 never dequantized whole.
 Batch-invariant for M <= SMALL_M (`BATCH_INVARIANT`, the decode and speculative-verify regime): such
@@ -42,6 +46,38 @@ class Experts:
     route_scale: float
     normalize: bool
     clamp: float
+    first: int = 0                  # global id of the stacks' expert 0 (expert parallelism: the owned range)
+
+    @property
+    def owned(self) -> range:
+        """Global ids of the experts the stacks hold."""
+        return range(self.first, self.first + self.gate.shape[0])
+
+    def holds_all(self) -> bool:
+        """Whether the stacks hold every expert the router scores (no expert parallelism)."""
+        return self.first == 0 and self.gate.shape[0] == self.router.shape[0]
+
+
+def check_owned(ex: Experts) -> None:
+    """The owned range must lie inside the router's experts (ValueError naming both)."""
+    n, total = ex.gate.shape[0], ex.router.shape[0]
+    if ex.first < 0 or ex.first + n > total:
+        raise ValueError(f"moe: owned experts [{ex.first}, {ex.first + n}) fall outside the router's {total}")
+
+
+def owned_pairs(chosen: torch.Tensor, w: torch.Tensor, ex: Experts,
+                missing: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen global expert ids as indices into the stacks and their routing weights, 0 where the expert is not
+    held here, whose index is clamped into the stacks (or `missing`, for a kernel that skips it); unchanged when
+    the stacks hold every expert."""
+    if ex.holds_all():
+        return chosen, w
+    check_owned(ex)
+    n = ex.gate.shape[0]
+    local = chosen - ex.first
+    mine = (local >= 0) & (local < n)
+    index = local.clamp(0, n - 1) if missing is None else torch.where(mine, local, missing)
+    return index, torch.where(mine, w, torch.zeros((), dtype=w.dtype, device=w.device))
 
 
 def expert(w: QTensor, e: int | torch.Tensor) -> QTensor:
@@ -82,12 +118,15 @@ def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
         for r in range(x.shape[0]):
             chosen, w = route(x[r:r + 1], ids[r:r + 1], experts)
             chosen, order = torch.sort(chosen, dim=-1, stable=True)   # increasing expert id
-            w = w.gather(1, order)
+            chosen, w = owned_pairs(chosen, w.gather(1, order), experts)
             for j in range(chosen.shape[1]):
                 out[r:r + 1] += expert_ffn(x[r:r + 1], experts, chosen[0, j:j + 1], w[:, j:j + 1])
         return out
+    check_owned(experts)
     chosen, w = route(x, ids, experts)
     for e in torch.unique(chosen).tolist():
+        if e not in experts.owned:
+            continue
         rows, slots = torch.nonzero(chosen == e, as_tuple=True)
-        out.index_add_(0, rows, expert_ffn(x[rows], experts, e, w[rows, slots, None]))
+        out.index_add_(0, rows, expert_ffn(x[rows], experts, e - experts.first, w[rows, slots, None]))
     return out

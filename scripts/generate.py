@@ -10,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ds4  # noqa: E402
+from ds4 import distributed  # noqa: E402
 from ds4.errors import Ds4Error, UsageError  # noqa: E402
 from ds4.sampling import SamplingParams  # noqa: E402
 
@@ -47,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where weights and caches live: cpu | cuda | cuda:N | mlx | mlx:cpu | mlx:gpu "
                         "(default: mlx with --backend mlx, else the best available)")
     p.add_argument("--ops", help="per-op overrides, e.g. qmatmul:torch,moe:triton")
+    p.add_argument("--parallel", choices=("ep",),
+                   help="split the model over the ranks torchrun starts: ep = routed experts by index "
+                        "(torchrun --nproc-per-node N scripts/generate.py ... --parallel ep; docs/distributed.md)")
     p.add_argument("--mtp-draft", default=None,
                    help="speculative draft depth N (1..16; a batched verify takes at most 15) or 'auto'; "
                         "0 = off (default with an MTP head: 1, continuous)")
@@ -130,7 +134,8 @@ def run(a: argparse.Namespace) -> int:
     from backends.registry import parse_overrides
     engine = ds4.load(a.model, a.mtp, a.backend, ops=parse_overrides(a.ops), ctx=a.ctx,
                       prefill_chunk=a.prefill_chunk, device=a.device, compile=a.compile,
-                      cuda_graphs=a.cuda_graphs, **switches)
+                      cuda_graphs=a.cuda_graphs, parallel=a.parallel, **switches)
+    quiet = engine.world is not None and not engine.world.is_main   # across ranks only rank 0 prints
     logits = []
     spec_log = (lambda cycle: print(json.dumps(cycle), file=sys.stderr)) if a.spec_log else None
     tokens = engine.generate(prompt, max_tokens=a.max_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
@@ -142,8 +147,10 @@ def run(a: argparse.Namespace) -> int:
         if tok.id >= 0:
             ids.append(tok.id)
         text.append(tok.text)
-        if not a.json:
+        if not (a.json or quiet):
             print(tok.text, end="", flush=True)
+    if quiet:
+        return 0
     if not a.json:
         print()
     if a.dump_logits:
@@ -196,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
+    finally:
+        if a.parallel:
+            distributed.stop()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from backends.cpu.qmatmul import qmatmul
 from backends.cpu.rows import rowwise
 from backends.registry import register
 from ops import moe as reference
-from ops.moe import Experts, select
+from ops.moe import Experts, check_owned, owned_pairs, select
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 
@@ -33,7 +33,9 @@ def gathered(w: QTensor, chosen: torch.Tensor) -> torch.Tensor:
 
 
 def pairs_product(x: torch.Tensor, w: QTensor, chosen: torch.Tensor) -> torch.Tensor:
-    """[P, out] products of rows x [P, in] with the experts `chosen` [P] of a stacked [E, out, in] weight."""
+    """[P, out] products of rows x [P, in] with the experts `chosen` [P] of a stacked [E, out, in] weight; an
+    expert -1 (another rank's) gives 0 from the kernel, and the last expert's products on the gathered path,
+    which its routing weight 0 cancels."""
     if kernels.available(w.qtype.name, w.shape[-1]):
         out = [kernels.qgemv(x[i:i + kernels.MAX_ROWS], w, chosen[i:i + kernels.MAX_ROWS])
                for i in range(0, x.shape[0], kernels.MAX_ROWS)]
@@ -56,6 +58,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
     chosen, w = route(x, ids, experts)
     if M > SMALL_M:
         return grouped(x, chosen, w, experts)
+    chosen, w = owned_pairs(chosen, w, experts, missing=-1)   # expert parallelism: the kernel skips the others
     k, flat = chosen.shape[1], chosen.reshape(-1)
     xs = x.repeat_interleave(k, dim=0)                                      # [M*k, D]
     g = pairs_product(xs, experts.gate, flat).clamp(max=experts.clamp)
@@ -70,13 +73,16 @@ def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
 
 def grouped(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts) -> torch.Tensor:
     """Prefill: each chosen expert's rows in one product (reads the chosen ids back; rounding may depend on M)."""
+    check_owned(ex)
     out = torch.zeros(x.shape, dtype=torch.float32)
     for e in torch.unique(chosen).tolist():
+        if e not in ex.owned:  # expert parallelism: another rank adds it
+            continue
         rows, slots = torch.nonzero(chosen == e, as_tuple=True)
-        xe = x[rows]
-        g = qmatmul(xe, reference.expert(ex.gate, e)).clamp(max=ex.clamp)
-        u = qmatmul(xe, reference.expert(ex.up, e)).clamp(-ex.clamp, ex.clamp)
-        out.index_add_(0, rows, qmatmul(F.silu(g) * u * w[rows, slots, None], reference.expert(ex.down, e)))
+        xe, local = x[rows], e - ex.first
+        g = qmatmul(xe, reference.expert(ex.gate, local)).clamp(max=ex.clamp)
+        u = qmatmul(xe, reference.expert(ex.up, local)).clamp(-ex.clamp, ex.clamp)
+        out.index_add_(0, rows, qmatmul(F.silu(g) * u * w[rows, slots, None], reference.expert(ex.down, local)))
     return out
 
 

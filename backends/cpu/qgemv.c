@@ -280,6 +280,7 @@ static inline __attribute__((always_inline)) void rows_of(
     if (experts != NULL || M == 1) {    /* a weight of its own per row: one stream each, lanes in registers */
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = n0; n < n1; n++) {
+                if (experts != NULL && experts[m] < 0) { y[m * N + n] = 0.0f; continue; }  /* another rank's */
                 const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
                 v8 lo = {0}, hi = {0};
                 for (int64_t b = 0; b < nb; b++) {
@@ -338,7 +339,8 @@ static int64_t q8_0_row_pairs(const uint8_t *w, int64_t K, const float *x, float
 /* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 1 F16, 8 Q8_0,
  * 12 Q4_K, 10 Q2_K, 16 IQ2_XXS after qgemv_set_iq2_xxs, 14 Q6_K, 13 Q5_K, 11 Q3_K, 2 Q4_0, 3 Q4_1,
  * 6 Q5_0, 7 Q5_1, 20 IQ4_NL, 23 IQ4_XS), M <= MAX_ROWS. experts == NULL: every row uses
- * `w`; else row m uses the weight at w + experts[m] * expert_bytes. Returns -1 for a call it cannot serve. */
+ * `w`; else row m uses the weight at w + experts[m] * expert_bytes, and a row with experts[m] < 0 (an expert
+ * another rank holds) is 0. Returns -1 for a call it cannot serve. */
 int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
           const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     if (M > MAX_ROWS) return -1;

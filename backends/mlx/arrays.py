@@ -35,6 +35,7 @@ class MLXArrays:
     """MLX arrays on the default MLX device, or the one `mlx:cpu` / `mlx:gpu` names."""
 
     family = "mlx"
+    rank, world = 0, 1  # one process: MLX runs no collectives here (parallel runs are the torch family's)
 
     def __init__(self, device: str = "mlx"):
         self.device = device
@@ -70,6 +71,10 @@ class MLXArrays:
     def place(self, w: QTensor) -> QTensor:
         """A quantized weight repacked once into its MLX format (backends/mlx/quants.py)."""
         return place_weight(w)
+
+    def all_reduce(self, x: mx.array) -> mx.array:
+        """`x` itself: an MLX model runs in one process (OpSet refuses a parallel MLX run)."""
+        return x
 
     def to_torch(self, x) -> torch.Tensor:
         """`x` as a torch tensor for the decoder."""

@@ -104,6 +104,9 @@ def gathered(x: mx.array, w: QTensor, chosen: mx.array) -> mx.array:
 def moe(x: mx.array, ids: mx.array, experts: Experts) -> mx.array:
     """Routed-expert output of each row (shared expert not included); experts summed in increasing id order."""
     ex = experts
+    if not ex.holds_all():
+        raise ValueError(f"mlx moe: the stacks hold experts {ex.owned.start}..{ex.owned.stop - 1} of "
+                         f"{ex.router.shape[0]}; expert parallelism runs on the torch family (torch, cpu, triton)")
     x = x.astype(mx.float32)
     chosen, w = route(x, ids, ex)
     xe = x[:, None, None, :]

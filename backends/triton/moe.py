@@ -14,7 +14,8 @@ device: no per-expert loop on the host, no read-back):
   h = silu(min(g, clamp)) · clamp(u, ±clamp) · weight; `expert_down_kernel`, grid (D tiles, M), adds
   down_e·h over the row's experts in increasing id order. Each program reads one row only, with a K
   order fixed by the tile constants (never by M): row r of any call with M <= 16 equals its 1-row call
-  bit for bit. A row-expert pair is a GEMV (dequantized tile times the activation, summed along K);
+  bit for bit. A pair of routing weight 0 (expert parallelism: an expert another rank holds, ops/moe.py)
+  loads no weights. A row-expert pair is a GEMV (dequantized tile times the activation, summed along K);
   rows routed to the same expert read its weights again (from L2 on a GPU).
 - prefill (M > 16): the M·top_k (row, expert) pairs are sorted by expert on the device, each expert's
   pairs cut into tiles of BLOCK_M; the grid's size is the host-known bound M·top_k // BLOCK_M +
@@ -38,7 +39,7 @@ from backends.triton.qmatmul import accumulate_w_xt
 from backends.triton.qmatmul import qmatmul as triton_qmatmul
 from backends.triton.quants import SUPPORTED, dequant, tables
 from ds4.errors import BackendUnavailable
-from ops.moe import Experts
+from ops.moe import Experts, owned_pairs
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 
@@ -127,7 +128,7 @@ def expert_swiglu_kernel(x_ptr, gate_ptr, up_ptr, chosen_ptr, weight_ptr, h_ptr,
     e = tl.load(chosen_ptr + pair).to(tl.int64)
     weight = tl.load(weight_ptr + pair)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n[:, None] < inter
+    n_mask = n[:, None] < tl.where(weight != 0, inter, 0)   # weight 0: an expert another rank holds, nothing loaded
     x = x_ptr + m * stride_xm
     g = gemv(gate_ptr + e * gate_expert + n[:, None].to(tl.int64) * gate_row, n_mask, x, D, grid_ptr, signs_ptr,
              GATE, BLOCK_N, BLOCK_K)
@@ -137,15 +138,17 @@ def expert_swiglu_kernel(x_ptr, gate_ptr, up_ptr, chosen_ptr, weight_ptr, h_ptr,
 
 
 @triton.jit
-def expert_down_kernel(h_ptr, down_ptr, chosen_ptr, out_ptr, grid_ptr, signs_ptr, inter, D, down_expert, down_row,
-                       TOP_K: tl.constexpr, DOWN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[m, D tile] = Σ_j down_{e_j} · h[m, j], j in increasing expert id order, m = program_id(1)."""
+def expert_down_kernel(h_ptr, down_ptr, chosen_ptr, weight_ptr, out_ptr, grid_ptr, signs_ptr, inter, D, down_expert,
+                       down_row, TOP_K: tl.constexpr, DOWN: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """out[m, D tile] = Σ_j down_{e_j} · h[m, j], j in increasing expert id order, m = program_id(1); a pair of
+    weight 0 (h = 0: an expert another rank holds) loads nothing and adds 0."""
     m = tl.program_id(1).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n[:, None] < D
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for j in tl.static_range(TOP_K):
         e = tl.load(chosen_ptr + m * TOP_K + j).to(tl.int64)
+        n_mask = n[:, None] < tl.where(tl.load(weight_ptr + m * TOP_K + j) != 0, D, 0)
         acc += gemv(down_ptr + e * down_expert + n[:, None].to(tl.int64) * down_row, n_mask,
                     h_ptr + (m * TOP_K + j) * inter, inter, grid_ptr, signs_ptr, DOWN, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + m * D + n, acc, mask=n < D)
@@ -262,7 +265,7 @@ def experts_ffn(x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, gat
             x, g, u, chosen, weight, h, *lookup, inter, D, x.stride(0), g_e, g_r, u_e, u_r, clamp,
             TOP_K=top_k, **types, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
         expert_down_kernel[(triton.cdiv(D, bn), M)](
-            h, d, chosen, out, *lookup, inter, D, d_e, d_r,
+            h, d, chosen, weight, out, *lookup, inter, D, d_e, d_r,
             TOP_K=top_k, DOWN=down.qtype.name, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
         return out
     bm, bn, bk, warps = GEMM["BLOCK_M"], GEMM["BLOCK_N"], GEMM["BLOCK_K"], GEMM["num_warps"]
@@ -289,7 +292,7 @@ def experts_ffn(x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, gat
 def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
     """Routed-expert output of each row of `x` (shared expert not included)."""
     check("moe", x, experts.router, experts.gate, experts.up, experts.down)
-    chosen, weight = route(x, ids, experts)
+    chosen, weight = owned_pairs(*route(x, ids, experts), experts)   # expert parallelism: others weigh 0
     return experts_ffn(x, chosen, weight, experts.gate, experts.up, experts.down, float(experts.clamp))
 
 

@@ -75,7 +75,9 @@ def copy_bandwidth(device: torch.device, reps: int) -> float:
 
 
 def emit(rows: list[dict], as_csv: bool) -> None:
-    """Print rows as an aligned table, or as CSV."""
+    """Print rows as an aligned table, or as CSV (nothing for no rows: a parallel run's other ranks)."""
+    if not rows:
+        return
     if as_csv:
         writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]))
         writer.writeheader()

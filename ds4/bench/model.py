@@ -9,10 +9,15 @@ decode time per layer. Kernels are compiled by a warm-up run on separate caches 
 `--cuda-graphs` replays each decode step from a CUDA graph on the fixed plan (ds4/cuda_graphs.py), recorded by
 the warm-up run on the same caches; without CUDA the steps go through the graphs' static buffers unrecorded
 (a check that the path runs, said on stderr, not a figure).
+
+With `--parallel ep` (under torchrun: `torchrun --nproc-per-node N scripts/bench.py model --parallel ep`) each
+rank builds and runs only its share of the routed experts; rank 0 prints the row, with the ranks, the threads
+per rank, and the largest expert bytes and peak resident memory of any rank.
 """
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 import warnings
@@ -20,6 +25,7 @@ import warnings
 import torch
 
 from backends.registry import OpSet
+from ds4 import distributed
 from ds4.bench.common import copy_bandwidth, fmt, machine, synchronize
 from ds4.cost import PassCost
 from ds4.cuda_graphs import StepGraphs
@@ -35,7 +41,11 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         if args.tiny:  # tiny rows are too short for the block types: stored as F16, as the mix warns
             warnings.simplefilter("ignore", UserWarning)
         margs = random_args(args.layers, tiny=args.tiny)
-        ops = OpSet(args.backend, device="mlx" if args.backend == "mlx" else str(device))
+        world = None
+        if args.parallel:
+            world, where = distributed.start(args.parallel, None if device.type == "cpu" else str(device))
+            device = torch.device(where)
+        ops = OpSet(args.backend, device="mlx" if args.backend == "mlx" else str(device), parallel=args.parallel)
         model = random_model(margs, args.mix, ops, seed=0)
         step_bytes = PassCost(margs, args.mix).target_pass(1)
     g = torch.Generator().manual_seed(1)
@@ -78,6 +88,10 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
     run(min(2, args.decode))                                   # warm-up: compile every kernel
     prefill_s, decode_s = run(args.decode)
+    if world is not None:
+        shares = distributed.gather(world, (expert_bytes(model), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+        if not world.is_main:
+            return []   # rank 0 prints
     print(ops.format_report(), file=sys.stderr)
     copy = copy_bandwidth(device, args.reps)
     decode_tok_s = args.decode / decode_s
@@ -90,9 +104,18 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
              "ms_per_layer": fmt(1e3 * decode_s / args.decode / margs.n_layers),
              "step_GB": f"{step_bytes / 1e9:.4g}", "copy_GB_s": fmt(copy / 1e9), "roofline_tok_s": fmt(roofline),
              "pct_roofline": fmt(100 * decode_tok_s / roofline)}]
+    if world is not None:
+        rows[0] |= {"ranks": world.size, "threads": torch.get_num_threads(),
+                    "expert_GB": f"{max(b for b, _ in shares) / 1e9:.4g}",
+                    "peak_rss_GB": f"{max(kb for _, kb in shares) / 1e6:.4g}"}   # ru_maxrss: KiB on Linux
     if args.png:
         plot_model(rows, args.png)
     return rows
+
+
+def expert_bytes(model) -> int:
+    """Bytes of the routed expert stacks a model (or an expert-parallel rank of it) holds."""
+    return sum(w.data.nbytes for L in model.layers for w in (L.experts.gate, L.experts.up, L.experts.down))
 
 
 def plot_model(rows: list[dict], path: str) -> None:
@@ -121,5 +144,7 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--prompt", type=int, default=512 if on_gpu else 16, help="prefill tokens")
     p.add_argument("--decode", type=int, default=64 if on_gpu else 4, help="decode steps timed")
     p.add_argument("--backend", default="auto", help="auto (Triton on CUDA) | torch | triton | mlx")
+    p.add_argument("--parallel", choices=("ep",), default=None,
+                   help="split the routed experts over the ranks torchrun started (docs/distributed.md)")
     p.add_argument("--png", default=None, help="also draw decode vs roofline into this PNG")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA)")

@@ -18,7 +18,7 @@ from backends.registry import OpSet
 from ds4.formats.quant_mix import tensor_type
 from ds4.tiny.build import FLASH_SIZES, TINY, random_tensor, tiny_metadata
 from models.args import ModelArgs, model_shapes
-from models.deepseek_v4 import DeepseekV4
+from models.deepseek_v4 import ROUTED, DeepseekV4, owned_experts
 from ops.quants import QTensor, get
 
 FULL_RANDOM = 1 << 22
@@ -35,8 +35,9 @@ def random_args(layers: int | None = None, tiny: bool = False, **sizes) -> Model
 
 
 def random_weight(name: str, shape: tuple[int, ...], args: ModelArgs, mix: str, device: torch.device,
-                  g: torch.Generator) -> QTensor:
-    """One weight in its stored type, on `device`."""
+                  g: torch.Generator, owned: range | None = None) -> QTensor:
+    """One weight in its stored type, on `device`; with `owned` (a routed expert stack of an expert-parallel
+    rank) only those experts' rows are written, so the others' pages are never touched (not resident on a CPU)."""
     qtype = tensor_type(name, shape, mix)
     rows, k = math.prod(shape[:-1]), shape[-1]
     if rows * k <= FULL_RANDOM:
@@ -44,8 +45,10 @@ def random_weight(name: str, shape: tuple[int, ...], args: ModelArgs, mix: str, 
         return QTensor(w.qtype, w.shape, w.data.to(device), name)
     seed = QTensor.quantize(random_tensor(name, (SEED_ROWS, k), args, g), qtype, name).data.to(device)
     data = torch.empty((rows, get(qtype).row_bytes(k)), dtype=torch.uint8, device=device)
-    for start in range(0, rows, SEED_ROWS):
-        n = min(SEED_ROWS, rows - start)
+    per = rows // shape[0] if owned is not None else 0   # rows of one expert
+    first, stop = (owned.start * per, owned.stop * per) if owned is not None else (0, rows)
+    for start in range(first, stop, SEED_ROWS):
+        n = min(SEED_ROWS, stop - start)
         data[start:start + n] = seed[:n]
     return QTensor(get(qtype), shape, data.reshape(*shape[:-1], data.shape[-1]), name)
 
@@ -54,5 +57,7 @@ def random_model(args: ModelArgs, mix: str, ops: OpSet, seed: int = 0) -> Deepse
     """The trunk of `args` with random weights stored under `mix`, built on the OpSet's device."""
     g = torch.Generator().manual_seed(seed)
     device = torch.device(ops.device if ops.arrays.family == "torch" else "cpu")   # MLX: placed from the host
-    weights = {name: random_weight(name, shape, args, mix, device, g) for name, shape in model_shapes(args).items()}
+    owned = owned_experts(args.n_experts, ops.rank, ops.world) if ops.parallel == "ep" else None
+    weights = {name: random_weight(name, shape, args, mix, device, g, owned if name.endswith(ROUTED) else None)
+               for name, shape in model_shapes(args).items()}
     return DeepseekV4(args, weights, ops)
