@@ -144,8 +144,11 @@ def bench_rows() -> list[dict]:
     import warnings
 
     from ds4.bench import model
-    args = argparse.Namespace(mix="q2", layers=2, tiny=True, prompt=3, decode=2, backend="torch", png=None,
-                              parallel="ep", reps=1)
+    parser = argparse.ArgumentParser()
+    model.add_args(parser, on_gpu=False)
+    args = parser.parse_args(["--mix", "q2", "--layers", "2", "--tiny", "--prompt", "3", "--decode", "2",
+                              "--backend", "torch", "--parallel", "ep"])
+    args.reps = 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model.rows(args, torch.device("cpu"))
