@@ -50,6 +50,13 @@ class Impl:
 
 
 _IMPLS: dict[str, dict[str, Impl]] = {}
+_NOTES: dict[str, Callable[[], str | None]] = {}
+
+
+def add_note(backend: str, note: Callable[[], str | None]) -> None:
+    """Have `format_report` print `note()` (when not None) below the ops `backend` served, e.g. why its
+    compiled kernels are unavailable and it runs slower paths."""
+    _NOTES[backend] = note
 
 
 def register(op: str, backend: str, *, batch_invariant: bool = False) -> Callable:
@@ -253,4 +260,8 @@ class OpSet:
         rows = [f"{'op':<18}{'backend':<9}{'calls':>8}  how"]
         for op, r in self.report().items():
             rows.append(f"{op:<18}{r['backend']:<9}{r['calls']:>8}  {r['how']}")
+        for backend in sorted({r["backend"] for r in self.report().values()} & _NOTES.keys()):
+            note = _NOTES[backend]()
+            if note:
+                rows.append(note)
         return "\n".join(rows)
