@@ -171,6 +171,8 @@ def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, expert
             _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="ds4-qgemv")
         bounds = [n * i // parts for i in range(parts + 1)]
         rc = max(_pool.map(lambda i: k.qgemv(*args, bounds[i], bounds[i + 1]), range(parts)))
+    if rc == -2:
+        raise MemoryError(f"qgemv: no memory for the group sums of {M} rows of {K} values")
     if rc:
         raise ValueError(f"qgemv: unsupported call ({type_name(ggml_type)}, M={M})")
     return y
