@@ -93,9 +93,10 @@ def run_ds4(path: Path, prompt: list[int], tokens: int) -> Timing:
     return Timing(len(prompt) / (t1 - t0), tokens / (time.perf_counter() - t1))
 
 
-def run_llama(binary: str, path: Path, prompt: int, tokens: int, threads: int) -> Timing:
+def run_llama(binary: str, path: Path, prompt: int, tokens: int, threads: int, extra: list[str]) -> Timing:
     """llama-bench on the file (one repetition of a `prompt`-token prefill and a `tokens`-token decode)."""
-    cmd = [binary, "-m", str(path), "-p", str(prompt), "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json"]
+    cmd = [binary, "-m", str(path), "-p", str(prompt), "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json",
+           *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise UsageError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -135,7 +136,8 @@ def rows(a) -> list[dict]:
                     torch.set_num_threads(threads)
                     runs = [("ds4py", run_ds4(path, prompt, a.tokens))]
                     if binary:
-                        runs.append(("llama.cpp", run_llama(binary, path, a.prompt, a.tokens, threads)))
+                        llama = run_llama(binary, path, a.prompt, a.tokens, threads, a.llama_args.split())
+                        runs.append(("llama.cpp", llama))
                     for engine, t in runs:
                         if r:
                             times.setdefault((engine, threads), []).append(t)
