@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: install generate test bench
+.PHONY: install generate test bench gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,3 +25,8 @@ test: install
 
 bench: install
 	$(BIN)/python scripts/bench.py $(ARGS)
+
+# On a machine with a CUDA GPU: native kernel tests, op and model tables, speculative frontier, compile report,
+# written to gpu-check/ (gpu.md, gpu.csv, gpu.png); docs/kernels.md, "Running on a GPU".
+gpu-check: install
+	$(BIN)/python scripts/bench.py gpu $(ARGS)

@@ -47,8 +47,8 @@ class TorchArrays:
 
     def compile(self, fn: Callable) -> Callable:
         """`fn` compiled by torch.compile (inductor) with static shapes: one graph per distinct input shape
-        (a step per verify width), traced on first use and replayed after. CPU only for now: capturing
-        the Triton step in CUDA graphs is not written yet."""
+        (a step per verify width), traced on first use and replayed after. CPU only: on CUDA, steps are
+        recorded in CUDA graphs instead (ds4/cuda_graphs.py)."""
         if self.device.type != "cpu":
             raise BackendUnavailable(f"compiled steps run on the CPU only for now, not on {self.device}; "
                                      "use --no-compile")

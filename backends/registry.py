@@ -38,6 +38,8 @@ OPS = (
     "sparse_attention", "store_rows", "shared_expert", "fp8_sim", "fp4_sim", "hadamard",
 )
 
+WEIGHT_OPS = ("qmatmul", "moe", "shared_expert", "embed", "hc_head")  # ops that read quantized weights
+
 
 @dataclass(frozen=True)
 class Impl:
@@ -57,6 +59,8 @@ def add_note(backend: str, note: Callable[[], str | None]) -> None:
     """Have `format_report` print `note()` (when not None) below the ops `backend` served, e.g. why its
     compiled kernels are unavailable and it runs slower paths."""
     _NOTES[backend] = note
+_QUANTS: dict[str, dict[str, str]] = {}  # backend -> quant type -> how it is served ("unsupported here" if not)
+UNSUPPORTED_HERE = "unsupported here"
 
 
 def register(op: str, backend: str, *, batch_invariant: bool = False) -> Callable:
@@ -71,6 +75,30 @@ def register(op: str, backend: str, *, batch_invariant: bool = False) -> Callabl
         return fn
 
     return wrap
+
+
+def declare_quants(backend: str, served: dict[str, str], unsupported: frozenset[str] = frozenset()) -> None:
+    """Record how `backend`'s weight ops serve each quant type (`served`: type -> how) and the types it refuses."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    _QUANTS[backend] = {**served, **dict.fromkeys(unsupported, UNSUPPORTED_HERE)}
+
+
+def quant_support(backend: str) -> dict[str, str]:
+    """How `backend` serves each quant type (the reference serves all; a runnable backend is imported first)."""
+    if backend == "torch":
+        from ops import quants
+        return dict.fromkeys(quants.TYPES, "reference")
+    backend_status(backend)
+    return dict(_QUANTS.get(backend, {}))
+
+
+def format_quant_support(backend: str) -> str:
+    """One line per way `backend` serves quant types, e.g. `triton kernel: F32 F16 ...`."""
+    by_how: dict[str, list[str]] = {}
+    for name, how in quant_support(backend).items():
+        by_how.setdefault(how, []).append(name)
+    return "\n".join(f"{backend} {how}: {' '.join(names)}" for how, names in by_how.items())
 
 
 def reference(op: str) -> Impl:
@@ -258,10 +286,13 @@ class OpSet:
     def format_report(self) -> str:
         """The report as an aligned text table."""
         rows = [f"{'op':<18}{'backend':<9}{'calls':>8}  how"]
-        for op, r in self.report().items():
+        report = self.report()
+        for op, r in report.items():
             rows.append(f"{op:<18}{r['backend']:<9}{r['calls']:>8}  {r['how']}")
-        for backend in sorted({r["backend"] for r in self.report().values()} & _NOTES.keys()):
+        for backend in sorted({r["backend"] for r in report.values()} & _NOTES.keys()):
             note = _NOTES[backend]()
             if note:
                 rows.append(note)
+        weight_backends = {r["backend"] for op, r in report.items() if op in WEIGHT_OPS} - {"torch"}
+        rows += [format_quant_support(b) for b in sorted(weight_backends)]
         return "\n".join(rows)

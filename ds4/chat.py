@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,10 @@ LATEST_REMINDER = "<｜latest_reminder｜>"
 THINKING_MODES = ("chat", "thinking")
 REASONING_EFFORTS = (None, "high", "max")
 ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+# quick-instruction tasks: a message's `task` asks for one of these instead of a reply; the encoding ends the
+# prompt with the task's token (action: after `<｜Assistant｜>` and the thinking marker) and the answer follows it
+TASKS = {"action": "<｜action｜>", "query": "<｜query｜>", "authority": "<｜authority｜>", "domain": "<｜domain｜>",
+         "title": "<｜title｜>", "read_url": "<｜read_url｜>"}
 
 # reasoning_effort="max": DeepSeek's fixed instruction (DeepSeek recommends it only with >= 384K tokens of context).
 MAX_EFFORT_PREFIX = (
@@ -84,7 +88,12 @@ class Prompt:
         self.parts.append((text, True))
 
     def plain(self, text: str) -> None:
-        """Append caller-supplied text, always tokenized as plain text."""
+        """Append caller-supplied text, always tokenized as plain text; it must be valid Unicode."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ChatFormatError(f"a lone surrogate at character {e.start} of {text[:40]!r}: text must be valid "
+                                  "Unicode") from None
         self.parts.append((text, False))
 
     @property
@@ -179,6 +188,8 @@ def _turns(messages: list[dict]) -> list[Turn]:
         if not isinstance(msg, dict) or msg.get("role") not in ROLES:
             raise _fail(n, f"role must be one of {', '.join(ROLES)}, got {msg!r}")
         role = msg["role"]
+        if msg.get("task") is not None and not (isinstance(msg["task"], str) and msg["task"] in TASKS):
+            raise _fail(n, f"task must be one of {', '.join(TASKS)} or null, got {msg['task']!r}")
         if role == "assistant" and msg.get("tool_calls") is not None:
             if not isinstance(msg["tool_calls"], list):
                 raise _fail(n, "tool_calls must be a list")
@@ -187,7 +198,8 @@ def _turns(messages: list[dict]) -> list[Turn]:
         if role not in ("tool", "user"):
             turns.append(Turn(role, n, msg))
             continue
-        if not (turns and turns[-1].role == "user"):
+        starts_turn = role == "user" and turns and turns[-1].message.get("task") is not None
+        if not (turns and turns[-1].role == "user") or starts_turn:  # a task's message ends its turn
             turns.append(Turn("user", n, msg))
         blocks = turns[-1].blocks
         call_id = msg.get("tool_call_id")
@@ -240,6 +252,7 @@ def build_prompt(messages: list[dict], thinking_mode: str = "chat", *, tools: li
     none).
     In thinking mode the reasoning of assistant turns before the last user turn is dropped, unless tools
     are defined or `drop_thinking` is False. `reasoning_effort="max"` prepends DeepSeek's max-effort text.
+    A message with a `task` (TASKS) is followed by its task token instead of the reply's opening.
     """
     if thinking_mode not in THINKING_MODES:
         raise ChatFormatError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
@@ -290,8 +303,9 @@ def build_prompt(messages: list[dict], thinking_mode: str = "chat", *, tools: li
         elif role == "latest_reminder":
             p.template(LATEST_REMINDER)
             p.plain(_text(n, msg))
-        else:  # assistant
-            if thinking and (not drop or i > last_user):
+        else:  # assistant; a task's answer carries no reasoning
+            after_task = i > 0 and turns[i - 1].message.get("task") is not None
+            if thinking and (not drop or i > last_user) and not after_task:
                 p.plain(_text(n, msg, "reasoning_content"))
                 p.template(THINK_END)
             p.plain(_text(n, msg))
@@ -299,10 +313,24 @@ def build_prompt(messages: list[dict], thinking_mode: str = "chat", *, tools: li
                 _render_tool_calls(p, n, msg["tool_calls"])
             p.template(EOS)
         following = turns[i + 1].role if i + 1 < len(turns) else None
-        if role in ("user", "developer") and following in (None, "assistant", "latest_reminder"):
+        if following not in (None, "assistant", "latest_reminder"):
+            continue
+        task = msg.get("task")
+        if task == "action":
+            p.template(ASSISTANT + (THINK_START if thinking else THINK_END) + TASKS[task])
+        elif task is not None:
+            p.template(TASKS[task])
+        elif role in ("user", "developer"):
             opens_thinking = thinking and (not drop or i >= last_user)
             p.template(ASSISTANT + (THINK_START if opens_thinking else THINK_END))
     return p
+
+
+def prompt_task(messages: list[dict]) -> str | None:
+    """The task whose token ends the prompt of `messages` (the last message's `task`), for CompletionParser."""
+    last = messages[-1] if isinstance(messages, list) and messages else None
+    task = last.get("task") if isinstance(last, dict) else None
+    return task if isinstance(task, str) and task in TASKS else None
 
 
 def encode_messages(messages: list[dict], thinking_mode: str = "chat", **options: Any) -> str:
@@ -311,8 +339,14 @@ def encode_messages(messages: list[dict], thinking_mode: str = "chat", **options
 
 
 def prompt_ids(tokenizer: Tokenizer, messages: list[dict], thinking_mode: str = "chat", **options: Any) -> list[int]:
-    """Token ids of a conversation's prompt; caller text never becomes a control token."""
-    return tokenizer.encode_parts(build_prompt(messages, thinking_mode, **options).parts)
+    """Token ids of a conversation's prompt; caller text never becomes a control token. A task whose token the
+    vocabulary lacks (a tiny test vocabulary) is a ChatFormatError, never the marker spelled out as text."""
+    prompt = build_prompt(messages, thinking_mode, **options)
+    for task, token in TASKS.items():
+        used = any(is_template and token in text for text, is_template in prompt.parts)
+        if used and len(tokenizer.encode(token, specials=True)) != 1:
+            raise ChatFormatError(f"task {task!r}: this model's vocabulary has no {token} token")
+    return tokenizer.encode_parts(prompt.parts)
 
 
 def cli_prompt(messages: list[dict], *, think: bool = False, system: str | None = None,
@@ -387,15 +421,22 @@ def held_back(text: str, markers: Sequence[str]) -> int:
 class CompletionParser:
     """Incremental parser of a generated reply: feed text pieces, get Deltas; never emits half a marker.
 
-    thinking mode: reasoning up to `</think>`, then content. Content ends at EOS; a DSML tool-call block
-    (`\\n\\n<｜DSML｜tool_calls>`) yields one ToolCall per complete invoke. An invoke that does not parse is
-    passed on as content text, so no generated text is lost.
+    thinking mode: reasoning up to `</think>`, then content (a `task`'s reply is content only, but action's in
+    thinking mode, whose prompt opened `<think>`). Content ends at EOS; a DSML tool-call block
+    (`\\n\\n<｜DSML｜tool_calls>`) yields one ToolCall per complete invoke. An invoke that does not parse, or
+    that calls a name not in `tools` (when given), is passed on as content text, so no generated text is
+    lost; with `tools` empty no block is parsed at all.
     """
 
-    def __init__(self, thinking_mode: str = "chat"):
+    def __init__(self, thinking_mode: str = "chat", task: str | None = None, tools: Collection[str] | None = None):
         if thinking_mode not in THINKING_MODES:
             raise ChatFormatError(f"thinking_mode must be one of {THINKING_MODES}, got {thinking_mode!r}")
-        self.state = "reasoning" if thinking_mode == "thinking" else "content"
+        if task is not None and not (isinstance(task, str) and task in TASKS):
+            raise ChatFormatError(f"task must be one of {', '.join(TASKS)} or None, got {task!r}")
+        self.tools = tools
+        self.content_markers = (EOS,) if tools is not None and not tools else (TOOL_CALLS_START, EOS)
+        opens_thinking = thinking_mode == "thinking" and task in (None, "action")  # as build_prompt ends the prompt
+        self.state = "reasoning" if opens_thinking else "content"
         self.buffer = ""
         self.block_start = ""  # the tool-call block's opening marker, until something of the block is out
 
@@ -419,7 +460,7 @@ class CompletionParser:
         """Consume from the buffer; False when more text is needed."""
         if self.state == "tools":
             return self._step_tools(out, final)
-        markers = (THINK_END, EOS) if self.state == "reasoning" else (TOOL_CALLS_START, EOS)
+        markers = (THINK_END, EOS) if self.state == "reasoning" else self.content_markers
         hits = [(self.buffer.find(m), m) for m in markers if m in self.buffer]
         if hits:
             at, marker = min(hits)
@@ -447,6 +488,7 @@ class CompletionParser:
             return final
         invoke, self.buffer = self.buffer[:end + len(INVOKE_END)], self.buffer[end + len(INVOKE_END):]
         call = parse_invoke(invoke)
+        call = call if call and (self.tools is None or call.name in self.tools) else None
         out.append(Delta(tool_call=call) if call else Delta(content=self.block_start + invoke))
         self.block_start = ""
         return True
@@ -456,9 +498,10 @@ class CompletionParser:
             out.append(Delta(reasoning=text) if self.state == "reasoning" else Delta(content=text))
 
 
-def parse_completion(text: str, thinking_mode: str = "chat") -> dict:
-    """A generated reply as an OpenAI assistant message: role, reasoning_content, content, tool_calls."""
-    parser = CompletionParser(thinking_mode)
+def parse_completion(text: str, thinking_mode: str = "chat", task: str | None = None) -> dict:
+    """A generated reply as an OpenAI assistant message: role, reasoning_content, content, tool_calls. The reply
+    to a `task` prompt is content only, unless the prompt opened `<think>` (action in thinking mode)."""
+    parser = CompletionParser(thinking_mode, task)
     deltas = parser.feed(text) + parser.finish()
     calls = [d.tool_call for d in deltas if d.tool_call]
     return {"role": "assistant",

@@ -1,6 +1,8 @@
 """The public API: `ds4.load(...)` returns an Engine that tokenizes, generates and opens sessions."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import numbers
 import os
 import time
@@ -16,13 +18,15 @@ from ds4.chat import chat_ids
 from ds4.errors import BackendUnavailable, ModelFileError, UsageError
 from ds4.formats import gguf, layouts
 from ds4.sampling import Sampler, SamplingParams
-from ds4.session import Session, check_size
+from ds4.session import Session, check_cuda_graphs, check_size, step_graphs
 from ds4.speculative import SpecMetrics, check_draft, generate_ids
 from ds4.tiny import DEFAULT_MODEL_DIR
 from ds4.tokenizer import StreamDecoder, Tokenizer
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
+
+MODEL_ID_BYTES = 1 << 20  # bytes read from each end of a model file for Engine.model_id
 
 
 def default_model_paths() -> tuple[str, str]:
@@ -113,9 +117,10 @@ class Engine:
     """A loaded model (+ optional MTP head), its tokenizer and the ops it runs on."""
 
     def __init__(self, model: DeepseekV4, tokenizer: Tokenizer, mtp: MTPHead | None, *, ctx: int,
-                 prefill_chunk: int, paths: tuple[str, str | None], compile: bool = False):
+                 prefill_chunk: int, paths: tuple[str, str | None], compile: bool = False, cuda_graphs: bool = False):
         self.model, self.tokenizer, self.mtp = model, tokenizer, mtp
         self.ctx, self.prefill_chunk, self.paths, self.compile = ctx, prefill_chunk, paths, compile
+        self.cuda_graphs = cuda_graphs
         self.stats = RunStats()
 
     @property
@@ -128,10 +133,35 @@ class Engine:
         """The registry view the model calls; `engine.ops.report()` says which kernels ran."""
         return self.model.ops
 
+    @functools.cached_property
+    def model_id(self) -> str:
+        """SHA-256 of the model files' sizes, first and last MiB: tells a session file saved from another model
+        file (say, another fine-tune of the same layout) from one of this model."""
+        h = hashlib.sha256()
+        for path in filter(None, self.paths):
+            with open(path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(0)
+                h.update(f"{size}:".encode() + f.read(MODEL_ID_BYTES))
+                f.seek(max(0, size - MODEL_ID_BYTES))
+                h.update(f.read(MODEL_ID_BYTES))
+        return h.hexdigest()
+
     def session(self, ctx: int | None = None, prefill_chunk: int | None = None) -> Session:
         """A fresh session (KV state) for experiments: prefill / decode / forward / snapshot / restore."""
         return Session(self.model, self.ctx if ctx is None else ctx,
-                       self.prefill_chunk if prefill_chunk is None else prefill_chunk, self.mtp, self.compile)
+                       self.prefill_chunk if prefill_chunk is None else prefill_chunk, self.mtp, self.compile,
+                       self.model_id, self.cuda_graphs)
+
+    def session_from_file(self, path: str | os.PathLike[str], ctx: int | None = None) -> Session:
+        """The session saved to `path` (`Session.save`), continuing on this model with its prefill chunk and `ctx`
+        (default the engine's); SessionFileError when the file is damaged or from another model, layout or
+        prefill chunk, or holds more than `ctx` allows."""
+        session = Session.load(path, self.model, self.mtp, self.ctx if ctx is None else ctx, self.compile,
+                               self.model_id, self.prefill_chunk)
+        if self.cuda_graphs:
+            session.graphs = step_graphs(self.model, self.mtp)
+        return session
 
     def encode(self, prompt: str | Sequence[int], *, system: str | None = None, think: bool = False,
                raw: bool = False) -> list[int]:
@@ -240,13 +270,15 @@ def open_mtp(trunk: DeepseekV4, path: str) -> MTPHead:
 
 def load(model_path: str | None = None, mtp_path: str | None = None, backend: str = "auto", *,
          ops: dict[str, str] | None = None, strict_backend: bool = False, ctx: int = 4096,
-         prefill_chunk: int = 2048, device: str | None = None, compile: bool = False, **switches: Any) -> Engine:
+         prefill_chunk: int = 2048, device: str | None = None, compile: bool = False, cuda_graphs: bool = False,
+         **switches: Any) -> Engine:
     """Load a ds4-layout GGUF (default: the embedded tiny model) and optionally its MTP GGUF.
 
     `backend`: auto | torch | triton | mlx | cpu; `ops`: per-op overrides {"qmatmul": "torch"};
     `device`: where weights and caches live (cpu, cuda, cuda:N, mlx, mlx:cpu, mlx:gpu; default: `mlx` for
     the mlx backend, else the best available, see backends.registry.default_device);
     `compile`: run decode, verify and MTP steps through a compiled step (torch.compile, CPU; docs/cpu.md);
+    `cuda_graphs`: record decode, verify and MTP steps in CUDA graphs and replay them (CUDA only; docs/kernels.md);
     `switches`: model switches such as indexer_fp4_sim, kv_fp8_sim, shared_swiglu_clamp, mtp_pairing.
     """
     for label, path in (("model_path", model_path), ("mtp_path", mtp_path)):
@@ -279,5 +311,7 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
         bar.update()
     if compile:  # an unsupported device fails here, before any generation
         model.compiled_step()
+    if cuda_graphs:
+        check_cuda_graphs(opset.device, compile)
     return Engine(model, tokenizer, mtp, ctx=ctx, prefill_chunk=prefill_chunk, paths=(model_path, mtp_path),
-                  compile=compile)
+                  compile=compile, cuda_graphs=cuda_graphs)

@@ -19,3 +19,8 @@ class UsageError(Ds4Error):
 
 class NonFiniteError(Ds4Error):
     """The model produced NaN or Inf where a finite value is needed (e.g. the logits of a step)."""
+
+
+class SessionFileError(Ds4Error):
+    """A session file (Session.save) that cannot be loaded: damaged, truncated, or saved for another model,
+    layout, context or prefill chunk."""

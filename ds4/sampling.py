@@ -91,3 +91,52 @@ class Sampler:
         if self.params.greedy:
             return int(logits.reshape(-1).argmax())
         return self.draw(self.probs(logits))
+
+
+@dataclass(frozen=True)
+class LogitAdjustments:
+    """Changes to the logits before sampling (vLLM's definitions): presence and frequency penalties over the
+    generated tokens, a repetition penalty over prompt and generated tokens (divides positive logits,
+    multiplies negative ones), additive `logit_bias` (token id, bias), `early` tokens (EOS, stop token ids)
+    forced to -inf while fewer than `min_tokens` tokens were generated, and `never` tokens always
+    (ignore_eos)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    early: tuple[int, ...] = ()
+    min_tokens: int = 0
+    never: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("presence", "frequency", "repetition"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                raise UsageError(f"the {name} penalty must be a finite number, got {value!r}")
+        if self.repetition <= 0:
+            raise UsageError(f"the repetition penalty must be > 0, got {self.repetition}")
+
+    @property
+    def active(self) -> bool:
+        """Whether any adjustment changes the logits."""
+        return bool(self.presence or self.frequency or self.repetition != 1 or self.logit_bias or self.never
+                    or (self.early and self.min_tokens))
+
+    def apply(self, logits: torch.Tensor, prompt: list[int], generated: list[int]) -> torch.Tensor:
+        """The adjusted logits [V] (float32, on the host) for the token after `prompt + generated`."""
+        out = logits.to("cpu", torch.float32).reshape(-1).clone()
+        if self.repetition != 1:
+            seen = torch.tensor(sorted(set(prompt) | set(generated)), dtype=torch.long)
+            values = out[seen]
+            out[seen] = torch.where(values > 0, values / self.repetition, values * self.repetition)
+        if generated and (self.presence or self.frequency):
+            ids, counts = torch.tensor(generated, dtype=torch.long).unique(return_counts=True)
+            out[ids] -= self.presence + self.frequency * counts.float()
+        for token, bias in self.logit_bias:
+            out[token] += bias
+        if self.early and len(generated) < self.min_tokens:
+            out[list(self.early)] = float("-inf")
+        if self.never:
+            out[list(self.never)] = float("-inf")
+        return out

@@ -22,11 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ds4.errors import NonFiniteError, UsageError
+from ds4 import session_file
+from ds4.cuda_graphs import StepGraphs
+from ds4.errors import NonFiniteError, SessionFileError, UsageError
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
 
-COMPILED_ROWS = 16  # compiled sessions compile a step per row count up to this (decode, verify, MTP rows)
+COMPILED_ROWS = 16  # compiled (or graphed) sessions make a step per row count up to this (decode, verify, MTP)
 KEPT_STATES = 32  # trunk/MTP output states kept for the latest positions, so truncate() can resume MTP
 
 
@@ -93,15 +95,37 @@ def check_finite(logits: torch.Tensor, positions: list[int], what: str) -> None:
                              "(damaged weights, or values beyond float range)")
 
 
+def check_cuda_graphs(device: str, compile: bool) -> None:
+    """UsageError unless CUDA graphs can record steps on `device`: a CUDA device, without --compile."""
+    if not str(device).startswith("cuda"):
+        raise UsageError(f"--cuda-graphs records CUDA kernels, but the model is on {device!r}; use --device cuda "
+                         "on a machine with a CUDA GPU (on a CPU, --compile speeds up steps)")
+    if compile:
+        raise UsageError("--cuda-graphs and --compile are exclusive (--compile is for the CPU)")
+
+
+def step_graphs(model: DeepseekV4, mtp: MTPHead | None, compile: bool = False,
+                capture: bool = True) -> dict[str, StepGraphs]:
+    """CUDA graphs for a session's trunk and MTP steps (UsageError where they cannot record); `capture=False`
+    keeps the static buffers without recording, which is what a CPU can check."""
+    if capture:
+        check_cuda_graphs(model.ops.device, compile)
+    graphs = {"trunk": StepGraphs(model.run, state_arg=2, capture=capture)}
+    if mtp:
+        graphs["mtp"] = StepGraphs(mtp.run, state_arg=3, capture=capture)
+    return graphs
+
+
 class Session:
     """KV state plus prefill / decode / batched forward / MTP drafting / rollback for one sequence."""
 
     def __init__(self, model: DeepseekV4, ctx: int, prefill_chunk: int = 2048, mtp: MTPHead | None = None,
-                 compile: bool = False):
+                 compile: bool = False, model_id: str | None = None, cuda_graphs: bool = False):
         ctx = check_size("ctx (--ctx)", ctx)
         prefill_chunk = check_size("prefill_chunk (--prefill-chunk)", prefill_chunk)
         prefill_chunk = min(prefill_chunk, ctx)  # a longer chunk could never be filled
         self.model, self.mtp, self.ctx, self.prefill_chunk = model, mtp, ctx, prefill_chunk
+        self.model_id = model_id  # names the model file in saved sessions (Engine.model_id), so loads can check it
         self._id = next(_session_ids)
         need, free = state_bytes(model, ctx, prefill_chunk, mtp), available_bytes(model.ops.device)
         if free is not None and need > free:
@@ -117,11 +141,13 @@ class Session:
                              f"allocated on {model.ops.device} ({type(e).__name__}); lower --ctx") from None
         self.tokens: list[int] = []
         self.mtp_from = 0        # MTP cache rows are valid for positions [mtp_from, pos)
+        self.mtp_before_pause: tuple[int, int] | None = None  # [from, to): the rows written before the last pause
         self.high_water = 0      # highest position ever written + 1 (bounds what rollback may reach)
         self.n_drafted = 0       # MTP draft rows written past pos since the last forward
         self.recent: dict[str, tuple[int, torch.Tensor] | None] = {"trunk": None, "mtp": None}  # last rows
         self.trunk_tail: torch.Tensor | None = None  # H_{pos-1}
         self.mtp_tail: torch.Tensor | None = None    # MTP output state of row pos-1
+        self.logits_at: dict[int, torch.Tensor] = {}  # logits rows of the last forward, by position
         self.counters: Counter[str] = Counter()  # forward_rows, lm_head_rows, mtp_rows, mtp_lm_head_rows
         self.mtp_paused = False  # True: forwards skip the MTP catch-up (no draft will read it)
         self.on_chunk: Callable[[int], None] | None = None  # called with each forward chunk's size (progress)
@@ -130,11 +156,41 @@ class Session:
             model.compiled_step()
             if mtp:
                 mtp.compiled_step()
+        self.graphs: dict[str, StepGraphs] = {}  # "trunk", "mtp": recorded decode/verify steps (--cuda-graphs)
+        if cuda_graphs:
+            self.graphs = step_graphs(model, mtp, compile)
+
+    @classmethod
+    def load(cls, path, model: DeepseekV4, mtp: MTPHead | None = None, ctx: int | None = None,
+             compile: bool = False, model_id: str | None = None, prefill_chunk: int | None = None) -> Session:
+        """A session continuing exactly where the one saved to `path` (`save`) stopped; `ctx` and `prefill_chunk`
+        default to the saved ones. A damaged file or one from another model, layout, prefill chunk or a context
+        too small for it raises SessionFileError."""
+        saved = session_file.read(path)
+        ctx = saved.header["ctx"] if ctx is None else check_size("ctx (--ctx)", ctx)
+        chunk = saved.header["prefill_chunk"] if prefill_chunk is None else check_size("prefill_chunk", prefill_chunk)
+        chunk = min(chunk, ctx)
+        saved.check(model, mtp, ctx, chunk, model_id, str(path))
+        session = cls(model, ctx, chunk, mtp, compile, model_id)
+        try:
+            saved.apply(session)
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:  # a well-formed file holding the wrong parts
+            raise SessionFileError(f"{path}: malformed session file ({type(e).__name__}: {e})") from None
+        return session
+
+    def save(self, path) -> None:
+        """Write the whole state to `path` (atomically) so that `Session.load` continues it bit for bit."""
+        session_file.save(self, path, self.model_id)
+
+    @property
+    def last_logits(self) -> torch.Tensor | None:
+        """Logits [V] of the last position when the forward that wrote it computed them, else None."""
+        return self.logits_at.get(self.pos - 1)
 
     def batch_invariant(self) -> bool:
         """Whether a forward of M <= SMALL_M rows gives each row the one-row forward's result bit for bit:
         every op resolves to a batch-invariant implementation and no compiled step runs (inductor
-        generates different kernels per row count)."""
+        generates different kernels per row count; a CUDA graph replays the eager kernels, so it keeps it)."""
         return self.model.ops.batch_invariant() and not self.compiled
 
     @property
@@ -185,9 +241,12 @@ class Session:
                 self.on_chunk(len(chunk))
         logits = [x for x in out if x is not None]
         if not logits:
+            self.logits_at = {}
             return None
         logits = self.model.ops.to_torch(self.model.ops.cat(logits))
-        check_finite(logits, [self.pos - n + r for r in rows], "logits")
+        positions = [self.pos - n + r for r in rows]
+        check_finite(logits, positions, "logits")
+        self.logits_at = {positions[i]: logits[i] for i in range(max(0, len(rows) - KEPT_STATES), len(rows))}
         return logits
 
     def _check_ids(self, ids) -> list[int]:
@@ -204,16 +263,24 @@ class Session:
         return [int(i) for i in ids]
 
     def step_for(self, rows: int, eager: bool = False) -> str:
-        """How a forward of `rows` rows runs (see DeepseekV4.forward)."""
-        return "compiled" if self.compiled and not eager and rows <= COMPILED_ROWS else "eager"
+        """How a forward of `rows` rows runs: "eager", "compiled" (see DeepseekV4.forward) or "graph" (a CUDA
+        graph of the fixed-plan step)."""
+        if eager or rows > COMPILED_ROWS:
+            return "eager"
+        return "compiled" if self.compiled else "graph" if self.graphs else "eager"
+
+    def _step_args(self, kind: str, step: str) -> dict:
+        """The model forward's `step` and `runner` for a session step (a graph runs the fixed plan)."""
+        return {"step": "fixed", "runner": self.graphs[kind]} if step == "graph" else {"step": step}
 
     def _forward_chunk(self, ids: list[int], logit_rows: list[int] | None, mtp_min: int, eager: bool):
         """One model forward of at most prefill_chunk tokens, then the MTP catch-up."""
         start, M = self.pos, len(ids)
         step = self.step_for(M, eager)
-        X, logits = self.model.forward(ids, start, self.caches, logit_rows, step)
+        X, logits = self.model.forward(ids, start, self.caches, logit_rows, **self._step_args("trunk", step))
         self.counters["forward_rows"] += M
         self.counters["compiled_rows"] += M if step == "compiled" else 0
+        self.counters["graph_rows"] += M if step == "graph" else 0
         self.counters["lm_head_rows"] += 0 if logit_rows is None else len(logit_rows)
         previous_tail = self.trunk_tail
         self.tokens.extend(ids)
@@ -223,6 +290,8 @@ class Session:
         if self.mtp and not self.mtp_paused:
             self._mtp_catch_up(ids, X, previous_tail, start, mtp_min, eager)
         elif self.mtp:  # rows not written: the MTP window restarts after them
+            if self.mtp_from < start:
+                self.mtp_before_pause = (self.mtp_from, start)
             self.mtp_from = self.pos
         return logits
 
@@ -242,7 +311,7 @@ class Session:
             self.mtp_from = j0
         rows = ids[j0 - start:]
         Y, _ = self.mtp.forward(states[keep:], rows, j0, self.mtp_cache, self.mtp_from,
-                                step=self.step_for(len(rows), eager))
+                                **self._step_args("mtp", self.step_for(len(rows), eager)))
         self.counters["mtp_rows"] += Y.shape[0]
         self.mtp_tail = Y[-1]
         self._keep_recent("mtp", j0, Y)
@@ -280,7 +349,8 @@ class Session:
             raise UsageError(f"MTP draft at position {j} exceeds the context of {self.ctx}")
         if self.n_drafted >= self.prefill_chunk:
             raise UsageError(f"at most prefill_chunk ({self.prefill_chunk}) drafts between forwards")
-        Y, logits = self.mtp.forward(state[None], [token], j, self.mtp_cache, self.mtp_from, [0], self.step_for(1))
+        Y, logits = self.mtp.forward(state[None], [token], j, self.mtp_cache, self.mtp_from, [0],
+                                     **self._step_args("mtp", self.step_for(1)))
         self.n_drafted += 1
         self.high_water = max(self.high_water, j + 1)
         self.counters["mtp_rows"] += 1
@@ -315,12 +385,15 @@ class Session:
         if n_tokens < self.pos:
             self.trunk_tail = self._row("trunk", n_tokens - 1)
             self.mtp_tail = self._row("mtp", n_tokens - 1)
-            mtp_row_written = n_tokens - 1 >= self.mtp_from  # else the MTP window restarts at n_tokens
+            mtp_from = min(self.mtp_from, n_tokens)  # rows paused past n_tokens: as a cold start, when intact
+            if self.mtp_before_pause and self.mtp_before_pause[0] <= n_tokens <= self.mtp_before_pause[1]:
+                mtp_from = self.mtp_before_pause[0]
+            mtp_row_written = n_tokens - 1 >= mtp_from  # else the MTP window restarts at n_tokens
             if self.mtp and n_tokens > 0 and (self.trunk_tail is None or self.mtp_tail is None and mtp_row_written):
                 raise UsageError(f"cannot truncate to {n_tokens} tokens: the states at position "
                                  f"{n_tokens - 1} are gone; use snapshot()/restore()")
             del self.tokens[n_tokens:]
-            self.mtp_from = min(self.mtp_from, n_tokens)
+            self.mtp_from = mtp_from
         self.n_drafted = 0
 
     def _row(self, kind: str, p: int) -> torch.Tensor | None:

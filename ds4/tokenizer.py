@@ -54,6 +54,7 @@ class Tokenizer:
                  bos_id: int, eos_id: int):
         self.tokens = tokens
         self.bos_id, self.eos_id = bos_id, eos_id
+        self.control_ids = sorted(added)  # control/user-defined tokens: never produced from plain text
         self._ids = {t: i for i, t in enumerate(tokens)}
         model = models.BPE(vocab=self._ids, merges=merges, fuse_unk=False, byte_fallback=False)
         self._hf = HFTokenizer(model)

@@ -11,7 +11,7 @@ owns; `forward` runs a contiguous block of tokens layer-major, writing their row
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -268,6 +268,12 @@ def plan_positions(ops: OpSet, start: int, M: int, window: int, cache: LayerCach
                    compressor=plan_compressor(ops, pos, ratio, cache.comp_cap, capacity if fixed else None))
 
 
+def logit_index(ops: OpSet, rows: Sequence[int] | None) -> Array | None:
+    """The LM-head rows of a forward as a device array, made before the step (a captured step copies nothing
+    from the host)."""
+    return None if rows is None else ops.array(list(rows))
+
+
 class DeepseekV4:
     """The trunk: embedding, n_layers blocks with mHC, HC head, final norm and LM head."""
 
@@ -324,15 +330,17 @@ class DeepseekV4:
     # ---- forward ------------------------------------------------------------------------------
 
     def forward(self, ids: Sequence[int], start: int, caches: list[LayerCache],
-                logit_rows: Sequence[int] | None = None, step: str = "eager") -> tuple[Array, Array | None]:
+                logit_rows: Sequence[int] | None = None, step: str = "eager",
+                runner: Callable | None = None) -> tuple[Array, Array | None]:
         """Run tokens `ids` at positions start..start+M-1; returns the final HC states [M, S, D] and the
         logits of `logit_rows` (indices into ids; None: no LM head at all). `step`: "eager"; "fixed"
-        (eager, with the fixed-capacity plan); "compiled" (fixed plan, run by the compiled step)."""
+        (eager, with the fixed-capacity plan); "compiled" (fixed plan, run by the compiled step). `runner`
+        replaces `run` on the fixed plan (a session's CUDA graphs, ds4/cuda_graphs.py)."""
         if step not in STEPS:
             raise ValueError(f"step must be one of {STEPS}, got {step!r}")
         plans = self.plan(start, len(ids), caches, fixed=step != "eager")
-        run = self.compiled_step() if step == "compiled" else self.run
-        return run(self.ops.array(list(ids)), plans, caches, logit_rows)
+        run = runner or (self.compiled_step() if step == "compiled" else self.run)
+        return run(self.ops.array(list(ids)), plans, caches, logit_index(self.ops, logit_rows))
 
     def compiled_step(self):
         """`run` compiled by the OpSet, built once per model (a graph per row count, traced on first use)."""
@@ -349,15 +357,15 @@ class DeepseekV4:
         return plans
 
     def run(self, token_ids: Array, plans: dict[int, Plan], caches: list[LayerCache],
-            logit_rows: Sequence[int] | None = None) -> tuple[Array, Array | None]:
-        """The forward of `token_ids` [M] under `plans` (everything on the device; what a compiled step
-        captures)."""
+            logit_rows: Array | None = None) -> tuple[Array, Array | None]:
+        """The forward of `token_ids` [M] under `plans` (everything on the device, the LM-head rows `logit_rows`
+        included; what a compiled step or a CUDA graph captures)."""
         ops = self.ops
         x = ops.embed(self.embedding, token_ids)[:, None, :]
         X = ops.cat([x] * self.args.hc_mult, dim=1)
         for L, cache in zip(self.layers, caches, strict=False):
             X = self.block(L, X, token_ids, plans[L.ratio], cache)
-        logits = None if logit_rows is None else self.logits(X[ops.array(list(logit_rows))], self.head)
+        logits = None if logit_rows is None else self.logits(X[logit_rows], self.head)
         return X, logits
 
     def logits(self, X: Array, head: HCHead) -> Array:

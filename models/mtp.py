@@ -10,7 +10,7 @@ Recursive drafting feeds back the head's own output state (before its HC head).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from models.args import MTP_PREFIX, mtp_shapes
 from models.deepseek_v4 import (
@@ -22,6 +22,7 @@ from models.deepseek_v4 import (
     LayerCache,
     Plan,
     bind,
+    logit_index,
     make_block,
     plan_positions,
 )
@@ -46,15 +47,16 @@ class MTPHead:
         return self.trunk.new_cache(0, ctx, chunk)
 
     def forward(self, states: Array, ids: Sequence[int], start: int, cache: LayerCache, valid_from: int = 0,
-                logit_rows: Sequence[int] | None = None, step: str = "eager") -> tuple[Array, Array | None]:
+                logit_rows: Sequence[int] | None = None, step: str = "eager",
+                runner: Callable | None = None) -> tuple[Array, Array | None]:
         """Rows (states [M, S, D], token ids) at cache positions start..start+M-1 -> output HC states
         [M, S, D] and the logits of `logit_rows` (None: no LM head). Cache rows below `valid_from` were
-        never written and are not attended. `step` as in DeepseekV4.forward."""
+        never written and are not attended. `step` and `runner` as in DeepseekV4.forward."""
         if step not in STEPS:
             raise ValueError(f"step must be one of {STEPS}, got {step!r}")
         plan = plan_positions(self.ops, start, len(ids), self.args.window, cache, valid_from, fixed=step != "eager")
-        run = self.compiled_step() if step == "compiled" else self.run
-        return run(states, self.ops.array(list(ids)), plan, cache, logit_rows)
+        run = runner or (self.compiled_step() if step == "compiled" else self.run)
+        return run(states, self.ops.array(list(ids)), plan, cache, logit_index(self.ops, logit_rows))
 
     def compiled_step(self):
         """`run` compiled by the OpSet, built once per head (a graph per row count, traced on first use)."""
@@ -63,7 +65,7 @@ class MTPHead:
         return self._compiled_run
 
     def run(self, states: Array, token_ids: Array, plan: Plan, cache: LayerCache,
-            logit_rows: Sequence[int] | None = None) -> tuple[Array, Array | None]:
+            logit_rows: Array | None = None) -> tuple[Array, Array | None]:
         """The MTP forward of `token_ids` [M] under `plan` (everything on the device)."""
         a, ops = self.args, self.ops
         e = ops.qmatmul(ops.rms_norm(ops.embed(self.trunk.embedding, token_ids), self.enorm, a.rms_eps), self.e_proj)
@@ -72,5 +74,5 @@ class MTPHead:
         h = ops.cat([ops.qmatmul(ops.rms_norm(states[:, i], self.hnorm, a.rms_eps), self.h_proj)[:, None]
                      for i in range(S)], dim=1)
         X = self.trunk.block(self.block, h + e[:, None, :], token_ids, plan, cache)
-        logits = None if logit_rows is None else self.trunk.logits(X[ops.array(list(logit_rows))], self.head)
+        logits = None if logit_rows is None else self.trunk.logits(X[logit_rows], self.head)
         return X, logits

@@ -1,5 +1,6 @@
-"""Benchmarks: `python scripts/bench.py SUITE [options]`; each suite is a module of ds4/bench/ (its docstring
-says what it measures): qmatmul, moe, indexer, argmax, model, spec, cpu."""
+"""Benchmarks: `python scripts/bench.py SUITE [options]`, one table per run.
+
+Each suite is a module of ds4/bench/ whose docstring says what it measures; `--csv` prints CSV instead."""
 from __future__ import annotations
 
 import argparse

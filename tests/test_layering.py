@@ -21,9 +21,10 @@ FLOORS: dict[str, tuple[str, ...]] = {   # unit -> the units below it that it ma
     "ds4.formats": ("ops", "models.args", "ds4.errors"),
     "ds4.tiny": ("ops", "backends", "models", "models.args", "ds4.errors", "ds4.formats"),
     "ds4": _ENGINE_BELOW,
-    "ds4.bench": (*_ENGINE_BELOW, "ds4"),
+    "ds4.research": (*_ENGINE_BELOW, "ds4"),
+    "ds4.bench": (*_ENGINE_BELOW, "ds4", "ds4.research"),
     "ds4.server": (*_ENGINE_BELOW, "ds4"),
-    "scripts": (*_ENGINE_BELOW, "ds4", "ds4.bench", "ds4.server"),
+    "scripts": (*_ENGINE_BELOW, "ds4", "ds4.research", "ds4.bench", "ds4.server"),
 }
 ENTRY_POINTS = {"ds4.server": {"scripts.serve"}, "ds4.bench": {"scripts.bench"}}
 

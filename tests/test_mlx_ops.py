@@ -43,8 +43,14 @@ from ops.sparse_attention import AttnRows  # noqa: E402
 from tests.script_modules import script  # noqa: E402
 
 A = MLXArrays("mlx")
-K_OF = {"F32": 41, "F16": 41, "BF16": 41, "I32": 9, "Q8_0": 160, "MXFP4": 96, "FP8_E4M3": 384,
-        "Q4_K": 512, "Q2_K": 256, "IQ2_XXS": 256}
+
+
+def k_of(qtype: str) -> int:
+    """K for a type's tests: several blocks, not a power of two where the block size allows."""
+    block = TYPES[qtype].block_size
+    return 41 if block == 1 else block * (5 if block <= 32 else 3 if block < 256 else 2)
+
+
 QMATMUL_RTOL = 1e-6   # |y - ref| <= QMATMUL_RTOL * (|x| @ |W|.T): float32 sums in another order (measured <= 1.4e-7)
 FLOAT_TOL = {"rms_norm": 1e-6, "rope_tail": 1e-6, "hc_pre": 1e-6, "hc_post": 1e-6, "hc_head": 1e-6,
              "compress": 1e-6, "index_scores": 1e-6, "sparse_attention": 1e-6, "hadamard": 1e-6,
@@ -76,10 +82,10 @@ def assert_close(op: str, got, ref: torch.Tensor) -> None:
 
 # ---- weights ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("qtype", sorted(K_OF))
+@pytest.mark.parametrize("qtype", sorted(TYPES))
 def test_every_format_dequantizes_exactly(qtype):
     """Quantized random weights and random bytes (NaN/inf/subnormal scales) give the reference's values."""
-    w = QTensor.quantize(torch.randn(3, 5, K_OF[qtype], generator=gen(0)) * 3, qtype, "w")
+    w = QTensor.quantize(torch.randn(3, 5, k_of(qtype), generator=gen(0)) * 3, qtype, "w")
     raw = QTensor(w.qtype, w.shape, torch.randint(0, 256, w.data.shape, dtype=torch.uint8, generator=gen(1)), "r")
     for q in (w, raw):
         got = t(dequantize(place(q).data))
@@ -92,11 +98,11 @@ def test_every_quant_type_has_an_mlx_format():
     assert set(FORMATS) == set(TYPES)
 
 
-@pytest.mark.parametrize("qtype", sorted(set(K_OF) - {"I32"}))
+@pytest.mark.parametrize("qtype", sorted(set(TYPES) - {"I32"}))
 @pytest.mark.parametrize("M", [1, 3, 17])
 def test_qmatmul(qtype, M):
-    w = QTensor.quantize(torch.randn(7, K_OF[qtype], generator=gen(2)), qtype, "w")
-    x = torch.randn(M, K_OF[qtype], generator=gen(3))
+    w = QTensor.quantize(torch.randn(7, k_of(qtype), generator=gen(2)), qtype, "w")
+    x = torch.randn(M, k_of(qtype), generator=gen(3))
     got = t(linear.qmatmul(m(x), place(w)))
     dense = w.dequantize()
     bound = QMATMUL_RTOL * (x.abs() @ dense.abs().T) + 1e-30
@@ -120,7 +126,7 @@ def test_qmatmul_rejects_bad_arguments():
         linear.qmatmul(mx.zeros((2, 32)), QTensor.quantize(torch.randn(4, 32), "Q8_0", "w"))
 
 
-@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_K", "IQ2_XXS"])
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_K", "IQ2_XXS", "Q4_1", "Q5_K", "IQ4_XS"])
 def test_embed_is_exact(qtype):
     table = QTensor.quantize(torch.randn(11, 256, generator=gen(6)), qtype, "emb")
     ids = torch.tensor([3, 0, 10, 3, 7])
@@ -147,7 +153,8 @@ def experts(qtype: str, hashed: bool, D: int = 256, inter: int = 64, E: int = 5,
     return ex, mex
 
 
-@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K", "IQ2_XXS", "MXFP4", "Q2_K", "FP8_E4M3"])
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K", "IQ2_XXS", "MXFP4", "Q2_K", "FP8_E4M3",
+                                   "Q5_0", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("hashed", [False, True])
 @pytest.mark.parametrize("M", [1, 3, 19])   # 19 rows x top-2 > 5 experts: the dequantized stack + gather_mm
 def test_moe(qtype, hashed, M):

@@ -11,24 +11,28 @@ import triton
 import triton.language as tl
 
 from backends.registry import OpSet, implementations
-from backends.triton.qmatmul import iq2_tables
-from backends.triton.quants import SUPPORTED, dequant
+from backends.triton.quants import SUPPORTED, dequant, tables
 from ds4.errors import BackendUnavailable, UsageError
 from ops.qmatmul import SMALL_M
 from ops.qmatmul import qmatmul as reference
 from ops.quants import QTensor, get
 from tests.script_modules import script
 
-# K per type: not a multiple of 256 where the block size allows; N = 1 exercises split-K.
-K_OF = {"F32": 41, "F16": 41, "BF16": 41, "Q8_0": 160, "MXFP4": 96, "FP8_E4M3": 384,
-        "Q4_K": 256, "Q2_K": 256, "IQ2_XXS": 256}
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
+def k_of(qtype: str) -> int:
+    """K for a type's tests: not a multiple of 256 (or of a power of two) where the block size allows."""
+    block = get(qtype).block_size
+    return 41 if block == 1 else block * (5 if block <= 32 else 3 if block < 256 else 1)
+
+
 RTOL = 1e-5
 
 
 def weight(qtype: str, n: int, seed: int = 0) -> QTensor:
-    """A random [n, K_OF[qtype]] weight quantized with the reference quantizer."""
+    """A random [n, k_of(qtype)] weight quantized with the reference quantizer."""
     g = torch.Generator().manual_seed(seed)
-    return QTensor.quantize(torch.randn(n, K_OF[qtype], generator=g), qtype, name=f"w.{qtype}")
+    return QTensor.quantize(torch.randn(n, k_of(qtype), generator=g), qtype, name=f"w.{qtype}")
 
 
 def activations(m: int, k: int, dtype: torch.dtype = torch.float32, seed: int = 1) -> torch.Tensor:
@@ -60,11 +64,11 @@ def dequant_tile_kernel(w_ptr, out_ptr, grid_ptr, signs_ptr, N, K, row_bytes,
 def test_triton_dequant_is_bit_exact_on_random_bytes(qtype):
     """Every bit pattern (NaN/inf/subnormal scales included) dequantizes exactly as the reference."""
     qt = get(qtype)
-    n, k = 5, K_OF[qtype]
+    n, k = 5, k_of(qtype)
     data = torch.randint(0, 256, (n, qt.row_bytes(k)), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     w = QTensor(qt, (n, k), data)
     out = torch.empty(n, k)
-    grid_bytes, signs = iq2_tables(data.device)
+    grid_bytes, signs = tables(data.device)
     dequant_tile_kernel[(1,)](data, out, grid_bytes, signs, n, k, data.stride(0), QTYPE=qtype,
                               BLOCK_N=8, BLOCK_K=triton.next_power_of_2(k))
     torch.testing.assert_close(out, w.dequantize(), rtol=0, atol=0, equal_nan=True)
@@ -75,7 +79,7 @@ def test_triton_matches_reference_and_is_batch_invariant(qtype):
     """M = 1..17 on N = 1 (split-K) against the reference; rows of M <= 16 equal the 1-row calls bitwise."""
     triton_qmatmul = implementations("qmatmul")["triton"].fn
     w = weight(qtype, 1)
-    x = activations(SMALL_M + 1, K_OF[qtype])
+    x = activations(SMALL_M + 1, k_of(qtype))
     single = torch.cat([triton_qmatmul(x[r:r + 1], w) for r in range(SMALL_M)])
     assert_close_to_reference(single, x[:SMALL_M], w)
     for m in range(2, SMALL_M + 1):
@@ -89,7 +93,7 @@ def test_triton_odd_n_and_float16_activations(qtype, m):
     """N = 37 (a partial N tile) with float16 activations, decode, verify and prefill."""
     triton_qmatmul = implementations("qmatmul")["triton"].fn
     w = weight(qtype, 37, seed=3)
-    x = activations(m, K_OF[qtype], torch.float16)
+    x = activations(m, k_of(qtype), torch.float16)
     assert_close_to_reference(triton_qmatmul(x, w), x, w)
 
 
@@ -97,7 +101,7 @@ def test_triton_odd_n_and_float16_activations(qtype, m):
 def test_reference_is_batch_invariant(qtype):
     """The reference: row r of every M-row call (M <= 16) equals the 1-row call bitwise."""
     w = weight(qtype, 37)
-    x = activations(SMALL_M + 1, K_OF[qtype])
+    x = activations(SMALL_M + 1, k_of(qtype))
     single = torch.cat([reference(x[r:r + 1], w) for r in range(SMALL_M)])
     for m in range(2, SMALL_M + 1):
         assert torch.equal(reference(x[:m], w), single[:m])
@@ -108,7 +112,7 @@ def test_registry_serves_triton_and_declares_invariance():
     """The registry resolves qmatmul to the Triton kernel, marked batch-invariant like the reference."""
     ops = OpSet(backend="triton", strict=True)
     w = weight("Q8_0", 4)
-    ops.qmatmul(activations(2, K_OF["Q8_0"]), w)
+    ops.qmatmul(activations(2, k_of("Q8_0")), w)
     assert ops.report()["qmatmul"] == {"backend": "triton", "how": "requested", "calls": 1, "batch_invariant": True}
     assert implementations("qmatmul")["torch"].batch_invariant
 
@@ -121,15 +125,15 @@ def test_bad_arguments_name_the_weight(backend):
     with pytest.raises(ValueError, match="w.Q8_0"):
         fn(torch.randn(2, 64), w)
     with pytest.raises(TypeError, match="float32/float16"):
-        fn(torch.randn(2, K_OF["Q8_0"], dtype=torch.float64), w)
+        fn(torch.randn(2, k_of("Q8_0"), dtype=torch.float64), w)
 
 
 def test_triton_on_cpu_tensors_without_the_interpreter_is_a_clear_error(monkeypatch):
     """Outside the interpreter, CPU tensors raise BackendUnavailable before any kernel launch."""
     import backends.triton.qmatmul as kernel
     monkeypatch.setattr(kernel, "INTERPRET", False)
-    with pytest.raises(BackendUnavailable, match="w.Q8_0.*are on cpu; use DS4_OPS=qmatmul:torch"):
-        kernel.qmatmul(activations(2, K_OF["Q8_0"]), weight("Q8_0", 4))
+    with torch.device("cpu"), pytest.raises(BackendUnavailable, match="w.Q8_0.*are on cpu; use DS4_OPS=qmatmul:torch"):
+        kernel.qmatmul(activations(2, k_of("Q8_0")), weight("Q8_0", 4))
 
 
 def load_bench():

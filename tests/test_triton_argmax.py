@@ -11,6 +11,8 @@ from ops.qmatmul import SMALL_M
 from ops.verify_argmax import verify_argmax as reference
 from tests.script_modules import script
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
 
 def kernel():
     """The registered Triton verify_argmax."""
@@ -60,6 +62,7 @@ def test_float16_logits():
     assert torch.equal(top1, ref1) and torch.equal(margin, ref_margin)
 
 
+@pytest.mark.interpreter_only(reason="on a GPU the Triton columns are timed")
 def test_bench_argmax_prints_the_reference_beside_the_kernel(capsys):
     """scripts/bench.py argmax on a CPU: the reference's time, the Triton columns empty (CUDA only)."""
     bench = script("bench")

@@ -14,6 +14,8 @@ from backends.registry import implementations
 from ops.qmatmul import SMALL_M
 from ops.sparse_attention import AttnRows
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
 TOL = {"rtol": 0, "atol": 2e-5}
 
 

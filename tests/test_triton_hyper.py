@@ -12,6 +12,8 @@ from backends.registry import implementations
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 

@@ -12,6 +12,8 @@ from ops.index_scores import index_scores as reference_scores
 from ops.indexer_topk import indexer_topk as reference_topk
 from ops.qmatmul import SMALL_M
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
 RTOL = 1e-5
 
 

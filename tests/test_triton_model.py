@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import ds4
@@ -19,6 +20,8 @@ from ds4.tiny.build import tiny_model_weights
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from ops.qmatmul import SMALL_M
+
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "generate.py"
 PROMPT = "0,5,9,17"
@@ -56,12 +59,12 @@ def test_auto_gives_every_kernel_to_triton_on_cuda():
     assert OpSet("triton").batch_invariant() and cuda.batch_invariant()
 
 
-def test_triton_verify_forward_equals_successive_decodes():
+def test_triton_verify_forward_equals_successive_decodes(device):
     """Strict speculation's premise on the Triton backend: a 3-row forward (a verify) gives the logits and
     the session state of 3 one-token decodes bit for bit, on a 2-layer model (ratios 4 and 16) whose
     positions 5..7 complete a ratio-4 block and reach the indexer."""
     md, base, _ = tiny_model_weights(seed=5, n_layers=2, compress_ratios=(4, 16), n_hash_layers=1)
-    trunk = DeepseekV4(ModelArgs.from_metadata(md), base, OpSet("triton"))
+    trunk = DeepseekV4(ModelArgs.from_metadata(md), base, OpSet("triton", device=device))
     session = Session(trunk, 32, SMALL_M)
     session.prefill([0, 7, 3, 11, 5])
     ref = copy.deepcopy(session, memo={id(trunk): trunk})

@@ -18,6 +18,8 @@ from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 from ops.shared_expert import shared_expert as reference_shared
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
 E, VOCAB = 5, 50
 
 
@@ -80,7 +82,9 @@ def test_route_ties_go_to_the_lower_expert_id():
 
 
 @pytest.mark.parametrize("types,d,inter", [(("F16", "F16", "F16"), 73, 20),          # K not a multiple of the tile
-                                           (("IQ2_XXS", "Q4_K", "Q8_0"), 256, 32)])  # super-block types
+                                           (("IQ2_XXS", "Q4_K", "Q8_0"), 256, 32),   # super-block types
+                                           (("Q6_K", "Q5_K", "IQ4_NL"), 256, 32),    # llama.cpp's K-mix types
+                                           (("Q3_K", "IQ4_XS", "Q5_0"), 256, 32)])
 def test_moe_matches_reference(types, d, inter):
     """Decode (1 row), verify (3 rows) and prefill (17 rows, grouped by expert) against the reference."""
     ex = experts(types, d, inter)

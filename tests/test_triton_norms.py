@@ -12,6 +12,8 @@ from backends.registry import implementations
 from ops.qmatmul import SMALL_M
 from ops.rope_tail import rope_freqs
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
 
 def impl(op: str, backend: str):
     """The registered implementation of op for backend."""

@@ -12,6 +12,8 @@ import torch
 from backends.registry import implementations
 from ops.qmatmul import SMALL_M
 
+pytestmark = pytest.mark.on_device  # CUDA when present, else the interpreter (tests/devices.py)
+
 
 def impl(op: str, backend: str):
     """The registered implementation of op for backend."""

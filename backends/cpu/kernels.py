@@ -27,7 +27,8 @@ from backends.registry import add_note
 from ops.quants import QTensor, iq2_xxs
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c"))
-GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16}    # the types qgemv.c reads
+GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
+             "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23}
 ROW_MULTIPLE = {"F32": 64, "F16": 32}   # qgemv.c takes F32 and F16 rows this many values at a time
 MAX_ROWS = 16
 SPLIT_BYTES = 1 << 20   # weights at least this large are split across threads

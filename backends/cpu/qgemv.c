@@ -120,6 +120,116 @@ static inline void deq_q2_k(const uint8_t *b, float *w) {          /* 84 bytes -
             }
 }
 
+static inline void deq_q6_k(const uint8_t *b, float *w) {          /* 210 bytes -> 256 values */
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = half_to_float(b + 208);
+    for (int c = 0; c < 2; c++)
+        for (int s = 0; s < 4; s++)                         /* elements 128c + 32s + (0..31) */
+            for (int l = 0; l < 32; l += 8) {
+                i32x8 lo = (widen(ql + 64 * c + 32 * (s & 1) + l) >> (4 * (s >> 1))) & 15;
+                i32x8 hi = (widen(qh + 32 * c + l) >> (2 * s)) & 3;
+                v8 scale = splat(d * (float)sc[8 * c + 2 * s + l / 16]);
+                store8(w + 128 * c + 32 * s + l, scale * to_float((lo | (hi << 4)) - 32));
+            }
+}
+
+static inline void deq_q5_k(const uint8_t *b, float *w) {          /* 176 bytes -> 256 values */
+    float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t *s = b + 4, *qh = b + 16, *qs = b + 48;
+    float scale[8], low[8];
+    for (int j = 0; j < 4; j++) {                           /* the 6-bit (scale, min) pairs, as Q4_K */
+        scale[j] = d * (float)(s[j] & 63);
+        low[j] = dmin * (float)(s[4 + j] & 63);
+        scale[4 + j] = d * (float)((s[8 + j] & 15) | ((s[j] >> 6) << 4));
+        low[4 + j] = dmin * (float)((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
+    }
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l += 8) {
+            i32x8 q = widen(qs + 32 * c + l), h = widen(qh + l);
+            i32x8 q0 = (q & 15) | (((h >> (2 * c)) & 1) << 4), q1 = (q >> 4) | (((h >> (2 * c + 1)) & 1) << 4);
+            store8(w + 64 * c + l, splat(scale[2 * c]) * to_float(q0) - splat(low[2 * c]));
+            store8(w + 64 * c + 32 + l, splat(scale[2 * c + 1]) * to_float(q1) - splat(low[2 * c + 1]));
+        }
+}
+
+static inline void deq_q3_k(const uint8_t *b, float *w) {          /* 110 bytes -> 256 values */
+    float d = half_to_float(b + 108);
+    const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    for (int e = 0; e < 256; e += 8) {
+        int j = e / 16;                                     /* the 6-bit scale of sub-block j, minus 32 */
+        int s = ((sc[j % 8] >> (4 * (j / 8))) & 15) | (((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4);
+        i32x8 ql = (widen(qs + 32 * (e / 128) + e % 32) >> (2 * ((e % 128) / 32))) & 3;
+        i32x8 h = (widen(hmask + e % 32) >> (e / 32)) & 1;
+        store8(w + e, splat(d * (float)(s - 32)) * to_float(ql - 4 * (1 - h)));
+    }
+}
+
+static inline void deq_q4_0(const uint8_t *b, float *w) {          /* 18 bytes -> 32 values */
+    v8 d = splat(half_to_float(b));
+    for (int l = 0; l < 16; l += 8) {                       /* byte l: element l low, l + 16 high */
+        i32x8 q = widen(b + 2 + l);
+        store8(w + l, d * to_float((q & 15) - 8));
+        store8(w + 16 + l, d * to_float((q >> 4) - 8));
+    }
+}
+
+static inline void deq_q4_1(const uint8_t *b, float *w) {          /* 20 bytes -> 32 values */
+    v8 d = splat(half_to_float(b)), m = splat(half_to_float(b + 2));
+    for (int l = 0; l < 16; l += 8) {
+        i32x8 q = widen(b + 4 + l);
+        store8(w + l, d * to_float(q & 15) + m);
+        store8(w + 16 + l, d * to_float(q >> 4) + m);
+    }
+}
+
+static inline i32x8 q5_high(const uint8_t *qh, int j) {    /* bits j..j+7 (j % 8 == 0) of `qh`, as 0/16 lanes */
+    i32x8 byte = (i32x8){0} + qh[j / 8];
+    return ((byte >> (i32x8){0, 1, 2, 3, 4, 5, 6, 7}) & 1) << 4;
+}
+
+static inline void deq_q5_0(const uint8_t *b, float *w) {          /* 22 bytes -> 32 values */
+    v8 d = splat(half_to_float(b));
+    for (int l = 0; l < 16; l += 8) {
+        i32x8 q = widen(b + 6 + l);
+        store8(w + l, d * to_float(((q & 15) | q5_high(b + 2, l)) - 16));
+        store8(w + 16 + l, d * to_float(((q >> 4) | q5_high(b + 2, 16 + l)) - 16));
+    }
+}
+
+static inline void deq_q5_1(const uint8_t *b, float *w) {          /* 24 bytes -> 32 values */
+    v8 d = splat(half_to_float(b)), m = splat(half_to_float(b + 2));
+    for (int l = 0; l < 16; l += 8) {
+        i32x8 q = widen(b + 8 + l);
+        store8(w + l, d * to_float((q & 15) | q5_high(b + 4, l)) + m);
+        store8(w + 16 + l, d * to_float((q >> 4) | q5_high(b + 4, 16 + l)) + m);
+    }
+}
+
+static const float iq4_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline void deq_iq4_nl(const uint8_t *b, float *w) {        /* 18 bytes -> 32 values */
+    float d = half_to_float(b);
+    for (int l = 0; l < 16; l++) {
+        w[l] = d * iq4_levels[b[2 + l] & 15];
+        w[16 + l] = d * iq4_levels[b[2 + l] >> 4];
+    }
+}
+
+static inline void deq_iq4_xs(const uint8_t *b, float *w) {        /* 136 bytes -> 256 values */
+    float d = half_to_float(b);
+    uint32_t high = (uint32_t)b[2] | ((uint32_t)b[3] << 8);
+    for (int j = 0; j < 8; j++) {                           /* sub-block j: 16 bytes, low nibbles first */
+        int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
+        float scale = d * (float)(ls - 32);
+        const uint8_t *qs = b + 8 + 16 * j;
+        for (int l = 0; l < 16; l++) {
+            w[32 * j + l] = scale * iq4_levels[qs[l] & 15];
+            w[32 * j + 16 + l] = scale * iq4_levels[qs[l] >> 4];
+        }
+    }
+}
+
 static float iq2_grid[256][8];          /* set by qgemv_set_iq2_xxs from ops/quants/iq2_xxs.py's tables */
 static uint8_t iq2_ksigns[128];
 static uint32_t iq2_sign_mask[128][8];      /* the float sign bit of each of the 8 values ksigns[i] flips */
@@ -424,7 +534,8 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int bs, int G) {
 }
 
 /* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 1 F16, 8 Q8_0,
- * 12 Q4_K, 10 Q2_K, 16 IQ2_XXS after qgemv_set_iq2_xxs), M <= MAX_ROWS. experts == NULL: every row uses
+ * 12 Q4_K, 10 Q2_K, 16 IQ2_XXS after qgemv_set_iq2_xxs, 14 Q6_K, 13 Q5_K, 11 Q3_K, 2 Q4_0, 3 Q4_1,
+ * 6 Q5_0, 7 Q5_1, 20 IQ4_NL, 23 IQ4_XS), M <= MAX_ROWS. experts == NULL: every row uses
  * `w`; else row m uses the weight at w + experts[m] * expert_bytes. Returns -1 for a call it cannot serve. */
 int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
           const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
@@ -467,6 +578,15 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         rows_grouped(unpack_q2_k, 256, 84, 16, w, expert_bytes, experts, N, K, x, xsum, M, y, n0, n1);
         free(xsum);
         return 0;
+    case 14: if (K % 256) return -1; rows_of(deq_q6_k, 256, 210, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 13: if (K % 256) return -1; rows_of(deq_q5_k, 256, 176, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 11: if (K % 256) return -1; rows_of(deq_q3_k, 256, 110, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 2: if (K % 32) return -1; rows_of(deq_q4_0, 32, 18, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 3: if (K % 32) return -1; rows_of(deq_q4_1, 32, 20, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 6: if (K % 32) return -1; rows_of(deq_q5_0, 32, 22, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 7: if (K % 32) return -1; rows_of(deq_q5_1, 32, 24, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 20: if (K % 32) return -1; rows_of(deq_iq4_nl, 32, 18, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 23: if (K % 256) return -1; rows_of(deq_iq4_xs, 256, 136, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     default: return -1;
     }
 }
@@ -485,6 +605,15 @@ int dequantize(int type, const uint8_t *w, int64_t rows, int64_t K, float *out) 
     case 12: if (K % 256) return -1; blocks_of(deq_q4_k, 256, 144, w, rows * (K / 256), out); return 0;
     case 16: if (K % 256) return -1; blocks_of(deq_iq2_xxs, 256, 66, w, rows * (K / 256), out); return 0;
     case 10: if (K % 256) return -1; blocks_of(deq_q2_k, 256, 84, w, rows * (K / 256), out); return 0;
+    case 14: if (K % 256) return -1; blocks_of(deq_q6_k, 256, 210, w, rows * (K / 256), out); return 0;
+    case 13: if (K % 256) return -1; blocks_of(deq_q5_k, 256, 176, w, rows * (K / 256), out); return 0;
+    case 11: if (K % 256) return -1; blocks_of(deq_q3_k, 256, 110, w, rows * (K / 256), out); return 0;
+    case 2: if (K % 32) return -1; blocks_of(deq_q4_0, 32, 18, w, rows * (K / 32), out); return 0;
+    case 3: if (K % 32) return -1; blocks_of(deq_q4_1, 32, 20, w, rows * (K / 32), out); return 0;
+    case 6: if (K % 32) return -1; blocks_of(deq_q5_0, 32, 22, w, rows * (K / 32), out); return 0;
+    case 7: if (K % 32) return -1; blocks_of(deq_q5_1, 32, 24, w, rows * (K / 32), out); return 0;
+    case 20: if (K % 32) return -1; blocks_of(deq_iq4_nl, 32, 18, w, rows * (K / 32), out); return 0;
+    case 23: if (K % 256) return -1; blocks_of(deq_iq4_xs, 256, 136, w, rows * (K / 256), out); return 0;
     default: return -1;
     }
 }

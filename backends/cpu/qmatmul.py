@@ -1,14 +1,16 @@
 """qmatmul on the CPU without dequantizing a whole weight at once (contract: ops/qmatmul.py).
 
 - F32 weights are multiplied in place: the stored blocks are viewed as a float32 matrix (no copy).
-- F16, Q8_0, Q4_K, Q2_K and IQ2_XXS with M <= SMALL_M (decode, verify) go through the fused
-  dequantize-and-multiply kernel (backends/cpu/qgemv.c): each block is dequantized into a small buffer and
-  used by every row at once, so the weight is read once, in its stored size, and never materialized.
+- The types qgemv.c reads (`kernels.GGML_TYPE`: F16, the legacy Q4/Q5/Q8_0, K-quants, IQ4, IQ2_XXS) with
+  M <= SMALL_M (decode, verify) go through the fused dequantize-and-multiply kernel (backends/cpu/qgemv.c):
+  each block is dequantized into a small buffer and used by every row at once, so the weight is read once,
+  in its stored size, and never materialized.
   F32 weights of STREAM_BYTES or more (the LM head) take the kernel too: MKL's few-row product over
   a weight stored [N, K] is far from memory speed once the weight leaves the cache (2-row BLAS 34 ms,
   the kernel ~10 ms for the 132 MB F32 head of a 129,280-token vocabulary on an AMD EPYC core); smaller,
   cache-resident ones stay in BLAS (docs/cpu.md).
-- Other types, larger M (prefill) and machines without a C compiler dequantize one tile of output rows at
+- Other types (REFERENCE_TILES, declared: qgemv.c has no block-dot for them), larger M (prefill) and
+  machines without a C compiler dequantize one tile of output rows at
   a time (about TILE_BYTES of float32, so the tile stays in cache while it is multiplied); a prefill batch
   dequantizes each tile once for all its rows, through the kernel library's block dequantizer where it
   serves the type (the same values as the reference's, several times faster).
@@ -21,12 +23,18 @@ from __future__ import annotations
 import torch
 
 from backends.cpu.rows import grouped_product
-from backends.registry import register
+from backends.registry import declare_quants, register
 from ops.qmatmul import SMALL_M, check_args
 from ops.quants import QTensor
 
 from . import kernels
 
+# Types qgemv.c does not read: served by the reference dequantizer, one tile at a time (qmatmul, moe,
+# shared_expert; correct and batch-invariant, but each decode step dequantizes the weight).
+REFERENCE_TILES = frozenset({"BF16", "I32", "MXFP4", "FP8_E4M3", "TQ1_0", "TQ2_0", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+                             "IQ3_S", "IQ1_S", "IQ1_M"})
+declare_quants("cpu", {**dict.fromkeys(kernels.GGML_TYPE, "fused kernel (qgemv.c)"),
+                       **dict.fromkeys(REFERENCE_TILES, "reference dequantize per tile")})
 TILE_BYTES = 1 << 20   # float32 bytes of one dequantized weight tile
 STREAM_BYTES = 1 << 20   # F32 weights this large go through the kernel for M <= SMALL_M
 

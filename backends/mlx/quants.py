@@ -4,13 +4,16 @@ at load time, from the memory-mapped bytes (never through `mx.load`, which drops
 Two kinds of format (docs/mlx.md has the table):
 - exact MLX repacks, served by `mx.quantized_matmul` / `mx.gather_qmm` / `mx.dequantize`:
   Q8_0 -> affine 8-bit, group 32 (`q + 128` unsigned, scale `d`, bias `-128 d`);
-  Q4_K -> affine 4-bit, group 32 (scale `d·sc[j]`, bias `-dmin·m[j]`, both exact float32 products);
+  Q4_0, Q5_0 -> affine 4/5-bit, group 32 (scale `d`, bias `-8 d` / `-16 d`); Q4_1, Q5_1 -> the same with
+  bias `m`; Q4_K, Q5_K -> affine 4/5-bit, group 32 (scale `d·sc[j]`, bias `-dmin·m[j]`, exact float32 products);
   MXFP4 -> MLX's `mxfp4` mode (the same E2M1 codes and e8m0 exponent byte).
   Every dequantized value equals the reference's float32 value bit for bit (tests/test_mlx_ops.py).
 - dequantize formats: the block fields are split into arrays once (f16 fields, code bytes), and
   `dequant` rebuilds float32 weights with MLX ops, tile by tile inside `qmatmul`:
   F32, F16, BF16, I32 (plain arrays), Q2_K (16-value sub-blocks: MLX has no group of 16),
   IQ2_XXS (grid lookups), FP8_E4M3 (arbitrary float32 block scales: a byte table lookup).
+- dequantized at load (AT_LOAD): the reference dequantizer's float32 weights, kept as a plain array (4 bytes
+  a weight): types with 16-value sub-blocks (MLX has no group of 16), non-linear levels or codebooks.
 
 A placed weight is an `ops.quants.QTensor` whose `data` is a `Packed` record of MLX arrays sharing the
 weight's leading dims `[..., out]`, so the model's row slices (`w.data[a:b]`) and expert gathers
@@ -25,7 +28,8 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from ops.quants import QTensor, iq2_xxs
+from backends.registry import declare_quants
+from ops.quants import QTensor, get, iq2_xxs
 from ops.quants import fp8_e4m3 as fp8
 
 # ---- the placed record ------------------------------------------------------------------------------
@@ -63,11 +67,14 @@ def f16_at(b: np.ndarray, offset: int) -> np.ndarray:
 
 
 def words(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Codes [..., K] (each < 2**bits) packed into uint32 words, element i at bits `bits·(i % (32/bits))`
-    (MLX's order): little-endian bytes of packed codes, so only uint8 temporaries."""
+    """Codes [..., K] (each < 2**bits) packed into uint32 words as MLX reads them: a little-endian bit stream,
+    element i at bits `bits·i` (4 and 8 bits: whole bytes, so only uint8 temporaries)."""
     c = codes.astype(np.uint8)
     if bits == 4:
         c = c[..., 0::2] | (c[..., 1::2] << 4)
+    elif bits == 5:
+        planes = (c[..., None] >> np.arange(5, dtype=np.uint8)) & 1  # [..., K, 5]: bit j of element i at 5i + j
+        c = np.packbits(planes.reshape(*c.shape[:-1], -1, 8), axis=-1, bitorder="little")[..., 0]
     elif bits != 8:
         raise ValueError(f"no packing for {bits}-bit codes")
     return np.ascontiguousarray(c).view("<u4")
@@ -98,20 +105,59 @@ def pack_q8_0(raw: np.ndarray, shape) -> tuple:
     return mx.array(wq), mx.array(d), mx.array(bias)
 
 
-def pack_q4_k(raw: np.ndarray, shape) -> tuple:
-    """Q4_K -> affine 4-bit, group 32: scale d·sc[j], bias −dmin·m[j] (exact float32 products)."""
-    nb = shape[-1] // 256
-    b = lead(raw, nb, 144)
+def k_scales(b: np.ndarray, shape) -> tuple[mx.array, mx.array]:
+    """Q4_K/Q5_K blocks [..., nb, bytes] -> MLX scales d·sc[j] and biases −dmin·m[j] per 32 (exact products)."""
     d, dmin = f16_at(b, 0).astype(np.float32), f16_at(b, 2).astype(np.float32)
     s = b[..., 4:16]
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], -1).astype(np.float32)
     m = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], -1).astype(np.float32)
-    qs = b[..., 16:].reshape(*b.shape[:-1], 4, 1, 32)
-    q = np.concatenate([qs & 15, qs >> 4], -2).reshape(*shape[:-1], shape[-1])  # element order 64c + 32h + l
-    scales = (d[..., None] * sc).reshape(*shape[:-1], nb * 8)
-    biases = (-(dmin[..., None] * m)).reshape(*shape[:-1], nb * 8)
-    return mx.array(words(q, 4)), mx.array(scales), mx.array(biases)
+    scales = (d[..., None] * sc).reshape(*shape[:-1], -1)
+    biases = (-(dmin[..., None] * m)).reshape(*shape[:-1], -1)
+    return mx.array(scales), mx.array(biases)
+
+
+def k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K nibble bytes [..., nb, 128] -> codes [..., nb, 8, 32] (element order 64c + 32h + l)."""
+    qs = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return np.concatenate([qs & 15, qs >> 4], -2).reshape(*qs.shape[:-3], 8, 32)
+
+
+def pack_q4_k(raw: np.ndarray, shape) -> tuple:
+    """Q4_K -> affine 4-bit, group 32: scale d·sc[j], bias −dmin·m[j] (exact float32 products)."""
+    b = lead(raw, shape[-1] // 256, 144)
+    q = k_nibbles(b[..., 16:]).reshape(*shape[:-1], shape[-1])
+    return mx.array(words(q, 4)), *k_scales(b, shape)
+
+
+def pack_q5_k(raw: np.ndarray, shape) -> tuple:
+    """Q5_K -> affine 5-bit, group 32: Q4_K's scales and biases, the 5th bit of sub-block j from bit j of `qh`."""
+    b = lead(raw, shape[-1] // 256, 176)
+    high = (b[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [..., nb, 8, 32]
+    q = (k_nibbles(b[..., 48:]) | (high << 4)).reshape(*shape[:-1], shape[-1])
+    return mx.array(words(q, 5)), *k_scales(b, shape)
+
+
+def q4_codes(qs: np.ndarray) -> np.ndarray:
+    """16 nibble bytes [..., 16] -> 32 codes in element order (low nibbles, then high ones)."""
+    return np.concatenate([qs & 15, qs >> 4], -1)
+
+
+def q5_codes(b: np.ndarray, qh_at: int) -> np.ndarray:
+    """The 5-bit codes [..., 32] of Q5_0/Q5_1 blocks [..., bytes] whose u32 `qh` is at byte `qh_at`."""
+    qh = np.unpackbits(b[..., qh_at:qh_at + 4], axis=-1, bitorder="little")
+    return q4_codes(b[..., qh_at + 4:]) | (qh << 4)
+
+
+def legacy(nbytes: int, bits: int, offset: float | None):
+    """Pack for Q4_0/Q5_0 (`offset` = -8/-16: bias `offset·d`) and Q4_1/Q5_1 (`offset` None: bias `m`)."""
+    def pack(raw: np.ndarray, shape) -> tuple:
+        b = lead(raw, shape[-1] // 32, nbytes)
+        d = f16_at(b, 0).astype(np.float32)
+        bias = offset * d if offset is not None else f16_at(b, 2).astype(np.float32)
+        q = q4_codes(b[..., 2 if offset is not None else 4:]) if bits == 4 else q5_codes(b, nbytes - 20)
+        return mx.array(words(q.reshape(*shape[:-1], shape[-1]), bits)), mx.array(d), mx.array(bias)
+    return pack
 
 
 def pack_mxfp4(raw: np.ndarray, shape) -> tuple:
@@ -174,6 +220,19 @@ def dequant_fp8(scale: mx.array, vals: mx.array) -> mx.array:
     return y.reshape(*y.shape[:-2], -1)
 
 
+def at_load(name: str) -> Format:
+    """A type placed as the reference dequantizer's float32 weights (exact; 4 bytes a weight)."""
+    def pack(raw, shape):
+        blocks = torch.from_numpy(raw).reshape(-1, get(name).block_bytes)
+        return (mx.array(get(name).dequantize(blocks).numpy().reshape(shape)),)
+    return Format(pack, lambda w: w)
+
+
+# Types without an MLX-native format: Q6_K and Q3_K (16-value sub-blocks), IQ4 (non-linear levels),
+# ternary and codebook types.
+AT_LOAD = frozenset({"Q3_K", "Q6_K", "TQ1_0", "TQ2_0", "IQ4_NL", "IQ4_XS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                     "IQ1_S", "IQ1_M"})
+
 FORMATS: dict[str, Format] = {
     "F32": plain(np.float32), "F16": plain(np.float16), "I32": plain(np.int32),
     "BF16": Format(pack_bf16, lambda w: w.astype(mx.float32)),
@@ -183,7 +242,15 @@ FORMATS: dict[str, Format] = {
     "Q2_K": Format(pack_q2_k, dequant_q2_k),
     "IQ2_XXS": Format(pack_iq2_xxs, dequant_iq2_xxs),
     "FP8_E4M3": Format(pack_fp8, dequant_fp8),
+    "Q4_0": Format(legacy(18, 4, -8.0), quant=("affine", 4, 32)),
+    "Q4_1": Format(legacy(20, 4, None), quant=("affine", 4, 32)),
+    "Q5_0": Format(legacy(22, 5, -16.0), quant=("affine", 5, 32)),
+    "Q5_1": Format(legacy(24, 5, None), quant=("affine", 5, 32)),
+    "Q5_K": Format(pack_q5_k, quant=("affine", 5, 32)),
+    **{name: at_load(name) for name in AT_LOAD},
 }
+declare_quants("mlx", {name: "exact MLX repack" if f.quant else "dequantized at load (float32)" if name in AT_LOAD
+                       else "dequantized by MLX ops per tile" for name, f in FORMATS.items()})
 
 
 def fmt_of(w: QTensor | Packed) -> Format:

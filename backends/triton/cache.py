@@ -19,8 +19,7 @@ import triton.language as tl
 
 from backends.registry import register
 from backends.triton.common import check_device
-from backends.triton.qmatmul import iq2_tables
-from backends.triton.quants import SUPPORTED, dequant
+from backends.triton.quants import SUPPORTED, dequant, tables
 from backends.triton.sims import fp8_round_blocks
 from ds4.errors import BackendUnavailable
 
@@ -91,7 +90,7 @@ def embed(table, ids: torch.Tensor) -> torch.Tensor:
     data = table.data.contiguous()
     out = torch.empty((M, D), dtype=torch.float32, device=ids.device)
     if M:
-        grid_bytes, signs = iq2_tables(data.device) if qtype == "IQ2_XXS" else (data, data)
+        grid_bytes, signs = tables(data.device)
         embed_kernel[(M, triton.cdiv(D, EMBED_BLOCK))](data, ids.contiguous(), out, grid_bytes, signs, D,
                                                       data.stride(0), QTYPE=qtype, BLOCK_D=EMBED_BLOCK)
     return out

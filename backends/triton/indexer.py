@@ -88,7 +88,10 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: 
     out = torch.empty((M, n), dtype=torch.float32, device=q.device)
     if M == 0 or n == 0:
         return out
-    vis = torch.tensor(visible, dtype=torch.int32).to(q.device, non_blocking=True)
+    if len(set(visible)) == 1:  # a fixed plan's counts: filled on the device, so a CUDA graph can record it
+        vis = torch.full((M,), visible[0], dtype=torch.int32, device=q.device)
+    else:
+        vis = torch.tensor(visible, dtype=torch.int32).to(q.device, non_blocking=True)
     block_h = max(16, min(64, triton.next_power_of_2(H)))
     block_d = max(16, min(32, triton.next_power_of_2(D)))
     index_scores_kernel[(triton.cdiv(n, SCORE_BLOCK_N), M)](

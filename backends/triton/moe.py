@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 
 from backends.registry import register
-from backends.triton.qmatmul import accumulate_w_xt, iq2_tables
+from backends.triton.qmatmul import accumulate_w_xt
 from backends.triton.qmatmul import qmatmul as triton_qmatmul
-from backends.triton.quants import SUPPORTED, dequant
+from backends.triton.quants import SUPPORTED, dequant, tables
 from ds4.errors import BackendUnavailable
 from ops.moe import Experts
 from ops.qmatmul import SMALL_M
@@ -250,7 +250,7 @@ def experts_ffn(x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, gat
     inter = gate.shape[-2]
     x = x.contiguous()
     (g, g_e, g_r), (u, u_e, u_r), (d, d_e, d_r) = stack(gate), stack(up), stack(down)
-    tables = iq2_tables(x.device) if "IQ2_XXS" in (gate.qtype.name, up.qtype.name, down.qtype.name) else (g, g)
+    lookup = tables(x.device)
     types = {"GATE": gate.qtype.name, "UP": up.qtype.name}
     out = torch.empty((M, D), dtype=torch.float32, device=x.device)
     if M == 0:
@@ -259,10 +259,10 @@ def experts_ffn(x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, gat
     if M <= SMALL_M:
         bn, bk, warps = GEMV["BLOCK_N"], GEMV["BLOCK_K"], GEMV["num_warps"]
         expert_swiglu_kernel[(triton.cdiv(inter, bn), M * top_k)](
-            x, g, u, chosen, weight, h, *tables, inter, D, x.stride(0), g_e, g_r, u_e, u_r, clamp,
+            x, g, u, chosen, weight, h, *lookup, inter, D, x.stride(0), g_e, g_r, u_e, u_r, clamp,
             TOP_K=top_k, **types, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
         expert_down_kernel[(triton.cdiv(D, bn), M)](
-            h, d, chosen, out, *tables, inter, D, d_e, d_r,
+            h, d, chosen, out, *lookup, inter, D, d_e, d_r,
             TOP_K=top_k, DOWN=down.qtype.name, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
         return out
     bm, bn, bk, warps = GEMM["BLOCK_M"], GEMM["BLOCK_N"], GEMM["BLOCK_K"], GEMM["num_warps"]
@@ -276,11 +276,11 @@ def experts_ffn(x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, gat
     groups = (tile_start, offsets, order, n_experts)
     block_e = max(16, triton.next_power_of_2(n_experts))
     grouped_swiglu_kernel[(triton.cdiv(inter, bn), grid_tiles)](
-        x, g, u, weight, h, *tables, *groups, inter, D, x.stride(0), g_e, g_r, u_e, u_r, clamp,
+        x, g, u, weight, h, *lookup, *groups, inter, D, x.stride(0), g_e, g_r, u_e, u_r, clamp,
         TOP_K=top_k, **types, BLOCK_E=block_e, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     part = torch.empty((M, top_k, D), dtype=torch.float32, device=x.device)
     grouped_down_kernel[(triton.cdiv(D, bn), grid_tiles)](
-        h, d, part, *tables, *groups, inter, D, d_e, d_r, DOWN=down.qtype.name,
+        h, d, part, *lookup, *groups, inter, D, d_e, d_r, DOWN=down.qtype.name,
         BLOCK_E=block_e, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return part.sum(1)
 

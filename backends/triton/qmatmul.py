@@ -25,10 +25,9 @@ import triton
 import triton.language as tl
 
 from backends.registry import register
-from backends.triton.quants import SUPPORTED, dequant
+from backends.triton.quants import SUPPORTED, dequant, tables
 from ds4.errors import BackendUnavailable
 from ops.qmatmul import SMALL_M, check_args
-from ops.quants import iq2_xxs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Tile choices: ptxas (sm_90a, Triton 3.9) reports no register spills for any type with these;
@@ -92,11 +91,6 @@ prefill_kernel = qmatmul_kernel if INTERPRET else triton.autotune(PREFILL_CONFIG
 
 
 @cache
-def iq2_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The IQ2_XXS grid (256x8 bytes, flattened) and sign bytes (128) as uint8 tensors on `device`."""
-    return (iq2_xxs.GRID.to(torch.uint8).flatten().to(device), iq2_xxs.KSIGNS.to(torch.uint8).to(device))
-
-
 def split_k(n: int, k: int, device: torch.device) -> int:
     """How many K ranges the decode/verify kernel uses: enough programs to fill the device (M-independent)."""
     target = 2 if INTERPRET else 4 * torch.cuda.get_device_properties(device).multi_processor_count
@@ -121,7 +115,7 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
     (m, k), n = x.shape, w.shape[0]
     x = x.contiguous()
     data = w.data.contiguous()
-    grid_bytes, signs = iq2_tables(x.device) if qtype == "IQ2_XXS" else (data, data)
+    grid_bytes, signs = tables(x.device)
     args = (grid_bytes, signs, m, n, k, x.stride(0), data.stride(0))
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
     if m == 0:

@@ -15,6 +15,10 @@ SUITES = {  # suite name -> module in ds4/bench/
     "model": "model",
     "spec": "spec",
     "cpu": "cpu",
+    "gpu": "gpu",
+    "kvdisk": "kvdisk",
+    "quants": "quants",
+    "grammar": "grammar",
 }
 
 

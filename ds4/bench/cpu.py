@@ -1,4 +1,4 @@
-"""cpu: ds4py against transformers' `deepseek_v4` on the same random checkpoint.
+"""cpu: ds4py against transformers' `deepseek_v4` on the same random checkpoint, end to end on the CPU.
 
 A random transformers checkpoint (ds4/tiny/hf.py's initialisation) is saved, converted (ds4/formats/convert.py)
 to the f32, q4 and q2 mixes, and each engine prefills a prompt then greedily decodes, for

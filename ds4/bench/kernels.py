@@ -1,7 +1,9 @@
-"""moe, indexer, argmax: the Triton kernels of those ops at V4 Flash sizes (routed experts with the q2 mix's
+"""moe, indexer, argmax: the Triton kernels of those ops beside their PyTorch references.
+
+The Triton kernels of those ops at V4 Flash sizes (routed experts with the q2 mix's
 stacks and the shared expert; index scores and top-512; verify argmax over the vocabulary), each with the
 PyTorch reference's time beside it and the ratio. Without CUDA only the reference runs, at smaller sizes in
-quick mode."""
+quick mode; `--smoke` takes tiny sizes (a check that the pipeline runs, not a figure)."""
 from __future__ import annotations
 
 import argparse
@@ -13,12 +15,12 @@ from ds4.bench.common import machine, random_weight, seconds, stacked_weight
 from ops.moe import Experts
 
 
-def kernel_cases(op: str, quick: bool, device: torch.device) -> list[tuple[str, int, str, tuple]]:
+def kernel_cases(op: str, quick: bool, device: torch.device, smoke: bool = False) -> list[tuple[str, int, str, tuple]]:
     """(case, M, registry op, arguments) of the moe / indexer / argmax benchmarks."""
     cases = []
     ms = (1, 8) if quick else (1, 2, 8, 16, 512)
     if op == "moe":
-        n_exp, d, inter = (16, 1024, 512) if quick else (256, 4096, 2048)
+        n_exp, d, inter = (4, 256, 256) if smoke else (16, 1024, 512) if quick else (256, 4096, 2048)
         ex = Experts(router=random_weight("F16", n_exp, d, device), bias=torch.zeros(n_exp, device=device),
                      tid2eid=None, gate=stacked_weight("IQ2_XXS", n_exp, inter, d, device),
                      up=stacked_weight("IQ2_XXS", n_exp, inter, d, device),
@@ -32,19 +34,20 @@ def kernel_cases(op: str, quick: bool, device: torch.device) -> list[tuple[str, 
             cases.append((f"E={n_exp} D={d} I={inter} top6 iq2/q2k", m, "moe", (x, ids, ex)))
             cases.append((f"shared D={d} I={inter} q8_0", m, "shared_expert", (x, *shared)))
     elif op == "indexer":
-        heads, dim, k = 64, 128, 512
-        for n in (2048,) if quick else (2048, 16384, 65536):
+        heads, dim, k = (4, 32, 16) if smoke else (64, 128, 512)
+        for n in (256,) if smoke else (2048,) if quick else (2048, 16384, 65536):
             keys = torch.randn(n, dim, device=device)
             for m in (1, 16) if quick else (1, 2, 8, 16):
                 q, w = torch.randn(m, heads, dim, device=device), torch.randn(m, heads, device=device)
                 visible = tuple(n - m + 1 + r for r in range(m))
                 scores = torch.randn(m, n, device=device)
-                cases.append((f"64x128 over {n} rows", m, "index_scores", (q, keys, w, visible)))
+                cases.append((f"{heads}x{dim} over {n} rows", m, "index_scores", (q, keys, w, visible)))
                 cases.append((f"top-{k} of {n}", m, "indexer_topk",
                               (scores, k, torch.tensor(visible, device=device))))
     else:
+        vocab = 4096 if smoke else 129280
         for m in (1, 16) if quick else (1, 2, 8, 16):
-            cases.append(("vocab 129280", m, "verify_argmax", (torch.randn(m, 129280, device=device),)))
+            cases.append((f"vocab {vocab}", m, "verify_argmax", (torch.randn(m, vocab, device=device),)))
     return cases
 
 
@@ -53,7 +56,7 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     where = "" if device.type == "cuda" else " (reference alone here)"
     print(f"# {machine(device)}\n# {args.op}: Triton on CUDA only{where}", flush=True)
     rows = []
-    for case, m, op, op_args in kernel_cases(args.op, args.quick, device):
+    for case, m, op, op_args in kernel_cases(args.op, args.quick, device, args.smoke):
         impls = implementations(op)
         ref = seconds([lambda f=impls["torch"].fn, a=op_args: f(*a)], device, args.reps)
         kernel = None
@@ -66,4 +69,5 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
 
 def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
-    """The moe / indexer / argmax benchmarks take only the common options."""
+    """The moe / indexer / argmax benchmarks: the common options and --smoke."""
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the benchmark runs (no figure)")

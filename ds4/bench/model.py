@@ -1,9 +1,14 @@
-"""model: the whole model at V4 Flash shapes (or its first `--layers N`) with random weights stored in a
+"""model: prefill and decode tokens/s of a random-weight V4 Flash against its decode roofline.
+
+The whole model at V4 Flash shapes (or its first `--layers N`) with random weights stored in a
 mix (q2, q4), built on the device from the shape schema (ds4/tiny/random_model.py): prefill tokens/s for a
 `--prompt`-token prompt, decode tokens/s over `--decode` one-token steps (fixed token ids, so no
 sampling readback), the decode step's weight bytes (ds4/cost.py) and the roofline they imply at the
 copy bandwidth measured in the same run (tokens/s = copy bytes per second / step bytes), and the
 decode time per layer. Kernels are compiled by a warm-up run on separate caches before timing.
+`--cuda-graphs` replays each decode step from a CUDA graph on the fixed plan (ds4/cuda_graphs.py), recorded by
+the warm-up run on the same caches; without CUDA the steps go through the graphs' static buffers unrecorded
+(a check that the path runs, said on stderr, not a figure).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch
 from backends.registry import OpSet
 from ds4.bench.common import copy_bandwidth, fmt, machine, synchronize
 from ds4.cost import PassCost
+from ds4.cuda_graphs import StepGraphs
 from ds4.errors import UsageError
 from ds4.tiny.random_model import random_args, random_model
 
@@ -47,15 +53,26 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         import mlx.core as mx
         mx.eval(logits, *[a for c in caches or [] for a in vars(c).values() if isinstance(a, mx.array)])
 
+    graphs, kept = None, None
+    if args.cuda_graphs:  # graphs record the caches' addresses: one set of caches for the warm-up and the timing
+        if ops.arrays.family == "mlx":
+            raise UsageError("--cuda-graphs records CUDA kernels; it does not apply to --backend mlx")
+        graphs = StepGraphs(model.run, state_arg=2, capture=device.type == "cuda")
+        kept = model.new_caches(ctx, max(args.prompt, 16))
+        if device.type != "cuda":
+            print("# --cuda-graphs without CUDA: steps run through the static buffers, nothing is recorded",
+                  file=sys.stderr)
+    step = {"step": "fixed", "runner": graphs} if graphs else {}
+
     def run(n_decode: int) -> tuple[float, float]:
-        caches = model.new_caches(ctx, max(args.prompt, 16))
+        caches = kept or model.new_caches(ctx, max(args.prompt, 16))
         synchronize(device)
         start = time.perf_counter()
         finish(caches, model.forward(prompt, 0, caches, [args.prompt - 1])[1])
         prefill = time.perf_counter() - start
         start = time.perf_counter()
         for i, tok in enumerate(steps[:n_decode]):
-            finish(None, model.forward([tok], args.prompt + i, caches, [0])[1])
+            finish(None, model.forward([tok], args.prompt + i, caches, [0], **step)[1])
         finish(caches)
         return prefill, time.perf_counter() - start
 
@@ -105,3 +122,4 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--decode", type=int, default=64 if on_gpu else 4, help="decode steps timed")
     p.add_argument("--backend", default="auto", help="auto (Triton on CUDA) | torch | triton | mlx")
     p.add_argument("--png", default=None, help="also draw decode vs roofline into this PNG")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA)")

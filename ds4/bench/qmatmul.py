@@ -1,4 +1,6 @@
-"""qmatmul: per quant type, weight shape N x K (out x in) and row count M, the time of one call, the
+"""qmatmul: time, GB/s and share of copy bandwidth of one call per quant type, shape and row count.
+
+Per quant type, weight shape N x K (out x in) and row count M, the time of one call, the
 effective bandwidth (weight bytes / time), its share of the device's copy bandwidth measured in the
 same run (bytes read + written by a device-to-device copy, per second), and the speed-up over the
 PyTorch baseline (dequantize, then one torch.matmul). On CUDA, calls are replayed in a CUDA graph
@@ -13,12 +15,19 @@ import argparse
 
 import torch
 
-from backends.registry import OpSet
+from backends.registry import UNSUPPORTED_HERE, OpSet, quant_support
 from ds4.bench.common import copy_bandwidth, fmt, l2_copies, machine, parse_shape, random_weight, seconds
 from ds4.errors import UsageError
 from ops.quants import QTensor
 
-QMATMUL_TYPES = ("F16", "BF16", "Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "MXFP4", "FP8_E4M3")
+NOT_WEIGHT_TYPES = ("F32", "I32")  # F32 is the baseline's own product; I32 holds indices
+
+
+def default_types(backend: str) -> list[str]:
+    """Every registered weight type `backend` serves (the registry's order)."""
+    return [t for t, how in quant_support(backend).items() if how != UNSUPPORTED_HERE and t not in NOT_WEIGHT_TYPES]
+
+
 QMATMUL_SHAPES = ("4096x2048", "2048x4096", "4096x1024", "4096x129280")
 QMATMUL_M = (1, 2, 4, 8, 16, 512)
 QMATMUL_QUICK_SHAPES, QMATMUL_QUICK_M = ("4096x2048",), (1, 8, 512)  # --quick defaults (CPU)
@@ -43,7 +52,7 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     print(f"# {machine(device)}\n# device-to-device copy: {copy_bw / 1e9:.1f} GB/s; backend {args.backend}"
           f"{'' if device.type == 'cuda' or args.backend == 'mlx' else ' (Triton figures need a GPU)'}", flush=True)
     rows = []
-    for qtype in args.types:
+    for qtype in args.types or default_types(args.backend):
         for n, k in map(parse_shape, shapes):
             w = random_weight(qtype, n, k, device)
             weights = [w] + [QTensor(w.qtype, w.shape, w.data.clone(), w.name)
@@ -64,7 +73,8 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
 def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     """Options of the qmatmul benchmark."""
-    p.add_argument("--types", nargs="+", default=list(QMATMUL_TYPES), metavar="TYPE")
+    p.add_argument("--types", nargs="+", default=None, metavar="TYPE",
+                   help="quant types (default: every registered weight type the backend serves)")
     p.add_argument("--shapes", nargs="+", default=None, metavar="NxK",
                    help=f"weight shapes, out x in (default: {' '.join(QMATMUL_SHAPES)}; "
                         f"--quick: {' '.join(QMATMUL_QUICK_SHAPES)})")

@@ -1,4 +1,6 @@
-"""spec: greedy decoding of the embedded model's copy-heavy and free code prompts in every speculative mode,
+"""spec: target passes per token and acceptance of MTP speculative decoding on the embedded model.
+
+Greedy decoding of the embedded model's copy-heavy and free code prompts in every speculative mode,
 then sampled with and without the MTP head: target passes per token, acceptance, tokens/s and weight MB per
 token (ds4/cost.py)."""
 from __future__ import annotations

@@ -19,7 +19,7 @@ _ROUTED = {"q2": {"ffn_gate_exps": "IQ2_XXS", "ffn_up_exps": "IQ2_XXS", "ffn_dow
            "q4": {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q4_K"}}
 
 _Q8_0 = {"output", "attn_q_a", "attn_q_b", "attn_kv", "attn_output_a", "attn_output_b",
-         "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "e_proj", "h_proj"}
+         "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "e_proj", "h_proj", "nextn.eh_proj"}
 _F16 = {"token_embd", "output_hc_fn", "hc_attn_fn", "hc_ffn_fn", "hc_head_fn",
         "attn_compressor_kv", "attn_compressor_gate", "attn_compressor_ape",
         "indexer.attn_q_b", "indexer.proj",
@@ -27,7 +27,8 @@ _F16 = {"token_embd", "output_hc_fn", "hc_attn_fn", "hc_ffn_fn", "hc_head_fn",
 _F32 = {"output_norm", "output_hc_scale", "output_hc_base", "hc_attn_scale", "hc_attn_base",
         "hc_ffn_scale", "hc_ffn_base", "hc_head_scale", "hc_head_base",
         "attn_norm", "ffn_norm", "attn_q_a_norm", "attn_kv_a_norm", "attn_sinks",
-        "attn_compressor_norm", "indexer_compressor_norm", "exp_probs_b", "enorm", "hnorm", "norm"}
+        "attn_compressor_norm", "indexer_compressor_norm", "exp_probs_b", "enorm", "hnorm", "norm",
+        "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm"}
 _I32 = {"ffn_gate_tid2eid"}
 
 _PREFIX = re.compile(r"^(blk\.\d+\.|mtp\.\d+\.)")

@@ -1,13 +1,15 @@
 """The server's app and its lifecycle: `python -m ds4.server` (docs/server.md).
 
 The app serves one engine through one worker thread (ds4/server/worker.py); the routes live beside it
-(openai_routes.py), request bodies in schemas.py, streaming in streaming.py.
+(openai_routes.py, ops_routes.py), request bodies in schemas.py, streaming in streaming.py, the request
+guards in guards.py and the Prometheus metrics in metrics.py.
 """
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
-import traceback
 from contextlib import asynccontextmanager
 
 import torch
@@ -18,17 +20,50 @@ from starlette.exceptions import HTTPException
 
 from ds4.engine import Engine, load
 from ds4.errors import Ds4Error, UsageError
+from ds4.server.anthropic_routes import ANTHROPIC_PREFIX, anthropic_router
+from ds4.server.guards import Guard, GuardConfig, allowed_hosts, exposure_warning
+from ds4.server.metrics import Metered, Metrics
 from ds4.server.openai_routes import openai_router
+from ds4.server.ops_routes import ops_router
+from ds4.server.prefix_cache import PrefixCache
 from ds4.server.schemas import ApiError
 from ds4.server.worker import Worker
 from ds4.speculative import MAX_DRAFT
 
 DEFAULT_MODEL_NAME = "deepseek-v4-flash"
+log = logging.getLogger("ds4.server")
 
 
-def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, worker: Worker | None = None) -> FastAPI:
+class LogOnce:
+    """ASGI middleware: an exception no handler took is logged once (with its traceback) and answered 500
+    (when no response has started), instead of being re-raised for the server to log a second time."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            log.exception("%s %s failed", scope.get("method", ""), scope.get("path", ""))
+            if scope["type"] == "http" and not started:
+                await ApiError(500, f"internal error ({type(e).__name__})").response()(scope, receive, send)
+
+
+def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, worker: Worker | None = None,
+               guards: GuardConfig | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under `model_name` (the worker stops with the app)."""
     worker = worker or Worker(engine)
+    metrics = Metrics()
+    worker.on_finished = metrics.observe
+    metrics.queued.set_function(lambda: worker.jobs.qsize() + (worker.current is not None))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -36,22 +71,24 @@ def create_app(engine: Engine, model_name: str = DEFAULT_MODEL_NAME, worker: Wor
         worker.close()
 
     app = FastAPI(title="ds4py", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.worker = worker
+    app.state.worker, app.state.metrics, app.state.guards = worker, metrics, guards or GuardConfig()
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return e.response()
+        return e.response(anthropic=request.url.path.startswith(ANTHROPIC_PREFIX))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-        return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").response()
+        error = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+        return error.response(anthropic=request.url.path.startswith(ANTHROPIC_PREFIX))
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception) -> JSONResponse:
-        traceback.print_exc()
-        return ApiError(500, f"internal error ({type(e).__name__})").response()
-
-    app.include_router(openai_router(engine, worker, model_name))
+    routers = [openai_router(engine, worker, model_name), anthropic_router(engine, worker, model_name),
+               ops_router(engine, worker, metrics, model_name)]
+    for router in routers:
+        app.include_router(router)
+    app.add_middleware(LogOnce)
+    app.add_middleware(Guard, config=app.state.guards)
+    app.add_middleware(Metered, metrics=metrics, paths={r.path for router in routers for r in router.routes})
     return app
 
 
@@ -70,9 +107,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mtp-draft", choices=["auto", *map(str, range(MAX_DRAFT + 1))],
                    help="speculative draft depth (0 = off) or 'auto' (default 1 with an MTP head)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for the tiny model)")
+    p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
+                   help="require this key on every request (Authorization: Bearer KEY); default $DS4_API_KEY")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="also accept this Host header (repeatable; '*' accepts any; default: loopback names and "
+                        "the bound address)")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body in MB (default 8)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="compiled decode/verify steps (CPU; about a minute per row count on first use, then "
                         "faster steps for the server's lifetime; docs/cpu.md)")
+    p.add_argument("--cuda-graphs", action="store_true", help="decode/verify steps as CUDA graphs (CUDA only)")
+    p.add_argument("--kv-disk-dir", metavar="DIR",
+                   help="keep session files of long prompts in DIR so later requests and later server processes "
+                        "skip prefilling them (docs/server.md)")
+    p.add_argument("--kv-disk-space-mb", metavar="N", type=float, default=4096,
+                   help="space limit of --kv-disk-dir in MiB (default 4096); least useful entries go first")
     return p.parse_args(argv)
 
 
@@ -84,14 +133,24 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--port must be in 0..65535 (0: any free port), got {a.port}")
         if a.threads is not None and a.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {a.threads}")
+        if not 0 < a.max_body_mb <= 4096:
+            raise UsageError(f"--max-body-mb must be in (0, 4096], got {a.max_body_mb}")
+        if a.api_key is not None and not a.api_key.strip():
+            raise UsageError("--api-key (DS4_API_KEY) is empty")
+        guards = GuardConfig(a.api_key, allowed_hosts(a.host, a.allowed_host), int(a.max_body_mb * 2**20))
         if a.threads or a.model is None:
             torch.set_num_threads(a.threads or 1)
-        engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile)
+        engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile,
+                      cuda_graphs=a.cuda_graphs)
         draft = int(a.mtp_draft) if a.mtp_draft not in (None, "auto") else a.mtp_draft
-        app = create_app(engine, a.served_model_name, Worker(engine, draft))
+        cache = PrefixCache(engine, a.kv_disk_dir, a.kv_disk_space_mb) if a.kv_disk_dir else None
+        app = create_app(engine, a.served_model_name, Worker(engine, draft, cache), guards)
     except Ds4Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    warning = exposure_warning(a.host, a.api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level="info")
     return 0
 

@@ -5,13 +5,15 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 
 from ds4.chat import Delta, held_back
 from ds4.server.schemas import ApiError
-from ds4.server.worker import Failed, Finished, Job
+from ds4.server.worker import Failed, Finished, Job, TokenLogprob
+from ds4.speculative import SpecMetrics
+from ds4.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still there
 
@@ -20,7 +22,7 @@ class StopMatcher:
     """Cuts generated text at the first stop string, holding back text that may start one."""
 
     def __init__(self, stops: list[str]):
-        self.stops, self.buffer, self.hit = stops, "", False
+        self.stops, self.buffer, self.hit = stops, "", None  # hit: the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """The text that is safe to emit now."""
@@ -29,8 +31,8 @@ class StopMatcher:
         self.buffer += text
         found = [(self.buffer.find(s), s) for s in self.stops if s in self.buffer]
         if found:
-            self.hit = True
-            out, self.buffer = self.buffer[:min(found)[0]], ""
+            at, self.hit = min(found)
+            out, self.buffer = self.buffer[:at], ""
             return out
         keep = held_back(self.buffer, self.stops)
         out, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
@@ -67,16 +69,58 @@ async def job_events(job: Job, request: Request) -> AsyncIterator[str | Finished
         job.cancel.set()
 
 
+async def cut_texts(job: Job, request: Request, stopper: StopMatcher) -> AsyncIterator[str | TokenLogprob | Finished]:
+    """The job's texts (and logprobs) cut at the first stop string (which ends the generation), then its
+    Finished (reason "stop" after a stop string)."""
+    async for event in job_events(job, request):
+        if isinstance(event, Finished):
+            yield stopper.flush()
+            yield replace(event, reason="stop") if stopper.hit else event
+        elif isinstance(event, TokenLogprob):
+            if not stopper.hit:
+                yield event
+        else:
+            yield stopper.feed(event)
+            if stopper.hit:
+                job.cancel.set()
+
+
 def sse(data: dict | str) -> str:
     """One server-sent event."""
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def usage(done: Finished) -> dict:
-    """OpenAI's usage block plus the cached prefix and the speculative decoding counters."""
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}, "speculative": done.spec.as_dict()}
+def usage(done: list[Finished]) -> dict:
+    """OpenAI's usage block of a request's choices (the prompt counted once) plus the cached prefix and the
+    speculative decoding counters."""
+    prompt, completion = done[0].prompt_tokens, sum(d.completion_tokens for d in done)
+    spec = sum((d.spec for d in done), SpecMetrics())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": done[0].cached_tokens}, "speculative": spec.as_dict()}
+
+
+def token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
+    """A token's text (U+FFFD for a partial character) and its bytes."""
+    raw = tokenizer.token_bytes(token)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def chat_logprobs(tokenizer: Tokenizer, records: list[TokenLogprob]) -> dict:
+    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(token: int, logprob: float) -> dict:
+        text, raw = token_text(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    return {"content": [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
+                        for r in records]}
+
+
+def completion_logprobs(tokenizer: Tokenizer, records: list[TokenLogprob]) -> dict:
+    """Completions' `logprobs`: parallel lists of tokens, their logprobs, the top alternatives, text offsets."""
+    texts = [token_text(tokenizer, r.token)[0] for r in records]
+    offsets = [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    return {"tokens": texts, "token_logprobs": [r.logprob for r in records], "text_offset": offsets,
+            "top_logprobs": [{token_text(tokenizer, t)[0]: lp for t, lp in r.top} for r in records]}
 
 
 @dataclass
@@ -86,6 +130,7 @@ class Reply:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, delta: Delta) -> dict:
         """Fold a delta in; return it as an OpenAI streaming delta."""

@@ -12,6 +12,8 @@ import torch
 
 _MODULES = (  # module names in this package, each defining QTYPE; filled in as types land
     "f32", "f16", "bf16", "i32", "q8_0", "q4_k", "q2_k", "iq2_xxs", "mxfp4", "fp8_e4m3",
+    "q4_0", "q4_1", "q5_0", "q5_1", "q3_k", "q5_k", "q6_k", "tq1_0", "tq2_0", "iq4_nl", "iq4_xs",
+    "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m",
 )
 
 

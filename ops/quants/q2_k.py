@@ -6,7 +6,7 @@ is bits `2i..2i+1` of byte `32k + l`.
 import torch
 
 from . import QuantType
-from ._blocks import affine_codes, f16_bytes, f16_field, fit_affine, quantize_superblock
+from ._blocks import affine_codes, f16_bytes, f16_field, fit_affine, importance_weights, quantize_superblock
 
 BLOCK, BYTES = 256, 84
 _SHIFTS = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
@@ -22,10 +22,14 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * q - low).reshape(*blocks.shape[:-1], BLOCK)
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """float32 `[..., 256]` -> uint8 `[..., 84]`: least-squares affine fit per 16, 4-bit sub-scales."""
+def quantize(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `[..., 256]` -> uint8 `[..., 84]`: affine fit per 16 (weighted: see `weights`), 4-bit scales.
+
+    `weights` `[..., 256]`: an importance per value (an imatrix column), turned into llama.cpp's error weights.
+    """
     v = x.reshape(-1, 16, 16).to(torch.float32)
-    d, dmin, sc, m = quantize_superblock(*fit_affine(v, 3), 15)
+    w = None if weights is None else importance_weights(v, weights.reshape(-1, 16, 16).to(torch.float32))
+    d, dmin, sc, m = quantize_superblock(*fit_affine(v, 3, weights=w), 15)
     q = affine_codes(v, d[:, None] * sc, -dmin[:, None] * m, 3).to(torch.uint8).reshape(-1, 2, 4, 32)
     qs = (q << _SHIFTS.to(q.device)).sum(2, dtype=torch.uint8).reshape(-1, 64)
     scales = sc.to(torch.uint8) | (m.to(torch.uint8) << 4)

@@ -6,7 +6,7 @@ Sub-block j (32 values) has `y = d*sc[j]*q - dmin*m[j]`, q in 0..15. Nibbles: by
 import torch
 
 from . import QuantType
-from ._blocks import affine_codes, f16_bytes, f16_field, fit_affine, quantize_superblock
+from ._blocks import affine_codes, f16_bytes, f16_field, fit_affine, importance_weights, quantize_superblock
 
 BLOCK, BYTES = 256, 144
 
@@ -38,10 +38,14 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * q - low).reshape(*blocks.shape[:-1], BLOCK)
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """float32 `[..., 256]` -> uint8 `[..., 144]`: least-squares affine fit per 32, 6-bit sub-scales."""
+def quantize(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `[..., 256]` -> uint8 `[..., 144]`: affine fit per 32 (weighted: see `weights`), 6-bit scales.
+
+    `weights` `[..., 256]`: an importance per value (an imatrix column), turned into llama.cpp's error weights.
+    """
     v = x.reshape(-1, 8, 32).to(torch.float32)
-    d, dmin, sc, m = quantize_superblock(*fit_affine(v, 15), 63)
+    w = None if weights is None else importance_weights(v, weights.reshape(-1, 8, 32).to(torch.float32))
+    d, dmin, sc, m = quantize_superblock(*fit_affine(v, 15, weights=w), 63)
     q = affine_codes(v, d[:, None] * sc, -dmin[:, None] * m, 15).to(torch.uint8).reshape(-1, 4, 2, 32)
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
     scales = _pack_scales(sc.to(torch.uint8), m.to(torch.uint8))

@@ -1,0 +1,107 @@
+"""Collect an importance matrix: run the model over a text and sum, per input column of every matmul weight,
+the squares of the rows fed to it (llama.cpp's `llama-imatrix`, llama.cpp #4861 and #9400 for the file).
+
+`RecordingOps` wraps the model's OpSet: each `qmatmul`, `moe` and `shared_expert` call records its inputs
+and then calls the wrapped op unchanged, so the forward's numerics are the plain model's.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from backends.registry import is_mlx_device
+from ds4.engine import Engine
+from ds4.errors import UsageError
+from ds4.formats.imatrix import Imatrix
+from ops.moe import Experts, route
+from ops.qmatmul import qmatmul
+from ops.quants import QTensor
+
+_ROWS = re.compile(r"^(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")  # models' rows_of views: "W[a:b]"
+
+
+class RecordingOps:
+    """An OpSet stand-in that records matmul inputs into `imatrix` before calling the wrapped OpSet's op."""
+
+    def __init__(self, inner: Any, imatrix: Imatrix, process_output: bool = False):
+        self._inner, self.imatrix, self.process_output = inner, imatrix, process_output
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _rows(self, x: Any) -> torch.Tensor:
+        x = self._inner.to_torch(x)
+        return x.reshape(-1, x.shape[-1]).to(torch.float32)
+
+    def record(self, w: QTensor, x: Any) -> None:
+        """Add the rows of `x` as inputs of weight `w` (a `W[a:b]` row view counts as matrix a/(b-a) of W)."""
+        name, matrix = w.name, 0
+        m = _ROWS.match(name)
+        if m:
+            start, stop = int(m["start"]), int(m["stop"])
+            name, matrix = m["name"], start // (stop - start)
+        if name == "output.weight" and not self.process_output:
+            return
+        self.imatrix.add(name, self._rows(x), matrix, matrix + 1)
+
+    def qmatmul(self, x: Any, w: QTensor) -> Any:
+        self.record(w, x)
+        return self._inner.qmatmul(x, w)
+
+    def shared_expert(self, x: Any, gate: QTensor, up: QTensor, down: QTensor, clamp: float | None) -> Any:
+        rows = self._rows(x)
+        self.record(gate, rows)
+        self.record(up, rows)
+        g, u = qmatmul(rows, gate), qmatmul(rows, up)
+        if clamp is not None:
+            g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+        self.record(down, F.silu(g) * u)
+        return self._inner.shared_expert(x, gate, up, down, clamp)
+
+    def moe(self, x: Any, ids: Any, ex: Experts) -> Any:
+        rows = self._rows(x)
+        self.imatrix.add(ex.router.name, rows)
+        chosen, _ = route(rows, self._inner.to_torch(ids), ex)
+        n_exp = ex.gate.shape[0]
+        for e in torch.unique(chosen).tolist():
+            r, _ = torch.nonzero(chosen == e, as_tuple=True)
+            xe = rows[r]
+            g = qmatmul(xe, _expert(ex.gate, e)).clamp(max=ex.clamp)
+            u = qmatmul(xe, _expert(ex.up, e)).clamp(-ex.clamp, ex.clamp)
+            for w in (ex.gate, ex.up):
+                self.imatrix.add(w.name, xe, e, n_exp)
+            self.imatrix.add(ex.down.name, F.silu(g) * u, e, n_exp)
+        return self._inner.moe(x, ids, ex)
+
+
+def _expert(w: QTensor, e: int) -> QTensor:
+    return QTensor(w.qtype, tuple(w.shape[1:]), w.data[e], w.name)
+
+
+def collect(engine: Engine, ids: Sequence[int], chunk: int, *, process_output: bool = False,
+            dataset: str = "", on_chunk: Callable[[int], None] = lambda i: None) -> Imatrix:
+    """The importance matrix of `engine`'s trunk over `ids`, run in independent chunks of `chunk` tokens (a
+    shorter tail is dropped, as llama-imatrix does)."""
+    n_chunks = len(ids) // chunk
+    if chunk < 2 or n_chunks < 1:
+        raise UsageError(f"the text has {len(ids)} tokens: too few for one chunk of {chunk} (lower --ctx)")
+    model = engine.model
+    if is_mlx_device(model.ops.device):
+        raise UsageError("imatrix collection runs on torch devices (cpu, cuda); load the model without --backend mlx")
+    im = Imatrix(datasets=[dataset] if dataset else [], chunk_size=chunk)
+    recorder = RecordingOps(model.ops, im, process_output)
+    model.ops = recorder
+    try:
+        for i in range(n_chunks):
+            session = engine.session(ctx=chunk, prefill_chunk=chunk)
+            session.forward(list(ids[i * chunk:(i + 1) * chunk]), logit_rows=None, eager=True)
+            im.chunk_count = i + 1
+            on_chunk(i)
+    finally:
+        model.ops = recorder._inner
+    return im
+
