@@ -55,6 +55,13 @@ class Impl:
 
 
 _IMPLS: dict[str, dict[str, Impl]] = {}
+_NOTES: dict[str, Callable[[], str | None]] = {}
+
+
+def add_note(backend: str, note: Callable[[], str | None]) -> None:
+    """Have `format_report` print `note()` (when not None) below the ops `backend` served, e.g. why its
+    compiled kernels are unavailable and it runs slower paths."""
+    _NOTES[backend] = note
 _QUANTS: dict[str, dict[str, str]] = {}  # backend -> quant type -> how it is served ("unsupported here" if not)
 UNSUPPORTED_HERE = "unsupported here"
 
@@ -292,6 +299,10 @@ class OpSet:
         report = self.report()
         for op, r in report.items():
             rows.append(f"{op:<18}{r['backend']:<9}{r['calls']:>8}  {r['how']}")
+        for backend in sorted({r["backend"] for r in report.values()} & _NOTES.keys()):
+            note = _NOTES[backend]()
+            if note:
+                rows.append(note)
         weight_backends = {r["backend"] for op, r in report.items() if op in WEIGHT_OPS} - {"torch"}
         rows += [format_quant_support(b) for b in sorted(weight_backends)]
         return "\n".join(rows)

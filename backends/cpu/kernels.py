@@ -1,8 +1,9 @@
 """The CPU kernel library: the fused dequantize-and-multiply kernel and its block dequantizer (qgemv.c) and
 the hyper-connection Sinkhorn (sinkhorn.c), compiled once per machine with the system C compiler and
 loaded with ctypes. `built()` and `available()` are False (and the callers take their torch paths: the
-reference's dequantization one tile at a time, the Sinkhorn as torch ops) when no compiler is found or
-`DS4_CPU_KERNELS=0`.
+reference's dequantization one tile at a time, the Sinkhorn as torch ops) when the library cannot be built
+(the first use warns with the compiler's error, and the op report says `cpu kernels unavailable: <reason>`)
+or `DS4_CPU_KERNELS=0` (the only silent way off).
 
 The shared library is cached under $DS4_CACHE (default ~/.cache/ds4py) keyed by the sources' hash.
 ctypes releases the GIL during a call, so large weights are split across `torch.get_num_threads()`
@@ -16,11 +17,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from backends.registry import add_note
 from ops.quants import QTensor, iq2_xxs
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c"))
@@ -32,31 +35,45 @@ SPLIT_BYTES = 1 << 20   # weights at least this large are split across threads
 FLAGS = (("-O3", "-march=native", "-ffp-contract=off"), ("-O3", "-ffp-contract=off"))
 
 _lib: ctypes.CDLL | None | bool = False      # False: not tried yet
+_failure: str | None = None     # why the build failed
 _pool: ThreadPoolExecutor | None = None
 
 
-def _build() -> ctypes.CDLL | None:
-    if os.environ.get("DS4_CPU_KERNELS", "1") == "0":
-        return None
+class BuildFailed(Exception):
+    """The kernel library could not be built or loaded; the message says why."""
+
+
+def _compile(cc: str, target: Path) -> None:
+    """Compile the sources into `target` (with -march=native, else without); BuildFailed with the compiler's
+    last error where neither works."""
+    errors = []
+    for flags in FLAGS:
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(out), *map(str, SOURCES)],
+                                  capture_output=True, text=True, check=False)
+            if done.returncode == 0:
+                os.replace(out, target)     # atomic: concurrent builders race harmlessly
+                return
+            errors.append((done.stderr or done.stdout).strip()[-2000:])
+    raise BuildFailed(f"{cc} failed: {errors[-1] or 'no message'}")
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (once per source hash) and load the library; BuildFailed says why it cannot be."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
-        return None
+        raise BuildFailed("no C compiler found (set CC, or install gcc or clang)")
     digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:16]
     cache = Path(os.environ.get("DS4_CACHE", Path.home() / ".cache" / "ds4py"))
     target = cache / f"cpu-kernels-{digest}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        for flags in FLAGS:
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                out = Path(tmp) / target.name
-                done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(out), *map(str, SOURCES)],
-                                      capture_output=True, check=False)
-                if done.returncode == 0:
-                    os.replace(out, target)     # atomic: concurrent builders race harmlessly
-                    break
-        else:
-            return None
-    lib = ctypes.CDLL(str(target))
+    try:
+        if not target.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            _compile(cc, target)
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        raise BuildFailed(f"{target}: {e}") from e
     lib.qgemv.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.qgemv.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64]
@@ -70,14 +87,28 @@ def _build() -> ctypes.CDLL | None:
 
 
 def lib() -> ctypes.CDLL | None:
-    """The loaded kernel library, built on first use; None where it cannot be built."""
-    global _lib
+    """The loaded kernel library, built on first use; None where it cannot be built (the first call then
+    warns once with the reason) or `DS4_CPU_KERNELS=0` turns it off (silently)."""
+    global _lib, _failure
     if _lib is False:
-        try:
-            _lib = _build()
-        except OSError:
-            _lib = None
+        _lib, _failure = None, None
+        if os.environ.get("DS4_CPU_KERNELS", "1") != "0":
+            try:
+                _lib = _build()
+            except BuildFailed as e:
+                _failure = str(e)
+                warnings.warn(f"cpu kernels unavailable: {_failure}\n(the cpu backend runs its slower torch paths; "
+                              "DS4_CPU_KERNELS=0 turns the kernels off without this warning)", RuntimeWarning,
+                              stacklevel=2)
     return _lib
+
+
+def unavailable_note() -> str | None:
+    """`cpu kernels unavailable: <reason>` when the library was wanted but could not be built, else None."""
+    return f"cpu kernels unavailable: {_failure}" if _lib is None and _failure else None
+
+
+add_note("cpu", unavailable_note)
 
 
 @torch.compiler.assume_constant_result  # a compiled step asks once, while tracing (building is not traceable)
@@ -141,6 +172,8 @@ def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, expert
             _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="ds4-qgemv")
         bounds = [n * i // parts for i in range(parts + 1)]
         rc = max(_pool.map(lambda i: k.qgemv(*args, bounds[i], bounds[i + 1]), range(parts)))
+    if rc == -2:
+        raise MemoryError(f"qgemv: no memory for the group sums of {M} rows of {K} values")
     if rc:
         raise ValueError(f"qgemv: unsupported call ({type_name(ggml_type)}, M={M})")
     return y

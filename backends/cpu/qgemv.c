@@ -6,9 +6,12 @@
  * prefetched AHEAD bytes ahead. Each output is accumulated in 16 lanes (element k goes to lane k % 16,
  * two 8-float vectors) over the whole row, then the lanes are added in order: the same arithmetic for any
  * number of rows and any split of the output rows across threads, hence batch-invariant. `dequantize`
- * expands whole rows with the same block functions (prefill's tiles). Built by backends/cpu/kernels.py.
+ * expands whole rows with the same block functions (prefill's tiles). On AVX-512 targets the grouped kernels
+ * (further down) serve Q8_0, Q4_K, Q2_K and IQ2_XXS instead. A new block type plugs in as a deq_<type>
+ * function (block -> floats) and a case in `qgemv` and `dequantize`. Built by backends/cpu/kernels.py.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -229,10 +232,13 @@ static inline void deq_iq4_xs(const uint8_t *b, float *w) {        /* 136 bytes 
 
 static float iq2_grid[256][8];          /* set by qgemv_set_iq2_xxs from ops/quants/iq2_xxs.py's tables */
 static uint8_t iq2_ksigns[128];
+static uint32_t iq2_sign_mask[128][8];      /* the float sign bit of each of the 8 values ksigns[i] flips */
 
 void qgemv_set_iq2_xxs(const float *grid, const int64_t *ksigns) {
     memcpy(iq2_grid, grid, sizeof(iq2_grid));
     for (int i = 0; i < 128; i++) iq2_ksigns[i] = (uint8_t)ksigns[i];
+    for (int i = 0; i < 128; i++)
+        for (int j = 0; j < 8; j++) iq2_sign_mask[i][j] = ((ksigns[i] >> j) & 1) ? 0x80000000u : 0;
 }
 
 static inline void deq_iq2_xxs(const uint8_t *b, float *w) {    /* 66 bytes -> 256 values */
@@ -336,6 +342,198 @@ static int64_t q8_0_row_pairs(const uint8_t *w, int64_t K, const float *x, float
     return n;
 }
 
+/* The grouped kernels (Q8_0 four blocks at a time, Q4_K, Q2_K, IQ2_XXS; where the target has 16-float
+ * vectors, AVX-512: elsewhere gcc splits them badly and rows_of serves these types): a block is unpacked once
+ * into its integer values as floats (IQ2_XXS: the signed grid values) and one scale (and min) per group of G
+ * values, and each row adds, per group g, scale[g] * (sum of q * x over the group, in 16 lanes) into
+ * accumulator g % ACCS (groups counted along the row), and min[g] * (the row's sum of x over group g) into
+ * lane g of a min accumulator (fused multiply-adds): sum (a q - b) x = a sum q x - b sum x, regrouped. So a
+ * decode row costs one multiply-add per value plus one per group, with no dequantized weight in between.
+ * Every output's arithmetic is fixed by its row and its weight alone (not by M, the other rows or the
+ * thread split), so it stays batch-invariant; it rounds differently from dequantize-then-multiply (within
+ * float32's usual error). */
+#if defined(__AVX512F__)
+#define GROUPED 1
+#else
+#define GROUPED 0
+#endif
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+#define ACCS 4
+
+typedef struct { v16 part[ACCS], low; } acc_t;
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+static inline v16 splat16(float f) { return (v16){0} + f; }
+
+#define HALVES(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define LOW(a) __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7)
+#define HIGH(a) __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15)
+
+static inline v16 fma16(v16 a, v16 b, v16 c) {      /* a * b + c, fused where the target has it */
+#if defined(__AVX512F__)
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return HALVES((v8)_mm256_fmadd_ps((__m256)LOW(a), (__m256)LOW(b), (__m256)LOW(c)),
+                  (v8)_mm256_fmadd_ps((__m256)HIGH(a), (__m256)HIGH(b), (__m256)HIGH(c)));
+#else
+    return a * b + c;
+#endif
+}
+
+static inline i32x16 widen16(const uint8_t *p) {    /* 16 bytes as int32 lanes */
+#if defined(__AVX512F__)
+    return (i32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    return HALVES(widen(p), widen(p + 8));
+#endif
+}
+
+static inline v16 float16(i32x16 q) { return __builtin_convertvector(q, v16); }
+
+static inline void unpack_q8_0x4(const uint8_t *b, float *q, float *scale, float *low) {   /* 4 x 34 bytes */
+    (void)low;
+    for (int t = 0; t < 4; t++, b += 34) {
+        scale[t] = half_to_float(b);
+        for (int i = 0; i < 32; i += 16) store16(q + 32 * t + i, float16((widen16(b + 2 + i) ^ 128) - 128));
+    }
+}
+
+static inline void unpack_q4_k(const uint8_t *b, float *q, float *scale, float *low) {    /* 144 bytes, G 32 */
+    float d = half_to_float(b), dmin = half_to_float(b + 2);
+    const uint8_t *s = b + 4, *qs = b + 16;
+    for (int j = 0; j < 4; j++) {
+        scale[j] = d * (float)(s[j] & 63);
+        low[j] = dmin * (float)(s[4 + j] & 63);
+        scale[4 + j] = d * (float)((s[8 + j] & 15) | ((s[j] >> 6) << 4));
+        low[4 + j] = dmin * (float)((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
+    }
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l += 16) {
+            i32x16 v = widen16(qs + 32 * c + l);
+            store16(q + 64 * c + l, float16(v & 15));
+            store16(q + 64 * c + 32 + l, float16(v >> 4));
+        }
+}
+
+static inline void unpack_q2_k(const uint8_t *b, float *q, float *scale, float *low) {    /* 84 bytes, G 16 */
+    float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+    const uint8_t *s = b, *qs = b + 16;
+    i32x16 sv = widen16(s);
+    store16(scale, splat16(d) * float16(sv & 15));
+    store16(low, splat16(dmin) * float16(sv >> 4));
+    for (int k = 0; k < 2; k++)
+        for (int h = 0; h < 2; h++) {
+            i32x16 v = widen16(qs + 32 * k + 16 * h);
+            for (int i = 0; i < 4; i++) store16(q + 128 * k + 32 * i + 16 * h, float16((v >> (2 * i)) & 3));
+        }
+}
+
+static inline void unpack_iq2_xxs(const uint8_t *b, float *q, float *scale, float *low) {  /* 66 bytes, G 32 */
+    (void)low;
+    float d = half_to_float(b);
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *p = b + 2 + 8 * g;
+        uint32_t bits = (uint32_t)p[4] | ((uint32_t)p[5] << 8) | ((uint32_t)p[6] << 16) | ((uint32_t)p[7] << 24);
+        scale[g] = d * (0.5f + (float)(bits >> 28)) * 0.25f;
+        for (int l = 0; l < 4; l += 2) {    /* 16 values per store, so the 16-value loads that follow forward */
+            i32x8 v0, v1, m0, m1;
+            memcpy(&v0, iq2_grid[p[l]], sizeof v0);
+            memcpy(&v1, iq2_grid[p[l + 1]], sizeof v1);
+            memcpy(&m0, iq2_sign_mask[(bits >> (7 * l)) & 127], sizeof m0);
+            memcpy(&m1, iq2_sign_mask[(bits >> (7 * l + 7)) & 127], sizeof m1);
+            i32x16 v = HALVES(v0 ^ m0, v1 ^ m1);
+            memcpy(q + 32 * g + 8 * l, &v, sizeof v);
+        }
+    }
+}
+
+typedef void (*unpack_fn)(const uint8_t *, float *, float *, float *);
+
+/* One row's share of one unpacked block: ng groups of G values starting at group number j0 of the row. */
+static inline __attribute__((always_inline)) void add_block(acc_t *a, const float *q, const float *scale,
+        const float *low, int ng, int G, const float *x, const float *xsum) {
+#pragma GCC unroll 16
+    for (int g = 0; g < ng; g++) {
+        v16 t = load16(q + g * G) * load16(x + g * G);
+        for (int i = 16; i < G; i += 16) t = fma16(load16(q + g * G + i), load16(x + g * G + i), t);
+        a->part[g % ACCS] = fma16(splat16(scale[g]), t, a->part[g % ACCS]);
+    }
+    if (low != NULL) a->low = fma16(load16(low), load16(xsum), a->low);
+}
+
+static inline float finish(const acc_t *a, int lows) {
+    v16 p = (a->part[0] + a->part[1]) + (a->part[2] + a->part[3]);
+    float s = 0.0f, t = 0.0f;
+    for (int l = 0; l < 16; l++) s += p[l];
+    if (!lows) return s;
+    for (int l = 0; l < 16; l++) t += a->low[l];
+    return s - t;
+}
+
+/* Output rows [n0, n1) of y [M, N] through a grouped unpacker (bs values in bb bytes, groups of G values,
+ * each a multiple of ACCS groups per block); xsum: each row's sums of x per group, 16 per block (or NULL). */
+static inline __attribute__((always_inline)) void rows_grouped(
+        unpack_fn unpack, const int bs, const int bb, const int G, const uint8_t *w, int64_t expert_bytes,
+        const int64_t *experts, int64_t N, int64_t K, const float *x, const float *xsum, int64_t M, float *y,
+        int64_t n0, int64_t n1) {
+    int64_t nb = K / bs, row_bytes = nb * bb;
+    const int ng = bs / G;
+    float q[256] __attribute__((aligned(64))), scale[16], low[16] __attribute__((aligned(64))) = {0};
+    const float *lows = xsum == NULL ? NULL : low;
+    acc_t acc[MAX_ROWS];
+    if (experts != NULL || M == 1) {    /* a weight of its own per row */
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = n0; n < n1; n++) {
+                const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
+                acc_t a = {0};
+                for (int64_t b = 0; b < nb; b++) {
+                    prefetch_block(row + b * bb, bb);
+                    unpack(row + b * bb, q, scale, low);
+                    add_block(&a, q, scale, lows, ng, G, x + m * K + b * bs,
+                              xsum == NULL ? NULL : xsum + (m * nb + b) * 16);
+                }
+                y[m * N + n] = finish(&a, lows != NULL);
+            }
+        return;
+    }
+    for (int64_t n = n0; n < n1; n++) { /* one weight for every row: each block unpacked once */
+        memset(acc, 0, sizeof(acc_t) * M);
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            prefetch_block(row + b * bb, bb);
+            unpack(row + b * bb, q, scale, low);
+            for (int64_t m = 0; m < M; m++)
+                add_block(&acc[m], q, scale, lows, ng, G, x + m * K + b * bs,
+                          xsum == NULL ? NULL : xsum + (m * nb + b) * 16);
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = finish(&acc[m], lows != NULL);
+    }
+}
+
+/* Each row's sums of x over every group of G values, 16 floats per block of bs values (in order; unused
+ * lanes 0). The caller frees the result; NULL when out of memory. */
+static float *group_sums(const float *x, int64_t M, int64_t K, int bs, int G) {
+    int64_t nb = K / bs;
+    float *out = calloc((size_t)(M * nb * 16), sizeof(float));
+    if (out == NULL) return NULL;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int g = 0; g < bs / G; g++) {
+                float s = 0.0f;
+                for (int i = 0; i < G; i++) s += x[m * K + b * bs + g * G + i];
+                out[(m * nb + b) * 16 + g] = s;
+            }
+    return out;
+}
+
 /* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 1 F16, 8 Q8_0,
  * 12 Q4_K, 10 Q2_K, 16 IQ2_XXS after qgemv_set_iq2_xxs, 14 Q6_K, 13 Q5_K, 11 Q3_K, 2 Q4_0, 3 Q4_1,
  * 6 Q5_0, 7 Q5_1, 20 IQ4_NL, 23 IQ4_XS), M <= MAX_ROWS. experts == NULL: every row uses
@@ -344,17 +542,44 @@ static int64_t q8_0_row_pairs(const uint8_t *w, int64_t K, const float *x, float
 int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
           const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     if (M > MAX_ROWS) return -1;
+    float *xsum = NULL;
     switch (type) {
     case 0: if (K % 64) return -1; rows_of(NULL, 64, 256, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 1: if (K % 32) return -1; rows_of(deq_f16, 32, 64, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 8:
         if (K % 32) return -1;
+        if (GROUPED && K % 128 == 0) {
+            rows_grouped(unpack_q8_0x4, 128, 136, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
+            return 0;
+        }
         if (M == 1 && experts == NULL) n0 = q8_0_row_pairs(w, K, x, y, n0, n1);
         rows_of(deq_q8_0, 32, 34, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
-    case 12: if (K % 256) return -1; rows_of(deq_q4_k, 256, 144, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 16: if (K % 256) return -1; rows_of(deq_iq2_xxs, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 10: if (K % 256) return -1; rows_of(deq_q2_k, 256, 84, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 16:
+        if (K % 256) return -1;
+        if (GROUPED) rows_grouped(unpack_iq2_xxs, 256, 66, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
+        else rows_of(deq_iq2_xxs, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+        return 0;
+    case 12:
+        if (K % 256) return -1;
+        if (!GROUPED) {
+            rows_of(deq_q4_k, 256, 144, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+            return 0;
+        }
+        if ((xsum = group_sums(x, M, K, 256, 32)) == NULL) return -2;
+        rows_grouped(unpack_q4_k, 256, 144, 32, w, expert_bytes, experts, N, K, x, xsum, M, y, n0, n1);
+        free(xsum);
+        return 0;
+    case 10:
+        if (K % 256) return -1;
+        if (!GROUPED) {
+            rows_of(deq_q2_k, 256, 84, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+            return 0;
+        }
+        if ((xsum = group_sums(x, M, K, 256, 16)) == NULL) return -2;
+        rows_grouped(unpack_q2_k, 256, 84, 16, w, expert_bytes, experts, N, K, x, xsum, M, y, n0, n1);
+        free(xsum);
+        return 0;
     case 14: if (K % 256) return -1; rows_of(deq_q6_k, 256, 210, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 13: if (K % 256) return -1; rows_of(deq_q5_k, 256, 176, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 11: if (K % 256) return -1; rows_of(deq_q3_k, 256, 110, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;

@@ -3,7 +3,9 @@
 A random transformers checkpoint (ds4/tiny/hf.py's initialisation) is saved, converted (ds4/formats/convert.py)
 to the f32, q4 and q2 mixes, and each engine prefills a prompt then greedily decodes, for
 1 and 2 threads, in interleaved rounds (every engine once per round); the table gives the median
-tokens/s and ratios (`--compile` adds each mix with the compiled decode step). The tiny default model
+tokens/s and ratios (`--compile` adds each mix with the compiled decode step). `--full-layers N` runs
+ds4/bench/full_width.py instead: V4 Flash at full width, N layers, ds4py against llama-bench; `--gemv`
+ds4/bench/cpu_gemv.py: the fused kernel's GB/s per type. The tiny default model
 adds ds4py's 1-row decode against a 2-row verify, on the cpu backend and on the reference (torch)
 backend (and compiled, with `--compile`).
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 
 from backends.registry import OpSet
+from ds4.bench import cpu_gemv, full_width
 from ds4.bench.common import machine
 from ds4.engine import open_model
 from ds4.formats.convert import convert
@@ -96,6 +99,10 @@ def verify_vs_decode(backend: str, steps: int, compile: bool = False) -> tuple[f
 
 def rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
     """Interleaved rounds of every engine and thread count; medians and ratios."""
+    if a.gemv:
+        return cpu_gemv.rows(a.rounds, a.size == "smoke")
+    if a.full_layers:
+        return full_width.rows(a)
     mixes = tuple(a.mixes)
     with tempfile.TemporaryDirectory() as d:
         hf, paths = checkpoint(a.size, Path(a.workdir or d), mixes)
@@ -161,5 +168,14 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--backend", default="auto", help="ds4py backend (auto = cpu on this machine)")
     p.add_argument("--workdir", help="keep the checkpoint and GGUFs here and reuse them (default: a temp dir)")
     p.add_argument("--reference", action="store_true", help="also time the f32 file on the torch reference backend")
+    p.add_argument("--gemv", action="store_true",
+                   help="instead: the fused kernel per type at V4 Flash's decode shapes, GB/s against copy bandwidth")
+    p.add_argument("--full-layers", type=int, default=0,
+                   help="instead: V4 Flash at full width truncated to N layers, ds4py against llama-bench "
+                        "(LLAMA_BENCH=path) on the same GGUF (written once into --workdir)")
+    p.add_argument("--full-mixes", nargs="+", choices=("q2", "q4"), default=["q2", "q4"], help="mixes of --full-layers")
+    p.add_argument("--llama-args", default="", help="--full-layers: extra llama-bench arguments, e.g. '-ub 1'")
+    p.add_argument("--full-tiny", action="store_true", help="--full-layers at the tiny model's sizes (smoke test)")
+    p.add_argument("--png", help="--full-layers: also plot tok/s against threads into this PNG")
     p.add_argument("--compile", action="store_true",
                    help="also time each mix with the compiled decode step (compiled in the warm-up round)")

@@ -1,0 +1,68 @@
+"""`bench.py cpu --gemv`: the fused CPU kernel (backends/cpu/qgemv.c) at V4 Flash's decode shapes, one thread.
+
+For each type a V4 mix stores large matrices in, a weight of distinct bytes (seed rows repeated, as
+ds4/tiny/random_model.py) is multiplied by M = 1..16 rows; the table gives the weight bytes read per second
+and that as a share of the one-thread copy bandwidth (bytes read + written per second of a large copy), and
+the M-row time against the 1-row time. Times are the minimum over `--rounds` calls of the calling thread's
+CPU time (time.thread_time), so a busy shared machine inflates them less than wall time would.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from backends.cpu import kernels
+from ops.quants import QTensor, get
+
+SHAPES = {  # type: (N, K) of the matrix V4 Flash stores in it (6 routed experts stacked for the experts' types)
+    "IQ2_XXS": (6 * 2048, 4096),    # routed gate/up (q2)
+    "Q2_K": (6 * 4096, 2048),       # routed down (q2)
+    "Q4_K": (6 * 2048, 4096),       # routed gate/up/down (q4)
+    "Q8_0": (32768, 1024),          # attention q_b
+    "F16": (4096, 4096),            # HC, compressor, router
+}
+ROWS = (1, 2, 4, 8, 16)
+
+
+def weight(qtype: str, n: int, k: int) -> QTensor:
+    """An [n, k] weight of `qtype`: 64 quantized random rows repeated (every byte at its own address)."""
+    seed = QTensor.quantize(torch.randn(64, k, generator=torch.Generator().manual_seed(0)) / 16, qtype, "w").data
+    return QTensor(get(qtype), (n, k), seed.repeat((n + 63) // 64, 1)[:n].contiguous())
+
+
+def cpu_seconds(fn, rounds: int) -> float:
+    """Minimum CPU time of the calling thread over `rounds` calls (after one untimed call)."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t0)
+    return best
+
+
+def rows(rounds: int, smoke: bool = False) -> list[dict]:
+    """One row per (type, M): ms, GB/s, % of one-thread copy bandwidth, time against M = 1 (`smoke`: 256 rows)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(1 << (16 if smoke else 26), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        copy = 2 * src.numel() / cpu_seconds(lambda: dst.copy_(src), rounds)
+        out = []
+        for qtype, (n, k) in SHAPES.items():
+            n = 256 if smoke else n
+            w = weight(qtype, n, k)
+            one = None
+            for m in ROWS:
+                x = torch.randn(m, k)
+                s = cpu_seconds(lambda: kernels.qgemv(x, w), rounds)     # noqa: B023 (called at once)
+                one = one or s
+                gb_s = w.data.numel() / s
+                out.append({"type": qtype, "N": n, "K": k, "M": m, "ms": f"{1e3 * s:.2f}", "GB_s": f"{gb_s / 1e9:.2f}",
+                            "pct_copy": f"{100 * gb_s / copy:.0f}", "x_M1": f"{s / one:.2f}",
+                            "copy_GB_s": f"{copy / 1e9:.1f}"})
+    finally:
+        torch.set_num_threads(before)
+    return out

@@ -1,0 +1,180 @@
+"""`bench.py cpu --full-layers N`: ds4py against llama.cpp on one GGUF of V4 Flash at full width, truncated
+to its first N layers (real vocabulary and tokenizer, random weights in the ds4 q2 or q4 mix).
+
+The file is written once per (mix, N) with the seed-rows trick of ds4/tiny/random_model.py (every byte at its
+own address, generated in seconds). ds4py prefills a prompt and decodes greedily; when `LLAMA_BENCH` names a
+llama-bench binary, it runs on the same file (`-p` prompt, `-n` tokens) right after, for each thread count, in
+interleaved rounds. The table gives the median tok/s, the weight bytes a decode token reads per second and
+that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backends.registry import OpSet
+from ds4.bench.common import copy_bandwidth
+from ds4.errors import UsageError
+from ds4.formats import gguf
+from ds4.formats.quant_mix import tensor_type
+from ds4.formats.vocab import real_v4_metadata
+from ds4.session import Session
+from ds4.tiny.build import FLASH_SIZES, TINY, tiny_metadata
+from ds4.tiny.random_model import random_weight
+from models.args import ModelArgs, model_shapes
+from ops.quants import get
+
+LLAMACPP_RATIOS = (0, 0) + (4, 128) * 21     # llama.cpp loads ratios 0, 4 and 128 only
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One run: prefill and decode tokens per second."""
+
+    prefill_tok_s: float
+    decode_tok_s: float
+
+
+def metadata(layers: int, tiny: bool) -> dict:
+    """GGUF metadata of the first `layers` layers of V4 Flash (real vocabulary), or of the tiny sizes (tiny vocab)."""
+    sizes = {**(TINY if tiny else FLASH_SIZES), "n_layers": layers, "n_hash_layers": min(3, layers),
+             "compress_ratios": LLAMACPP_RATIOS[:layers]}
+    md = tiny_metadata(**sizes)
+    return md if tiny else md | real_v4_metadata()
+
+
+def write_model(path: Path, layers: int, mix: str, tiny: bool = False) -> None:
+    """Write the truncated random model of `mix` to `path` (one tensor in memory at a time)."""
+    md = metadata(layers, tiny)
+    args = ModelArgs.from_metadata(md)
+    g = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    tensors = {name: gguf.LazyTensor(tensor_type(name, shape, mix), shape,
+                                     functools.partial(random_weight, name, shape, args, mix, cpu, g))
+               for name, shape in model_shapes(args).items()}
+    gguf.write(path, md, tensors)
+
+
+def decode_bytes(path: Path) -> int:
+    """Weight bytes one decode token reads: every tensor, the routed experts' share of the chosen ones, one row
+    of the embedding."""
+    f = gguf.open(path)
+    args = ModelArgs.from_metadata(f.metadata)
+    total = 0
+    for name in f.tensors:
+        t = f.raw(name)
+        nbytes = t.data.numel()
+        if "_exps" in name:
+            nbytes = nbytes * args.n_experts_used // args.n_experts
+        elif name == "token_embd.weight":
+            nbytes = get(t.qtype.name).row_bytes(t.shape[-1])
+        total += nbytes
+    return total
+
+
+def run_ds4(path: Path, prompt: list[int], tokens: int) -> Timing:
+    """ds4py on the file: prefill `prompt` in one chunk, then `tokens` greedy decode steps."""
+    from ds4.engine import open_model
+    model = open_model(str(path), OpSet("auto"))
+    s = Session(model, len(prompt) + tokens + 1, len(prompt))
+    t0 = time.perf_counter()
+    tok = int(s.prefill(prompt).argmax())
+    t1 = time.perf_counter()
+    for _ in range(tokens):
+        tok = int(s.decode(tok).argmax())
+    return Timing(len(prompt) / (t1 - t0), tokens / (time.perf_counter() - t1))
+
+
+def run_llama(binary: str, path: Path, prompt: int, tokens: int, threads: int, extra: list[str]) -> Timing:
+    """llama-bench on the file (one repetition of a `prompt`-token prefill and a `tokens`-token decode)."""
+    cmd = [binary, "-m", str(path), "-p", str(prompt), "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json",
+           *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise UsageError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+    results = json.loads(done.stdout)
+    rate = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in results}
+    return Timing(rate["prefill"], rate["decode"])
+
+
+def rows(a) -> list[dict]:
+    """Interleaved rounds of ds4py and llama-bench per mix and thread count; medians, GB/s and ratios."""
+    binary = os.environ.get("LLAMA_BENCH")
+    if binary and not Path(binary).is_file():
+        raise UsageError(f"LLAMA_BENCH={binary} is not a file")
+    workdir = Path(a.workdir or Path.home() / ".cache" / "ds4py" / "bench-full")
+    workdir.mkdir(parents=True, exist_ok=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    copy = copy_bandwidth(torch.device("cpu"), 5)
+    torch.set_num_threads(before)
+    print(f"# one-thread copy bandwidth {copy / 1e9:.1f} GB/s (read + written); "
+          f"{'llama-bench ' + binary if binary else 'no LLAMA_BENCH: ds4py only'}", flush=True)
+    out = []
+    for mix in a.full_mixes:
+        path = workdir / f"v4flash-{'tiny' if a.full_tiny else 'full'}-{a.full_layers}L-{mix}.gguf"
+        if not path.exists():
+            t0 = time.perf_counter()
+            write_model(path, a.full_layers, mix, a.full_tiny)
+            size = path.stat().st_size / 1e9
+            print(f"# wrote {path} ({size:.2f} GB) in {time.perf_counter() - t0:.0f} s", flush=True)
+        step = decode_bytes(path)
+        vocab = ModelArgs.from_metadata(gguf.open(path).metadata).vocab_size
+        prompt = torch.randint(0, vocab, (a.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+        times: dict[tuple[str, int], list[Timing]] = {}
+        try:
+            for r in range(a.rounds + 1):          # round 0 warms up (page cache, kernels) and is not counted
+                for threads in a.threads:
+                    torch.set_num_threads(threads)
+                    runs = [("ds4py", run_ds4(path, prompt, a.tokens))]
+                    if binary:
+                        llama = run_llama(binary, path, a.prompt, a.tokens, threads, a.llama_args.split())
+                        runs.append(("llama.cpp", llama))
+                    for engine, t in runs:
+                        if r:
+                            times.setdefault((engine, threads), []).append(t)
+        finally:
+            torch.set_num_threads(before)
+        for (engine, threads), ts in times.items():
+            decode = statistics.median(t.decode_tok_s for t in ts)
+            prefill = statistics.median(t.prefill_tok_s for t in ts)
+            row = {"mix": mix, "layers": a.full_layers, "engine": engine, "threads": threads,
+                   "prefill_tok_s": f"{prefill:.2f}", "decode_tok_s": f"{decode:.2f}",
+                   "decode_GB_s": f"{decode * step / 1e9:.2f}",
+                   "pct_copy_1thread": f"{100 * decode * step / copy:.0f}"}
+            if binary:
+                ref = times[("llama.cpp", threads)]
+                row["decode_x_llama"] = f"{decode / statistics.median(t.decode_tok_s for t in ref):.2f}"
+                row["prefill_x_llama"] = f"{prefill / statistics.median(t.prefill_tok_s for t in ref):.2f}"
+            out.append(row)
+    if a.png:
+        plot(out, a.png)
+    return out
+
+
+def plot(table: list[dict], path: str) -> None:
+    """Decode and prefill tok/s against threads, one line per (mix, engine)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for key in sorted({(r["mix"], r["engine"]) for r in table}):
+        rs = sorted((r for r in table if (r["mix"], r["engine"]) == key), key=lambda r: r["threads"])
+        for ax, field in zip(axes, ("decode_tok_s", "prefill_tok_s"), strict=True):
+            ax.plot([r["threads"] for r in rs], [float(r[field]) for r in rs], marker="o", label=" ".join(key))
+    for ax, title in zip(axes, ("decode", "prefill"), strict=True):
+        ax.set_xlabel("threads")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

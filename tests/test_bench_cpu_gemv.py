@@ -1,0 +1,15 @@
+"""`scripts/bench.py cpu --gemv` at smoke size: a row per type and row count, GB/s against the copy bandwidth
+(timings are not checked; tests never time)."""
+from __future__ import annotations
+
+from tests.script_modules import script
+
+bench = script("bench")
+
+
+def test_bench_gemv_smoke(capsys):
+    bench.main(["cpu", "--gemv", "--size", "smoke", "--rounds", "1"])
+    out = capsys.readouterr().out
+    for qtype in ("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0", "F16"):
+        assert qtype in out
+    assert "pct_copy" in out and "x_M1" in out

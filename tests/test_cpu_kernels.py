@@ -1,0 +1,87 @@
+"""The CPU kernel library (backends/cpu/kernels.py, qgemv.c): every fused kernel bit-identical across thread
+counts 1/2/3 and across M = 1..16 (each row equals its 1-row call), plain and by expert; and a library that
+cannot be built fails loudly (a warning with the compiler's error, a line in the op report)."""
+from __future__ import annotations
+
+import ctypes
+import stat
+
+import pytest
+import torch
+
+from backends.cpu import kernels
+from backends.registry import OpSet
+from ops.quants import QTensor
+
+QTYPES = tuple(kernels.GGML_TYPE)
+
+
+@pytest.fixture
+def threads():
+    """Restores torch's thread count after the test."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("experts", (False, True))
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_kernel_is_identical_across_threads_and_row_counts(qtype, experts, threads, monkeypatch):
+    """Every output split across 1, 2 or 3 threads (uneven parts of 40 rows) and every M in 1..16: the
+    same bits as the 1-thread call, and row m the same bits as the 1-row call on that row."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 0)     # split even these small weights
+    g = torch.Generator().manual_seed(3)
+    shape = (3, 40, 512) if experts else (40, 512)
+    w = QTensor.quantize(torch.randn(*shape, generator=g) / 16, qtype, "w")
+    x = torch.randn(16, 512, generator=g)
+    ids = torch.randint(0, 3, (16,), generator=g)
+    torch.set_num_threads(1)
+    single = torch.cat([kernels.qgemv(x[m:m + 1], w, ids[m:m + 1] if experts else None) for m in range(16)])
+    for n in (1, 2, 3):
+        torch.set_num_threads(n)
+        for M in range(1, 17):
+            out = kernels.qgemv(x[:M], w, ids[:M] if experts else None)
+            assert torch.equal(out, single[:M]), (qtype, experts, n, M)
+
+
+def test_unbuildable_library_warns_with_the_compiler_error(tmp_path, monkeypatch):
+    """A compiler that fails: the first use warns once with its error message, the kernels are off, and the
+    op report of an OpSet that ran a cpu op says `cpu kernels unavailable: <reason>`."""
+    cc = tmp_path / "broken-cc"
+    cc.write_text("#!/bin/sh\necho 'qgemv.c:1:1: error: this compiler is broken on purpose' >&2\nexit 1\n")
+    cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("DS4_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "_lib", False)
+    monkeypatch.setattr(kernels, "_failure", None)
+    with pytest.warns(RuntimeWarning, match="cpu kernels unavailable: .*broken on purpose"):
+        assert kernels.lib() is None
+    assert not kernels.available("Q8_0", 256)
+    ops = OpSet("auto")
+    w = QTensor.quantize(torch.randn(8, 256) / 16, "Q8_0", "w")
+    ops.qmatmul(torch.randn(1, 256), w)
+    assert "cpu kernels unavailable: " in ops.format_report()
+    assert "broken on purpose" in ops.format_report()
+
+
+def test_turned_off_library_is_silent(tmp_path, monkeypatch, recwarn):
+    """DS4_CPU_KERNELS=0: no library, no warning, no report line."""
+    monkeypatch.setenv("DS4_CPU_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_lib", False)
+    monkeypatch.setattr(kernels, "_failure", None)
+    assert kernels.lib() is None
+    assert kernels.unavailable_note() is None and not recwarn.list
+
+
+def test_library_that_does_not_load_says_why(tmp_path, monkeypatch):
+    """A cached library file that is not a shared object: the loader's error is the reason."""
+    monkeypatch.setenv("DS4_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_lib", False)
+    monkeypatch.setattr(kernels, "_failure", None)
+
+    def not_a_library(path):
+        raise OSError(f"{path}: invalid ELF header")
+
+    monkeypatch.setattr(ctypes, "CDLL", not_a_library)
+    with pytest.warns(RuntimeWarning, match="invalid ELF header"):
+        assert kernels.lib() is None
