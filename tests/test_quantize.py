@@ -9,7 +9,7 @@ import gguf as gguf_py
 import pytest
 import torch
 
-from ds4.engine import default_model_paths, open_model
+from ds4.engine import default_model_paths, load, open_model
 from ds4.errors import UsageError
 from ds4.formats import gguf, layouts, llamacpp_mix, requantize
 from ds4.formats.requantize import parse_mix
@@ -152,3 +152,56 @@ def test_choices_match_llama_quantize(tmp_path):
                    capture_output=True)
     mine, theirs = gguf.open(ours_q8), gguf.open(tmp_path / "q8.gguf")   # Q8_0: byte for byte llama.cpp's
     assert all(torch.equal(mine.raw(n).data, theirs.raw(n).data) for n in theirs.tensors)
+
+
+# llama.cpp's named mixes whose files should load and give the tokens of their own F32 dequantization
+# (the IQ1/IQ2/IQ3_XXS mixes need an imatrix, which llama-quantize cannot apply to V4's attn_output_a)
+NAMED_MIXES = ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q2_K", "Q4_K_S", "Q3_K_S")
+PROMPT_IDS = [0, 3, 17, 42, 7]
+
+
+@pytest.fixture(scope="module")
+def llamacpp_tiny(tmp_path_factory):
+    """A tiny random model in llama.cpp's layout that its deepseek4 loader accepts (256-wide rows: K blocks fit)."""
+    d = tmp_path_factory.mktemp("llamacpp")
+    write_tiny(str(d / "base.gguf"), mix="f32", n_layers=3, compress_ratios=(0, 4, 128), dim=256, head_dim=128,
+               rope_dim=64, index_head_dim=128)
+    layouts.convert_files(str(d / "base.gguf"), str(d / "lc.gguf"), to="llama.cpp")
+    return d / "lc.gguf"
+
+
+def greedy(path) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens (no MTP) after PROMPT_IDS and the logits of every step."""
+    logits = []
+    engine = load(str(path), ctx=32, prefill_chunk=8)
+    ids = [t.id for t in engine.generate(PROMPT_IDS, raw=True, max_tokens=4, mtp_draft=0,
+                                         on_logits=lambda x: logits.append(x.float().reshape(-1, x.shape[-1])[-1]))]
+    return ids, torch.stack(logits)
+
+
+def assert_tokens_of_f32(path, mix: str, tmp_path) -> None:
+    """The file in `path` gives the greedy tokens (and close logits) of itself dequantized to F32."""
+    f = gguf.open(path)
+    assert layouts.detect(f.metadata, f.tensors).writer == "llama.cpp"
+    assert llamacpp_mix.DEFAULT_TYPE[mix] in {t.type for t in f.tensors.values()}, mix
+    dequantized = requantize.requantize(path, tmp_path / f"{mix}-f32.gguf", "f32").path
+    assert {t.type for t in gguf.open(dequantized).tensors.values()} <= {"F32", "I32"}
+    (ids, logits), (ids_f32, logits_f32) = greedy(path), greedy(dequantized)
+    assert ids == ids_f32, mix
+    assert (logits - logits_f32).abs().max() <= 1e-4 * logits_f32.abs().max(), mix   # quantizing moves them ~1e-2
+
+
+@pytest.mark.parametrize("mix", NAMED_MIXES)
+def test_our_named_mix_gives_tokens_of_its_f32(tmp_path, llamacpp_tiny, mix):
+    """Our quantizer's file in llama.cpp's layout and named mix loads and decodes as its F32 dequantization."""
+    out = requantize.requantize(llamacpp_tiny, tmp_path / f"{mix}.gguf", mix)
+    assert_tokens_of_f32(out.path, mix, tmp_path)
+
+
+@pytest.mark.skipif(LLAMA_QUANTIZE is None, reason="llama-quantize not found ($LLAMA_CPP_BIN or PATH)")
+@pytest.mark.parametrize("mix", NAMED_MIXES)
+def test_llama_quantize_named_mix_gives_tokens_of_its_f32(tmp_path, llamacpp_tiny, mix):
+    """llama-quantize's own file in each named mix loads in ds4py and decodes as its F32 dequantization."""
+    subprocess.run([LLAMA_QUANTIZE, str(llamacpp_tiny), str(tmp_path / f"{mix}.gguf"), mix, "1"], check=True,
+                   capture_output=True)
+    assert_tokens_of_f32(tmp_path / f"{mix}.gguf", mix, tmp_path)
