@@ -52,6 +52,9 @@ def test_llamacpp_choices_for_v4_roles():
     assert pick("blk.0.ffn_down_exps.weight", "IQ2_XXS", down_index=3) == "Q2_K"
     assert pick("blk.0.ffn_down_exps.weight", "IQ2_XXS", down_index=4) == "IQ2_XXS"
     assert pick("blk.9.ffn_up_exps.weight", "IQ3_XS") == "IQ3_XXS"
+    # IQ3_M bumps ffn_down in the more_bits layers only for models with exactly 8 experts (the tiny ones)
+    assert [llamacpp_mix.tensor_type("blk.2.ffn_down_exps.weight", (8, 256, 64), "IQ3_M", n_layer=3, down_index=0,
+                                     has_imatrix=False, n_expert=e) for e in (8, 256)] == ["Q4_K", "IQ3_S"]
     assert pick("blk.0.ffn_up_exps.weight", "IQ3_XS") == "IQ3_S"
     assert pick("blk.3.attn_q_a.weight", "Q5_K_M") == "Q5_K"
     assert pick("blk.3.ffn_up_exps.weight", "MXFP4_MOE", (8, 64, 256)) == "MXFP4"
@@ -141,7 +144,8 @@ def test_choices_match_llama_quantize(tmp_path):
     write_tiny(str(base), mix="f32", compress_ratios=(0, 4, 128, 4, 0, 4), dim=256, head_dim=128, rope_dim=64,
                index_head_dim=128)
     layouts.convert_files(str(base), str(lc), to="llama.cpp")
-    for mix in ("Q4_K_M", "Q3_K_M", "IQ4_XS"):
+    for mix in ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q3_K_M", "Q3_K_S", "Q3_K_L", "Q6_K", "Q2_K", "IQ4_XS",
+                "IQ3_M", "TQ1_0", "Q4_0", "Q5_1", "MXFP4_MOE"):
         subprocess.run([LLAMA_QUANTIZE, str(lc), str(tmp_path / f"{mix}.gguf"), mix, "1"], check=True,
                        capture_output=True)
         theirs = {t.name: t.tensor_type.name for t in gguf_py.GGUFReader(tmp_path / f"{mix}.gguf").tensors}
@@ -199,7 +203,7 @@ def test_our_named_mix_gives_tokens_of_its_f32(tmp_path, llamacpp_tiny, mix):
 
 
 @pytest.mark.skipif(LLAMA_QUANTIZE is None, reason="llama-quantize not found ($LLAMA_CPP_BIN or PATH)")
-@pytest.mark.parametrize("mix", NAMED_MIXES)
+@pytest.mark.parametrize("mix", NAMED_MIXES + ("IQ3_M", "Q4_0", "MXFP4_MOE"))   # our IQ3_S quantizer is slow
 def test_llama_quantize_named_mix_gives_tokens_of_its_f32(tmp_path, llamacpp_tiny, mix):
     """llama-quantize's own file in each named mix loads in ds4py and decodes as its F32 dequantization."""
     subprocess.run([LLAMA_QUANTIZE, str(llamacpp_tiny), str(tmp_path / f"{mix}.gguf"), mix, "1"], check=True,
