@@ -1,9 +1,11 @@
 """Requantization: mix parsing, llama.cpp's per-tensor choices, the round trip per mix, refusals, the script."""
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import gguf as gguf_py
 import pytest
@@ -12,7 +14,9 @@ import torch
 from ds4.engine import default_model_paths, load, open_model
 from ds4.errors import UsageError
 from ds4.formats import gguf, layouts, llamacpp_mix, requantize
+from ds4.formats import imatrix as imatrix_file
 from ds4.formats.requantize import parse_mix
+from ds4.research import imatrix
 from ds4.tiny.build import write_tiny
 from ops import quants
 from tests.script_modules import script
@@ -159,7 +163,6 @@ def test_choices_match_llama_quantize(tmp_path):
 
 
 # llama.cpp's named mixes whose files should load and give the tokens of their own F32 dequantization
-# (the IQ1/IQ2/IQ3_XXS mixes need an imatrix, which llama-quantize cannot apply to V4's attn_output_a)
 NAMED_MIXES = ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q2_K", "Q4_K_S", "Q3_K_S")
 PROMPT_IDS = [0, 3, 17, 42, 7]
 
@@ -192,7 +195,7 @@ def assert_tokens_of_f32(path, mix: str, tmp_path) -> None:
     assert {t.type for t in gguf.open(dequantized).tensors.values()} <= {"F32", "I32"}
     (ids, logits), (ids_f32, logits_f32) = greedy(path), greedy(dequantized)
     assert ids == ids_f32, mix
-    assert (logits - logits_f32).abs().max() <= 1e-4 * logits_f32.abs().max(), mix   # quantizing moves them ~1e-2
+    assert (logits - logits_f32).abs().max() <= 1e-3 * logits_f32.abs().max(), mix   # quantizing moves them > 2e-2
 
 
 @pytest.mark.parametrize("mix", NAMED_MIXES)
@@ -208,4 +211,30 @@ def test_llama_quantize_named_mix_gives_tokens_of_its_f32(tmp_path, llamacpp_tin
     """llama-quantize's own file in each named mix loads in ds4py and decodes as its F32 dequantization."""
     subprocess.run([LLAMA_QUANTIZE, str(llamacpp_tiny), str(tmp_path / f"{mix}.gguf"), mix, "1"], check=True,
                    capture_output=True)
+    assert_tokens_of_f32(tmp_path / f"{mix}.gguf", mix, tmp_path)
+
+
+# the mixes llama-quantize writes only with an imatrix; on V4 it also needs Q8_0 where its imatrix cannot serve:
+# attn_output_a (its entry is per group, its quantizer wants one row) and the tensors no matmul feeds
+LOW_BIT_MIXES = ("IQ2_XXS", "IQ2_M", "IQ3_XXS", "IQ1_M", "Q2_K_S")
+LLAMA_IMATRIX_OVERRIDES = ["--exclude-weights", "attn_output_a", "--tensor-type", "attn_output_a=q8_0",
+                           "--tensor-type", "output_hc_fn=q8_0", "--tensor-type", "compressor_ape=q8_0"]
+
+
+@pytest.fixture(scope="module")
+def llamacpp_imatrix(tmp_path_factory, llamacpp_tiny):
+    """Our importance matrix of the llama.cpp-layout tiny model over 4 chunks of 64 tokens of difflib.py."""
+    path = tmp_path_factory.mktemp("imatrix") / "imatrix.gguf"
+    engine = load(str(llamacpp_tiny), ctx=64)
+    ids = engine.tokenizer.encode(Path(difflib.__file__).read_text(encoding="utf-8"))[:256]
+    imatrix_file.write(path, imatrix.collect(engine, ids, 64, dataset="difflib.py"))   # llama.cpp needs a dataset
+    return path
+
+
+@pytest.mark.skipif(LLAMA_QUANTIZE is None, reason="llama-quantize not found ($LLAMA_CPP_BIN or PATH)")
+@pytest.mark.parametrize("mix", LOW_BIT_MIXES)
+def test_llama_quantize_low_bit_mix_gives_tokens_of_its_f32(tmp_path, llamacpp_tiny, llamacpp_imatrix, mix):
+    """The IQ1/IQ2/IQ3_XXS/Q2_K_S files llama-quantize writes with our imatrix decode as their F32 dequantization."""
+    subprocess.run([LLAMA_QUANTIZE, "--imatrix", str(llamacpp_imatrix), *LLAMA_IMATRIX_OVERRIDES, str(llamacpp_tiny),
+                    str(tmp_path / f"{mix}.gguf"), mix, "1"], check=True, capture_output=True)
     assert_tokens_of_f32(tmp_path / f"{mix}.gguf", mix, tmp_path)
