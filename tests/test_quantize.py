@@ -215,7 +215,7 @@ def test_llama_quantize_named_mix_gives_tokens_of_its_f32(tmp_path, llamacpp_tin
 
 
 # the mixes llama-quantize writes only with an imatrix; on V4 it also needs Q8_0 where its imatrix cannot serve:
-# attn_output_a (its entry is per group, its quantizer wants one row) and the tensors no matmul feeds
+# attn_output_a (its entry is per group, its quantizer wants one row) and the tensors no imatrix has an entry for
 LOW_BIT_MIXES = ("IQ2_XXS", "IQ2_M", "IQ3_XXS", "IQ1_M", "Q2_K_S")
 LLAMA_IMATRIX_OVERRIDES = ["--exclude-weights", "attn_output_a", "--tensor-type", "attn_output_a=q8_0",
                            "--tensor-type", "output_hc_fn=q8_0", "--tensor-type", "compressor_ape=q8_0"]
