@@ -1,18 +1,22 @@
 """Requantization: mix parsing, llama.cpp's per-tensor choices, the round trip per mix, refusals, the script."""
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import gguf as gguf_py
 import pytest
 import torch
 
-from ds4.engine import default_model_paths, open_model
+from ds4.engine import default_model_paths, load, open_model
 from ds4.errors import UsageError
 from ds4.formats import gguf, layouts, llamacpp_mix, requantize
+from ds4.formats import imatrix as imatrix_file
 from ds4.formats.requantize import parse_mix
+from ds4.research import imatrix
 from ds4.tiny.build import write_tiny
 from ops import quants
 from tests.script_modules import script
@@ -52,6 +56,9 @@ def test_llamacpp_choices_for_v4_roles():
     assert pick("blk.0.ffn_down_exps.weight", "IQ2_XXS", down_index=3) == "Q2_K"
     assert pick("blk.0.ffn_down_exps.weight", "IQ2_XXS", down_index=4) == "IQ2_XXS"
     assert pick("blk.9.ffn_up_exps.weight", "IQ3_XS") == "IQ3_XXS"
+    # IQ3_M bumps ffn_down in the more_bits layers only for models with exactly 8 experts (the tiny ones)
+    assert [llamacpp_mix.tensor_type("blk.2.ffn_down_exps.weight", (8, 256, 64), "IQ3_M", n_layer=3, down_index=0,
+                                     has_imatrix=False, n_expert=e) for e in (8, 256)] == ["Q4_K", "IQ3_S"]
     assert pick("blk.0.ffn_up_exps.weight", "IQ3_XS") == "IQ3_S"
     assert pick("blk.3.attn_q_a.weight", "Q5_K_M") == "Q5_K"
     assert pick("blk.3.ffn_up_exps.weight", "MXFP4_MOE", (8, 64, 256)) == "MXFP4"
@@ -141,7 +148,8 @@ def test_choices_match_llama_quantize(tmp_path):
     write_tiny(str(base), mix="f32", compress_ratios=(0, 4, 128, 4, 0, 4), dim=256, head_dim=128, rope_dim=64,
                index_head_dim=128)
     layouts.convert_files(str(base), str(lc), to="llama.cpp")
-    for mix in ("Q4_K_M", "Q3_K_M", "IQ4_XS"):
+    for mix in ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q3_K_M", "Q3_K_S", "Q3_K_L", "Q6_K", "Q2_K", "IQ4_XS",
+                "IQ3_M", "TQ1_0", "Q4_0", "Q5_1", "MXFP4_MOE"):
         subprocess.run([LLAMA_QUANTIZE, str(lc), str(tmp_path / f"{mix}.gguf"), mix, "1"], check=True,
                        capture_output=True)
         theirs = {t.name: t.tensor_type.name for t in gguf_py.GGUFReader(tmp_path / f"{mix}.gguf").tensors}
@@ -152,3 +160,81 @@ def test_choices_match_llama_quantize(tmp_path):
                    capture_output=True)
     mine, theirs = gguf.open(ours_q8), gguf.open(tmp_path / "q8.gguf")   # Q8_0: byte for byte llama.cpp's
     assert all(torch.equal(mine.raw(n).data, theirs.raw(n).data) for n in theirs.tensors)
+
+
+# llama.cpp's named mixes whose files should load and give the tokens of their own F32 dequantization
+NAMED_MIXES = ("Q4_K_M", "Q5_K_M", "Q3_K_M", "Q6_K", "Q8_0", "IQ4_XS", "Q2_K", "Q4_K_S", "Q3_K_S")
+PROMPT_IDS = [0, 3, 17, 42, 7]
+
+
+@pytest.fixture(scope="module")
+def llamacpp_tiny(tmp_path_factory):
+    """A tiny random model in llama.cpp's layout that its deepseek4 loader accepts (256-wide rows: K blocks fit)."""
+    d = tmp_path_factory.mktemp("llamacpp")
+    write_tiny(str(d / "base.gguf"), mix="f32", n_layers=3, compress_ratios=(0, 4, 128), dim=256, head_dim=128,
+               rope_dim=64, index_head_dim=128)
+    layouts.convert_files(str(d / "base.gguf"), str(d / "lc.gguf"), to="llama.cpp")
+    return d / "lc.gguf"
+
+
+def greedy(path) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens (no MTP) after PROMPT_IDS and the logits of every step."""
+    logits = []
+    engine = load(str(path), ctx=32, prefill_chunk=8)
+    ids = [t.id for t in engine.generate(PROMPT_IDS, raw=True, max_tokens=4, mtp_draft=0,
+                                         on_logits=lambda x: logits.append(x.float().reshape(-1, x.shape[-1])[-1]))]
+    return ids, torch.stack(logits)
+
+
+def assert_tokens_of_f32(path, mix: str, tmp_path) -> None:
+    """The file in `path` gives the greedy tokens (and close logits) of itself dequantized to F32."""
+    f = gguf.open(path)
+    assert layouts.detect(f.metadata, f.tensors).writer == "llama.cpp"
+    assert llamacpp_mix.DEFAULT_TYPE[mix] in {t.type for t in f.tensors.values()}, mix
+    dequantized = requantize.requantize(path, tmp_path / f"{mix}-f32.gguf", "f32").path
+    assert {t.type for t in gguf.open(dequantized).tensors.values()} <= {"F32", "I32"}
+    (ids, logits), (ids_f32, logits_f32) = greedy(path), greedy(dequantized)
+    assert ids == ids_f32, mix
+    assert (logits - logits_f32).abs().max() <= 1e-3 * logits_f32.abs().max(), mix   # quantizing moves them > 2e-2
+
+
+@pytest.mark.parametrize("mix", NAMED_MIXES)
+def test_our_named_mix_gives_tokens_of_its_f32(tmp_path, llamacpp_tiny, mix):
+    """Our quantizer's file in llama.cpp's layout and named mix loads and decodes as its F32 dequantization."""
+    out = requantize.requantize(llamacpp_tiny, tmp_path / f"{mix}.gguf", mix)
+    assert_tokens_of_f32(out.path, mix, tmp_path)
+
+
+@pytest.mark.skipif(LLAMA_QUANTIZE is None, reason="llama-quantize not found ($LLAMA_CPP_BIN or PATH)")
+@pytest.mark.parametrize("mix", NAMED_MIXES + ("IQ3_M", "Q4_0", "MXFP4_MOE"))   # our IQ3_S quantizer is slow
+def test_llama_quantize_named_mix_gives_tokens_of_its_f32(tmp_path, llamacpp_tiny, mix):
+    """llama-quantize's own file in each named mix loads in ds4py and decodes as its F32 dequantization."""
+    subprocess.run([LLAMA_QUANTIZE, str(llamacpp_tiny), str(tmp_path / f"{mix}.gguf"), mix, "1"], check=True,
+                   capture_output=True)
+    assert_tokens_of_f32(tmp_path / f"{mix}.gguf", mix, tmp_path)
+
+
+# the mixes llama-quantize writes only with an imatrix; on V4 it also needs Q8_0 where its imatrix cannot serve:
+# attn_output_a (its entry is per group, its quantizer wants one row) and the tensors no imatrix has an entry for
+LOW_BIT_MIXES = ("IQ2_XXS", "IQ2_M", "IQ3_XXS", "IQ1_M", "Q2_K_S")
+LLAMA_IMATRIX_OVERRIDES = ["--exclude-weights", "attn_output_a", "--tensor-type", "attn_output_a=q8_0",
+                           "--tensor-type", "output_hc_fn=q8_0", "--tensor-type", "compressor_ape=q8_0"]
+
+
+@pytest.fixture(scope="module")
+def llamacpp_imatrix(tmp_path_factory, llamacpp_tiny):
+    """Our importance matrix of the llama.cpp-layout tiny model over 4 chunks of 64 tokens of difflib.py."""
+    path = tmp_path_factory.mktemp("imatrix") / "imatrix.gguf"
+    engine = load(str(llamacpp_tiny), ctx=64)
+    ids = engine.tokenizer.encode(Path(difflib.__file__).read_text(encoding="utf-8"))[:256]
+    imatrix_file.write(path, imatrix.collect(engine, ids, 64, dataset="difflib.py"))   # llama.cpp needs a dataset
+    return path
+
+
+@pytest.mark.skipif(LLAMA_QUANTIZE is None, reason="llama-quantize not found ($LLAMA_CPP_BIN or PATH)")
+@pytest.mark.parametrize("mix", LOW_BIT_MIXES)
+def test_llama_quantize_low_bit_mix_gives_tokens_of_its_f32(tmp_path, llamacpp_tiny, llamacpp_imatrix, mix):
+    """The IQ1/IQ2/IQ3_XXS/Q2_K_S files llama-quantize writes with our imatrix decode as their F32 dequantization."""
+    subprocess.run([LLAMA_QUANTIZE, "--imatrix", str(llamacpp_imatrix), *LLAMA_IMATRIX_OVERRIDES, str(llamacpp_tiny),
+                    str(tmp_path / f"{mix}.gguf"), mix, "1"], check=True, capture_output=True)
+    assert_tokens_of_f32(tmp_path / f"{mix}.gguf", mix, tmp_path)

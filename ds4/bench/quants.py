@@ -78,7 +78,8 @@ def mix_rows(args: argparse.Namespace, ids: list[int], base: Measured, work: Pat
     if im_path is None and not args.no_imatrix:
         im_path = str(work / "imatrix.gguf")
         calib = tokens_of(args.model, args.imatrix_text, difflib.__file__, args.ctx * args.imatrix_chunks)
-        imatrix_file.write(im_path, imatrix.collect(load(args.model, ctx=args.ctx), calib, args.ctx))
+        imatrix_file.write(im_path, imatrix.collect(load(args.model, ctx=args.ctx), calib, args.ctx,
+                                                        dataset=args.imatrix_text or difflib.__file__))
     out = []
     for i, spec in enumerate(args.mixes):
         mix = parse_mix(spec)

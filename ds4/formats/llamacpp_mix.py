@@ -17,7 +17,8 @@ What it amounts to for this architecture, in our words:
   third layer between (`more_bits`): Q6_K in Q4_K_M and Q5_K_M there; Q3_K_M: Q5_K in the first 1/16,
   else Q4_K; Q3_K_L: Q5_K; Q4_K_S: Q5_K in the first eighth; Q2_K: Q3_K; Q2_K_S: Q4_K in the first
   eighth; IQ4_XS/IQ4_NL without an imatrix: Q5_K in the first eighth; IQ3_XXS without an imatrix: Q4_K in
-  the first eighth, else Q3_K; the IQ1/IQ2 mixes: Q2_K (IQ3_S for IQ2_S/IQ2_M) for the first eighth of
+  the first eighth, else Q3_K; IQ3_M: Q4_K in the first eighth (and, with exactly 8 experts, in the
+  `more_bits` layers); the IQ1/IQ2 mixes: Q2_K (IQ3_S for IQ2_S/IQ2_M) for the first eighth of
   the `ffn_down` tensors in file order; Q4_0/Q5_0 with an imatrix: Q4_1/Q5_1 in the first eighth.
 * `ffn_gate` / `ffn_up` go to IQ3_XXS in IQ3_XS's middle three quarters of the layers.
 * MXFP4_MOE: routed experts (3-D) MXFP4, every other quantized tensor Q8_0.
@@ -65,7 +66,7 @@ def layer_of(name: str, n_layer: int) -> int:
     return int(m.group(1)) if m else n_layer - 1
 
 
-def _ffn_down(mix: str, i: int, n: int, down_index: int, has_imatrix: bool, default: str) -> str:
+def _ffn_down(mix: str, i: int, n: int, down_index: int, has_imatrix: bool, default: str, n_expert: int) -> str:
     """The type of a `ffn_down` tensor of layer i of n (down_index: its rank among ffn_down tensors)."""
     first_eighth = i < n // 8
     if mix in _LOW_IQ:
@@ -75,7 +76,7 @@ def _ffn_down(mix: str, i: int, n: int, down_index: int, has_imatrix: bool, defa
         "Q2_K_S": "Q4_K" if first_eighth else default,
         "IQ3_XXS": default if has_imatrix else ("Q4_K" if first_eighth else "Q3_K"),
         "Q3_K_M": "Q5_K" if i < n // 16 else "Q4_K",
-        "IQ3_M": "Q4_K" if first_eighth else default,
+        "IQ3_M": "Q4_K" if first_eighth or (n_expert == 8 and more_bits(i, n)) else default,
         "Q3_K_L": "Q5_K",
         "Q4_K_M": "Q6_K" if more_bits(i, n) else default,
         "IQ4_NL": "Q5_K" if first_eighth and not has_imatrix else default,
@@ -89,9 +90,10 @@ def _ffn_down(mix: str, i: int, n: int, down_index: int, has_imatrix: bool, defa
 
 
 def tensor_type(name: str, shape: tuple[int, ...], mix: str, *, n_layer: int, down_index: int,
-                has_imatrix: bool) -> str:
+                has_imatrix: bool, n_expert: int = 0) -> str:
     """The type llama-quantize's mix `mix` picks for quantizable tensor `name` (row length `shape[-1]`), before
-    the block-size fallback; `down_index` counts the `ffn_down` tensors before this one in file order."""
+    the block-size fallback; `down_index` counts the `ffn_down` tensors before this one in file order and
+    `n_expert` is the routed expert count (llama.cpp special-cases exactly 8)."""
     default = DEFAULT_TYPE[mix]
     if name == "output.weight":
         if mix == "MXFP4_MOE" or shape[-1] % _block(default):
@@ -109,7 +111,7 @@ def tensor_type(name: str, shape: tuple[int, ...], mix: str, *, n_layer: int, do
         return "Q4_K" if mix in ("TQ1_0", "TQ2_0") else default
     i = layer_of(name, n_layer)
     if "ffn_down" in name:
-        return _ffn_down(mix, i, n_layer, down_index, has_imatrix, default)
+        return _ffn_down(mix, i, n_layer, down_index, has_imatrix, default, n_expert)
     if ("ffn_up" in name or "ffn_gate" in name) and mix == "IQ3_XS" and n_layer // 8 <= i < 7 * n_layer // 8:
         return "IQ3_XXS"
     return default

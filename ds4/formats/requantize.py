@@ -101,9 +101,14 @@ def _n_layer(f: gguf.GGUFFile) -> int:
     return max(layers, default=-1) + 1
 
 
+def _n_expert(f: gguf.GGUFFile) -> int:
+    """The routed expert count (the first dimension of a `ffn_*_exps` tensor; 0 without one)."""
+    return next((tuple(t.shape)[0] for n, t in f.tensors.items() if "_exps." in n and len(t.shape) == 3), 0)
+
+
 def choose(f: gguf.GGUFFile, mix: Mix, has_imatrix: bool = False) -> list[Choice]:
     """Each tensor's stored type and the type `mix` writes it in (whether or not ds4py has that type yet)."""
-    n_layer, downs, out = _n_layer(f), 0, []
+    n_layer, n_expert, downs, out = _n_layer(f), _n_expert(f), 0, []
     for name, info in f.tensors.items():
         shape, note = tuple(info.shape), ""
         if mix.kind == "ds4":
@@ -118,7 +123,7 @@ def choose(f: gguf.GGUFFile, mix: Mix, has_imatrix: bool = False) -> list[Choice
                 picked = _rule_type(mix, name) or info.type
             else:
                 picked = llamacpp_mix.tensor_type(name, shape, mix.name, n_layer=n_layer, down_index=downs,
-                                                  has_imatrix=has_imatrix)
+                                                  has_imatrix=has_imatrix, n_expert=n_expert)
                 downs += "ffn_down" in name
             target, note = llamacpp_mix.fallback(picked, shape[-1])
         out.append(Choice(name, shape, info.type, target, note))
