@@ -14,6 +14,7 @@ SUITES = {  # suite name -> module in ds4/bench/
     "argmax": "kernels",
     "model": "model",
     "spec": "spec",
+    "traffic": "traffic",
     "cpu": "cpu",
 }
 
