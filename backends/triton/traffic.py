@@ -89,7 +89,7 @@ def view_span(t) -> int:
     """Bytes from a tensor's first element to the end of its last one (0 when empty)."""
     if t.numel() == 0:
         return 0
-    return t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+    return t.element_size() * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)))
 
 
 class TrafficMeter:

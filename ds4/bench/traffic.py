@@ -1,13 +1,13 @@
 """traffic: the memory traffic of every Triton kernel, counted exactly under TRITON_INTERPRET=1 (no GPU needed).
 
 A model (the tiny one, or V4 Flash's shapes with `--layers N` and random weights) runs a prefill, a decode step
-(M=1) and a verify step (M=8) with every op on Triton, each followed by the verify_argmax of its logits; each op call's kernel launches are metered
-(backends/triton/traffic.py) and set against the op's ideal bytes (ops/ideal_bytes.py: each needed byte read
-once, each output byte written once). Per op and shape class: launches, bytes moved (each load/store's distinct
-bytes, summed over every load/store executed), distinct bytes (per launch), ideal bytes, moved/ideal (the
-re-read ratio) and the floor time of the distinct bytes at the copy bandwidth of named GPUs: a lower bound,
-not a prediction. `--op qmatmul` adds qmatmul for every quant type of the registry at one weight shape.
-"""
+(M=1) and a verify step (M=8) with every op on Triton, each followed by the verify_argmax of its logits; each op
+call's kernel launches are metered (backends/triton/traffic.py) and set against the op's ideal bytes
+(ops/ideal_bytes.py: each needed byte read once, each output byte written once). Per op and shape class:
+launches, bytes moved (each load/store's distinct bytes, summed over every load/store executed), distinct bytes
+(per launch), ideal bytes, moved/ideal (the re-read ratio) and the floor time of the distinct bytes at the copy
+bandwidth of named GPUs: a lower bound, not a prediction. `--op qmatmul` alone meters qmatmul for every quant
+type of the registry at one weight shape."""
 from __future__ import annotations
 
 import argparse
@@ -173,7 +173,8 @@ def shape_arg(text: str) -> tuple[int, int]:
 
 def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     """Options of the traffic meter."""
-    p.add_argument("--op", dest="only", default=None, help="only this op's rows; 'qmatmul' without --model: every quant type")
+    p.add_argument("--op", dest="only", default=None,
+                   help="only this op's rows; 'qmatmul' without --model: every quant type at --shape")
     p.add_argument("--model", choices=("tiny", "full"), default=None, help="model shapes (default tiny)")
     p.add_argument("--layers", type=int, default=None, help="first N layers (needed with --model full)")
     p.add_argument("--mix", choices=("q2", "q4"), default="q2", help="tensor-type mix (default q2)")
