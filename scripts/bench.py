@@ -1,5 +1,5 @@
 """Benchmarks: `python scripts/bench.py SUITE [options]`; each suite is a module of ds4/bench/ (its docstring
-says what it measures): qmatmul, moe, indexer, argmax, model, spec, cpu."""
+says what it measures): qmatmul, moe, indexer, argmax, model, spec, cpu, traffic, compile."""
 from __future__ import annotations
 
 import argparse

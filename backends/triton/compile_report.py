@@ -104,7 +104,8 @@ def cases() -> list[Case]:
         Case(hyper.hc_pre_kernel, "any", {"S": 4, "BLOCK_S": 4, "BLOCK_D": hyper.BLOCK_D}),
         Case(hyper.hc_post_kernel, "any", {"S": 4, "BLOCK_S": 4, "BLOCK_D": hyper.BLOCK_D}),
         Case(hyper.hc_head_kernel, "any", {"S": 4, "BLOCK": hyper.ROW_BLOCK, "BLOCK_D": hyper.BLOCK_D}),
-        Case(cache.store_rows_kernel, "any", {"F16": True, "N_BLOCKS": 8, "BLOCK": cache.FP8_BLOCK}, {"slots_ptr": I64}),
+        Case(cache.store_rows_kernel, "any", {"F16": True, "N_BLOCKS": 8, "BLOCK": cache.FP8_BLOCK},
+             {"slots_ptr": I64}),
         Case(compress.compress_kernel, "any", {"BLOCK_N": 128, "BLOCK_D": 16}),
         Case(compress.compress_kernel, "any", {"BLOCK_N": 8, "BLOCK_D": 64}),
         Case(indexer.index_scores_kernel, "any", {"BLOCK_N": indexer.SCORE_BLOCK_N, "BLOCK_H": 64, "BLOCK_D": 32},
@@ -114,7 +115,8 @@ def cases() -> list[Case]:
         Case(indexer.topk_order_kernel, "any", {"SLOTS": 512}, {"sel_ptr": I64, "vis_ptr": I64, "out_ptr": I64}),
         Case(verify_argmax.verify_argmax_kernel, "any", {"BLOCK": verify_argmax.BLOCK}, {"top1_ptr": I64}),
         Case(moe.route_kernel, "any", {"TOP_K": 6, "HASH": False, "HAS_BIAS": True, "NORMALIZE": True,
-                                       "BLOCK_E": 256, "BLOCK_T": 16}, {"tid_ptr": I32, "ids_ptr": I64, "chosen_ptr": I32}),
+                                       "BLOCK_E": 256, "BLOCK_T": 16},
+             {"tid_ptr": I32, "ids_ptr": I64, "chosen_ptr": I32}),
         Case(qmatmul.sum_splits_kernel, "decode/verify", {"SPLITS": 4, "BLOCK": 1024}),
     ]
     for q in quant_types():

@@ -15,6 +15,7 @@ SUITES = {  # suite name -> module in ds4/bench/
     "model": "model",
     "spec": "spec",
     "traffic": "traffic",
+    "compile": "compile",
     "cpu": "cpu",
 }
 
