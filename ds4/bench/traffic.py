@@ -27,6 +27,7 @@ from ops.quants import TYPES
 
 GPUS = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12, "RTX4090": 1.0e12, "M3Max": 0.4e12}  # copy B/s
 VERIFY_M = 8
+STEPS = ("prefill", "decode", "verify")
 
 
 @dataclass
@@ -108,10 +109,13 @@ def model_traffic(args: argparse.Namespace, meter) -> dict[str, dict[str, OpTraf
     for shape, ids, start, rows in ((f"prefill M={args.prompt}", prompt, 0, [args.prompt - 1]),
                                     ("decode M=1", more[:1], args.prompt, [0]),
                                     (f"verify M={VERIFY_M}", more[1:], args.prompt + 1, list(range(VERIFY_M)))):
+        if STEPS.index(shape.split()[0]) > max(STEPS.index(s) for s in args.steps):
+            break  # a step runs after the ones before it (their cache rows)
         ops.totals = defaultdict(OpTraffic)
         print(f"# {args.model} model, {margs.n_layers} layers, {args.mix}: {shape}", file=sys.stderr, flush=True)
         ops.verify_argmax(model.forward(ids, start, caches, rows)[1])   # the top-1 a greedy or verify step takes
-        steps[shape] = dict(ops.totals)
+        if shape.split()[0] in args.steps:
+            steps[shape] = dict(ops.totals)
     return steps
 
 
@@ -179,5 +183,7 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--layers", type=int, default=None, help="first N layers (needed with --model full)")
     p.add_argument("--mix", choices=("q2", "q4"), default="q2", help="tensor-type mix (default q2)")
     p.add_argument("--prompt", type=int, default=32, help="prefill rows (default 32)")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                   help="model steps to meter, in order (default all three; a later step runs the earlier ones)")
     p.add_argument("--shape", type=shape_arg, default=(512, 4096), metavar="NxK",
                    help="qmatmul weight shape for --op qmatmul (default 512x4096)")
