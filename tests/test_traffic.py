@@ -122,3 +122,49 @@ def test_traffic_bench_smoke():
     decode = f32["decode M=1"]
     assert decode["launches"] == 1 and decode["distinct_x_ideal"] == "1.00"
     assert float(decode["ideal_MB"]) * 1e6 == pytest.approx(32 * 256 * 4 + 256 * 4 + 32 * 4, abs=1)
+
+
+def test_occupancy_follows_registers_and_shared_memory():
+    from backends.triton.compile_report import ARCHS, Usage, failure, occupancy
+    assert occupancy(ARCHS["sm_90a"], 228, 0, 4) == (2, 8)       # 228 regs -> 7424 per warp -> 8 warps
+    assert occupancy(ARCHS["sm_89"], 127, 0, 8) == (2, 16)       # 4096 per warp -> 16 warps -> 2 blocks of 8
+    assert occupancy(ARCHS["sm_80"], 32, 0, 4) == (16, 64)       # warp-limited: 64 warps
+    assert occupancy(ARCHS["sm_80"], 32, 80 * 1024, 4) == (2, 8)  # 81 KB per block: 2 fit in 164 KB
+    assert failure(Usage(40, 16, 0, 4, 16)).startswith("SPILLS")
+    assert failure(Usage(255, 0, 0, 1, 4)).startswith("OCCUPANCY")
+    assert failure(Usage(64, 0, 0, 8, 32)) == ""
+
+
+def test_compile_report_compiles_offline():
+    """scripts/compile_triton.py compiles a kernel for sm_90a without a GPU (outside the interpreter)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip(f"no ptxas in the triton wheel ({ptxas}): offline compiles need it")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(root / "scripts" / "compile_triton.py"), "--arch", "sm_90a",
+                           "--kernel", "hadamard", "--check"], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    header, row = done.stdout.splitlines()
+    assert header.split()[:3] == ["kernel", "shape", "arch"]
+    fields = row.split()
+    assert fields[0] == "hadamard_kernel" and "sm_90a" in fields and fields[-1] == "yes"
+    assert int(fields[fields.index("sm_90a") + 1]) > 0  # registers
+
+
+def test_bench_times_the_cpu_kernels(capsys):
+    """`bench.py qmatmul --backend cpu` times the C kernel (not the reference) beside the copy bandwidth."""
+    from script_modules import script
+
+    from backends.registry import OpSet
+    assert OpSet("cpu", strict=True).resolve("qmatmul")[0].backend == "cpu"
+    script("bench").main(["qmatmul", "--csv", "--backend", "cpu", "--types", "Q8_0", "--shapes", "8x64", "--m", "1",
+                          "--reps", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "copy" in lines[1] and "backend cpu" in lines[1] and "need a GPU" not in lines[1]
+    assert lines[3].split(",")[:5] == ["Q8_0", "8", "64", "1", "cpu"]
