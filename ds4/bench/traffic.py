@@ -99,7 +99,8 @@ def model_traffic(args: argparse.Namespace, meter) -> dict[str, dict[str, OpTraf
     ops = MeteredOps(meter)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # tiny rows are too short for block types: F16, as warned
-        margs = random_args(args.layers, tiny=args.model == "tiny")
+        sliced = {"vocab_size": args.vocab} if args.vocab else {}
+        margs = random_args(args.layers, tiny=args.model == "tiny", **sliced)
         model = random_model(margs, args.mix, ops, seed=0)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, margs.vocab_size, (args.prompt,), generator=g).tolist()
@@ -111,6 +112,8 @@ def model_traffic(args: argparse.Namespace, meter) -> dict[str, dict[str, OpTraf
                                     (f"verify M={VERIFY_M}", more[1:], args.prompt + 1, list(range(VERIFY_M)))):
         if STEPS.index(shape.split()[0]) > max(STEPS.index(s) for s in args.steps):
             break  # a step runs after the ones before it (their cache rows)
+        if not ids:
+            continue  # --prompt 0: decode from an empty cache
         ops.totals = defaultdict(OpTraffic)
         print(f"# {args.model} model, {margs.n_layers} layers, {args.mix}: {shape}", file=sys.stderr, flush=True)
         ops.verify_argmax(model.forward(ids, start, caches, rows)[1])   # the top-1 a greedy or verify step takes
@@ -155,8 +158,8 @@ def step_rows(steps: dict[str, dict[str, OpTraffic]], only: str | None) -> list[
 
 def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     """Meter a model's prefill, decode and verify steps (or qmatmul alone) and tabulate bytes against ideal."""
-    if args.layers is not None and args.layers < 1 or args.prompt < 1:
-        raise UsageError("--layers and --prompt must be >= 1")
+    if args.layers is not None and args.layers < 1 or args.prompt < 0 or args.vocab is not None and args.vocab < 16:
+        raise UsageError("--layers must be >= 1, --prompt >= 0, --vocab >= 16")
     meter = interpreter_meter()
     print(f"# traffic under TRITON_INTERPRET=1; floor_us = distinct bytes / copy bandwidth (a lower bound), "
           f"bandwidths TB/s: {', '.join(f'{g} {bw / 1e12:g}' for g, bw in GPUS.items())}", file=sys.stderr)
@@ -182,7 +185,9 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--model", choices=("tiny", "full"), default=None, help="model shapes (default tiny)")
     p.add_argument("--layers", type=int, default=None, help="first N layers (needed with --model full)")
     p.add_argument("--mix", choices=("q2", "q4"), default="q2", help="tensor-type mix (default q2)")
-    p.add_argument("--prompt", type=int, default=32, help="prefill rows (default 32)")
+    p.add_argument("--prompt", type=int, default=32, help="prefill rows (default 32; 0: decode from an empty cache)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="slice the vocabulary (embedding, LM head) to this many rows so the interpreter finishes")
     p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
                    help="model steps to meter, in order (default all three; a later step runs the earlier ones)")
     p.add_argument("--shape", type=shape_arg, default=(512, 4096), metavar="NxK",
