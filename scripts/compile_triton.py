@@ -15,6 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # backends from any working directory
 
+WIDTHS = {"kernel": 100, "shape": 13, "arch": 6, "ok": 4}  # other columns: 8
+
 
 def main(argv: list[str] | None = None) -> int:
     """Compile, print the table, return 1 when --check finds a spill or low occupancy."""
@@ -30,10 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the default, stated (silences its warning)
     from backends.triton.compile_report import MIN_WARPS_PER_SM, report
-    rows = report(args.arch, args.kernel, args.types)
-    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in rows[0]}
-    for line in [dict(zip(widths, widths, strict=True)), *rows]:
-        print("  ".join(str(line[c]).ljust(w) for c, w in widths.items()), flush=True)
+    rows = []
+    for row in report(args.arch, args.kernel, args.types):  # printed as each compiles: a full run takes minutes
+        if not rows:
+            print("  ".join(c.ljust(WIDTHS.get(c, 8)) for c in row))
+        rows.append(row)
+        print("  ".join(str(v).ljust(WIDTHS.get(c, 8)) for c, v in row.items()), flush=True)
     bad = [r for r in rows if r["ok"] != "yes"]
     if args.check and bad:
         print(f"compile_triton.py: {len(bad)} configurations spill or keep fewer than {MIN_WARPS_PER_SM} warps "

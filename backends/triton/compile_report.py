@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import triton
@@ -170,10 +171,9 @@ def compile_case(case: Case, arch: Arch) -> Usage:
     return Usage(usage["REG"], usage.get("STACK", 0) + usage.get("LOCAL", 0), shared, blocks, warps)
 
 
-def report(archs: list[str], match: str | None = None, types: list[str] | None = None) -> list[dict]:
-    """A table row per (case, arch) for the cases whose label contains `match` and whose quant type (if any)
-    is in `types`."""
-    rows = []
+def report(archs: list[str], match: str | None = None, types: list[str] | None = None) -> Iterator[dict]:
+    """A table row per (case, arch), as each compiles, for the cases whose label contains `match` and whose
+    quant type (if any) is in `types`."""
     for case in cases():
         qtype = next((v for k, v in case.constexprs.items() if k in ("QTYPE", "GATE", "DOWN")), None)
         if match and match not in case.label() or types and qtype is not None and qtype not in types:
@@ -181,11 +181,10 @@ def report(archs: list[str], match: str | None = None, types: list[str] | None =
         for name in archs:
             u = compile_case(case, ARCHS[name])
             arch = ARCHS[name]
-            rows.append({"kernel": case.label(), "shape": case.shape, "arch": name, "regs": u.registers,
-                         "spill_B": u.spill_bytes, "smem_B": u.shared, "blocks_SM": u.blocks_per_sm,
-                         "warps_SM": u.warps_per_sm, "occupancy": f"{100 * u.warps_per_sm / arch.max_warps:.0f}%",
-                         "ok": "yes" if not failure(u) else failure(u)})
-    return rows
+            yield {"kernel": case.label(), "shape": case.shape, "arch": name, "regs": u.registers,
+                   "spill_B": u.spill_bytes, "smem_B": u.shared, "blocks_SM": u.blocks_per_sm,
+                   "warps_SM": u.warps_per_sm, "occupancy": f"{100 * u.warps_per_sm / arch.max_warps:.0f}%",
+                   "ok": failure(u) or "yes"}
 
 
 def failure(u: Usage) -> str:

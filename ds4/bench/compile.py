@@ -23,7 +23,7 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     from backends.triton.compile_report import MIN_WARPS_PER_SM, report
     print(f"# offline compile (triton's ptxas); check floor: no spills, >= {MIN_WARPS_PER_SM} warps per SM",
           file=sys.stderr)
-    table = report(args.arch, args.kernel, args.types)
+    table = list(report(args.arch, args.kernel, args.types))
     if not table:
         raise UsageError(f"compile: no kernel configuration matches --kernel {args.kernel!r} --types {args.types}")
     bad = [r for r in table if r["ok"] != "yes"]
