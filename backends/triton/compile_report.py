@@ -45,13 +45,15 @@ FLOATS = {"eps", "scale", "clamp", "route_scale", "sqrt_n", "rms_eps", "hc_eps"}
 
 @dataclass(frozen=True)
 class Case:
-    """One kernel configuration: the kernel, its pointer element types (default *fp32), constexprs, warps."""
+    """One kernel configuration: the kernel, its pointer element types (default *fp32), constexprs, warps and
+    pipeline stages (Triton's default 3 unless the wrapper launches with others)."""
 
     kernel: object
     shape: str  # "decode/verify", "prefill" or "any"
     constexprs: dict
     pointers: dict | None = None
     num_warps: int = 4
+    num_stages: int = 3
 
     def signature(self) -> dict[str, str]:
         """Triton's type signature: constexprs, pointers (default *fp32), fp32 scalars, else i32."""
@@ -66,9 +68,9 @@ class Case:
         return sig
 
     def label(self) -> str:
-        """'name k=v ...' of the constexprs and warps."""
+        """'name k=v ... warps=w stages=s' of the constexprs, warps and stages."""
         shown = " ".join(f"{k}={v}" for k, v in self.constexprs.items())
-        return f"{self.kernel.__name__} {shown} warps={self.num_warps}"
+        return f"{self.kernel.__name__} {shown} warps={self.num_warps} stages={self.num_stages}"
 
 
 @dataclass(frozen=True)
@@ -123,9 +125,11 @@ def cases() -> list[Case]:
     for q in quant_types():
         out.append(Case(cache.embed_kernel, "any", {"QTYPE": q, "BLOCK_D": cache.EMBED_BLOCK},
                         {"table_ptr": "*u8", "ids_ptr": I64, "grid_ptr": U8, "signs_ptr": U8}))
-        out.append(Case(qmatmul.qmatmul_kernel, "decode/verify", {"QTYPE": q, **small}, wq, qmatmul.SMALL["num_warps"]))
+        out.append(Case(qmatmul.qmatmul_kernel, "decode/verify", {"QTYPE": q, **small}, wq, qmatmul.SMALL["num_warps"],
+                        qmatmul.SMALL["num_stages"]))
         for config in qmatmul.PREFILL_CONFIGS:
-            out.append(Case(qmatmul.qmatmul_kernel, "prefill", {"QTYPE": q, **config.kwargs}, wq, config.num_warps))
+            out.append(Case(qmatmul.qmatmul_kernel, "prefill", {"QTYPE": q, **config.kwargs}, wq, config.num_warps,
+                            config.num_stages))
         gemv = {k: moe.GEMV[k] for k in ("BLOCK_N", "BLOCK_K")}
         gemm = {k: moe.GEMM[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
         out += [
@@ -164,7 +168,7 @@ def compile_case(case: Case, arch: Arch) -> Usage:
     """Compile `case` for `arch` with the wheel's ptxas and read its resource usage."""
     source = ASTSource(fn=case.kernel, signature=case.signature(), constexprs=case.constexprs)
     kernel = triton.compile(source, target=GPUTarget("cuda", arch.capability, 32),
-                            options={"num_warps": case.num_warps, "num_stages": 1})
+                            options={"num_warps": case.num_warps, "num_stages": case.num_stages})
     usage = resources(kernel.asm["cubin"])
     shared = max(kernel.metadata.shared, usage.get("SHARED", 0))
     blocks, warps = occupancy(arch, usage["REG"], shared, case.num_warps)
