@@ -113,15 +113,18 @@ def test_traffic_bench_smoke():
     """`bench.py traffic --op qmatmul` at a small shape: a row per registry type Triton has, per shape class."""
     from backends.triton.quants import SUPPORTED
     from ds4.bench import traffic
-    args = argparse.Namespace(only="qmatmul", model=None, layers=None, mix="q2", prompt=17, shape=(32, 256))
+    parser = argparse.ArgumentParser()
+    traffic.add_args(parser, on_gpu=False)
+    args = parser.parse_args(["--op", "qmatmul", "--shape", "32x256", "--prompt", "17"])
     rows = traffic.rows(args, torch.device("cpu"))
     types = [t for t in TYPES if t in SUPPORTED and 256 % TYPES[t].block_size == 0]
     assert len(rows) == 3 * len(types)
     f32 = {r["shape"]: r for r in rows if r["op"] == "qmatmul F32 32x256"}
     assert set(f32) == {"decode M=1", "verify M=8", "prefill M=17"}
     decode = f32["decode M=1"]
-    assert decode["launches"] == 1 and decode["distinct_x_ideal"] == "1.00"
-    assert float(decode["ideal_MB"]) * 1e6 == pytest.approx(32 * 256 * 4 + 256 * 4 + 32 * 4, abs=1)
+    assert decode["launches"] == 2   # the interpreter splits K in two for one N tile: the GEMV, then the sum
+    assert 1.0 <= float(decode["distinct_x_ideal"]) < 1.05  # + the split partials, written and read back
+    assert float(decode["ideal_MB"]) * 1e6 == pytest.approx(32 * 256 * 4 + 256 * 4 + 32 * 4, abs=50)  # 4 decimals of MB
 
 
 def test_occupancy_follows_registers_and_shared_memory():

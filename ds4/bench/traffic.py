@@ -165,7 +165,7 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
           f"bandwidths TB/s: {', '.join(f'{g} {bw / 1e12:g}' for g, bw in GPUS.items())}", file=sys.stderr)
     with meter:
         if args.only == "qmatmul" and args.model is None:
-            return step_rows(qmatmul_traffic(args, meter), None)
+            return step_rows(qmatmul_traffic(args, meter), "qmatmul")
         args.model = args.model or "tiny"
         if args.model == "full" and args.layers is None:
             raise UsageError("--model full needs --layers N (the interpreter is slow: try 1 or 2)")
