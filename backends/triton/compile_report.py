@@ -45,8 +45,7 @@ FLOATS = {"eps", "scale", "clamp", "route_scale", "sqrt_n", "rms_eps", "hc_eps"}
 
 @dataclass(frozen=True)
 class Case:
-    """One kernel configuration: the kernel, its pointer element types (default *fp32), constexprs, warps and
-    pipeline stages (Triton's default 3 unless the wrapper launches with others)."""
+    """One kernel configuration as its wrapper launches it (stages: Triton's default 3 unless set)."""
 
     kernel: object
     shape: str  # "decode/verify", "prefill" or "any"
@@ -155,8 +154,7 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 
 def occupancy(arch: Arch, registers: int, shared: int, warps: int) -> tuple[int, int]:
-    """(blocks, warps) resident per SM: registers are allocated per warp in units of 256, shared memory per
-    block with the runtime's reserved kilobyte."""
+    """(blocks, warps) resident per SM: registers per warp in units of 256, shared memory plus 1 KB per block."""
     per_warp = -(-max(registers, 1) * 32 // 256) * 256
     by_registers = (arch.registers // per_warp) // warps
     by_shared = arch.smem_per_sm // (shared + arch.reserved_smem)
@@ -176,8 +174,7 @@ def compile_case(case: Case, arch: Arch) -> Usage:
 
 
 def report(archs: list[str], match: str | None = None, types: list[str] | None = None) -> Iterator[dict]:
-    """A table row per (case, arch), as each compiles, for the cases whose label contains `match` and whose
-    quant type (if any) is in `types`."""
+    """A row per (case, arch) as each compiles; only labels containing `match`, quant types in `types`."""
     for case in cases():
         qtype = next((v for k, v in case.constexprs.items() if k in ("QTYPE", "GATE", "DOWN")), None)
         if match and match not in case.label() or types and qtype is not None and qtype not in types:

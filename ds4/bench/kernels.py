@@ -70,8 +70,7 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
 
 def cpu_rows(args: argparse.Namespace) -> list[dict]:
-    """The C kernels of the cpu backend against the reference and against this machine's copy bandwidth: the
-    op's ideal bytes (ops/ideal_bytes.py) over the kernel's time, as GB/s and as a share of the copy's."""
+    """The C kernels against the reference and the copy bandwidth (the op's ideal bytes per second of kernel)."""
     device = torch.device("cpu")
     copy_bw = copy_bandwidth(device, args.reps)
     print(f"# {machine(device)}\n# {args.op}: cpu backend (C kernels); device-to-device copy: {copy_bw / 1e9:.1f} GB/s",
