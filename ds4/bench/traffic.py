@@ -180,7 +180,7 @@ def shape_arg(text: str) -> tuple[int, int]:
 
 def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     """Options of the traffic meter."""
-    p.add_argument("--op", dest="only", default=None,
+    p.add_argument("--op", dest="only", default=None, metavar="OP",
                    help="only this op's rows; 'qmatmul' without --model: every quant type at --shape")
     p.add_argument("--model", choices=("tiny", "full"), default=None, help="model shapes (default tiny)")
     p.add_argument("--layers", type=int, default=None, help="first N layers (needed with --model full)")
