@@ -14,6 +14,8 @@ SUITES = {  # suite name -> module in ds4/bench/
     "argmax": "kernels",
     "model": "model",
     "spec": "spec",
+    "traffic": "traffic",
+    "compile": "compile",
     "cpu": "cpu",
     "gpu": "gpu",
     "kvdisk": "kvdisk",

@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -96,21 +97,26 @@ def test_summary(output: str, returncode: int) -> dict:
             "summary": summary.strip("= "), "failing": " ".join(failed[:20]) or "-"}
 
 
-def suite_args(dry_run: bool, reps: int, **options) -> argparse.Namespace:
-    """The namespace a suite's rows() reads."""
-    return argparse.Namespace(quick=dry_run, reps=reps, csv=False, **options)
+def suite_args(suite: ModuleType, dry_run: bool, reps: int, **options) -> argparse.Namespace:
+    """The namespace `suite`'s rows() reads: its own parser's defaults, then `options`."""
+    parser = argparse.ArgumentParser()
+    suite.add_args(parser, on_gpu=not dry_run)
+    args = parser.parse_args([])
+    vars(args).update(quick=dry_run, reps=reps, csv=False, **options)
+    return args
 
 
 def op_tables(report: Report, device: torch.device, dry_run: bool, reps: int) -> None:
     """qmatmul at every type, shape and M; moe, indexer and argmax."""
     if dry_run:
-        q = suite_args(True, reps, types=["Q8_0"], shapes=["64x256"], m=[1, 3], backend="torch")
+        q = suite_args(qmatmul, True, reps, types=["Q8_0"], shapes=["64x256"], m=[1, 3], backend="torch")
     else:
-        q = suite_args(False, reps, types=list(qmatmul.QMATMUL_TYPES), shapes=None, m=None, backend="triton")
+        q = suite_args(qmatmul, False, reps, backend="triton")   # every registered type Triton serves
     report.add("qmatmul", lambda: qmatmul.rows(q, device),
                "GB/s = weight bytes / time; %copy = that against the device-to-device copy measured in the same run")
     for op in ("moe", "indexer", "argmax"):
-        report.add(op, lambda op=op: kernels.rows(suite_args(dry_run, reps, op=op, smoke=dry_run), device),
+        k = suite_args(kernels, dry_run, reps, op=op, smoke=dry_run)
+        report.add(op, lambda k=k: kernels.rows(k, device),
                    "x_reference = reference time / Triton time")
 
 
@@ -119,7 +125,8 @@ def model_tables(report: Report, device: torch.device, dry_run: bool, reps: int)
     sizes = SMOKE_MODEL if dry_run else FULL_MODEL
     for graphs in (False, True):
         for mix in ("q2", "q4"):
-            a = suite_args(dry_run, reps, mix=mix, tiny=dry_run, backend="auto", png=None, cuda_graphs=graphs, **sizes)
+            a = suite_args(model, dry_run, reps, mix=mix, tiny=dry_run, backend="auto", png=None, cuda_graphs=graphs,
+                           **sizes)
             report.add(f"model {mix}{' cuda graphs' if graphs else ''}", lambda a=a: model.rows(a, device),
                        f"{'tiny sizes' if dry_run else 'V4 Flash shapes'}, first {sizes['layers']} layers, random "
                        "weights; roofline = copy bandwidth / decode step bytes"
@@ -128,7 +135,7 @@ def model_tables(report: Report, device: torch.device, dry_run: bool, reps: int)
 
 def spec_table(report: Report, device: torch.device, dry_run: bool) -> None:
     """The speculative frontier on the embedded model (dry run: 2 tokens per generation)."""
-    a = argparse.Namespace(model=None, mtp=None, tokens=2 if dry_run else 96, threads=1, png=None)
+    a = suite_args(spec, dry_run, 1, tokens=2 if dry_run else 96)
     report.add("speculative frontier", lambda: spec.rows(a, device),
                "embedded model; target passes per committed token by speculative mode")
 

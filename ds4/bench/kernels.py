@@ -3,7 +3,8 @@
 The Triton kernels of those ops at V4 Flash sizes (routed experts with the q2 mix's
 stacks and the shared expert; index scores and top-512; verify argmax over the vocabulary), each with the
 PyTorch reference's time beside it and the ratio. Without CUDA only the reference runs, at smaller sizes in
-quick mode; `--smoke` takes tiny sizes (a check that the pipeline runs, not a figure)."""
+quick mode; `--smoke` takes tiny sizes (a check that the pipeline runs, not a figure). `--backend cpu` times the
+cpu backend's C kernels instead, with the op's ideal bytes per second beside this machine's copy bandwidth."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,8 @@ import argparse
 import torch
 
 from backends.registry import implementations
-from ds4.bench.common import machine, random_weight, seconds, stacked_weight
+from ds4.bench.common import copy_bandwidth, fmt, machine, random_weight, seconds, stacked_weight
+from ops.ideal_bytes import ideal_bytes
 from ops.moe import Experts
 
 
@@ -52,7 +54,9 @@ def kernel_cases(op: str, quick: bool, device: torch.device, smoke: bool = False
 
 
 def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
-    """Time the Triton kernel (CUDA only) and the reference of each case of `args.op`."""
+    """Time the kernel of `args.backend` (Triton: CUDA only; cpu: the C kernels) and the reference of each case."""
+    if args.backend == "cpu":
+        return cpu_rows(args)
     where = "" if device.type == "cuda" else " (reference alone here)"
     print(f"# {machine(device)}\n# {args.op}: Triton on CUDA only{where}", flush=True)
     rows = []
@@ -68,6 +72,30 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     return rows
 
 
+def cpu_rows(args: argparse.Namespace) -> list[dict]:
+    """The C kernels against the reference and the copy bandwidth (the op's ideal bytes per second of kernel)."""
+    device = torch.device("cpu")
+    copy_bw = copy_bandwidth(device, args.reps)
+    print(f"# {machine(device)}\n# {args.op}: cpu backend (C kernels); device-to-device copy: {copy_bw / 1e9:.1f} GB/s",
+          flush=True)
+    rows = []
+    for case, m, op, op_args in kernel_cases(args.op, args.quick, device, args.smoke):
+        impls = implementations(op)
+        ref = seconds([lambda f=impls["torch"].fn, a=op_args: f(*a)], device, args.reps)
+        kernel = gbps = None
+        if "cpu" in impls:
+            kernel = seconds([lambda f=impls["cpu"].fn, a=op_args: f(*a)], device, args.reps)
+            gbps = ideal_bytes(op, impls["cpu"].fn(*op_args), *op_args) / kernel
+        rows.append({"op": op, "case": case, "M": m, "cpu_us": "-" if kernel is None else f"{kernel * 1e6:.1f}",
+                     "reference_us": f"{ref * 1e6:.1f}",
+                     "x_reference": "-" if kernel is None else f"{ref / kernel:.2f}",
+                     "ideal_GB/s": "-" if gbps is None else fmt(gbps / 1e9),
+                     "%copy": "-" if gbps is None else fmt(100 * gbps / copy_bw)})
+    return rows
+
+
 def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
-    """The moe / indexer / argmax benchmarks: the common options and --smoke."""
+    """The moe / indexer / argmax benchmarks: the backend beside the reference, and --smoke."""
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks that the benchmark runs (no figure)")
+    p.add_argument("--backend", choices=("triton", "cpu"), default="triton",
+                   help="triton (CUDA only; the reference alone elsewhere) or cpu (the C kernels)")

@@ -6,8 +6,9 @@ same run (bytes read + written by a device-to-device copy, per second), and the 
 PyTorch baseline (dequantize, then one torch.matmul). On CUDA, calls are replayed in a CUDA graph
 over enough weight copies to defeat L2, so the figures are kernel time from DRAM. On a machine
 without CUDA only the torch reference runs, in a quick mode by default; Triton figures need a GPU.
-`--backend mlx` times the MLX qmatmul (weights in their MLX format, each call evaluated) on MLX's default
-device, against the same torch CPU baseline.
+`--backend cpu` times the cpu backend's C kernel (backends/cpu/qgemv.c) against the same baseline and this
+machine's copy bandwidth, so an edit to the C file shows at once. `--backend mlx` times the MLX qmatmul
+(weights in their MLX format, each call evaluated) on MLX's default device, against the same torch CPU baseline.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         raise UsageError("--backend triton: Triton figures need a CUDA GPU; on this machine use --backend torch")
     shapes = args.shapes or (QMATMUL_QUICK_SHAPES if args.quick else QMATMUL_SHAPES)
     ms = args.m or (QMATMUL_QUICK_M if args.quick else QMATMUL_M)
+    if args.backend == "cpu":
+        device = torch.device("cpu")   # the C kernels take CPU tensors
     opset = OpSet(backend=args.backend, strict=True, device="mlx" if args.backend == "mlx" else str(device))
     op = opset.resolve("qmatmul")[0].fn
     if args.backend == "mlx":  # weights repacked into their MLX format; a call is timed up to its evaluation
@@ -50,7 +53,7 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         print(f"# MLX {mx.__version__} on {mx.default_device()}; baseline: torch on the CPU")
     copy_bw = copy_bandwidth(device, args.reps)
     print(f"# {machine(device)}\n# device-to-device copy: {copy_bw / 1e9:.1f} GB/s; backend {args.backend}"
-          f"{'' if device.type == 'cuda' or args.backend == 'mlx' else ' (Triton figures need a GPU)'}", flush=True)
+          f"{' (Triton figures need a GPU)' if args.backend == 'torch' and device.type != 'cuda' else ''}", flush=True)
     rows = []
     for qtype in args.types or default_types(args.backend):
         for n, k in map(parse_shape, shapes):
@@ -81,4 +84,4 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--m", nargs="+", type=int, default=None,
                    help=f"rows of x (default: {' '.join(map(str, QMATMUL_M))}; --quick: "
                         f"{' '.join(map(str, QMATMUL_QUICK_M))})")
-    p.add_argument("--backend", choices=("torch", "triton", "mlx"), default="triton" if on_gpu else "torch")
+    p.add_argument("--backend", choices=("torch", "triton", "mlx", "cpu"), default="triton" if on_gpu else "torch")
