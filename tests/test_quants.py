@@ -22,38 +22,6 @@ NOT_PORTED = {"NVFP4"}
 # gguf-py quantizers ds4py does not match bit for bit (MXFP4: ds4py rounds as DeepSeek's fp4 quantizer does).
 OWN_QUANTIZER = {"MXFP4"}
 
-# quantize -> dequantize relative RMS error on Gaussian weights (sigma 1000, so I32 rounding shows):
-# measured value, and the bound the test enforces (~1.3x measured).
-ERROR_BOUNDS = {  # name: (measured, bound)
-    "F32": (0.0, 0.0),
-    "F16": (2.0e-4, 2.6e-4),
-    "BF16": (1.67e-3, 2.2e-3),
-    "I32": (2.9e-4, 3.8e-4),
-    "Q8_0": (5.35e-3, 7.0e-3),
-    "Q4_K": (0.0712, 0.093),
-    "Q2_K": (0.269, 0.35),
-    "IQ2_XXS": (0.327, 0.43),
-    "MXFP4": (0.115, 0.15),
-    "FP8_E4M3": (0.0266, 0.035),
-    "Q4_0": (0.0862, 0.11),
-    "Q4_1": (0.0786, 0.1),
-    "Q5_0": (0.0426, 0.055),
-    "Q5_1": (0.0379, 0.049),
-    "Q3_K": (0.155, 0.2),
-    "Q5_K": (0.036, 0.047),
-    "Q6_K": (0.0187, 0.024),
-    "TQ1_0": (0.81, 0.85),  # ternary: made for ternary weights, so Gaussian ones lose most of their energy
-    "TQ2_0": (0.81, 0.85),
-    "IQ4_NL": (0.0775, 0.1),
-    "IQ4_XS": (0.0779, 0.1),
-    "IQ2_XS": (0.287, 0.37),
-    "IQ2_S": (0.24, 0.31),
-    "IQ3_XXS": (0.179, 0.23),
-    "IQ3_S": (0.13, 0.17),
-    "IQ1_S": (0.446, 0.58),
-    "IQ1_M": (0.412, 0.54),
-}
-
 
 def random_blocks(qt: quants.QuantType, n: int, seed: int = 0) -> np.ndarray:
     """`n` blocks of random bytes: float fields hold any value, NaN, infinity and subnormals included."""
@@ -86,7 +54,6 @@ def gaussian(rows: int = 16, cols: int = 1024, seed: int = 0) -> torch.Tensor:
 
 
 def test_registry_covers_every_type_gguf_py_dequantizes():
-    assert set(quants.TYPES) == set(ERROR_BOUNDS)
     dequantizable = {t.name for t in gguf.quants._type_traits}
     assert dequantizable - set(quants.TYPES) == NOT_PORTED
     for t in GGUF_TYPES:
@@ -148,7 +115,7 @@ def test_quantize_matches_gguf_py_where_it_has_a_quantizer(qt):
 def test_quantize_error_bound(qt):
     x = gaussian()
     y = QTensor.quantize(x, qt).dequantize()
-    bound = ERROR_BOUNDS[qt.name][1]
+    bound = qt.error_bound
     assert rel_rms(y, x) <= bound
     # the bound catches a quantizer that puts values in the wrong places
     assert not rel_rms(y, x.roll(1, -1)) <= bound
@@ -173,7 +140,7 @@ def test_zero_and_tiny_blocks(qt):
     assert torch.equal(y[0], torch.zeros(256))
     assert torch.isfinite(y).all()
     if qt.name != "I32":  # integers cannot hold 1e-3
-        assert rel_rms(y[1], x[1]) <= ERROR_BOUNDS[qt.name][1]
+        assert rel_rms(y[1], x[1]) <= qt.error_bound
 
 
 # --- E2M1 (MXFP4) ---------------------------------------------------------------------------------

@@ -40,4 +40,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([hmask, qs, lows, highs, f16_bytes(d)], -1).reshape(*x.shape[:-1], BYTES)
 
 
-QTYPE = QuantType("Q3_K", 11, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("Q3_K", 11, BLOCK, BYTES, dequantize, quantize, error_bound=0.2)  # measured 0.155

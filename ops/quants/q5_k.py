@@ -40,4 +40,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([f16_bytes(d), f16_bytes(dmin), scales, qh, qs], -1).reshape(*x.shape[:-1], BYTES)
 
 
-QTYPE = QuantType("Q5_K", 13, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("Q5_K", 13, BLOCK, BYTES, dequantize, quantize, error_bound=0.047)  # measured 0.036

@@ -46,4 +46,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([ql, qh, scales, f16_bytes(d)], -1).reshape(*x.shape[:-1], BYTES)
 
 
-QTYPE = QuantType("Q6_K", 14, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("Q6_K", 14, BLOCK, BYTES, dequantize, quantize, error_bound=0.024)  # measured 0.0187
