@@ -170,6 +170,12 @@ def test_importance_weights_lower_the_weighted_error(qt):
     err = ((weighted - x) ** 2 * imp).sum() / ((plain.dequantize() - x) ** 2 * imp).sum()
     assert err < 0.8  # measured 0.37 (Q2_K) to 0.57 (Q5_K)
     assert rel_rms(weighted, x) <= 1.5 * qt.error_bound  # the unweighted error stays of the same order
+    # importance 0 (an imatrix column no activation reached, e.g. an expert never routed), and zero weights
+    blocks = x.reshape(-1, qt.block_size)
+    unseen = qt.dequantize(qt.quantize(blocks, weights=torch.zeros_like(blocks)))
+    assert torch.isfinite(unseen).all() and rel_rms(unseen.reshape(x.shape), x) <= 1.5 * qt.error_bound
+    zero = torch.zeros(2, qt.block_size)
+    assert torch.equal(qt.dequantize(qt.quantize(zero, weights=torch.ones_like(zero))), zero)
 
 
 # --- E2M1 (MXFP4) ---------------------------------------------------------------------------------
