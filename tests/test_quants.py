@@ -1,6 +1,5 @@
 """Quant types: bit-exact dequantize against gguf-py, GGUF round trips, quantize error bounds, FP8/FP4 values."""
 import hashlib
-import inspect
 from pathlib import Path
 
 import gguf
@@ -11,6 +10,7 @@ import torch
 from backends.registry import OpSet, backend_status, format_quant_support, implementations, quant_support
 from ds4.errors import BackendUnavailable
 from ds4.formats import gguf as ds4_gguf
+from ds4.formats.requantize import takes_weights
 from ops import quants
 from ops.quants import QTensor
 from ops.quants.fp8_e4m3 import round_e4m3
@@ -145,8 +145,7 @@ def test_zero_and_tiny_blocks(qt):
         assert rel_rms(y[1], x[1]) <= qt.error_bound
 
 
-
-WEIGHTED = [t for t in ALL if "weights" in inspect.signature(t.quantize).parameters]
+WEIGHTED = [t for t in ALL if takes_weights(t)]  # the types scripts/quantize.py --imatrix weights
 # sha256 (first 16 hex digits) of each importance-taking quantizer's bytes for gaussian() without weights, as
 # they were before the quantizer took weights: adding weights= must not change them
 UNWEIGHTED_SHA256 = {"Q2_K": "03d9de3739935b81", "Q3_K": "94671840f1134c23", "Q4_K": "25c73e390b9a1583",
@@ -165,8 +164,8 @@ def test_importance_weights_lower_the_weighted_error(qt):
     assert torch.equal(qt.quantize(x.reshape(-1, qt.block_size), weights=None), plain.data.reshape(-1, qt.block_bytes))
     if qt.name in UNWEIGHTED_SHA256:
         assert hashlib.sha256(plain.data.numpy().tobytes()).hexdigest()[:16] == UNWEIGHTED_SHA256[qt.name]
-    blocks = qt.quantize(x.reshape(-1, qt.block_size), weights=imp.reshape(-1, qt.block_size))
-    weighted = qt.dequantize(blocks).reshape(x.shape)
+    weighted = qt.dequantize(qt.quantize(x.reshape(-1, qt.block_size), weights=imp.reshape(-1, qt.block_size)))
+    weighted = weighted.reshape(x.shape)
     err = ((weighted - x) ** 2 * imp).sum() / ((plain.dequantize() - x) ** 2 * imp).sum()
     assert err < 0.8  # measured 0.37 (Q2_K) to 0.57 (Q5_K)
     assert rel_rms(weighted, x) <= 1.5 * qt.error_bound  # the unweighted error stays of the same order
