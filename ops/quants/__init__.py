@@ -1,6 +1,6 @@
 """Quant-type registry and QTensor: a weight kept as its raw blocks, exactly as stored on disk.
 
-Porting a type = one file in this folder defining `QTYPE` + one line in `_MODULES` below.
+Porting a type = one file in this folder defining `QTYPE` (with its `error_bound`) + one line in `_MODULES` below.
 """
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ class QuantType:
     block_bytes: int
     dequantize: Callable[[torch.Tensor], torch.Tensor]  # uint8 [..., block_bytes] -> float32 [..., block_size]
     quantize: Callable[[torch.Tensor], torch.Tensor]  # float32 [..., block_size] -> uint8 [..., block_bytes]
+    # the most relative RMS error quantize -> dequantize may make on Gaussian weights (sigma 1000, so I32
+    # rounding shows), ~1.3x the measured value; tests/test_quants.py enforces it
+    error_bound: float
 
     def row_bytes(self, n: int) -> int:
         """Bytes taken by a row of `n` values (n must be a multiple of block_size)."""

@@ -14,4 +14,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).contiguous().view(torch.uint8)
 
 
-QTYPE = QuantType("BF16", 30, 1, 2, dequantize, quantize)
+QTYPE = QuantType("BF16", 30, 1, 2, dequantize, quantize, error_bound=2.2e-3)  # measured 1.67e-3

@@ -48,4 +48,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return in_chunks(_quantize_blocks, x, BLOCK, BYTES)
 
 
-QTYPE = QuantType("IQ1_M", 29, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("IQ1_M", 29, BLOCK, BYTES, dequantize, quantize, error_bound=0.54)  # measured 0.412

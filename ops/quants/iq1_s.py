@@ -46,4 +46,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return in_chunks(_quantize_blocks, x, BLOCK, BYTES)
 
 
-QTYPE = QuantType("IQ1_S", 19, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("IQ1_S", 19, BLOCK, BYTES, dequantize, quantize, error_bound=0.58)  # measured 0.446

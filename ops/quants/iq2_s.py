@@ -44,4 +44,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return in_chunks(_quantize_blocks, x, BLOCK, BYTES)
 
 
-QTYPE = QuantType("IQ2_S", 22, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("IQ2_S", 22, BLOCK, BYTES, dequantize, quantize, error_bound=0.31)  # measured 0.24

@@ -54,4 +54,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return in_chunks(_quantize_blocks, x, BLOCK, BYTES)
 
 
-QTYPE = QuantType("IQ2_XS", 17, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("IQ2_XS", 17, BLOCK, BYTES, dequantize, quantize, error_bound=0.37)  # measured 0.287

@@ -82,4 +82,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(out).reshape(*x.shape[:-1], BYTES).to(x.device)
 
 
-QTYPE = QuantType("IQ2_XXS", 16, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("IQ2_XXS", 16, BLOCK, BYTES, dequantize, quantize, error_bound=0.43)  # measured 0.327

@@ -45,4 +45,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return in_chunks(_quantize_blocks, x, BLOCK, BYTES)
 
 
-QTYPE = QuantType("IQ3_S", 21, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("IQ3_S", 21, BLOCK, BYTES, dequantize, quantize, error_bound=0.17)  # measured 0.13

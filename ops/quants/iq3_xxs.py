@@ -43,4 +43,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return in_chunks(_quantize_blocks, x, BLOCK, BYTES)
 
 
-QTYPE = QuantType("IQ3_XXS", 18, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("IQ3_XXS", 18, BLOCK, BYTES, dequantize, quantize, error_bound=0.23)  # measured 0.179

@@ -41,4 +41,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([f16_bytes(d), pack_nibbles(q)], -1).reshape(*x.shape[:-1], BYTES)
 
 
-QTYPE = QuantType("IQ4_NL", 20, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("IQ4_NL", 20, BLOCK, BYTES, dequantize, quantize, error_bound=0.1)  # measured 0.0775

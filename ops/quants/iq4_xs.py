@@ -38,4 +38,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([f16_bytes(d), scales_h, scales_l, qs], -1).reshape(*x.shape[:-1], BYTES)
 
 
-QTYPE = QuantType("IQ4_XS", 23, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("IQ4_XS", 23, BLOCK, BYTES, dequantize, quantize, error_bound=0.1)  # measured 0.0779

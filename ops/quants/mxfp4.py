@@ -69,4 +69,4 @@ def from_official(packed_fp4: torch.Tensor, scale: torch.Tensor, name: str = "")
     return QTensor(QTYPE, shape, data.reshape(*shape[:-1], n_in // BLOCK * BYTES), name)
 
 
-QTYPE = QuantType("MXFP4", 39, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("MXFP4", 39, BLOCK, BYTES, dequantize, quantize, error_bound=0.15)  # measured 0.115

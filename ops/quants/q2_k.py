@@ -36,4 +36,4 @@ def quantize(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tens
     return torch.cat([scales, qs, f16_bytes(d), f16_bytes(dmin)], -1).reshape(*x.shape[:-1], BYTES)
 
 
-QTYPE = QuantType("Q2_K", 10, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("Q2_K", 10, BLOCK, BYTES, dequantize, quantize, error_bound=0.35)  # measured 0.269

@@ -47,4 +47,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([f16_bytes(d), pack_nibbles(q)], -1).reshape(*x.shape[:-1], BYTES)
 
 
-QTYPE = QuantType("Q4_0", 2, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("Q4_0", 2, BLOCK, BYTES, dequantize, quantize, error_bound=0.11)  # measured 0.0862

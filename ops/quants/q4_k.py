@@ -52,4 +52,4 @@ def quantize(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tens
     return torch.cat([f16_bytes(d), f16_bytes(dmin), scales, qs], -1).reshape(*x.shape[:-1], BYTES)
 
 
-QTYPE = QuantType("Q4_K", 12, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("Q4_K", 12, BLOCK, BYTES, dequantize, quantize, error_bound=0.093)  # measured 0.0712

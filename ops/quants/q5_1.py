@@ -28,4 +28,4 @@ def quantize(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([f16_bytes(d), f16_bytes(lo), pack_codes(q)], -1).reshape(*x.shape[:-1], BYTES)
 
 
-QTYPE = QuantType("Q5_1", 7, BLOCK, BYTES, dequantize, quantize)
+QTYPE = QuantType("Q5_1", 7, BLOCK, BYTES, dequantize, quantize, error_bound=0.049)  # measured 0.0379
