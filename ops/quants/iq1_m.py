@@ -10,7 +10,7 @@ import torch
 
 from . import QuantType
 from ._blocks import f16_bytes, le_bytes, pack_planes, u16_fields
-from ._codebook import codebook_quantize, in_chunks
+from ._codebook import codebook_quantize, groups, in_chunks
 from .iq1_s import DELTA, GRID, MULT
 
 BLOCK, BYTES = 256, 56
@@ -31,9 +31,10 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * (grid + delta)).reshape(*blocks.shape[:-1], BLOCK)
 
 
-def _quantize_blocks(v: torch.Tensor) -> torch.Tensor:
-    """float32 `[n, 256]` -> uint8 `[n, 56]`."""
-    d, ls, p = codebook_quantize(v.reshape(-1, 16, 2, 8), _POINTS, MULT, lambda d, ls: d[:, None] * (1 + 2 * ls))
+def _quantize_blocks(v: torch.Tensor, imp: torch.Tensor | None) -> torch.Tensor:
+    """float32 `[n, 256]` and importance `[n, 256]` or None -> uint8 `[n, 56]`."""
+    d, ls, p = codebook_quantize(v.reshape(-1, 16, 2, 8), _POINTS, MULT, lambda d, ls: d[:, None] * (1 + 2 * ls),
+                                 groups(imp, 16, 2, 8))
     p = p.reshape(-1, 32)
     nib = ((p % 2048) >> 8) | ((p >= 2048).to(torch.int64) << 3)
     qh = pack_planes(nib.reshape(-1, 16, 2).transpose(1, 2), [0, 4])
@@ -43,9 +44,12 @@ def _quantize_blocks(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([(p % 256).to(torch.uint8), qh, le_bytes(sc, 2)], -1)
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """float32 `[..., 256]` -> uint8 `[..., 56]` (deterministic; no importance weights; computed on the CPU)."""
-    return in_chunks(_quantize_blocks, x, BLOCK, BYTES)
+def quantize(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `[..., 256]` -> uint8 `[..., 56]` (deterministic; computed on the CPU).
+
+    `weights` `[..., 256]`: an importance per value (an imatrix column), turned into llama.cpp's error weights.
+    """
+    return in_chunks(_quantize_blocks, x, BLOCK, BYTES, weights)
 
 
 QTYPE = QuantType("IQ1_M", 29, BLOCK, BYTES, dequantize, quantize, error_bound=0.54)  # measured 0.412

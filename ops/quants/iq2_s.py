@@ -8,7 +8,7 @@ import torch
 
 from . import QuantType
 from ._blocks import bit_planes, f16_bytes, f16_field, gguf_grid, pack_planes
-from ._codebook import codebook_quantize, in_chunks
+from ._codebook import codebook_quantize, groups, in_chunks
 from .iq2_xs import MULT, sign_values, sub_scales
 
 BLOCK, BYTES = 256, 82
@@ -28,10 +28,11 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (db * grid * signs).reshape(*blocks.shape[:-1], BLOCK)
 
 
-def _quantize_blocks(v: torch.Tensor) -> torch.Tensor:
-    """float32 `[n, 256]` -> uint8 `[n, 82]`."""
+def _quantize_blocks(v: torch.Tensor, imp: torch.Tensor | None) -> torch.Tensor:
+    """float32 `[n, 256]` and importance `[n, 256]` or None -> uint8 `[n, 82]`."""
     g = v.reshape(-1, 16, 2, 8)
-    d, ls, idx = codebook_quantize(g.abs(), GRID, MULT, lambda d, ls: d[:, None] * (0.5 + ls) * 0.25)
+    d, ls, idx = codebook_quantize(g.abs(), GRID, MULT, lambda d, ls: d[:, None] * (0.5 + ls) * 0.25,
+                                   groups(imp, 16, 2, 8))
     idx = idx.reshape(-1, 32)
     signs = ((g < 0).to(torch.int64) << _BITS).sum(-1).reshape(-1, 32).to(torch.uint8)
     qh = pack_planes((idx >> 8).reshape(-1, 8, 4).transpose(1, 2), _PAIRS)
@@ -39,9 +40,12 @@ def _quantize_blocks(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([f16_bytes(d), (idx & 255).to(torch.uint8), signs, qh, scales], -1)
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """float32 `[..., 256]` -> uint8 `[..., 82]` (deterministic; no importance weights; computed on the CPU)."""
-    return in_chunks(_quantize_blocks, x, BLOCK, BYTES)
+def quantize(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `[..., 256]` -> uint8 `[..., 82]` (deterministic; computed on the CPU).
+
+    `weights` `[..., 256]`: an importance per value (an imatrix column), turned into llama.cpp's error weights.
+    """
+    return in_chunks(_quantize_blocks, x, BLOCK, BYTES, weights)
 
 
 QTYPE = QuantType("IQ2_S", 22, BLOCK, BYTES, dequantize, quantize, error_bound=0.31)  # measured 0.24

@@ -8,7 +8,7 @@ import torch
 
 from . import QuantType
 from ._blocks import f16_bytes, f16_field, gguf_grid, le_bytes, pack_planes, u16_fields
-from ._codebook import codebook_quantize, even_parity_signs, in_chunks
+from ._codebook import codebook_quantize, even_parity_signs, groups, in_chunks
 from .iq2_xxs import KSIGNS
 
 BLOCK, BYTES = 256, 74
@@ -38,20 +38,23 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (db * grid * signs).reshape(*blocks.shape[:-1], BLOCK)
 
 
-def _quantize_blocks(v: torch.Tensor) -> torch.Tensor:
-    """float32 `[n, 256]` -> uint8 `[n, 74]`."""
+def _quantize_blocks(v: torch.Tensor, imp: torch.Tensor | None) -> torch.Tensor:
+    """float32 `[n, 256]` and importance `[n, 256]` or None -> uint8 `[n, 74]`."""
     target, neg = even_parity_signs(v.reshape(-1, 32, 8))
     d, ls, idx = codebook_quantize(target.reshape(-1, 16, 2, 8), GRID, MULT,
-                                   lambda d, ls: d[:, None] * (0.5 + ls) * 0.25)
+                                   lambda d, ls: d[:, None] * (0.5 + ls) * 0.25, groups(imp, 16, 2, 8))
     sign_index = (neg[..., :7].to(torch.int64) << _BITS[:7]).sum(-1)
     qs = le_bytes(idx.reshape(-1, 32) | (sign_index << 9), 2)
     scales = pack_planes(ls.reshape(-1, 8, 2).transpose(1, 2), [0, 4])
     return torch.cat([f16_bytes(d), qs, scales], -1)
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """float32 `[..., 256]` -> uint8 `[..., 74]` (deterministic; no importance weights; computed on the CPU)."""
-    return in_chunks(_quantize_blocks, x, BLOCK, BYTES)
+def quantize(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `[..., 256]` -> uint8 `[..., 74]` (deterministic; computed on the CPU).
+
+    `weights` `[..., 256]`: an importance per value (an imatrix column), turned into llama.cpp's error weights.
+    """
+    return in_chunks(_quantize_blocks, x, BLOCK, BYTES, weights)
 
 
 QTYPE = QuantType("IQ2_XS", 17, BLOCK, BYTES, dequantize, quantize, error_bound=0.37)  # measured 0.287

@@ -8,7 +8,7 @@ import torch
 
 from . import QuantType
 from ._blocks import f16_bytes, f16_field, gguf_grid, le_bytes, u32_fields
-from ._codebook import codebook_quantize, even_parity_signs, in_chunks
+from ._codebook import codebook_quantize, even_parity_signs, groups, in_chunks
 from .iq2_xs import sign_values
 from .iq2_xxs import KSIGNS
 
@@ -28,19 +28,22 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (db * grid * sign_values(signs)).reshape(*blocks.shape[:-1], BLOCK)
 
 
-def _quantize_blocks(v: torch.Tensor) -> torch.Tensor:
-    """float32 `[n, 256]` -> uint8 `[n, 98]`."""
+def _quantize_blocks(v: torch.Tensor, imp: torch.Tensor | None) -> torch.Tensor:
+    """float32 `[n, 256]` and importance `[n, 256]` or None -> uint8 `[n, 98]`."""
     target, neg = even_parity_signs(v.reshape(-1, 8, 4, 8))
     d, ls, idx = codebook_quantize(target.reshape(-1, 8, 8, 4), GRID, MULT,
-                                   lambda d, ls: d[:, None] * (0.5 + ls) * 0.5)
+                                   lambda d, ls: d[:, None] * (0.5 + ls) * 0.5, groups(imp, 8, 8, 4))
     sign_index = (neg[..., :7].to(torch.int64) << _BITS[:7]).sum(-1)
     aux = (sign_index << (7 * torch.arange(4))).sum(-1) | (ls << 28)
     return torch.cat([f16_bytes(d), idx.reshape(-1, 64).to(torch.uint8), le_bytes(aux, 4)], -1)
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """float32 `[..., 256]` -> uint8 `[..., 98]` (deterministic; no importance weights; computed on the CPU)."""
-    return in_chunks(_quantize_blocks, x, BLOCK, BYTES)
+def quantize(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `[..., 256]` -> uint8 `[..., 98]` (deterministic; computed on the CPU).
+
+    `weights` `[..., 256]`: an importance per value (an imatrix column), turned into llama.cpp's error weights.
+    """
+    return in_chunks(_quantize_blocks, x, BLOCK, BYTES, weights)
 
 
 QTYPE = QuantType("IQ3_XXS", 18, BLOCK, BYTES, dequantize, quantize, error_bound=0.23)  # measured 0.179
