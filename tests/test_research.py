@@ -19,8 +19,6 @@ from ds4.errors import ModelFileError, UsageError
 from ds4.formats import gguf, requantize
 from ds4.formats import imatrix as imatrix_file
 from ds4.research import imatrix, perplexity
-from ops import quants
-from ops.quants import q2_k, q4_k
 from tests.script_modules import script
 
 TINY = default_model_paths()[0]
@@ -113,15 +111,6 @@ def test_llama_imatrix_reads_ours_and_we_read_its_output(tmp_path, collected):
             torch.testing.assert_close(back.entries[name].importance().reshape(-1), e.importance().reshape(-1))
 
 
-def test_importance_weighted_quantizers():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 256, generator=g) * torch.rand(64, 1, generator=g)
-    imp = (torch.rand(256, generator=g) ** 4).expand(64, 256)
-    for qt in (q2_k, q4_k):
-        plain, weighted = qt.dequantize(qt.quantize(x)), qt.dequantize(qt.quantize(x, weights=imp))
-        assert ((weighted - x) ** 2 * imp).sum() < ((plain - x) ** 2 * imp).sum()
-
-
 def test_requantize_with_imatrix(tmp_path, collected):
     imatrix_file.write(tmp_path / "im.gguf", collected)
     imp = requantize.importance_for(collected, "blk.0.ffn_down_exps.weight", (8, 256, 256))
@@ -135,11 +124,10 @@ def test_requantize_with_imatrix(tmp_path, collected):
     assert b.metadata["quantize.imatrix.entries_count"] == len(collected.entries)
     with pytest.raises(UsageError, match="imatrix entry blk.0.attn_q_a.weight has 256 values"):
         requantize.importance_for(collected, "blk.0.attn_q_a.weight", (128, 512))
-    notes = []
-    requantize.requantize(TINY, tmp_path / "c.gguf", "blk.0.ffn_down_exps=IQ2_XXS",
-                          imatrix_path=tmp_path / "im.gguf", report=notes.append)
-    if not requantize.takes_weights(quants.get("IQ2_XXS")):   # said, not silently ignored
-        assert any("IQ2_XXS take no importance weights yet" in n for n in notes)
+    out_c = requantize.requantize(TINY, tmp_path / "c.gguf", "blk.0.ffn_down_exps=IQ2_XXS",
+                                  imatrix_path=tmp_path / "im.gguf")
+    unweighted = requantize.encode(gguf.open(TINY).raw("blk.0.ffn_down_exps.weight"), "IQ2_XXS", None)
+    assert not torch.equal(gguf.open(out_c.path).raw("blk.0.ffn_down_exps.weight").data, unweighted.data)
 
 
 def test_perplexity_and_kl(tmp_path, engine, ids):

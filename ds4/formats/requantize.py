@@ -216,12 +216,6 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], mix: Mi
     for c in choices:
         if c.note:
             report(f"{c.name}: {c.note}")
-    if im is not None:
-        unused = sorted({c.target for c in choices if c.target != c.stored and c.target in llamacpp_mix.NEEDS_IMATRIX
-                         and not takes_weights(quants.get(c.target))})
-        if unused:
-            report(f"the quantizers of {', '.join(unused)} take no importance weights yet: the imatrix is not "
-                   "used for those tensors")
     tensors = {}
     for c in choices:
         def produce(c: Choice = c) -> QTensor:

@@ -8,6 +8,7 @@ import torch
 
 from . import QuantType
 from ._blocks import f16_bytes, f16_field
+from ._codebook import error_weights, groups, in_chunks
 
 BLOCK, BYTES = 256, 66
 
@@ -19,7 +20,6 @@ _BITS = torch.arange(8)
 # ksigns: a 7-bit index with its parity bit on top, so every pattern has an even number of minus signs
 KSIGNS = torch.arange(128) | ((torch.arange(128)[:, None] >> _BITS[:7]).sum(-1) & 1) << 7
 _SCALE_FACTORS = torch.linspace(0.6, 1.2, 10)  # candidate group scales, as multiples of amax/43
-_CHUNK = 8192  # blocks quantized at once, to bound the [chunks, 256] distance tables
 
 
 def dequantize(blocks: torch.Tensor) -> torch.Tensor:
@@ -34,13 +34,15 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (db * grid[g[:, :, :4]] * sign).reshape(*blocks.shape[:-1], BLOCK)
 
 
-def _nearest(v_dot_grid: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Grid index minimizing |v - scale*grid|^2 per chunk; v_dot_grid `[..., 4, 256]`, scale `[...]`."""
-    return (scale[..., None, None] * _GRID_SQ - 2 * v_dot_grid).argmin(-1)
+def _nearest(v_dot_grid: torch.Tensor, scale: torch.Tensor, grid_sq: torch.Tensor) -> torch.Tensor:
+    """Grid index minimizing |v - scale*grid|^2 per chunk; v_dot_grid `[..., 4, 256]` (<w*v, p> when weighted),
+    scale `[...]`, grid_sq |p|^2 `[256]` (or <w, p*p> `[..., 4, 256]`)."""
+    return (scale[..., None, None] * grid_sq - 2 * v_dot_grid).argmin(-1)
 
 
-def _quantize_chunk(x: torch.Tensor) -> torch.Tensor:
-    """float32 `[n, 256]` -> uint8 `[n, 66]`: even-parity signs, grid search of the group scales."""
+def _quantize_chunk(x: torch.Tensor, imp: torch.Tensor | None) -> torch.Tensor:
+    """float32 `[n, 256]` and importance `[n, 256]` or None -> uint8 `[n, 66]`: even-parity signs, grid search of
+    the group scales (minimising the importance-weighted error when given)."""
     v = x.reshape(-1, 8, 4, 8)
     mag = v.abs()
     neg = v < 0
@@ -49,15 +51,17 @@ def _quantize_chunk(x: torch.Tensor) -> torch.Tensor:
     flip = odd & (_BITS == mag.argmin(-1, keepdim=True))
     neg ^= flip
     target = torch.where(flip, -mag, mag)
-    vg = target @ GRID.T  # [n, 8, 4, 256]
+    w = error_weights(target, groups(imp, 8, 4, 8))
+    vg = (target if w is None else w * target) @ GRID.T  # [n, 8, 4, 256]
+    grid_sq = _GRID_SQ if w is None else w @ (GRID * GRID).T
 
     best_err = torch.full(v.shape[:2], float("inf"))
     best_scale = torch.zeros(v.shape[:2])
     base = mag.amax((-1, -2)) / 43
     for f in _SCALE_FACTORS:
-        idx = _nearest(vg, base * f)
+        idx = _nearest(vg, base * f, grid_sq)
         dot = vg.gather(-1, idx[..., None]).sum((-1, -2))
-        sq = _GRID_SQ[idx].sum(-1)
+        sq = _GRID_SQ[idx].sum(-1) if w is None else grid_sq.gather(-1, idx[..., None]).sum((-1, -2)).clamp(min=1e-30)
         err = torch.where(dot > 0, -dot * dot / sq, 0)  # residual at the least-squares scale, minus |v|^2
         better = err < best_err
         best_err = torch.where(better, err, best_err)
@@ -66,20 +70,21 @@ def _quantize_chunk(x: torch.Tensor) -> torch.Tensor:
     d = (best_scale.amax(-1) * 4 / 15.5).to(torch.float16).to(torch.float32)
     ls = torch.round(best_scale * 4 / torch.where(d > 0, d, 1)[:, None] - 0.5).clamp(0, 15)
     db = d[:, None] * (0.5 + ls) * 0.25
-    idx = _nearest(vg, db)
+    idx = _nearest(vg, db, grid_sq)
 
     sign_idx = ((neg[..., :7].to(torch.int64) << _BITS[:7]).sum(-1) << (7 * torch.arange(4))).sum(-1)
     w = sign_idx | (ls.to(torch.int64) << 28)
     w_bytes = (w[..., None] >> (8 * torch.arange(4))) & 255
-    groups = torch.cat([idx, w_bytes], -1).to(torch.uint8).reshape(-1, 64)
-    return torch.cat([f16_bytes(d), groups], -1)
+    packed = torch.cat([idx, w_bytes], -1).to(torch.uint8).reshape(-1, 64)
+    return torch.cat([f16_bytes(d), packed], -1)
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """float32 `[..., 256]` -> uint8 `[..., 66]` (deterministic; no importance weights; computed on the CPU)."""
-    v = x.reshape(-1, BLOCK).to("cpu", torch.float32)
-    out = [_quantize_chunk(c) for c in v.split(_CHUNK)] or [torch.empty(0, BYTES, dtype=torch.uint8)]
-    return torch.cat(out).reshape(*x.shape[:-1], BYTES).to(x.device)
+def quantize(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `[..., 256]` -> uint8 `[..., 66]` (deterministic; computed on the CPU).
+
+    `weights` `[..., 256]`: an importance per value (an imatrix column), turned into llama.cpp's error weights.
+    """
+    return in_chunks(_quantize_chunk, x, BLOCK, BYTES, weights)
 
 
 QTYPE = QuantType("IQ2_XXS", 16, BLOCK, BYTES, dequantize, quantize, error_bound=0.43)  # measured 0.327

@@ -8,7 +8,7 @@ import torch
 
 from . import QuantType
 from ._blocks import bit_planes, f16_bytes, f16_field, le_bytes, nearest_level, pack_planes, u16_fields
-from .iq4_nl import KVALUES, fit_levels
+from .iq4_nl import KVALUES, error_weights, fit_levels
 from .q4_0 import inverse, nibbles, pack_nibbles, signed_max
 
 BLOCK, BYTES = 256, 136
@@ -24,10 +24,14 @@ def dequantize(blocks: torch.Tensor) -> torch.Tensor:
     return (scale * q).reshape(*blocks.shape[:-1], BLOCK)
 
 
-def quantize(x: torch.Tensor) -> torch.Tensor:
-    """float32 `[..., 256]` -> uint8 `[..., 136]`: per-32 level fit, 6-bit scales, nearest level."""
+def quantize(x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `[..., 256]` -> uint8 `[..., 136]`: per-32 level fit (weighted: see `weights`), 6-bit scales,
+    nearest level.
+
+    `weights` `[..., 256]`: an importance per value (an imatrix column), turned into llama.cpp's error weights.
+    """
     v = x.reshape(-1, 8, 32).to(torch.float32)
-    sub = fit_levels(v)[0][..., 0]
+    sub = fit_levels(v, error_weights(v, weights))[0][..., 0]
     d = (signed_max(sub) / -32).to(torch.float16).to(torch.float32)
     ls = torch.round(sub * inverse(d)).clamp(-32, 31)
     q = nearest_level(v * inverse(d * ls)[..., None], KVALUES.to(v.device))
