@@ -180,6 +180,9 @@ def test_importance_weights_lower_the_weighted_error(qt):
     assert torch.isfinite(unseen).all() and rel_rms(unseen.reshape(x.shape), x) <= 1.5 * qt.error_bound
     zero = torch.zeros(2, qt.block_size)
     assert torch.equal(qt.dequantize(qt.quantize(zero, weights=torch.ones_like(zero))), zero)
+    if qt.name.startswith("IQ"):
+        with pytest.raises(ValueError, match="weights have 255 values for 256"):
+            qt.quantize(x[0, :256], weights=imp[0, :255])
 
 
 # --- E2M1 (MXFP4) ---------------------------------------------------------------------------------

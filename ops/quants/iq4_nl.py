@@ -25,6 +25,8 @@ def error_weights(v: torch.Tensor, importance: torch.Tensor | None) -> torch.Ten
     group whose weights are all zero (an imatrix column no activation reached) is weighted evenly."""
     if importance is None:
         return None
+    if importance.numel() != v.numel():
+        raise ValueError(f"weights have {importance.numel()} values for {v.numel()} values to quantize")
     w = importance_weights(v, importance.reshape(v.shape).to(torch.float32))
     return torch.where(w.sum(-1, keepdim=True) > 0, w, 1)
 
