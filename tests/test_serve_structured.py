@@ -61,7 +61,7 @@ def test_json_schema_replies_validate(live):
         r = live.client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, n=5, seed=seed,
                                                 temperature=1.0, max_tokens=120)
         replies += r.choices
-        assert r.usage.model_extra["speculative"]["num_drafts"] == 0  # constrained requests decode plainly
+        assert r.usage.model_extra["speculative"]["num_drafts"] > 0  # constrained requests speculate
     assert len(replies) == 20
     for choice in replies:
         assert choice.finish_reason == "stop", choice
