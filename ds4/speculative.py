@@ -345,8 +345,7 @@ def choose(row: torch.Tensor, sampler: Sampler, greedy: bool) -> int:
 
 
 def verify(session, first: int, proposal: Draft, sampler: Sampler, greedy: bool, rows_per_pass: int,
-           metrics: SpecMetrics, transform: Transform | None = None, generated: list[int] = ()
-           ) -> tuple[int, int, torch.Tensor]:
+           metrics: SpecMetrics, transform: Transform | None, generated: list[int]) -> tuple[int, int, torch.Tensor]:
     """Run [first, d1..dk] through the target `rows_per_pass` rows at a time (stopping at the first
     rejected draft) and return (drafts accepted, the target's token after them, the logits rows that
     decided each committed token). `transform` reshapes row i with prefix `generated` + d1..di, computed
