@@ -106,7 +106,7 @@ class Shaper:
         else:
             return out
         job.constraint.follow(output)
-        return job.constraint.mask(out)
+        return job.constraint.mask_forced(out)
 
 
 class Worker:
