@@ -50,6 +50,10 @@ def test_mask_allows_exactly_the_grammar(engine):
     for token in tokenizer.encode('"dog"'):
         state.advance(token)
     assert state.complete and state.allowed().nonzero().flatten().tolist() == [tokenizer.eos_id]
+    forced = Constraint(tokenizer, vocab, json_grammar({"enum": ["weather_report"]}))
+    for token in tokenizer.encode('"weather_report"'):  # a forced run: each mask keeps the next forced token only
+        assert torch.isfinite(forced.mask_forced(torch.zeros(vocab))).nonzero().flatten().tolist() == [token]
+        forced.advance(token)
     with pytest.raises(ds4.errors.UsageError, match="breaks the grammar"):
         Constraint(tokenizer, vocab, json_grammar({"type": "boolean"})).advance(tokenizer.encode("x")[0])
 
