@@ -118,10 +118,14 @@ class Constraint:
         """`logits` [V] (float32, host) with the tokens the grammar forbids at -inf."""
         return masked(logits, self.allowed())
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (the one tokenization of the only text it allows), not consumed."""
+        return [] if self.complete else self.matcher.compute_ff_tokens()
+
     def mask_forced(self, logits: torch.Tensor) -> torch.Tensor:
         """`mask`, narrowed to the first of the tokens the grammar forces next when it forces text (their one
         tokenization: the masked drafter proposes them and the verify accepts them, many per target pass)."""
-        forced = self.matcher.compute_ff_tokens()
+        forced = self.forced()
         if not forced:
             return self.mask(logits)
         return masked(logits, torch.arange(self.vocab_size) == forced[0])

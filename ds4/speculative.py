@@ -234,10 +234,12 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
                  spec_log: Callable[[dict], None] | None = None, metrics: SpecMetrics | None = None,
                  drafter: Drafter | None = None,
                  on_logits: Callable[[torch.Tensor], None] | None = None,
-                 transform: Transform | None = None) -> Iterator[int]:
+                 transform: Transform | None = None,
+                 forced: Callable[[list[int]], list[int]] | None = None) -> Iterator[int]:
     """Prefill `prompt_ids` and yield up to `max_tokens` generated ids as they are committed, speculating
     with `drafter` (the session's MTP head by default) when `draft` is a depth or "auto"; `on_logits`
-    gets the target logits [V] each committed token was chosen from (before `transform`), in order."""
+    gets the target logits [V] each committed token was chosen from (before `transform`), in order;
+    `forced(generated)` names tokens the transform will force next, verified in one pass like a draft."""
     draft = check_draft(draft)
     metrics = metrics if metrics is not None else SpecMetrics()
     generated: list[int] = []
@@ -267,23 +269,25 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
         left = max_tokens - 1
         plain_next = not continuous   # the older cycle: a standalone decode of `first`, then a verify
         while left > 0 and first != eos_id and session.pos < session.ctx:
-            depth = 0
-            if draft and not plain_next and gate.allow(metrics):
-                wanted = adaptive.depth() if adaptive else draft
-                # ds4 #381: a batched verify of depth+1 rows must fit the prefill chunk (the rings' slack),
-                # and SMALL_M rows (the batch-invariant regime)
-                capacity = min(session.prefill_chunk, SMALL_M) - 1 if batched else session.prefill_chunk
-                depth = max(0, min(wanted, capacity, left - 1, session.ctx - session.pos - 1))
+            # ds4 #381: a batched verify of depth+1 rows must fit the prefill chunk (the rings' slack),
+            # and SMALL_M rows (the batch-invariant regime)
+            capacity = min(session.prefill_chunk, SMALL_M) - 1 if batched else session.prefill_chunk
+            room = max(0, min(capacity, left - 1, session.ctx - session.pos - 1))
+            must = forced(generated)[:room] if forced else []   # verified like a draft, not counted as one
+            depth = len(must)
+            if draft and not must and not plain_next and gate.allow(metrics):
+                depth = min(adaptive.depth() if adaptive else draft, room)
             session.mtp_paused = not uses_mtp or gate.missed   # catch up only while drafts are used
             drafts_from = session.counters["mtp_lm_head_rows"]
-            proposal = drafter.propose(session, first, depth, sampler, eos_id) if depth else Draft([])
+            proposal = Draft(must, forced_q(must, session.model.args.vocab_size, greedy)) if must else \
+                drafter.propose(session, first, depth, sampler, eos_id) if depth else Draft([])
             metrics.mtp_passes += session.counters["mtp_lm_head_rows"] - drafts_from
             start = session.pos
-            rows_per_pass = depth + 1 if batched and not gate.missed else 1   # a probe wastes no rows
+            rows_per_pass = depth + 1 if batched and (must or not gate.missed) else 1   # a probe wastes no rows
             accepted, nxt, decided = verify(session, first, proposal, sampler, greedy, rows_per_pass, metrics,
                                             transform, generated)
             committed = proposal.tokens[:accepted]
-            if proposal.tokens:
+            if proposal.tokens and not must:
                 record_cycle(metrics, len(proposal.tokens), accepted)
                 gate.record(greedy, accepted)
                 if adaptive:
@@ -337,6 +341,11 @@ def pick(session, logits: torch.Tensor, sampler: Sampler, greedy: bool, transfor
     if transform:
         return choose(transform(logits[0], []), sampler, greedy)
     return row_tops(session.model.ops, logits)[0] if greedy else sampler.draw(sampler.probs(logits[0]))
+
+
+def forced_q(tokens: list[int], vocab: int, greedy: bool) -> torch.Tensor | None:
+    """The draft distributions of forced tokens: one-hot (None when greedy)."""
+    return None if greedy else torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()
 
 
 def choose(row: torch.Tensor, sampler: Sampler, greedy: bool) -> int:

@@ -65,7 +65,8 @@ def test_json_schema_replies_validate(live):
         r = live.client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, n=5, seed=seed,
                                                 temperature=1.0, max_tokens=120)
         replies += r.choices
-        assert r.usage.model_extra["speculative"]["num_drafts"] > 0  # constrained requests speculate
+        spec = r.usage.model_extra["speculative"]  # forced runs are verified many tokens per pass
+        assert spec["target_forward_passes"] < spec["generated_tokens"] - 5
     assert len(replies) == 20
     for choice in replies:
         assert choice.finish_reason == "stop", choice
@@ -124,8 +125,9 @@ def test_grammar_bench_smoke():
 
 def test_constrained_greedy_is_the_same_at_every_draft_depth(engine):
     """Greedy json_schema, tool_choice required and penalized json_object requests give the same tokens with
-    mtp_draft 0 (plain decoding) and 1..3: every verify and draft row is masked and adjusted with its own
-    prefix (the reference ops are batch-invariant, so the worker's verify is strict's)."""
+    mtp_draft 0 (no MTP drafts) and 1..3: every verify and draft row is masked and adjusted with its own
+    prefix, forced runs are verified in one pass (the reference ops are batch-invariant, so the worker's
+    verify is strict's)."""
     from ds4.server.worker import Worker
     fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
     requests = [{"response_format": fmt}, {"tools": TOOLS, "tool_choice": "required"},
@@ -138,7 +140,9 @@ def test_constrained_greedy_is_the_same_at_every_draft_depth(engine):
             worker.mtp_draft = draft or None
             replies = [server.client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=300,
                                                              **extra) for extra in requests]
-            assert all((r.usage.model_extra["speculative"]["num_drafts"] > 0) == bool(draft) for r in replies)
+            spec = [r.usage.model_extra["speculative"] for r in replies]
+            assert (spec[2]["num_drafts"] > 0) == bool(draft)  # the free-text reply drafts with the MTP head
+            assert all(s["target_forward_passes"] < s["generated_tokens"] - 5 for s in spec[:2])  # forced runs
             outputs[draft] = [(c.finish_reason, c.message.content,
                                [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []])
                               for c in (r.choices[0] for r in replies)]

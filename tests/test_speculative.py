@@ -394,3 +394,25 @@ def test_mtp_draft_rows_are_shaped_with_their_prefix(model):
                                 eos_id=None, draft=3, strict=True, metrics=metrics, transform=transform))
         assert got == expected
         assert metrics.num_accepted_tokens == metrics.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("strict", (False, True))
+def test_forced_tokens_are_verified_like_drafts(model, strict):
+    """Tokens `forced` names are verified in one pass (no MTP head needed) and committed only where the
+    transformed rows choose them: a wrong forced token is rejected and the output is still the reference."""
+    trunk, _ = model
+    prompt = prompts(1, seed=11)[0]
+    adjust = LogitAdjustments(frequency=3.0)
+
+    def transform(row, prefix):
+        return adjust.apply(row, prompt, prefix)
+    expected = shaped_reference(Session(trunk, 128), prompt, transform, 16)
+    for lie in (False, True):
+        def forced(prefix, lie=lie):
+            ahead = expected[len(prefix):len(prefix) + 4]
+            return [t + 1 for t in ahead] if lie and len(prefix) % 2 else ahead
+        metrics = SpecMetrics()
+        got = list(generate_ids(Session(trunk, 128), prompt, max_tokens=16, sampler=Sampler(), eos_id=None,
+                                strict=strict, metrics=metrics, transform=transform, forced=forced))
+        assert got == expected and metrics.num_drafts == 0
+        assert metrics.target_forward_passes < (10 if lie else 5)

@@ -93,20 +93,25 @@ class Shaper:
     def __init__(self, job: Job):
         self.job = job
 
+    def grammar_output(self, generated: list[int]) -> list[int] | None:
+        """The part of `generated` the grammar covers (None: the grammar has not started), the parser put after it."""
+        job = self.job
+        if job.constraint is None or (job.constrain_after is not None and job.constrain_after not in generated):
+            return None
+        output = generated if job.constrain_after is None else \
+            generated[generated.index(job.constrain_after) + 1:]
+        job.constraint.follow(output)
+        return output
+
     def __call__(self, logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
         """The row [V] (float32, host) the job chooses from after `generated`."""
         job = self.job
         out = job.adjust.apply(logits, job.ids, generated) if job.adjust.active else logits
-        if job.constraint is None:
-            return out
-        if job.constrain_after is None:
-            output = generated
-        elif job.constrain_after in generated:
-            output = generated[generated.index(job.constrain_after) + 1:]
-        else:
-            return out
-        job.constraint.follow(output)
-        return job.constraint.mask_forced(out)
+        return out if self.grammar_output(generated) is None else job.constraint.mask_forced(out)
+
+    def forced(self, generated: list[int]) -> list[int]:
+        """The tokens the grammar forces after `generated` (none before it starts, or after EOS)."""
+        return [] if self.grammar_output(generated) is None else self.job.constraint.forced()
 
 
 class Worker:
@@ -207,7 +212,7 @@ class Worker:
         shaper = Shaper(job) if job.adjust.active or job.constraint else None
         return generate_ids(session, job.ids[-1:], max_tokens=job.max_tokens, sampler=Sampler(job.sampling),
                             eos_id=self.engine.tokenizer.eos_id, draft=self.mtp_draft, metrics=spec, on_logits=keep,
-                            transform=shaper)
+                            transform=shaper, forced=shaper.forced if shaper else None)
 
     def logprob(self, job: Job, token: int) -> TokenLogprob | None:
         """The TokenLogprob of a token just yielded, when the job asked for them."""
