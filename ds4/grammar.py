@@ -100,13 +100,15 @@ def masked(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 class Constraint:
-    """One generation's grammar state: `mask` the logits, then `advance` with the token chosen."""
+    """One generation's grammar state: `mask` the logits, then `advance` with the token chosen, or `follow`
+    an output that may also lose tokens (speculative drafts rejected: the parser rolls back)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, grammar: str):
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar)
         if self.matcher.is_error():
             raise UsageError(f"the grammar cannot be enforced: {self.matcher.get_error()}")
         self.vocab_size = vocab_size
+        self.consumed: list[int] = []   # the tokens the parser has taken, in order
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next (EOS once the output is complete)."""
@@ -116,17 +118,35 @@ class Constraint:
         """`logits` [V] (float32, host) with the tokens the grammar forbids at -inf."""
         return masked(logits, self.allowed())
 
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (the one tokenization of the only text it allows), not consumed."""
+        return [] if self.complete else self.matcher.compute_ff_tokens()
+
+    def mask_forced(self, logits: torch.Tensor) -> torch.Tensor:
+        """`mask`, narrowed to the first of the tokens the grammar forces next when it forces text (their one
+        tokenization: the masked drafter proposes them and the verify accepts them, many per target pass)."""
+        forced = self.forced()
+        if not forced:
+            return self.mask(logits)
+        return masked(logits, torch.arange(self.vocab_size) == forced[0])
+
     def advance(self, token: int) -> None:
         """Move the parser past `token` (one the mask allowed)."""
         if not self.matcher.consume_token(token):
             raise UsageError(f"token {token} breaks the grammar: {self.matcher.get_error()}")
+        self.consumed.append(token)
 
-    def forced(self) -> list[int]:
-        """The tokens the grammar forces next (fast-forward: their text is the only one allowed), consumed."""
-        tokens = self.matcher.compute_ff_tokens()
-        if tokens and not self.matcher.consume_tokens(tokens):
-            raise UsageError(f"forced tokens {tokens} break the grammar: {self.matcher.get_error()}")
-        return tokens
+    def follow(self, output: list[int]) -> None:
+        """Put the parser just after `output`: roll back the consumed tokens it does not share, consume the rest."""
+        common = 0
+        while common < min(len(output), len(self.consumed)) and output[common] == self.consumed[common]:
+            common += 1
+        if common < len(self.consumed):
+            if not self.matcher.rollback(len(self.consumed) - common):
+                raise UsageError(f"the grammar cannot roll back: {self.matcher.get_error()}")
+            del self.consumed[common:]
+        for token in output[common:]:
+            self.advance(token)
 
     @property
     def complete(self) -> bool:

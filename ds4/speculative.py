@@ -23,6 +23,10 @@ Modes:
   Until one is accepted, probes are verified one row at a time with the MTP catch-up paused, so sampled
   decoding whose drafts go unused reads <= 1% more weight bytes than without the MTP (ds4/cost.py).
 - `draft="auto"`: depth from live per-position acceptance.
+- `transform(logits_row, prefix)` (logit adjustments, a grammar mask): applied to every target row — the
+  decode row and each verify row, with the generated tokens and the drafts before it as its prefix — and
+  to each MTP draft row, before argmax, sampling and acceptance. A draft the transform forbids is
+  rejected (its verify row gives it no mass), so the output equals non-speculative transformed decoding.
 Draft depth is clamped to the verify capacity (min(session chunk, SMALL_M) − 1 for a batched verify,
 the chunk for per-token strict verify), the context left and the token budget.
 """
@@ -102,6 +106,13 @@ class SpecMetrics:
                 f"drafts {self.num_drafts}, accepted {self.num_accepted_tokens}/{self.num_draft_tokens} "
                 f"({rate:.0%}), mean acceptance length {self.mean_acceptance_length:.2f}, "
                 f"per position {self.accepted_per_position}, probes skipped {self.probes_skipped}")
+
+
+class Transform(Protocol):
+    """Reshapes one row of logits [V] given the generated tokens before it (a prefix; its state may roll back)."""
+
+    def __call__(self, logits: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+        """The row to choose from (float32, host)."""
 
 
 @dataclass
@@ -222,14 +233,18 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
                  draft: int | str | None = None, strict: bool = False, continuous: bool = True,
                  spec_log: Callable[[dict], None] | None = None, metrics: SpecMetrics | None = None,
                  drafter: Drafter | None = None,
-                 on_logits: Callable[[torch.Tensor], None] | None = None) -> Iterator[int]:
+                 on_logits: Callable[[torch.Tensor], None] | None = None,
+                 transform: Transform | None = None,
+                 forced: Callable[[list[int]], list[int]] | None = None) -> Iterator[int]:
     """Prefill `prompt_ids` and yield up to `max_tokens` generated ids as they are committed, speculating
     with `drafter` (the session's MTP head by default) when `draft` is a depth or "auto"; `on_logits`
-    gets the target logits [V] each committed token was chosen from, in order."""
+    gets the target logits [V] each committed token was chosen from (before `transform`), in order;
+    `forced(generated)` names tokens the transform will force next, verified in one pass like a draft."""
     draft = check_draft(draft)
     metrics = metrics if metrics is not None else SpecMetrics()
+    generated: list[int] = []
     if drafter is None and draft and session.mtp is not None:
-        drafter = MTPDrafter()
+        drafter = MTPDrafter((lambda row, drafted: transform(row, generated + drafted)) if transform else None)
     if drafter is None:
         draft = None
     greedy = sampler.params.greedy
@@ -245,7 +260,8 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
         logits = session.prefill(prompt_ids)
         record_catch_up(session, metrics, catch_up_from)
         metrics.prefill_passes += -(-len(prompt_ids) // session.prefill_chunk)
-        first = pick(session, logits[None], sampler, greedy)
+        first = pick(session, logits[None], sampler, greedy, transform)
+        generated.append(first)
         metrics.generated_tokens += 1
         if on_logits:
             on_logits(logits)
@@ -253,22 +269,25 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
         left = max_tokens - 1
         plain_next = not continuous   # the older cycle: a standalone decode of `first`, then a verify
         while left > 0 and first != eos_id and session.pos < session.ctx:
-            depth = 0
-            if draft and not plain_next and gate.allow(metrics):
-                wanted = adaptive.depth() if adaptive else draft
-                # ds4 #381: a batched verify of depth+1 rows must fit the prefill chunk (the rings' slack),
-                # and SMALL_M rows (the batch-invariant regime)
-                capacity = min(session.prefill_chunk, SMALL_M) - 1 if batched else session.prefill_chunk
-                depth = max(0, min(wanted, capacity, left - 1, session.ctx - session.pos - 1))
+            # ds4 #381: a batched verify of depth+1 rows must fit the prefill chunk (the rings' slack),
+            # and SMALL_M rows (the batch-invariant regime)
+            capacity = min(session.prefill_chunk, SMALL_M) - 1 if batched else session.prefill_chunk
+            room = max(0, min(capacity, left - 1, session.ctx - session.pos - 1))
+            must = forced(generated)[:room] if forced else []   # verified like a draft, not counted as one
+            depth = len(must)
+            if draft and not must and not plain_next and gate.allow(metrics):
+                depth = min(adaptive.depth() if adaptive else draft, room)
             session.mtp_paused = not uses_mtp or gate.missed   # catch up only while drafts are used
             drafts_from = session.counters["mtp_lm_head_rows"]
-            proposal = drafter.propose(session, first, depth, sampler, eos_id) if depth else Draft([])
+            proposal = Draft(must, forced_q(must, session.model.args.vocab_size, greedy)) if must else \
+                drafter.propose(session, first, depth, sampler, eos_id) if depth else Draft([])
             metrics.mtp_passes += session.counters["mtp_lm_head_rows"] - drafts_from
             start = session.pos
-            rows_per_pass = depth + 1 if batched and not gate.missed else 1   # a probe wastes no rows
-            accepted, nxt, decided = verify(session, first, proposal, sampler, greedy, rows_per_pass, metrics)
+            rows_per_pass = depth + 1 if batched and (must or not gate.missed) else 1   # a probe wastes no rows
+            accepted, nxt, decided = verify(session, first, proposal, sampler, greedy, rows_per_pass, metrics,
+                                            transform, generated)
             committed = proposal.tokens[:accepted]
-            if proposal.tokens:
+            if proposal.tokens and not must:
                 record_cycle(metrics, len(proposal.tokens), accepted)
                 gate.record(greedy, accepted)
                 if adaptive:
@@ -282,6 +301,7 @@ def generate_ids(session, prompt_ids: list[int], *, max_tokens: int, sampler: Sa
                 spec_log({"pos": start, "first": first, "draft": proposal.tokens, "accepted": accepted,
                           "committed": out})
             for token, row in zip(out, decided, strict=False):
+                generated.append(token)
                 metrics.generated_tokens += 1
                 if on_logits:
                     on_logits(row)
@@ -316,17 +336,29 @@ def record_catch_up(session, metrics: SpecMetrics, mtp_rows_before: int) -> None
         tally(metrics.mtp_catch_up_rows, rows)
 
 
-def pick(session, logits: torch.Tensor, sampler: Sampler, greedy: bool) -> int:
-    """The target's own choice from a one-row `logits` [1, V]."""
+def pick(session, logits: torch.Tensor, sampler: Sampler, greedy: bool, transform: Transform | None = None) -> int:
+    """The target's own choice from a one-row `logits` [1, V] (transformed with an empty prefix)."""
+    if transform:
+        return choose(transform(logits[0], []), sampler, greedy)
     return row_tops(session.model.ops, logits)[0] if greedy else sampler.draw(sampler.probs(logits[0]))
 
 
+def forced_q(tokens: list[int], vocab: int, greedy: bool) -> torch.Tensor | None:
+    """The draft distributions of forced tokens: one-hot (None when greedy)."""
+    return None if greedy else torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()
+
+
+def choose(row: torch.Tensor, sampler: Sampler, greedy: bool) -> int:
+    """A choice from one transformed row [V]: its argmax (lowest index on ties) or a draw."""
+    return int(row.argmax()) if greedy else sampler.draw(sampler.probs(row))
+
+
 def verify(session, first: int, proposal: Draft, sampler: Sampler, greedy: bool, rows_per_pass: int,
-           metrics: SpecMetrics) -> tuple[int, int, torch.Tensor]:
+           metrics: SpecMetrics, transform: Transform | None, generated: list[int]) -> tuple[int, int, torch.Tensor]:
     """Run [first, d1..dk] through the target `rows_per_pass` rows at a time (stopping at the first
     rejected draft) and return (drafts accepted, the target's token after them, the logits rows that
-    decided each committed token). Rows of rejected drafts are left in the session for the caller to
-    truncate."""
+    decided each committed token). `transform` reshapes row i with prefix `generated` + d1..di, computed
+    only for rows reached. Rows of rejected drafts are left in the session for the caller to truncate."""
     drafts = proposal.tokens
     tokens = [first] + drafts
     decided = []
@@ -338,13 +370,15 @@ def verify(session, first: int, proposal: Draft, sampler: Sampler, greedy: bool,
         metrics.target_forward_passes += 1
         metrics.target_rows += logits.shape[0]
         tally(metrics.target_pass_rows, logits.shape[0])
-        tops = row_tops(session.model.ops, logits) if greedy else None
+        tops = row_tops(session.model.ops, logits) if greedy and not transform else None
         for r in range(logits.shape[0]):
             i = lo + r
+            row = transform(logits[r], [*generated, *drafts[:i]]) if transform else logits[r]
             if greedy:
-                choice = tops[r] if i == len(drafts) or tops[r] != drafts[i] else None
+                top = int(row.argmax()) if transform else tops[r]
+                choice = top if i == len(drafts) or top != drafts[i] else None
             else:
-                p = sampler.probs(logits[r])
+                p = sampler.probs(row)
                 choice = sampler.draw(p) if i == len(drafts) else \
                     accept_or_resample(p, proposal.q[i], drafts[i], sampler)
             if choice is not None:
@@ -353,16 +387,24 @@ def verify(session, first: int, proposal: Draft, sampler: Sampler, greedy: bool,
 
 
 class MTPDrafter:
-    """Drafts with the session's MTP head, recursively on its own state (greedy or sampled from q)."""
+    """Drafts with the session's MTP head, recursively on its own state (greedy or sampled from q); a
+    `transform(row, drafted)` reshapes each draft row given the drafts before it."""
 
     uses_mtp = True
+
+    def __init__(self, transform: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None):
+        self.transform = transform
 
     def propose(self, session, first: int, n: int, sampler: Sampler, eos_id: int | None) -> Draft:
         """Up to `n` MTP guesses for the tokens after `first`; stops after an EOS guess."""
         tokens, qs, state, token = [], [], None, first
         for _ in range(n):
             logits, state = session.mtp_draft(token, state)
-            if sampler.params.greedy:
+            if self.transform:
+                logits = self.transform(logits, tokens)
+            if sampler.params.greedy and self.transform:
+                token = int(logits.argmax())
+            elif sampler.params.greedy:
                 token = row_tops(session.model.ops, logits[None])[0]
             else:
                 qs.append(sampler.probs(logits))

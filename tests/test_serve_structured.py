@@ -50,6 +50,10 @@ def test_mask_allows_exactly_the_grammar(engine):
     for token in tokenizer.encode('"dog"'):
         state.advance(token)
     assert state.complete and state.allowed().nonzero().flatten().tolist() == [tokenizer.eos_id]
+    forced = Constraint(tokenizer, vocab, json_grammar({"enum": ["weather_report"]}))
+    for token in tokenizer.encode('"weather_report"'):  # a forced run: each mask keeps the next forced token only
+        assert torch.isfinite(forced.mask_forced(torch.zeros(vocab))).nonzero().flatten().tolist() == [token]
+        forced.advance(token)
     with pytest.raises(ds4.errors.UsageError, match="breaks the grammar"):
         Constraint(tokenizer, vocab, json_grammar({"type": "boolean"})).advance(tokenizer.encode("x")[0])
 
@@ -61,7 +65,8 @@ def test_json_schema_replies_validate(live):
         r = live.client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, n=5, seed=seed,
                                                 temperature=1.0, max_tokens=120)
         replies += r.choices
-        assert r.usage.model_extra["speculative"]["num_drafts"] == 0  # constrained requests decode plainly
+        spec = r.usage.model_extra["speculative"]  # forced runs are verified many tokens per pass
+        assert spec["target_forward_passes"] < spec["generated_tokens"] - 5
     assert len(replies) == 20
     for choice in replies:
         assert choice.finish_reason == "stop", choice
@@ -116,3 +121,34 @@ def test_grammar_bench_smoke():
     rows = grammar_bench.rows(argparse.Namespace(skip_outlines=True, threads=1), torch.device("cpu"))
     assert [r["schema"] for r in rows] == list(grammar_bench.SCHEMAS)
     assert all(float(r["llg us/token"]) > 0 and r["tokens"] > 5 for r in rows)
+
+
+def test_constrained_greedy_is_the_same_at_every_draft_depth(engine):
+    """Greedy json_schema, tool_choice required and penalized json_object requests give the same tokens with
+    mtp_draft 0 (no MTP drafts) and 1..3: every verify and draft row is masked and adjusted with its own
+    prefix, forced runs are verified in one pass (the reference ops are batch-invariant, so the worker's
+    verify is strict's)."""
+    from ds4.server.worker import Worker
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    requests = [{"response_format": fmt}, {"tools": TOOLS, "tool_choice": "required"},
+                {"response_format": {"type": "json_object"}, "frequency_penalty": 1.5, "presence_penalty": 0.5,
+                 "logit_bias": {"9": 5}}]
+    outputs, worker = {}, Worker(engine)
+    server = LiveServer(create_app(engine, worker=worker))
+    try:
+        for draft in (0, 1, 2, 3):
+            worker.mtp_draft = draft or None
+            replies = [server.client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=300,
+                                                             **extra) for extra in requests]
+            spec = [r.usage.model_extra["speculative"] for r in replies]
+            assert (spec[2]["num_drafts"] > 0) == bool(draft)  # the free-text reply drafts with the MTP head
+            assert all(s["target_forward_passes"] < s["generated_tokens"] - 5 for s in spec[:2])  # forced runs
+            outputs[draft] = [(c.finish_reason, c.message.content,
+                               [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []])
+                              for c in (r.choices[0] for r in replies)]
+            schema_reply, tool_reply, _ = (r.choices[0] for r in replies)
+            jsonschema.validate(json.loads(schema_reply.message.content), SCHEMA)
+            assert tool_reply.finish_reason == "tool_calls" and tool_reply.message.tool_calls
+    finally:
+        server.close()
+    assert outputs[1] == outputs[2] == outputs[3] == outputs[0]

@@ -14,7 +14,7 @@ import torch
 
 from backends.registry import OpSet
 from ds4 import speculative
-from ds4.sampling import Sampler, SamplingParams
+from ds4.sampling import LogitAdjustments, Sampler, SamplingParams
 from ds4.session import Session
 from ds4.speculative import Draft, SpecMetrics, generate_ids
 from ds4.tiny.build import tiny_model_weights
@@ -300,3 +300,119 @@ def test_strict_verify_saves_passes(model, monkeypatch):
                 assert strict.target_forward_passes == perfect
     per_token_verify(monkeypatch)
     assert passes_per_token(trunk, prompt, truth, draft=4, strict=True).target_forward_passes >= 23
+
+
+def shaped_reference(session: Session, prompt: list[int], transform, max_tokens: int) -> list[int]:
+    """Plain greedy decode with `transform(row, generated)` applied before every argmax."""
+    out, logits = [], session.prefill(prompt)
+    while len(out) < max_tokens:
+        out.append(int(transform(logits, out).argmax()))
+        logits = session.decode(out[-1])
+    return out
+
+
+class ForbiddenDrafter:
+    """Always drafts `token` (sampled: from a one-hot q), one the transform forbids."""
+
+    uses_mtp = False
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def propose(self, session, first, n, sampler, eos_id):
+        vocab = session.model.args.vocab_size
+        q = None if sampler.params.greedy else torch.nn.functional.one_hot(torch.tensor([self.token] * n), vocab)
+        return Draft([self.token] * n, None if q is None else q.float())
+
+
+def test_forbidden_draft_is_rejected(model):
+    """A draft the transform forbids is rejected by its verify row (greedy and sampled, every depth), and
+    the greedy output equals plain transformed decoding."""
+    trunk, _ = model
+    prompt = prompts(1, seed=8)[0]
+    s = Session(trunk, 128)
+    forbidden = plain_greedy(s, s.prefill(prompt), 4, None)[1]
+    adjust = LogitAdjustments(never=(forbidden,))
+
+    def transform(row, prefix):
+        return adjust.apply(row, prompt, prefix)
+    expected = shaped_reference(Session(trunk, 128), prompt, transform, 12)
+    assert forbidden not in expected
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
+        for depth in (1, 2, 3):
+            log = []
+            got = list(generate_ids(Session(trunk, 128), prompt, max_tokens=12, sampler=Sampler(params), eos_id=None,
+                                    draft=depth, strict=True, spec_log=log.append,
+                                    drafter=ForbiddenDrafter(forbidden), transform=transform))
+            assert log and all(r["accepted"] == 0 for r in log) and forbidden not in got
+            if params.greedy:
+                assert got == expected, depth
+
+
+def test_transformed_strict_equals_transformed_greedy(model):
+    """Penalties and a bias shape every verify row (prefix: the drafts before it) and every MTP draft row:
+    strict speculation at depths 1..3 commits exactly plain transformed greedy's tokens, with the error-
+    schedule oracle and with the MTP head (whose shaped drafts are then often accepted)."""
+    trunk, mtp = model
+    prompt = prompts(1, seed=9)[0]
+    s = Session(trunk, 128)
+    favourite = plain_greedy(s, s.prefill(prompt), 4, None)[2]
+    adjust = LogitAdjustments(presence=0.5, frequency=4.0, repetition=1.3, logit_bias=((favourite, 30.0),))
+
+    def transform(row, prefix):
+        return adjust.apply(row, prompt, prefix)
+    expected = shaped_reference(Session(trunk, 128), prompt, transform, 16)
+    assert 1 < expected.count(favourite) < 16
+    for depth in (1, 2, 3):
+        oracle = list(generate_ids(Session(trunk, 128), prompt, max_tokens=16, sampler=Sampler(), eos_id=None,
+                                   draft=depth, strict=True, drafter=OracleDrafter(expected, len(prompt)),
+                                   transform=transform))
+        metrics = SpecMetrics()
+        drafted = list(generate_ids(Session(trunk, 128, 16, mtp), prompt, max_tokens=16, sampler=Sampler(),
+                                    eos_id=None, draft=depth, strict=True, metrics=metrics, transform=transform))
+        assert oracle == drafted == expected, depth
+        assert metrics.num_accepted_tokens > 0
+
+
+def test_mtp_draft_rows_are_shaped_with_their_prefix(model):
+    """The MTP drafter shapes each draft row with the generated tokens and drafts before it: when the
+    transform allows one token per prefix length, every draft (greedy or sampled) is that token and accepted."""
+    trunk, mtp = model
+    prompt = prompts(1, seed=10)[0]
+
+    def only(prefix):
+        return (7 * len(prefix) + 5) % 500
+
+    def transform(row, prefix):
+        out = torch.full((row.numel(),), float("-inf"))
+        out[only(prefix)] = 0.0
+        return out
+    expected = [only(range(i)) for i in range(12)]
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=4)):
+        metrics = SpecMetrics()
+        got = list(generate_ids(Session(trunk, 128, 16, mtp), prompt, max_tokens=12, sampler=Sampler(params),
+                                eos_id=None, draft=3, strict=True, metrics=metrics, transform=transform))
+        assert got == expected
+        assert metrics.num_accepted_tokens == metrics.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("strict", (False, True))
+def test_forced_tokens_are_verified_like_drafts(model, strict):
+    """Tokens `forced` names are verified in one pass (no MTP head needed) and committed only where the
+    transformed rows choose them: a wrong forced token is rejected and the output is still the reference."""
+    trunk, _ = model
+    prompt = prompts(1, seed=11)[0]
+    adjust = LogitAdjustments(frequency=3.0)
+
+    def transform(row, prefix):
+        return adjust.apply(row, prompt, prefix)
+    expected = shaped_reference(Session(trunk, 128), prompt, transform, 16)
+    for lie in (False, True):
+        def forced(prefix, lie=lie):
+            ahead = expected[len(prefix):len(prefix) + 4]
+            return [t + 1 for t in ahead] if lie and len(prefix) % 2 else ahead
+        metrics = SpecMetrics()
+        got = list(generate_ids(Session(trunk, 128), prompt, max_tokens=16, sampler=Sampler(), eos_id=None,
+                                strict=strict, metrics=metrics, transform=transform, forced=forced))
+        assert got == expected and metrics.num_drafts == 0
+        assert metrics.target_forward_passes < (10 if lie else 5)

@@ -86,6 +86,34 @@ class Job:
             self.cancel.set()
 
 
+class Shaper:
+    """A job's logit adjustments, then its grammar's mask (from the first token, or after `constrain_after`),
+    for the row that follows `generated` (a speculative transform: the grammar follows rolled-back prefixes)."""
+
+    def __init__(self, job: Job):
+        self.job = job
+
+    def grammar_output(self, generated: list[int]) -> list[int] | None:
+        """The part of `generated` the grammar covers (None: the grammar has not started), the parser put after it."""
+        job = self.job
+        if job.constraint is None or (job.constrain_after is not None and job.constrain_after not in generated):
+            return None
+        output = generated if job.constrain_after is None else \
+            generated[generated.index(job.constrain_after) + 1:]
+        job.constraint.follow(output)
+        return output
+
+    def __call__(self, logits: torch.Tensor, generated: list[int]) -> torch.Tensor:
+        """The row [V] (float32, host) the job chooses from after `generated`."""
+        job = self.job
+        out = job.adjust.apply(logits, job.ids, generated) if job.adjust.active else logits
+        return out if self.grammar_output(generated) is None else job.constraint.mask_forced(out)
+
+    def forced(self, generated: list[int]) -> list[int]:
+        """The tokens the grammar forces after `generated` (none before it starts, or after EOS)."""
+        return [] if self.grammar_output(generated) is None else self.job.constraint.forced()
+
+
 class Worker:
     """Owns the engine and one session; runs jobs one at a time in arrival order (FIFO, so fair)."""
 
@@ -170,8 +198,8 @@ class Worker:
 
     def tokens(self, job: Job, cached: int, spec: SpecMetrics) -> Iterator[int]:
         """The generated ids of a job (the session holds ids[:cached]); snapshots the session before the last
-        prompt token, so the next turn of this conversation can come back here. A job with logit adjustments or
-        a grammar decodes plainly (no speculation: drafts would be drawn from the unadjusted distribution)."""
+        prompt token, so the next turn of this conversation can come back here. A job's logit adjustments and
+        grammar shape every target and draft row (`Shaper`), so speculation stays exact."""
         session, fresh = self.session, job.ids[cached:-1]
         if fresh:
             session.mtp_paused = not self.mtp_draft  # as generate_ids' own prefill would
@@ -181,47 +209,10 @@ class Worker:
         if self.prefix_cache:
             self.prefix_cache.maybe_save(session)
         keep = self.rows.append if job.logprobs is not None else None
-        if job.adjust.active or job.constraint:
-            return self.adjusted(job, keep)
+        shaper = Shaper(job) if job.adjust.active or job.constraint else None
         return generate_ids(session, job.ids[-1:], max_tokens=job.max_tokens, sampler=Sampler(job.sampling),
-                            eos_id=self.engine.tokenizer.eos_id, draft=self.mtp_draft, metrics=spec, on_logits=keep)
-
-    def adjusted(self, job: Job, keep: Callable[[torch.Tensor], None] | None) -> Iterator[int]:
-        """Plain decoding with the job's logit adjustments and grammar applied before every choice; the tokens a
-        grammar forces after a choice are fed with it in one forward."""
-        session, sampler, generated = self.session, Sampler(job.sampling), []
-        grammar, eos = (job.constraint if job.constrain_after is None else None), self.engine.tokenizer.eos_id
-        session.mtp_paused = True
-        try:
-            logits = session.prefill(job.ids[-1:])
-            while True:
-                adjusted = job.adjust.apply(logits, job.ids, generated) if job.adjust.active else logits
-                token, forced = sampler.sample(grammar.mask(adjusted) if grammar else adjusted), []
-                if grammar and token != eos:
-                    grammar.advance(token)
-                    forced = grammar.forced()[:job.max_tokens - len(generated) - 1]
-                elif token == job.constrain_after:
-                    grammar = job.constraint
-                if keep:
-                    keep(logits)
-                yield token
-                generated.append(token)
-                if len(generated) >= job.max_tokens or token == eos:
-                    return
-                if not forced:
-                    logits = session.decode(token)
-                    continue
-                out = session.forward([token, *forced], "all" if keep else "last")  # row k: after token k
-                for k, token in enumerate(forced):
-                    if keep:
-                        keep(out[k])
-                    yield token
-                    generated.append(token)
-                    if len(generated) >= job.max_tokens or token == eos:
-                        return
-                logits = out[-1]
-        finally:
-            session.mtp_paused = False
+                            eos_id=self.engine.tokenizer.eos_id, draft=self.mtp_draft, metrics=spec, on_logits=keep,
+                            transform=shaper, forced=shaper.forced if shaper else None)
 
     def logprob(self, job: Job, token: int) -> TokenLogprob | None:
         """The TokenLogprob of a token just yielded, when the job asked for them."""
