@@ -3,7 +3,7 @@
 A pass of r rows reads every dense weight once, the LM head once when it computes logits, and the
 routed experts its rows pick: at most min(n_experts, n_experts_used * r) per layer (an upper bound;
 rows often share experts). Lookup tables (`token_embd`, `ffn_gate_tid2eid`) are read one row per
-token and left out. Sizes come from the real model's shapes and a tensor-type mix (ds4/quant_mix.py).
+token and left out. Sizes come from the real model's shapes and a tensor-type mix (ds4/formats/quant_mix.py).
 """
 from __future__ import annotations
 

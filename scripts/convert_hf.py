@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp-out", help="also write the MTP head (mtp.0.*) to this GGUF")
     ap.add_argument("--mtp-layout", choices=("ds4", "llama.cpp"), default="ds4",
                     help="MTP GGUF layout: ds4 (mtp.0.*) or llama.cpp (blk.L.nextn.*, one eh_proj)")
-    ap.add_argument("--outtype", choices=MIXES, default="q2", help="tensor-type mix (see ds4/quant_mix.py)")
+    ap.add_argument("--outtype", choices=MIXES, default="q2", help="tensor-type mix (see ds4/formats/quant_mix.py)")
     ap.add_argument("--no-tokenizer", action="store_true", help="convert without tokenizer.json (no vocab in the GGUF)")
     args = ap.parse_args(argv)
 

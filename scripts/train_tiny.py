@@ -107,7 +107,7 @@ class MTPLayer(hf.DeepseekV4DecoderLayer):
         self.head = hf.DeepseekV4HyperHead(cfg)
 
     def state_dict_for_convert(self) -> dict[str, torch.Tensor]:
-        """Tensors under the `mtp.0.` names that ds4/convert.py reads (official names for the HC head)."""
+        """Tensors under the `mtp.0.` names that ds4/formats/convert.py reads (official names for the HC head)."""
         head = {"hc_fn": "hc_head_fn", "hc_base": "hc_head_base", "hc_scale": "hc_head_scale"}
         out = {}
         for name, t in self.state_dict().items():

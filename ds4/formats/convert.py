@@ -433,7 +433,7 @@ def convert(hf_dir: str | Path, out: str | Path, mtp_out: str | Path | None = No
     """Convert checkpoint `hf_dir` into a base GGUF at `out` (and the MTP GGUF at `mtp_out`) with mix `outtype`.
 
     The base GGUF loads in ds4py, antirez/ds4 and llama.cpp; the MTP GGUF has `mtp_layout`: "ds4"
-    (`mtp.0.*`) or "llama.cpp" (`blk.L.nextn.*`, eh_proj = [e_proj | h_proj], see ds4/layouts.py).
+    (`mtp.0.*`) or "llama.cpp" (`blk.L.nextn.*`, eh_proj = [e_proj | h_proj], see ds4/formats/layouts.py).
 
     Tensors are converted one at a time as they are written; `progress` wraps the (name, tensor) items
     as they are, e.g. with tqdm.

@@ -1,7 +1,7 @@
 """A DeepSeek V4 model with random weights built directly on a device from the shape schema, for
 benchmarks at full size without an 81 GB file (`scripts/bench.py model`).
 
-Every tensor gets the storage type the mix gives it (ds4/quant_mix.py), so the bytes a pass reads are
+Every tensor gets the storage type the mix gives it (ds4/formats/quant_mix.py), so the bytes a pass reads are
 exactly those of the real model. Small tensors (routers, norms, HC weights, biases: at most
 `FULL_RANDOM` values) are random throughout, so routing and gates behave as with random weights;
 a large tensor repeats the quantized blocks of `SEED_ROWS` random rows down its rows, generated once on
