@@ -534,6 +534,22 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int bs, int G) {
     return out;
 }
 
+/* Rows [n0, n1) of a K-quant with group mins (256 values in bb bytes, groups of G): the grouped path with each
+ * row's sums of x per group where it is built, else dequantize-then-multiply. Returns 0, or -2 out of memory. */
+static inline __attribute__((always_inline)) int k_quant_rows(
+        deq_fn deq, unpack_fn unpack, const int bb, const int G, const uint8_t *w, int64_t expert_bytes,
+        const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
+    if (!GROUPED) {
+        rows_of(deq, 256, bb, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+        return 0;
+    }
+    float *xsum = group_sums(x, M, K, 256, G);
+    if (xsum == NULL) return -2;
+    rows_grouped(unpack, 256, bb, G, w, expert_bytes, experts, N, K, x, xsum, M, y, n0, n1);
+    free(xsum);
+    return 0;
+}
+
 /* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 1 F16, 8 Q8_0,
  * 12 Q4_K, 10 Q2_K, 16 IQ2_XXS after qgemv_set_iq2_xxs, 14 Q6_K, 13 Q5_K, 11 Q3_K, 2 Q4_0, 3 Q4_1,
  * 6 Q5_0, 7 Q5_1, 20 IQ4_NL, 23 IQ4_XS), M <= MAX_ROWS. experts == NULL: every row uses
@@ -542,7 +558,6 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int bs, int G) {
 int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
           const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     if (M > MAX_ROWS) return -1;
-    float *xsum = NULL;
     switch (type) {
     case 0: if (K % 64) return -1; rows_of(NULL, 64, 256, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 1: if (K % 32) return -1; rows_of(deq_f16, 32, 64, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
@@ -560,26 +575,10 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         if (GROUPED) rows_grouped(unpack_iq2_xxs, 256, 66, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
         else rows_of(deq_iq2_xxs, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
-    case 12:
-        if (K % 256) return -1;
-        if (!GROUPED) {
-            rows_of(deq_q4_k, 256, 144, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-            return 0;
-        }
-        if ((xsum = group_sums(x, M, K, 256, 32)) == NULL) return -2;
-        rows_grouped(unpack_q4_k, 256, 144, 32, w, expert_bytes, experts, N, K, x, xsum, M, y, n0, n1);
-        free(xsum);
-        return 0;
-    case 10:
-        if (K % 256) return -1;
-        if (!GROUPED) {
-            rows_of(deq_q2_k, 256, 84, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-            return 0;
-        }
-        if ((xsum = group_sums(x, M, K, 256, 16)) == NULL) return -2;
-        rows_grouped(unpack_q2_k, 256, 84, 16, w, expert_bytes, experts, N, K, x, xsum, M, y, n0, n1);
-        free(xsum);
-        return 0;
+    case 12: return K % 256 ? -1 : k_quant_rows(deq_q4_k, unpack_q4_k, 144, 32, w, expert_bytes, experts, N, K,
+                                                x, M, y, n0, n1);
+    case 10: return K % 256 ? -1 : k_quant_rows(deq_q2_k, unpack_q2_k, 84, 16, w, expert_bytes, experts, N, K,
+                                                x, M, y, n0, n1);
     case 14: if (K % 256) return -1; rows_of(deq_q6_k, 256, 210, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 13: if (K % 256) return -1; rows_of(deq_q5_k, 256, 176, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 11: if (K % 256) return -1; rows_of(deq_q3_k, 256, 110, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
