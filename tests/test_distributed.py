@@ -21,7 +21,7 @@ from backends.registry import OpSet
 from ds4 import distributed
 from ds4.errors import BackendUnavailable, ParallelError, UsageError
 from ds4.tiny.random_model import random_args
-from models.deepseek_v4 import owned_experts
+from models.deepseek_v4 import experts_slice, owned_experts
 from models.tensor_parallel import TensorSplit, splits, tensor_split
 from ops.moe import Experts
 from ops.quants import QTensor
@@ -42,9 +42,13 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
 
 
 def experts(owned: range, hashed: bool, d: int = 64, inter: int = 32, top_k: int = 4) -> Experts:
-    """Random experts (Q8_0 stacks) of which the stacks hold only `owned`."""
+    """Random experts (Q8_0 stacks) of which the stacks hold only `owned`: views into whole stacks whose other
+    experts are NaN, so a rank that reads another rank's expert fails."""
     def stack(*shape, seed):
-        return QTensor.quantize(randn(E, *shape, seed=seed)[owned.start:owned.stop] * 0.3, "Q8_0", "stack")
+        whole = QTensor.quantize(randn(E, *shape, seed=seed) * 0.3, "Q8_0", "stack")
+        poisoned = whole.data.clone()
+        poisoned[:owned.start], poisoned[owned.stop:] = 0xFF, 0xFF   # float16 scales of 0xFFFF: NaN
+        return experts_slice(QTensor(whole.qtype, whole.shape, poisoned, "stack"), owned)
     return Experts(
         router=QTensor.quantize(randn(E, d, seed=0), "F32", "router"), bias=None if hashed else randn(E, seed=1) * 0.1,
         tid2eid=torch.randint(0, E, (VOCAB, top_k), generator=torch.Generator().manual_seed(2)) if hashed else None,
@@ -56,11 +60,12 @@ def experts(owned: range, hashed: bool, d: int = 64, inter: int = 32, top_k: int
 @pytest.mark.parametrize("m", [3, 20])   # decode/verify rows and a prefill
 @pytest.mark.parametrize("hashed", [False, True])
 def test_owned_ranges_sum_to_the_whole_moe(backend, m, hashed):
-    """Each rank's moe adds only its experts: the ranks' outputs sum to the single-process output."""
-    ops = OpSet(backend)
-    x, ids = randn(m, 64, seed=9), torch.randint(0, VOCAB, (m,), generator=torch.Generator().manual_seed(8))
-    whole = ops.moe(x, ids, experts(range(E), hashed))
-    parts = [ops.moe(x, ids, experts(owned_experts(E, r, 2), hashed)) for r in range(2)]
+    """Each rank's moe adds only its experts: the ranks' outputs sum to the single-process output. On the cpu
+    backend rows of 128 values take the kernel's grouped Q8_0 path (the interpreter keeps Triton's smaller)."""
+    ops, d, inter = OpSet(backend), *((128, 128) if backend == "cpu" else (64, 32))
+    x, ids = randn(m, d, seed=9), torch.randint(0, VOCAB, (m,), generator=torch.Generator().manual_seed(8))
+    whole = ops.moe(x, ids, experts(range(E), hashed, d, inter))
+    parts = [ops.moe(x, ids, experts(owned_experts(E, r, 2), hashed, d, inter)) for r in range(2)]
     assert not torch.equal(parts[0], whole)   # each rank's share is only a part
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=0, atol=1e-5 * whole.abs().max().item())
 
