@@ -271,6 +271,8 @@ def one_process(models) -> dict[str, dict]:
 def test_two_ranks_match_one_process(models, one_process, two_ranks, mode):
     for name in models:
         single = one_process[name]
+        # every rank sees the same logits (tp: after the head's all_gather), so every rank decides alike
+        assert torch.equal(two_ranks[0][mode, name]["logits"], two_ranks[1][mode, name]["logits"])
         for rank in (0, 1):
             got = two_ranks[rank][mode, name]
             for run in RUNS:
