@@ -249,6 +249,18 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
     return torch.ops.ds4.qdot8(x, w.data, GGML_TYPE[w.qtype.name], w.shape[-2], experts)
 
 
+def q8_quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Rows of float32 `x` [M, K] rounded by qdot8.c for weights of `qtype`, as raw bytes: per block a float32
+    d, the int8 quants and (Q8_K) 16 int16 sums of 16 quants."""
+    kind = Q8_TYPES[qtype]
+    block, block_bytes = Q8_ACTIVATION[kind]
+    M, K = x.shape
+    out = torch.empty(M * (K // block) * block_bytes, dtype=torch.uint8)
+    if lib().q8_quantize(kind, x.data_ptr(), M, K, out.data_ptr()):
+        raise ValueError(f"q8_quantize: rows of {K} values are not whole blocks of {block}")
+    return out
+
+
 _ops.define("qdot8(Tensor x, Tensor data, int ggml_type, int n, Tensor? experts) -> Tensor")
 
 
@@ -257,12 +269,10 @@ def qdot8_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, expert
     global _pool
     x = x.to(torch.float32).contiguous()
     M, K = x.shape
-    kind = Q8_TYPES[type_name(ggml_type)]
-    block, block_bytes = Q8_ACTIVATION[kind]
-    xq = torch.empty(M * (K // block) * block_bytes, dtype=torch.uint8)
+    if M > MAX_ROWS:
+        raise ValueError(f"qdot8: at most {MAX_ROWS} rows, got {M}")
+    xq = q8_quantize(x, type_name(ggml_type))
     k = lib()
-    if M > MAX_ROWS or k.q8_quantize(kind, x.data_ptr(), M, K, xq.data_ptr()):
-        raise ValueError(f"qdot8: unsupported call ({type_name(ggml_type)}, M={M}, K={K})")
     data = data.contiguous()
     expert_bytes = data[0].numel() if experts is not None else 0
     ids = experts.to(torch.int64).contiguous() if experts is not None else None
