@@ -14,9 +14,11 @@ Per weight block the dot is an exact integer sum; the float combination, in bloc
 IQ2_XXS `acc += (d_w d_x) bsum` (bsum = sum over groups of (2 ls + 1) times the group's integer dot), and
 0.125 acc at the end; the K-quants `acc += (d_x d) isum - (d_x dmin) msum` (isum = sum over sub-blocks of
 scale times the sub-block's integer dot, msum = sum of min times bsums; Q3_K and Q6_K have no mins);
-Q8_0 `acc += (d_w d_x) sumi` per 32 values. These are the formulas of llama.cpp's generic
-`ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_q8_0_q8_0` (per-block integers equal; llama.cpp's SIMD variants
-add the same block terms in other float orders). The C kernel matches this reference bit for bit.
+Q8_0 in 8 lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values
+4l..4l+3 of each 32, block after block; then the lanes in order). These are the formulas of llama.cpp's
+`ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_q8_0_q8_0` (per-block integers equal; IQ2_XXS and Q2_K add the
+block terms in the generic version's float order; llama.cpp's SIMD variants use other float orders). The C
+kernel matches this reference bit for bit.
 """
 from __future__ import annotations
 
@@ -120,12 +122,13 @@ def _q4_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
 
 
 def _q8_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
-    """Per-block float terms [P, nb] of Q8_0 blocks [P, nb, 34] against Q8_0 rows."""
+    """Per-block float terms [P, nb, 8] of Q8_0 blocks [P, nb, 34] against Q8_0 rows, in 8 lanes (lane l: values
+    4l..4l+3 of the block)."""
     P, nb = blocks.shape[:2]
     bu = blocks.reshape(-1, 34)
     q = bu[:, 2:].contiguous().view(torch.int8).to(torch.int64).reshape(P, nb, 32)
-    sumi = (q * xq.q).sum(-1)
-    return (f16_field(bu, 0).reshape(P, nb) * xq.d) * sumi.to(torch.float32)
+    lanes = (q * xq.q).reshape(P, nb, 8, 4).sum(-1)
+    return (f16_field(bu, 0).reshape(P, nb) * xq.d)[..., None] * lanes.to(torch.float32)
 
 
 _BLOCK_TERMS = {"IQ2_XXS": _iq2_xxs, "Q2_K": _q2_k, "Q4_K": _q4_k, "Q8_0": _q8_0}
@@ -155,9 +158,11 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
     blocks = data.reshape(M * N, nb, -1)
     rows = Q8Blocks(*(None if t is None else t.repeat_interleave(N, 0) for t in (xq.d, xq.q, xq.bsums)))
     terms = _BLOCK_TERMS[w.qtype.name](blocks, rows)
-    acc = torch.zeros(M * N, dtype=torch.float32)
+    acc = torch.zeros(M * N, *terms.shape[2:], dtype=torch.float32)
     for b in range(nb):                               # in block order, as the kernel adds them
         acc = acc + terms[:, b]
+    if acc.dim() == 2:                                # Q8_0's lanes, added in order
+        acc = sum((acc[:, lane] for lane in range(1, acc.shape[1])), start=acc[:, 0])
     if w.qtype.name == "IQ2_XXS":
         acc = 0.125 * acc
     out = acc.reshape(M, N)

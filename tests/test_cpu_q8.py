@@ -168,9 +168,9 @@ def test_q8_k_rounding_is_llama_cpps():
 
 @pytest.mark.parametrize("qtype", ref.TYPES)
 def test_reference_dot_is_llama_cpps(qtype):
-    """Each output of the reference equals llama.cpp's generic dot product of the same blocks (IQ2_XXS, Q2_K,
-    Q8_0: the same float steps, bit for bit; Q4_K: llama.cpp adds its float terms in 8 lanes, so the per-block
-    integer sums are compared, and the float result within float32 rounding)."""
+    """Each output of the reference equals llama.cpp's generic dot product of the same blocks (IQ2_XXS, Q2_K:
+    the same float steps, bit for bit; Q4_K: llama.cpp adds its float terms in 8 lanes, so its per-block integer
+    sums give the reference's float result; Q8_0: ours adds 8 lanes, the generic one a scalar: within rounding)."""
     w, x = weight(qtype, 4, 512), activations(2, 512)
     out = ref.qdot8(x, w)
     for m in range(2):
@@ -184,7 +184,10 @@ def test_reference_dot_is_llama_cpps(qtype):
                 terms = d * torch.tensor(isums, dtype=torch.float32) - dmin * torch.tensor(msums, dtype=torch.float32)
                 assert out[m, n].item() == (terms[0] + terms[1]).item()
                 continue
-            llama = {"IQ2_XXS": vec_dot_iq2_xxs_q8_k, "Q2_K": vec_dot_q2_k_q8_k, "Q8_0": vec_dot_q8_0_q8_0}[qtype]
+            if qtype == "Q8_0":     # 8 lanes (as llama.cpp's AVX2 kernel) against the generic scalar sum
+                assert out[m, n].item() == pytest.approx(vec_dot_q8_0_q8_0(row, xq), rel=1e-5, abs=1e-6)
+                continue
+            llama = {"IQ2_XXS": vec_dot_iq2_xxs_q8_k, "Q2_K": vec_dot_q2_k_q8_k}[qtype]
             assert out[m, n].item() == llama(row, xq), (qtype, m, n)
 
 

@@ -264,39 +264,78 @@ static inline float dot_q4_k(const uint8_t *b, const void *act) {
     return (y->d * q8_half(b)) * (float)isum - (y->d * q8_half(b + 2)) * (float)msum;
 }
 
-/* Q8_0 (34 bytes) against a Q8_0 block: (d_w d_x) sumi. */
-static inline float dot_q8_0(const uint8_t *b, const void *act) {
-    const q8_0_block *y = act;
-    int sumi = 0;
-#if defined(__AVX2__)
-    __m256i w = load256(b + 2);
-    __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256(y->qs), w));
-    sumi = hsum_i32(_mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
-#else
-    for (int j = 0; j < 32; j++) sumi += (int8_t)b[2 + j] * y->qs[j];
-#endif
-    return (q8_half(b) * y->d) * (float)sumi;
+typedef float (*dot8_fn)(const uint8_t *, const void *);
+typedef float (*row8_fn)(const uint8_t *, const uint8_t *, int64_t);
+
+static inline void prefetch_ahead(const uint8_t *blk, int bb) {
+    for (int off = 0; off < bb; off += 64) __builtin_prefetch(blk + off + Q8_AHEAD);
 }
 
-typedef float (*dot8_fn)(const uint8_t *, const void *);
+/* A row of nb blocks of bb bytes against activation blocks of ab bytes: the block terms added in block order. */
+static inline __attribute__((always_inline)) float row_blocks(dot8_fn dot, const int bb, const int ab,
+                                                              const uint8_t *row, const uint8_t *act, int64_t nb) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_ahead(row + b * bb, bb);
+        acc += dot(row + b * bb, act + b * ab);
+    }
+    return acc;
+}
 
-/* Output rows [n0, n1) of y [M, N]: each (row, output) adds its blocks' terms in block order, times `final`. */
+static float row_iq2_xxs(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return 0.125f * row_blocks(dot_iq2_xxs, 66, sizeof(q8k_block), row, act, nb);
+}
+
+static float row_q2_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_blocks(dot_q2_k, 84, sizeof(q8k_block), row, act, nb);
+}
+
+static float row_q4_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_blocks(dot_q4_k, 144, sizeof(q8k_block), row, act, nb);
+}
+
+/* A row of Q8_0 blocks (34 bytes) against Q8_0 activations in 8 float lanes: lane l adds, block by block,
+ * (d_w d_x) times the integer dot of values 4l..4l+3 of the block; then the lanes are added in order. */
+static float row_q8_0(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    const q8_0_block *y = (const q8_0_block *)act;
+    float lanes[8] = {0};
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, row += 34) {
+        prefetch_ahead(row, 34);
+        __m256i w = load256(row + 2);
+        __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256(y[b].qs), w));
+        __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(q8_half(row) * y[b].d), dots));
+    }
+    _mm256_storeu_ps(lanes, acc);
+#else
+    for (int64_t b = 0; b < nb; b++, row += 34) {
+        float d = q8_half(row) * y[b].d;
+        for (int l = 0; l < 8; l++) {
+            int s = 0;
+            for (int i = 4 * l; i < 4 * l + 4; i++) s += (int8_t)row[2 + i] * y[b].qs[i];
+            lanes[l] += d * (float)s;
+        }
+    }
+#endif
+    float sum = 0.0f;
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    return sum;
+}
+
+/* Output rows [n0, n1) of y [M, N]: each (row, output) through `row_dot` (bs values in bb bytes per weight
+ * block, ab bytes per activation block). */
 static inline __attribute__((always_inline)) void rows_q8(
-        dot8_fn dot, const int bs, const int bb, const int ab, const float final, const uint8_t *w,
-        int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K, const uint8_t *xq, int64_t M,
-        float *y, int64_t n0, int64_t n1) {
+        row8_fn row_dot, const int bs, const int bb, const int ab, const uint8_t *w, int64_t expert_bytes,
+        const int64_t *experts, int64_t N, int64_t K, const uint8_t *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / bs, row_bytes = nb * bb;
     for (int64_t n = n0; n < n1; n++)
         for (int64_t m = 0; m < M; m++) {
             if (experts != NULL && experts[m] < 0) { y[m * N + n] = 0.0f; continue; }   /* another rank's */
             const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
-            const uint8_t *act = xq + m * nb * ab;
-            float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                for (int off = 0; off < bb; off += 64) __builtin_prefetch(row + b * bb + off + Q8_AHEAD);
-                acc += dot(row + b * bb, act + b * ab);
-            }
-            y[m * N + n] = final * acc;
+            y[m * N + n] = row_dot(row, xq + m * nb * ab, nb);
         }
 }
 
@@ -311,13 +350,13 @@ int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     const int k_bytes = (int)sizeof(q8k_block);
     switch (type) {
     case 16: if (K % 256) return -1;
-        rows_q8(dot_iq2_xxs, 256, 66, k_bytes, 0.125f, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+        rows_q8(row_iq2_xxs, 256, 66, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 10: if (K % 256) return -1;
-        rows_q8(dot_q2_k, 256, 84, k_bytes, 1.0f, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+        rows_q8(row_q2_k, 256, 84, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 12: if (K % 256) return -1;
-        rows_q8(dot_q4_k, 256, 144, k_bytes, 1.0f, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+        rows_q8(row_q4_k, 256, 144, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 8: if (K % 32) return -1;
-        rows_q8(dot_q8_0, 32, 34, (int)sizeof(q8_0_block), 1.0f, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+        rows_q8(row_q8_0, 32, 34, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
     default: return -1;
     }
