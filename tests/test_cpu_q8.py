@@ -148,15 +148,15 @@ def test_q8_k_rounding_is_llama_cpps():
     kernel's rounding give llama.cpp's d, quants and sums."""
     x = activations(3, 512)
     mine = ref.quantize_q8_k(x)
-    raw = kernels.q8_quantize(x, "Q2_K").reshape(3, 2, 292)
+    raw = kernels.q8_quantize(x, "Q2_K").reshape(3, 2, 320)
     for m in range(3):
         for b, (d, qs, bsums) in enumerate(quantize_row_q8_k_ref(x[m].numpy())):
             assert mine.d[m, b].item() == d and np.array_equal(mine.q[m, b].numpy(), qs)
             assert np.array_equal(mine.bsums[m, b].numpy(), bsums)
             blk = raw[m, b]
-            assert blk[:4].view(torch.float32).item() == d
-            assert np.array_equal(blk[4:260].view(torch.int8).numpy(), qs)
-            assert np.array_equal(blk[260:].view(torch.int16).numpy(), bsums)
+            assert blk[256:260].view(torch.float32).item() == d
+            assert np.array_equal(blk[:256].view(torch.int8).numpy(), qs)
+            assert np.array_equal(blk[260:292].view(torch.int16).numpy(), bsums)
     mine0 = ref.quantize_q8_0(x)
     raw0 = kernels.q8_quantize(x, "Q8_0").reshape(3, 16, 36)
     for m in range(3):

@@ -17,7 +17,7 @@
 #define Q8_MAX_ROWS 16
 #define Q8_AHEAD 2048       /* bytes of the weight stream prefetched ahead */
 
-typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } q8k_block;   /* 292 bytes */
+typedef struct { int8_t qs[256]; float d; int16_t bsums[16]; int8_t pad[28]; } q8k_block; /* 320: whole lines */
 typedef struct { float d; int8_t qs[32]; } q8_0_block;                       /* 36 bytes */
 
 static float q8_bits_float(uint32_t bits) {
@@ -132,7 +132,36 @@ static inline float dot_iq2_xxs(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
     const uint8_t *p = b + 2;
     int bsum = 0;
-#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__BMI2__)
+#if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* The block's 8 groups in one vector: 64-bit lane g = the group's 4 grid indices, then its 32 bits. */
+    __m512i v = _mm512_loadu_si512(p);
+    /* bytes 0-3 of lane g: the 7-bit sign indices of chunks 0-3 (bits 32 + 7l), each byte's parity on top */
+    __m512i t = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720), v), _mm512_set1_epi8(0x7f));
+    __m512i parity = _mm512_and_si512(_mm512_popcnt_epi8(t), _mm512_set1_epi8(1));
+    __m512i signs = _mm512_or_si512(t, _mm512_slli_epi16(parity, 7));
+    /* bytes 0-3 of each lane packed together: byte k <- byte 8 (k / 4) + k % 4 */
+    const __m512i pack = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x3b3a3938, 0x33323130, 0x2b2a2928, 0x23222120,
+                                          0x1b1a1918, 0x13121110, 0x0b0a0908, 0x03020100);
+    uint64_t negative[4];       /* per group pair: bit 8c + j set where value j of chunk c is negative */
+    _mm256_storeu_si256((__m256i *)negative, _mm512_castsi512_si256(_mm512_permutexvar_epi8(pack, signs)));
+    __m512i index = _mm512_permutexvar_epi8(pack, v);
+    __m512i pairs01 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(index));
+    __m512i pairs23 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(index, 1));
+    __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {                  /* groups 2i and 2i + 1 */
+        __m512i pair = i < 2 ? pairs01 : pairs23;
+        __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
+        __m512i grid = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
+        __m512i q8 = _mm512_loadu_si512(y->qs + 64 * i);
+        __m512i prod = _mm512_maddubs_epi16(grid, _mm512_mask_sub_epi8(q8, negative[i], _mm512_setzero_si512(), q8));
+        __m512i ls = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(8 * i)),
+                                                                 _mm256_set1_epi16((short)(8 * i + 4)), 1), scales);
+        acc = _mm512_dpwssd_epi32(acc, prod, ls);
+    }
+    bsum = _mm512_reduce_add_epi32(acc);
+#elif defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__BMI2__)
     __m512i acc = _mm512_setzero_si512();
     for (int g = 0; g < 8; g += 2, p += 16) {       /* two groups (64 values) at a time */
         uint32_t b0, b1;
