@@ -161,30 +161,6 @@ static inline float dot_iq2_xxs(const uint8_t *b, const void *act) {
         acc = _mm512_dpwssd_epi32(acc, prod, ls);
     }
     bsum = _mm512_reduce_add_epi32(acc);
-#elif defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__BMI2__)
-    __m512i acc = _mm512_setzero_si512();
-    for (int g = 0; g < 8; g += 2, p += 16) {       /* two groups (64 values) at a time */
-        uint32_t b0, b1;
-        memcpy(&b0, p + 4, 4);
-        memcpy(&b1, p + 12, 4);
-        /* the 4 + 4 seven-bit sign indices spread to bytes, each byte's parity on top (= ksigns) */
-        uint64_t t = _pdep_u64((uint64_t)(b0 & 0x0fffffff) | ((uint64_t)(b1 & 0x0fffffff) << 28), 0x7f7f7f7f7f7f7f7full);
-        uint64_t parity = t ^ (t >> 4);
-        parity ^= parity >> 2;
-        parity ^= parity >> 1;
-        __mmask64 negative = t | ((parity & 0x0101010101010101ull) << 7);
-        uint32_t i0, i1;
-        memcpy(&i0, p, 4);
-        memcpy(&i1, p + 8, 4);
-        __m512i grid = _mm512_i32gather_epi64(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)i1, (int)i0)),
-                                              (const void *)iq2_grid_bytes, 8);
-        __m512i q8 = _mm512_loadu_si512(y->qs + 32 * g);
-        __m512i prod = _mm512_maddubs_epi16(grid, _mm512_mask_sub_epi8(q8, negative, _mm512_setzero_si512(), q8));
-        __m512i ls = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * (b0 >> 28) + 1)),
-                                        _mm256_set1_epi16((short)(2 * (b1 >> 28) + 1)), 1);
-        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(prod, ls));
-    }
-    bsum = _mm512_reduce_add_epi32(acc);
 #elif defined(__AVX2__)
     __m256i acc = _mm256_setzero_si256();
     for (int g = 0; g < 8; g++, p += 8) {
