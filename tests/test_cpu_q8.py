@@ -5,7 +5,9 @@ and plain C builds), its batch invariance, thread splits and experts addressing,
 --strict and off the cpu backend, shown in the op report, taken by scripts/generate.py."""
 from __future__ import annotations
 
-import importlib.util
+import os
+import re
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from ds4.errors import BackendUnavailable, UsageError
 from ops import q8_activations as ref
 from ops.quants import QTensor
 from ops.quants.iq2_xxs import GRID, KSIGNS
+from tests.script_modules import script
 
 F32 = np.float32
 
@@ -252,13 +255,82 @@ def test_switch_refusals_and_report():
 
 def test_generate_cli_flag(capsys):
     """scripts/generate.py --cpu-dot q8 runs and reports it; with --strict it stops before loading."""
-    script = Path(__file__).resolve().parent.parent / "scripts" / "generate.py"
-    spec = importlib.util.spec_from_file_location("generate_cli", script)
-    generate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generate)
+    generate = script("generate")
     before = torch.get_num_threads()
     assert generate.main(["-n", "3", "--cpu-dot", "q8", "--mtp-draft", "0", "--explain-backends"]) == 0
     assert "--cpu-dot q8" in capsys.readouterr().err
     assert generate.main(["-n", "3", "--cpu-dot", "q8", "--strict"]) == 2
     assert "--strict promises the reference's tokens" in capsys.readouterr().err
     torch.set_num_threads(before)
+
+
+# llama.cpp's own CPU kernels (the SIMD ones this machine runs), through a small C program linked against the
+# static ggml libraries of a llama.cpp build: LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin.
+HARNESS = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include "ggml.h"
+#include "ggml-cpu.h"
+int main(void) {   /* stdin: type M N K, weight rows, float32 x [M, K]; stdout: activation blocks, y [M, N] */
+    int type; long M, N, K;
+    if (fread(&type, 4, 1, stdin) != 1 || fread(&M, 8, 1, stdin) != 1 || fread(&N, 8, 1, stdin) != 1
+        || fread(&K, 8, 1, stdin) != 1) return 1;
+    ggml_cpu_init();
+    const struct ggml_type_traits_cpu *t = ggml_get_type_traits_cpu(type);
+    size_t wrow = ggml_row_size(type, K), xrow = ggml_row_size(t->vec_dot_type, K);
+    char *w = malloc(N * wrow), *xq = malloc(M * xrow);
+    float *x = malloc(M * K * 4);
+    if (fread(w, wrow, N, stdin) != (size_t)N || fread(x, 4 * K, M, stdin) != (size_t)M) return 1;
+    for (long m = 0; m < M; m++) ggml_get_type_traits_cpu(t->vec_dot_type)->from_float(x + m * K, xq + m * xrow, K);
+    fwrite(xq, xrow, M, stdout);
+    for (long m = 0; m < M; m++)
+        for (long n = 0; n < N; n++) {
+            float y;
+            t->vec_dot(K, &y, 0, w + n * wrow, 0, xq + m * xrow, 0, 1);
+            fwrite(&y, 4, 1, stdout);
+        }
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def ggml_harness(tmp_path_factory) -> Path:
+    """The harness built against $LLAMA_CPP_BIN/../ (skips when LLAMA_CPP_BIN is unset)."""
+    binary = os.environ.get("LLAMA_CPP_BIN")
+    if not binary:
+        pytest.skip("LLAMA_CPP_BIN (a llama.cpp build/bin directory) is not set")
+    build = Path(binary).resolve().parent
+    source = re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", (build / "CMakeCache.txt").read_text(), re.M)[1]
+    out = tmp_path_factory.mktemp("ggml")
+    (out / "harness.c").write_text(HARNESS)
+    libs = [str(build / "ggml" / "src" / f"libggml-{name}.a") for name in ("cpu", "base")]
+    subprocess.run(["g++", "-x", "c", str(out / "harness.c"), "-x", "none", f"-I{source}/ggml/include", *libs,
+                    "-fopenmp", "-lm", "-lpthread", "-o", str(out / "harness")], check=True)
+    return out / "harness"
+
+
+@pytest.mark.parametrize("qtype", ref.TYPES)
+def test_against_ggml_itself(qtype, ggml_harness):
+    """llama.cpp's from_float and vec_dot on the same weight and rows: Q8_K activations identical to the
+    reference's (d, quants, sums), Q8_0 quants within one step where its AVX rounding differs from its own
+    reference quantizer, and every output within float32 rounding of the reference (llama.cpp adds the same
+    block terms in SIMD lanes)."""
+    w, x = weight(qtype, 24, 512), activations(4, 512)
+    header = np.array([w.qtype.ggml_type], np.int32).tobytes() + np.array([4, 24, 512], np.int64).tobytes()
+    done = subprocess.run([str(ggml_harness)], input=header + w.data.numpy().tobytes() + x.numpy().tobytes(),
+                          capture_output=True, check=True)
+    mine = ref.quantize_activations(x, qtype)
+    if qtype == "Q8_0":
+        blocks = np.frombuffer(done.stdout[:4 * 16 * 34], np.uint8).reshape(4, 16, 34)
+        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        assert np.array_equal(d, mine.d.numpy())
+        assert np.abs(blocks[..., 2:].view(np.int8) - mine.q.numpy()).max() <= 1
+        y = np.frombuffer(done.stdout[4 * 16 * 34:], np.float32).reshape(4, 24)
+    else:
+        blocks = np.frombuffer(done.stdout[:4 * 2 * 292], np.uint8).reshape(4, 2, 292)
+        assert np.array_equal(blocks[..., :4].copy().view(np.float32)[..., 0], mine.d.numpy())
+        assert np.array_equal(blocks[..., 4:260].view(np.int8), mine.q.numpy())
+        assert np.array_equal(blocks[..., 260:].copy().view(np.int16), mine.bsums.numpy())
+        y = np.frombuffer(done.stdout[4 * 2 * 292:], np.float32).reshape(4, 24)
+    assert np.allclose(y, ref.qdot8(x, w).numpy(), rtol=1e-5, atol=1e-6 * np.abs(y).max())
