@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -262,6 +263,18 @@ def test_generate_cli_flag(capsys):
     assert generate.main(["-n", "3", "--cpu-dot", "q8", "--strict"]) == 2
     assert "--strict promises the reference's tokens" in capsys.readouterr().err
     torch.set_num_threads(before)
+
+
+def test_bench_flags(tmp_path, capsys, monkeypatch):
+    """`bench.py cpu --full-layers` times ds4py once per --cpu-dot given (smoke size, no llama-bench)."""
+    monkeypatch.delenv("LLAMA_BENCH", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)     # tiny rows fall back to F16 with a warning each
+        script("bench").main(["cpu", "--full-layers", "2", "--full-tiny", "--full-mixes", "q2", "--threads", "1",
+                              "--rounds", "1", "--prompt", "4", "--tokens", "2", "--workdir", str(tmp_path),
+                              "--cpu-dot", "exact", "q8"])
+    out = capsys.readouterr().out
+    assert "ds4py --cpu-dot q8" in out and "decode_tok_s" in out
 
 
 # llama.cpp's own CPU kernels (the SIMD ones this machine runs), through a small C program linked against the
