@@ -331,7 +331,7 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
         distributed.check_same_run(world, {
             "model file": distributed.fingerprint(model_path),
             "MTP file": mtp_path and distributed.fingerprint(mtp_path), "number of ranks": world.size,
-            "parallel mode": parallel, "backend": backend, "switches": sorted(switches.items())})
+            "parallel mode": parallel, "backend": backend, "cpu dot": cpu_dot, "switches": sorted(switches.items())})
     if device:
         check_device(device)
     if cpu_dot != "exact" and strict_backend:
