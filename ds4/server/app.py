@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for the tiny model)")
     p.add_argument("--cpu-dot", choices=("exact", "q8"), default="exact",
                    help="cpu backend's quantized products: exact float (default) or q8, activations rounded to 8 bits "
-                        "per block as llama.cpp does (requests with strict are then refused)")
+                        "per block as llama.cpp does (faster on 2-bit types, other numbers)")
     p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
                    help="require this key on every request (Authorization: Bearer KEY); default $DS4_API_KEY")
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
