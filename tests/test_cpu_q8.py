@@ -273,13 +273,18 @@ def test_q8_speculation_is_exact_against_q8_decoding():
 
 
 def test_generate_cli_flag(capsys):
-    """scripts/generate.py --cpu-dot q8 runs and reports it; with --strict it stops before loading."""
+    """scripts/generate.py --cpu-dot q8 runs and reports it; with --strict it stops before loading; the server
+    passes the flag to the load, which refuses it on the torch backend."""
     generate = script("generate")
     before = torch.get_num_threads()
     assert generate.main(["-n", "3", "--cpu-dot", "q8", "--mtp-draft", "0", "--explain-backends"]) == 0
     assert "--cpu-dot q8" in capsys.readouterr().err
     assert generate.main(["-n", "3", "--cpu-dot", "q8", "--strict"]) == 2
     assert "--strict promises the reference's tokens" in capsys.readouterr().err
+    torch.set_num_threads(before)
+    from ds4.server.app import main as serve
+    assert serve(["--cpu-dot", "q8", "--backend", "torch", "--threads", "1"]) == 2      # refused before serving
+    assert "--cpu-dot q8 needs the cpu backend" in capsys.readouterr().err
     torch.set_num_threads(before)
 
 
