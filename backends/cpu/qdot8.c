@@ -2,9 +2,10 @@
  * to 8 bits per block, as llama.cpp's CPU kernels do (the numerics and their PyTorch reference:
  * ops/q8_activations.py). `q8_quantize` rounds the activations once per call (Q8_K: 256 values, a float
  * scale, the sums of each 16 quants; Q8_0: 32 values, an f16 scale); `qdot8` multiplies every weight block
- * with its activation block in integers (maddubs/madd on AVX2, a plain C loop elsewhere: the same exact
- * integers) and adds the blocks' float terms in block order. Each output's arithmetic depends only on its
- * row and its weight row, so the result is the same for any M and any split of the output rows across
+ * with its activation block in integers (maddubs/madd on AVX2; IQ2_XXS a block per vector on AVX-512 with
+ * VBMI/BITALG/VNNI; a plain C loop elsewhere: the same exact integers everywhere) and adds the blocks' float
+ * terms in block order (Q8_0: in 8 lanes, then the lanes in order). Each output's arithmetic depends only on
+ * its row and its weight row, so the result is the same for any M and any split of the output rows across
  * threads (batch-invariant). Built with qgemv.c by backends/cpu/kernels.py.
  */
 #include <math.h>
