@@ -233,9 +233,14 @@ def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
         assert torch.equal(kernels.qdot8(x, w), ref.qdot8(x, w)), (flags, qtype)
 
 
-def test_switch_refusals_and_report():
-    """q8 is refused off the cpu backend, for an unknown name, under --strict-backend and on a strict
-    generation; on the cpu backend the op report shows it."""
+def test_switch_refusals_and_report(monkeypatch):
+    """q8 is refused off the cpu backend, without the kernel library, for an unknown name, under
+    --strict-backend and on a strict generation; on the cpu backend the op report shows it."""
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "_lib", None)
+        m.setattr(kernels, "_failure", "cc failed on purpose")
+        with pytest.raises(BackendUnavailable, match="cannot be built here .*cc failed on purpose"):
+            OpSet("cpu", cpu_dot="q8")
     with pytest.raises(BackendUnavailable, match="--cpu-dot q8 needs the cpu backend"):
         OpSet("torch", cpu_dot="q8")
     with pytest.raises(BackendUnavailable, match="needs the cpu backend.*qmatmul on torch"):
