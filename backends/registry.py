@@ -13,6 +13,8 @@ Resolution for an `OpSet(backend=..., overrides=...)`:
   (`mlx`, `mlx:cpu`, `mlx:gpu`; backend mlx). A backend asked for on the other family's device raises
   `BackendUnavailable` (its ops could not read the arrays); `backend="mlx"` without a device means `mlx`.
 Per-op overrides (`{"qmatmul": "torch"}` or `DS4_OPS=qmatmul:torch,moe:triton`) pin single ops.
+`cpu_dot="q8"` has the cpu backend's weight ops (CPU_DOT_OPS) round activations to 8 bits per block as
+llama.cpp does (docs/cpu.md); it is refused where those ops would not run on the cpu backend.
 Besides the ops, an OpSet carries its device's array primitives (`zeros`, `array`, `cat`, `where`,
 `place`, `to_torch`, `compile`; see backends/arrays.py), so the model allocates and places everything
 through it, and the collectives `all_reduce` (the sum over ranks) and `all_gather` (the ranks' slices
@@ -25,7 +27,8 @@ import importlib
 import os
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -43,6 +46,8 @@ OPS = (
 )
 
 WEIGHT_OPS = ("qmatmul", "moe", "shared_expert", "embed", "hc_head")  # ops that read quantized weights
+CPU_DOTS = ("exact", "q8")   # the cpu backend's dot products: exact float (default), 8-bit activations
+CPU_DOT_OPS = ("qmatmul", "moe", "shared_expert")  # the cpu ops that take `dot=`
 
 
 @dataclass(frozen=True)
@@ -206,7 +211,8 @@ class OpSet:
     `report()` says which implementation ran each op."""
 
     def __init__(self, backend: str | None = None, overrides: dict[str, str] | None = None,
-                 strict: bool = False, device: str | None = "cpu", parallel: str | None = None):
+                 strict: bool = False, device: str | None = "cpu", parallel: str | None = None,
+                 cpu_dot: str = "exact"):
         self.backend = backend or os.environ.get("DS4_BACKEND", "auto")
         if self.backend != "auto" and self.backend not in BACKENDS:
             raise BackendUnavailable(f"unknown backend {self.backend!r}; choose auto or one of {BACKENDS}")
@@ -243,6 +249,27 @@ class OpSet:
                 raise BackendUnavailable(f"backend {name!r} was asked for but cannot run: {why}")
         self.calls: Counter[str] = Counter()
         self._resolved: dict[str, tuple[Impl, str]] = {}
+        self.cpu_dot = "exact"
+        self.cpu_dot = self._check_cpu_dot(cpu_dot)
+        self._resolved.clear()    # resolved again with the dot product chosen
+
+    def _check_cpu_dot(self, cpu_dot: str) -> str:
+        """`cpu_dot` when every op taking it runs on the cpu backend with its kernels; else BackendUnavailable."""
+        if cpu_dot not in CPU_DOTS:
+            raise BackendUnavailable(f"unknown cpu dot {cpu_dot!r}; choose one of {', '.join(CPU_DOTS)}")
+        if cpu_dot == "exact":
+            return cpu_dot
+        backends = {op: self.resolve(op)[0].backend for op in CPU_DOT_OPS}
+        elsewhere = {op: b for op, b in backends.items() if b != "cpu"}
+        if elsewhere:
+            served = ", ".join(f"{op} on {b}" for op, b in elsewhere.items())
+            raise BackendUnavailable(f"--cpu-dot {cpu_dot} needs the cpu backend (CPU tensors, --backend cpu or "
+                                     f"auto), but this run serves {served}")
+        from backends.cpu import kernels
+        if not kernels.built():
+            raise BackendUnavailable(f"--cpu-dot {cpu_dot} needs the cpu kernel library, which cannot be built here "
+                                     f"({kernels.unavailable_note() or 'DS4_CPU_KERNELS=0'})")
+        return cpu_dot
 
     def resolve(self, op: str) -> tuple[Impl, str]:
         """The implementation serving `op` and a note on how it was chosen."""
@@ -263,6 +290,9 @@ class OpSet:
             raise BackendUnavailable(f"backend {wanted!r} has no implementation of op {op!r} ({why})")
         else:
             impl, note = impls["torch"], f"fallback: {wanted} has no {op}"
+        if self.cpu_dot != "exact" and impl.backend == "cpu" and op in CPU_DOT_OPS:
+            impl = replace(impl, fn=partial(impl.fn, dot=self.cpu_dot))
+            note = f"{note}; --cpu-dot {self.cpu_dot}"
         self._resolved[op] = (impl, note)
         return impl, note
 
@@ -305,6 +335,10 @@ class OpSet:
             note = _NOTES[backend]()
             if note:
                 rows.append(note)
+        if self.cpu_dot != "exact":
+            from backends.cpu import kernels
+            rows.append(f"cpu dot {self.cpu_dot}: activations rounded to 8 bits per block (llama.cpp's Q8_K/Q8_0) "
+                        f"for {' '.join(kernels.Q8_TYPES)} weights, M <= 16; other types and prefill exact")
         weight_backends = {r["backend"] for op, r in report.items() if op in WEIGHT_OPS} - {"torch"}
         rows += [format_quant_support(b) for b in sorted(weight_backends)]
         return "\n".join(rows)

@@ -205,6 +205,9 @@ class Engine:
         max_tokens = check_size("max_tokens (-n)", max_tokens, 0)
         if not ids:
             raise UsageError("the prompt is empty")
+        if strict and self.ops.cpu_dot != "exact":
+            raise UsageError(f"--strict promises the reference's tokens; --cpu-dot {self.ops.cpu_dot} rounds "
+                             "activations to 8 bits (drop one of them)")
         if len(ids) >= ctx:
             raise UsageError(f"the prompt has {len(ids)} tokens but the context is {ctx} (--ctx)")
         for name, hook in (("spec_log", spec_log), ("on_logits", on_logits)):
@@ -291,7 +294,7 @@ def open_mtp(trunk: DeepseekV4, path: str) -> MTPHead:
 def load(model_path: str | None = None, mtp_path: str | None = None, backend: str = "auto", *,
          ops: dict[str, str] | None = None, strict_backend: bool = False, ctx: int = 4096,
          prefill_chunk: int = 2048, device: str | None = None, compile: bool = False, cuda_graphs: bool = False,
-         parallel: str | None = None,
+         parallel: str | None = None, cpu_dot: str = "exact",
          **switches: Any) -> Engine:
     """Load a ds4-layout GGUF (default: the embedded tiny model) and optionally its MTP GGUF.
 
@@ -303,6 +306,8 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     `parallel`: "ep" splits the routed experts over the ranks torchrun started (one process each; every
     rank calls load with the same arguments; docs/distributed.md), "tp" also the vocabulary, the attention
     and indexer heads and the shared expert; None runs in this process alone;
+    `cpu_dot`: "exact" (default) or "q8": the cpu backend rounds activations to 8 bits per block for its
+    quantized products, as llama.cpp does (faster, not the reference's numbers; docs/cpu.md);
     `switches`: model switches such as indexer_fp4_sim, kv_fp8_sim, shared_swiglu_clamp, mtp_pairing.
     """
     for label, path in (("model_path", model_path), ("mtp_path", mtp_path)):
@@ -327,10 +332,12 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
         distributed.check_same_run(world, {
             "model file": distributed.fingerprint(model_path),
             "MTP file": mtp_path and distributed.fingerprint(mtp_path), "number of ranks": world.size,
-            "parallel mode": parallel, "backend": backend, "switches": sorted(switches.items())})
+            "parallel mode": parallel, "backend": backend, "cpu dot": cpu_dot, "switches": sorted(switches.items())})
     if device:
         check_device(device)
-    opset = OpSet(backend, ops, strict=strict_backend, device=device, parallel=parallel)
+    if cpu_dot != "exact" and strict_backend:
+        raise UsageError(f"--cpu-dot {cpu_dot} changes the reference's numbers: it cannot run with --strict-backend")
+    opset = OpSet(backend, ops, strict=strict_backend, device=device, parallel=parallel, cpu_dot=cpu_dot)
     with tqdm(total=3, desc="loading", unit="step", leave=False, disable=None) as bar:
         f = gguf.open(model_path)
         gguf.check_architecture(f, keys=())

@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where weights and caches live: cpu | cuda | cuda:N | mlx | mlx:cpu | mlx:gpu "
                         "(default: mlx with --backend mlx, else the best available)")
     p.add_argument("--ops", help="per-op overrides, e.g. qmatmul:torch,moe:triton")
+    p.add_argument("--cpu-dot", choices=("exact", "q8"), default="exact",
+                   help="cpu backend's quantized products: exact float (default) or q8, activations rounded to 8 bits "
+                        "per block as llama.cpp does (faster on 2-bit types, other numbers; not with --strict)")
     p.add_argument("--parallel", choices=("ep", "tp"),
                    help="split the model over the ranks torchrun starts: ep = routed experts by index; tp = also "
                         "vocabulary, attention and indexer heads and the shared expert "
@@ -123,6 +126,9 @@ def run(a: argparse.Namespace) -> int:
     if a.threads is not None and a.threads > cpus:
         raise UsageError(f"--threads {a.threads} exceeds the {cpus} CPUs here")
     SamplingParams(a.temp, a.top_k, a.top_p, a.min_p, a.seed)  # bad sampling flags fail before loading
+    if a.strict and a.cpu_dot != "exact":
+        raise UsageError(f"--strict promises the reference's tokens; --cpu-dot {a.cpu_dot} rounds activations to "
+                         "8 bits (drop one of them)")
     if a.dump_logits:
         check_writable("--dump-logits", Path(a.dump_logits))
     threads = a.threads or (1 if a.model is None else 0)
@@ -135,7 +141,7 @@ def run(a: argparse.Namespace) -> int:
     from backends.registry import parse_overrides
     engine = ds4.load(a.model, a.mtp, a.backend, ops=parse_overrides(a.ops), ctx=a.ctx,
                       prefill_chunk=a.prefill_chunk, device=a.device, compile=a.compile,
-                      cuda_graphs=a.cuda_graphs, parallel=a.parallel, **switches)
+                      cuda_graphs=a.cuda_graphs, parallel=a.parallel, cpu_dot=a.cpu_dot, **switches)
     quiet = engine.world is not None and not engine.world.is_main   # across ranks only rank 0 prints
     logits = []
     spec_log = (lambda cycle: print(json.dumps(cycle), file=sys.stderr)) if a.spec_log else None

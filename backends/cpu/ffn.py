@@ -32,10 +32,14 @@ def gathered(w: QTensor, chosen: torch.Tensor) -> torch.Tensor:
     return QTensor(w.qtype, (chosen.shape[0], *w.shape[1:]), data).dequantize()
 
 
-def pairs_product(x: torch.Tensor, w: QTensor, chosen: torch.Tensor) -> torch.Tensor:
+def pairs_product(x: torch.Tensor, w: QTensor, chosen: torch.Tensor, dot: str = "exact") -> torch.Tensor:
     """[P, out] products of rows x [P, in] with the experts `chosen` [P] of a stacked [E, out, in] weight; an
     expert -1 (another rank's) gives 0 from the kernel, and the last expert's products on the gathered path,
-    which its routing weight 0 cancels."""
+    which its routing weight 0 cancels; `dot="q8"`: 8-bit activations where qdot8.c reads the type."""
+    if dot == "q8" and kernels.q8_available(w.qtype.name, w.shape[-1]):
+        out = [kernels.qdot8(x[i:i + kernels.MAX_ROWS], w, chosen[i:i + kernels.MAX_ROWS])
+               for i in range(0, x.shape[0], kernels.MAX_ROWS)]
+        return out[0] if len(out) == 1 else torch.cat(out)
     if kernels.available(w.qtype.name, w.shape[-1]):
         out = [kernels.qgemv(x[i:i + kernels.MAX_ROWS], w, chosen[i:i + kernels.MAX_ROWS])
                for i in range(0, x.shape[0], kernels.MAX_ROWS)]
@@ -43,28 +47,28 @@ def pairs_product(x: torch.Tensor, w: QTensor, chosen: torch.Tensor) -> torch.Te
     return torch.bmm(x[:, None, :], gathered(w, chosen).transpose(1, 2))[:, 0]
 
 
-def route(x: torch.Tensor, ids: torch.Tensor, ex: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, ids: torch.Tensor, ex: Experts, dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
     """Chosen experts [M, top_k] in increasing id order and their routing weights [M, top_k]."""
-    chosen, w = select(rowwise(lambda v: torch.sqrt(F.softplus(v)), qmatmul(x, ex.router)), ids, ex)
+    chosen, w = select(rowwise(lambda v: torch.sqrt(F.softplus(v)), qmatmul(x, ex.router, dot)), ids, ex)
     chosen, order = torch.sort(chosen, dim=-1, stable=True)
     return chosen, w.gather(1, order)
 
 
 @register("moe", "cpu", batch_invariant=True)
-def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts) -> torch.Tensor:
-    """Routed-expert output of each row of `x` (shared expert not included)."""
+def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts, dot: str = "exact") -> torch.Tensor:
+    """Routed-expert output of each row of `x` (shared expert not included); `dot`: as in qmatmul."""
     M, D = x.shape
     x = x.to(torch.float32)
-    chosen, w = route(x, ids, experts)
+    chosen, w = route(x, ids, experts, dot)
     if M > SMALL_M:
         return grouped(x, chosen, w, experts)
     chosen, w = owned_pairs(chosen, w, experts, missing=-1)   # expert parallelism: the kernel skips the others
     k, flat = chosen.shape[1], chosen.reshape(-1)
     xs = x.repeat_interleave(k, dim=0)                                      # [M*k, D]
-    g = pairs_product(xs, experts.gate, flat).clamp(max=experts.clamp)
-    u = pairs_product(xs, experts.up, flat).clamp(-experts.clamp, experts.clamp)
+    g = pairs_product(xs, experts.gate, flat, dot).clamp(max=experts.clamp)
+    u = pairs_product(xs, experts.up, flat, dot).clamp(-experts.clamp, experts.clamp)
     h = rowwise(F.silu, g) * u * w.reshape(-1, 1)
-    y = pairs_product(h, experts.down, flat).reshape(M, k, D)
+    y = pairs_product(h, experts.down, flat, dot).reshape(M, k, D)
     out = y[:, 0]
     for j in range(1, k):
         out = out + y[:, j]
@@ -87,9 +91,10 @@ def grouped(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts)
 
 
 @register("shared_expert", "cpu", batch_invariant=True)
-def shared_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, clamp: float | None) -> torch.Tensor:
-    """SwiGLU of every row of `x` through the shared expert's weights."""
-    g, u = qmatmul(x, gate), qmatmul(x, up)
+def shared_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, clamp: float | None,
+                  dot: str = "exact") -> torch.Tensor:
+    """SwiGLU of every row of `x` through the shared expert's weights; `dot`: as in qmatmul."""
+    g, u = qmatmul(x, gate, dot), qmatmul(x, up, dot)
     if clamp is not None:
         g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
-    return qmatmul(rowwise(F.silu, g) * u, down)
+    return qmatmul(rowwise(F.silu, g) * u, down, dot)

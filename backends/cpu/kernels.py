@@ -26,7 +26,7 @@ import torch
 from backends.registry import add_note
 from ops.quants import QTensor, iq2_xxs
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23}
 ROW_MULTIPLE = {"F32": 64, "F16": 32}   # qgemv.c takes F32 and F16 rows this many values at a time
@@ -83,6 +83,7 @@ def _build() -> ctypes.CDLL:
     lib.sinkhorn.argtypes = [ptr, ptr, i64, i64, i64, ctypes.c_float]
     grid, ksigns = iq2_xxs.GRID.contiguous(), iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     lib.qgemv_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
+    _bind_q8(lib)
     return lib
 
 
@@ -218,3 +219,83 @@ _ops.impl("sinkhorn", sinkhorn_op, "CPU")
 @torch.library.register_fake("ds4::sinkhorn")
 def _(p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return torch.empty_like(p, dtype=torch.float32)
+
+
+# The opt-in 8-bit-activation dot product (`--cpu-dot q8`, qdot8.c; numerics and reference: ops/q8_activations.py).
+Q8_TYPES = {"IQ2_XXS": 0, "Q2_K": 0, "Q4_K": 0, "Q8_0": 1}    # the types qdot8.c reads -> activation kind
+Q8_ACTIVATION = ((256, 320), (32, 36))   # per kind (0 Q8_K, 1 Q8_0): values and bytes of one activation block
+
+
+def _bind_q8(k: ctypes.CDLL) -> None:
+    """Declare qdot8.c's entry points and hand it the IQ2_XXS tables."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    k.q8_quantize.restype = ctypes.c_int
+    k.q8_quantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
+    k.qdot8.restype = ctypes.c_int
+    k.qdot8.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64]
+    grid = iq2_xxs.GRID.to(torch.uint8).contiguous()
+    ksigns = iq2_xxs.KSIGNS.to(torch.int64).contiguous()
+    k.qdot8_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
+
+
+def q8_available(qtype: str, k: int = 0) -> bool:
+    """Whether the 8-bit-activation kernel serves weights of `qtype` with rows of `k` values."""
+    return qtype in Q8_TYPES and k % Q8_ACTIVATION[Q8_TYPES[qtype]][0] == 0 and built()
+
+
+def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [M, K] @ W.T` with x rounded to 8 bits per block (ops/q8_activations.py), M <= MAX_ROWS; `experts`
+    as in `qgemv`. Float32 [M, N]."""
+    return torch.ops.ds4.qdot8(x, w.data, GGML_TYPE[w.qtype.name], w.shape[-2], experts)
+
+
+def q8_quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Rows of float32 `x` [M, K] rounded by qdot8.c for weights of `qtype`, as raw bytes per block: Q8_K the
+    256 int8 quants, float32 d, 16 int16 sums of 16 quants and padding to 320 bytes; Q8_0 float32 d, 32 int8."""
+    kind = Q8_TYPES[qtype]
+    block, block_bytes = Q8_ACTIVATION[kind]
+    M, K = x.shape
+    out = torch.empty(M * (K // block) * block_bytes, dtype=torch.uint8)
+    if lib().q8_quantize(kind, x.data_ptr(), M, K, out.data_ptr()):
+        raise ValueError(f"q8_quantize: rows of {K} values are not whole blocks of {block}")
+    return out
+
+
+_ops.define("qdot8(Tensor x, Tensor data, int ggml_type, int n, Tensor? experts) -> Tensor")
+
+
+def qdot8_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
+    """qdot8.c on raw blocks `data` of type `ggml_type` with `n` output rows."""
+    global _pool
+    x = x.to(torch.float32).contiguous()
+    M, K = x.shape
+    if M > MAX_ROWS:
+        raise ValueError(f"qdot8: at most {MAX_ROWS} rows, got {M}")
+    xq = q8_quantize(x, type_name(ggml_type))
+    k = lib()
+    data = data.contiguous()
+    expert_bytes = data[0].numel() if experts is not None else 0
+    ids = experts.to(torch.int64).contiguous() if experts is not None else None
+    y = torch.empty((M, n), dtype=torch.float32)
+    args = (ggml_type, data.data_ptr(), expert_bytes, 0 if ids is None else ids.data_ptr(), n, K,
+            xq.data_ptr(), M, y.data_ptr())
+    weight_bytes = expert_bytes if experts is not None else data.numel()
+    parts = min(torch.get_num_threads(), n) if weight_bytes >= SPLIT_BYTES else 1
+    if parts <= 1:
+        rc = k.qdot8(*args, 0, n)
+    else:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="ds4-qgemv")
+        bounds = [n * i // parts for i in range(parts + 1)]
+        rc = max(_pool.map(lambda i: k.qdot8(*args, bounds[i], bounds[i + 1]), range(parts)))
+    if rc:
+        raise ValueError(f"qdot8: unsupported call ({type_name(ggml_type)}, M={M}, K={K})")
+    return y
+
+
+_ops.impl("qdot8", qdot8_op, "CPU")
+
+
+@torch.library.register_fake("ds4::qdot8")
+def _(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)

@@ -175,6 +175,8 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                         "(LLAMA_BENCH=path) on the same GGUF (written once into --workdir)")
     p.add_argument("--full-mixes", nargs="+", choices=("q2", "q4"), default=["q2", "q4"], help="mixes of --full-layers")
     p.add_argument("--llama-args", default="", help="--full-layers: extra llama-bench arguments, e.g. '-ub 1'")
+    p.add_argument("--cpu-dot", nargs="+", choices=("exact", "q8"), default=["exact"],
+                   help="--full-layers: ds4py's cpu dot products to time, interleaved (e.g. exact q8; docs/cpu.md)")
     p.add_argument("--full-tiny", action="store_true", help="--full-layers at the tiny model's sizes (smoke test)")
     p.add_argument("--png", help="--full-layers: also plot tok/s against threads into this PNG")
     p.add_argument("--compile", action="store_true",

@@ -1,4 +1,5 @@
-"""`bench.py cpu --gemv`: the fused CPU kernel (backends/cpu/qgemv.c) at V4 Flash's decode shapes, one thread.
+"""`bench.py cpu --gemv`: the fused CPU kernel (backends/cpu/qgemv.c) at V4 Flash's decode shapes, one thread,
+and beside it the 8-bit-activation kernel of `--cpu-dot q8` (backends/cpu/qdot8.c) for the types it reads.
 
 For each type a V4 mix stores large matrices in, a weight of distinct bytes (seed rows repeated, as
 ds4/tiny/random_model.py) is multiplied by M = 1..16 rows; the table gives the weight bytes read per second
@@ -60,9 +61,14 @@ def rows(rounds: int, smoke: bool = False) -> list[dict]:
                 s = cpu_seconds(lambda: kernels.qgemv(x, w), rounds)     # noqa: B023 (called at once)
                 one = one or s
                 gb_s = w.data.numel() / s
-                out.append({"type": qtype, "N": n, "K": k, "M": m, "ms": f"{1e3 * s:.2f}", "GB_s": f"{gb_s / 1e9:.2f}",
-                            "pct_copy": f"{100 * gb_s / copy:.0f}", "x_M1": f"{s / one:.2f}",
-                            "copy_GB_s": f"{copy / 1e9:.1f}"})
+                row = {"type": qtype, "N": n, "K": k, "M": m, "ms": f"{1e3 * s:.2f}", "GB_s": f"{gb_s / 1e9:.2f}",
+                       "pct_copy": f"{100 * gb_s / copy:.0f}", "x_M1": f"{s / one:.2f}",
+                       "q8_GB_s": "-", "q8_pct_copy": "-", "q8_x_exact": "-", "copy_GB_s": f"{copy / 1e9:.1f}"}
+                if kernels.q8_available(qtype, k):
+                    s8 = cpu_seconds(lambda: kernels.qdot8(x, w), rounds)     # noqa: B023 (called at once)
+                    row.update(q8_GB_s=f"{w.data.numel() / s8 / 1e9:.2f}",
+                               q8_pct_copy=f"{100 * w.data.numel() / s8 / copy:.0f}", q8_x_exact=f"{s / s8:.2f}")
+                out.append(row)
     finally:
         torch.set_num_threads(before)
     return out

@@ -2,10 +2,10 @@
 to its first N layers (real vocabulary and tokenizer, random weights in the ds4 q2 or q4 mix).
 
 The file is written once per (mix, N) with the seed-rows trick of ds4/tiny/random_model.py (every byte at its
-own address, generated in seconds). ds4py prefills a prompt and decodes greedily; when `LLAMA_BENCH` names a
-llama-bench binary, it runs on the same file (`-p` prompt, `-n` tokens) right after, for each thread count, in
-interleaved rounds. The table gives the median tok/s, the weight bytes a decode token reads per second and
-that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp.
+own address, generated in seconds). ds4py prefills a prompt and decodes greedily (once per `--cpu-dot` given);
+when `LLAMA_BENCH` names a llama-bench binary, it runs on the same file (`-p` prompt, `-n` tokens) right after,
+for each thread count, in interleaved rounds. The table gives the median tok/s, the weight bytes a decode token
+reads per second and that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp.
 """
 from __future__ import annotations
 
@@ -80,10 +80,11 @@ def decode_bytes(path: Path) -> int:
     return total
 
 
-def run_ds4(path: Path, prompt: list[int], tokens: int) -> Timing:
-    """ds4py on the file: prefill `prompt` in one chunk, then `tokens` greedy decode steps."""
+def run_ds4(path: Path, prompt: list[int], tokens: int, cpu_dot: str = "exact") -> Timing:
+    """ds4py on the file: prefill `prompt` in one chunk, then `tokens` greedy decode steps (`cpu_dot`: the cpu
+    backend's dot product, docs/cpu.md)."""
     from ds4.engine import open_model
-    model = open_model(str(path), OpSet("auto"))
+    model = open_model(str(path), OpSet("auto", cpu_dot=cpu_dot))
     s = Session(model, len(prompt) + tokens + 1, len(prompt))
     t0 = time.perf_counter()
     tok = int(s.prefill(prompt).argmax())
@@ -91,6 +92,11 @@ def run_ds4(path: Path, prompt: list[int], tokens: int) -> Timing:
     for _ in range(tokens):
         tok = int(s.decode(tok).argmax())
     return Timing(len(prompt) / (t1 - t0), tokens / (time.perf_counter() - t1))
+
+
+def engine_name(cpu_dot: str) -> str:
+    """The table's name of ds4py with the cpu dot product `cpu_dot`."""
+    return "ds4py" if cpu_dot == "exact" else f"ds4py --cpu-dot {cpu_dot}"
 
 
 def run_llama(binary: str, path: Path, prompt: int, tokens: int, threads: int, extra: list[str]) -> Timing:
@@ -134,7 +140,7 @@ def rows(a) -> list[dict]:
             for r in range(a.rounds + 1):          # round 0 warms up (page cache, kernels) and is not counted
                 for threads in a.threads:
                     torch.set_num_threads(threads)
-                    runs = [("ds4py", run_ds4(path, prompt, a.tokens))]
+                    runs = [(engine_name(dot), run_ds4(path, prompt, a.tokens, dot)) for dot in a.cpu_dot]
                     if binary:
                         llama = run_llama(binary, path, a.prompt, a.tokens, threads, a.llama_args.split())
                         runs.append(("llama.cpp", llama))

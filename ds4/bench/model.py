@@ -49,7 +49,8 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         if args.parallel:
             world, where = distributed.start(args.parallel, None if device.type == "cpu" else str(device))
             device = torch.device(where)
-        ops = OpSet(args.backend, device="mlx" if args.backend == "mlx" else str(device), parallel=args.parallel)
+        ops = OpSet(args.backend, device="mlx" if args.backend == "mlx" else str(device), parallel=args.parallel,
+                    cpu_dot=args.cpu_dot)
         model = random_model(margs, args.mix, ops, seed=0)
         step_bytes = PassCost(margs, args.mix).target_pass(1)
     g = torch.Generator().manual_seed(1)
@@ -172,3 +173,5 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                         "the ranks torchrun started (docs/distributed.md)")
     p.add_argument("--png", default=None, help="also draw decode vs roofline into this PNG")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA)")
+    p.add_argument("--cpu-dot", choices=("exact", "q8"), default="exact",
+                   help="cpu backend's quantized products: exact (default) or q8 activations (docs/cpu.md)")

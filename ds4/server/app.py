@@ -107,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mtp-draft", choices=["auto", *map(str, range(MAX_DRAFT + 1))],
                    help="speculative draft depth (0 = off) or 'auto' (default 1 with an MTP head)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for the tiny model)")
+    p.add_argument("--cpu-dot", choices=("exact", "q8"), default="exact",
+                   help="cpu backend's quantized products: exact float (default) or q8, activations rounded to 8 bits "
+                        "per block as llama.cpp does (faster on 2-bit types, other numbers)")
     p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
                    help="require this key on every request (Authorization: Bearer KEY); default $DS4_API_KEY")
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.threads or a.model is None:
             torch.set_num_threads(a.threads or 1)
         engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile,
-                      cuda_graphs=a.cuda_graphs)
+                      cuda_graphs=a.cuda_graphs, cpu_dot=a.cpu_dot)
         draft = int(a.mtp_draft) if a.mtp_draft not in (None, "auto") else a.mtp_draft
         cache = PrefixCache(engine, a.kv_disk_dir, a.kv_disk_space_mb) if a.kv_disk_dir else None
         app = create_app(engine, a.served_model_name, Worker(engine, draft, cache), guards)

@@ -1,0 +1,169 @@
+"""The numerics of the opt-in 8-bit-activation CPU dot product (`--cpu-dot q8`, backends/cpu/qdot8.c).
+
+As llama.cpp's CPU kernels do, each row of activations is rounded to 8 bits per block and every block of a
+weight row is multiplied with it in integers; floats only combine whole blocks:
+
+- **Q8_K** (activations of the 256-value types IQ2_XXS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): per 256 values,
+  `max` = the first value of the largest magnitude, `iscale = -127 / max`, `q = min(127, round(iscale * x))`
+  (halves to even), `d = 1 / iscale`, and the sums of q over each 16 values (`bsums`); an all-zero block
+  has d = 0 and q = 0.
+- **Q8_0** (activations of Q8_0 weights): per 32 values, `d = amax / 127`, `q = roundf(x / d)` (halves away
+  from zero), d stored as f16.
+
+Per weight block the dot is an exact integer sum; the float combination, in block order along the row:
+IQ2_XXS `acc += (d_w d_x) bsum` (bsum = sum over groups of (2 ls + 1) times the group's integer dot), and
+0.125 acc at the end; the K-quants `acc += (d_x d) isum - (d_x dmin) msum` (isum = sum over sub-blocks of
+scale times the sub-block's integer dot, msum = sum of min times bsums; Q3_K and Q6_K have no mins);
+Q8_0 in 8 lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values
+4l..4l+3 of each 32, block after block; then the lanes in order). These are the formulas of llama.cpp's
+`ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_q8_0_q8_0` (per-block integers equal; IQ2_XXS and Q2_K add the
+block terms in the generic version's float order; llama.cpp's SIMD variants use other float orders). The C
+kernel matches this reference bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ops.quants import QTensor
+from ops.quants._blocks import f16_field, round_half_away
+from ops.quants.iq2_xxs import GRID, KSIGNS
+from ops.quants.q4_k import _unpack_scales
+
+Q8_K_TYPES = ("IQ2_XXS", "Q2_K", "Q4_K")    # weights multiplied with Q8_K activations
+Q8_0_TYPES = ("Q8_0",)                        # weights multiplied with Q8_0 activations
+TYPES = Q8_K_TYPES + Q8_0_TYPES
+
+
+@dataclass(frozen=True)
+class Q8Blocks:
+    """Activations rounded to 8 bits per block: `d` [M, nb] float32, `q` [M, nb, B] int32 in -127..127,
+    `bsums` [M, nb, B // 16] int32 (Q8_K) or None (Q8_0)."""
+
+    d: torch.Tensor
+    q: torch.Tensor
+    bsums: torch.Tensor | None
+
+
+def _check(x: torch.Tensor, block: int) -> torch.Tensor:
+    """`x` as float32 [M, K], K a multiple of `block`, or ValueError/TypeError."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"activations must be a floating-point tensor, got {type(x).__name__}")
+    if x.dim() != 2 or x.shape[1] % block:
+        raise ValueError(f"activations must be [M, K] with K a multiple of {block}, got {tuple(x.shape)}")
+    return x.to(torch.float32)
+
+
+def quantize_q8_k(x: torch.Tensor) -> Q8Blocks:
+    """llama.cpp's `quantize_row_q8_K` on every row of `x` [M, K] (K a multiple of 256)."""
+    x = _check(x, 256)
+    v = x.reshape(x.shape[0], -1, 256)
+    first = v.abs().argmax(-1, keepdim=True)          # the first of equal magnitudes, as the C loop's `>`
+    peak = v.gather(-1, first)[..., 0]
+    nonzero = peak != 0
+    iscale = torch.full_like(peak, -127.0) / torch.where(nonzero, peak, 1)
+    q = torch.round(iscale[..., None] * v).clamp(max=127).to(torch.int32)
+    q = torch.where(nonzero[..., None], q, 0)
+    d = torch.where(nonzero, 1 / iscale, 0)
+    return Q8Blocks(d, q, q.reshape(*q.shape[:2], 16, 16).sum(-1))
+
+
+def quantize_q8_0(x: torch.Tensor) -> Q8Blocks:
+    """llama.cpp's `quantize_row_q8_0_ref` on every row of `x` [M, K] (K a multiple of 32); d rounded to f16."""
+    x = _check(x, 32)
+    v = x.reshape(x.shape[0], -1, 32)
+    d = v.abs().amax(-1) / 127
+    inverse = torch.where(d != 0, 1 / torch.where(d != 0, d, 1), 0)
+    q = round_half_away((v * inverse[..., None]).double())    # in float64: halves exact, as C's roundf
+    return Q8Blocks(d.to(torch.float16).to(torch.float32), q.to(torch.int32), None)
+
+
+def _iq2_xxs(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb] of IQ2_XXS blocks [P, nb, 66] against Q8_K rows (0.125 not applied)."""
+    P, nb = blocks.shape[:2]
+    b = blocks.reshape(-1, 66)
+    g = b[:, 2:].reshape(-1, 8, 8).to(torch.int64)
+    bits = g[:, :, 4] | (g[:, :, 5] << 8) | (g[:, :, 6] << 16) | (g[:, :, 7] << 24)
+    signs = KSIGNS[(bits[:, :, None] >> (7 * torch.arange(4))) & 127]
+    sign = 1 - 2 * ((signs[..., None] >> torch.arange(8)) & 1)
+    values = (GRID.to(torch.int64)[g[:, :, :4]] * sign).reshape(P, nb, 8, 32)
+    dots = (values * xq.q.reshape(P, nb, 8, 32)).sum(-1)
+    bsum = ((2 * (bits >> 28) + 1).reshape(P, nb, 8) * dots).sum(-1)
+    d = f16_field(b, 0).reshape(P, nb) * xq.d
+    return d * bsum.to(torch.float32)
+
+
+def _q2_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb] of Q2_K blocks [P, nb, 84] against Q8_K rows."""
+    P, nb = blocks.shape[:2]
+    b = blocks.reshape(-1, 84).to(torch.int64)
+    q = ((b[:, 16:80].reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).reshape(1, 1, 4, 1)) & 3)
+    dots = (q.reshape(P, nb, 16, 16) * xq.q.reshape(P, nb, 16, 16)).sum(-1)
+    s = b[:, :16].reshape(P, nb, 16)
+    isum, msum = ((s & 15) * dots).sum(-1), ((s >> 4) * xq.bsums).sum(-1)
+    bu = blocks.reshape(-1, 84)
+    dall, dmin = f16_field(bu, 80).reshape(P, nb) * xq.d, f16_field(bu, 82).reshape(P, nb) * xq.d
+    return dall * isum.to(torch.float32) - dmin * msum.to(torch.float32)
+
+
+def _q4_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb] of Q4_K blocks [P, nb, 144] against Q8_K rows."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 144)
+    sc, m = (t.to(torch.int64).reshape(P, nb, 8) for t in _unpack_scales(bu[:, 4:16]))
+    qs = bu[:, 16:].to(torch.int64).reshape(-1, 4, 1, 32)
+    q = torch.cat([qs & 15, qs >> 4], 2).reshape(P, nb, 8, 32)
+    dots = (q * xq.q.reshape(P, nb, 8, 32)).sum(-1)
+    isum = (sc * dots).sum(-1)
+    msum = (m * xq.bsums.reshape(P, nb, 8, 2).sum(-1)).sum(-1)
+    d, dmin = f16_field(bu, 0).reshape(P, nb) * xq.d, f16_field(bu, 2).reshape(P, nb) * xq.d
+    return d * isum.to(torch.float32) - dmin * msum.to(torch.float32)
+
+
+def _q8_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb, 8] of Q8_0 blocks [P, nb, 34] against Q8_0 rows, in 8 lanes (lane l: values
+    4l..4l+3 of the block)."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 34)
+    q = bu[:, 2:].contiguous().view(torch.int8).to(torch.int64).reshape(P, nb, 32)
+    lanes = (q * xq.q).reshape(P, nb, 8, 4).sum(-1)
+    return (f16_field(bu, 0).reshape(P, nb) * xq.d)[..., None] * lanes.to(torch.float32)
+
+
+_BLOCK_TERMS = {"IQ2_XXS": _iq2_xxs, "Q2_K": _q2_k, "Q4_K": _q4_k, "Q8_0": _q8_0}
+
+
+def quantize_activations(x: torch.Tensor, qtype: str) -> Q8Blocks:
+    """The 8-bit activations a weight of `qtype` is multiplied with (Q8_0 for Q8_0, else Q8_K)."""
+    return quantize_q8_0(x) if qtype in Q8_0_TYPES else quantize_q8_k(x)
+
+
+def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [M, K] @ W.T` with 8-bit activations, float32 [M, N]; with `experts` [M] int64, row m uses expert
+    experts[m] of a stacked [E, N, K] weight (an expert < 0 gives a row of zeros)."""
+    if not isinstance(w, QTensor) or w.qtype.name not in TYPES:
+        raise TypeError(f"qdot8 serves {', '.join(TYPES)} weights, got {getattr(w, 'qtype', type(w).__name__)}")
+    K = w.shape[-1]
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"activations must be [M, {K}], got {tuple(x.shape)}")
+    if (experts is None) != (len(w.shape) == 2):
+        raise ValueError(f"a weight of shape {w.shape} needs experts exactly when it is stacked [E, N, K]")
+    xq = quantize_activations(x, w.qtype.name)
+    M, N, nb = x.shape[0], w.shape[-2], xq.d.shape[1]
+    if experts is None:
+        data = w.data.reshape(1, N, -1).expand(M, N, -1)
+    else:
+        data = w.data.reshape(w.shape[0], N, -1)[experts.clamp(min=0)]
+    blocks = data.reshape(M * N, nb, -1)
+    rows = Q8Blocks(*(None if t is None else t.repeat_interleave(N, 0) for t in (xq.d, xq.q, xq.bsums)))
+    terms = _BLOCK_TERMS[w.qtype.name](blocks, rows)
+    acc = torch.zeros(M * N, *terms.shape[2:], dtype=torch.float32)
+    for b in range(nb):                               # in block order, as the kernel adds them
+        acc = acc + terms[:, b]
+    if acc.dim() == 2:                                # Q8_0's lanes, added in order
+        acc = sum((acc[:, lane] for lane in range(1, acc.shape[1])), start=acc[:, 0])
+    if w.qtype.name == "IQ2_XXS":
+        acc = 0.125 * acc
+    out = acc.reshape(M, N)
+    return out if experts is None else torch.where(experts[:, None] >= 0, out, 0)
