@@ -492,6 +492,7 @@ static inline __attribute__((always_inline)) void rows_grouped(
     if (experts != NULL || M == 1) {    /* a weight of its own per row */
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = n0; n < n1; n++) {
+                if (experts != NULL && experts[m] < 0) { y[m * N + n] = 0.0f; continue; }  /* another rank's */
                 const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
                 acc_t a = {0};
                 for (int64_t b = 0; b < nb; b++) {
