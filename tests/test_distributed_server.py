@@ -144,3 +144,17 @@ def test_a_follower_whose_rank_0_dies_gets_a_parallel_error(tmp_path):
         p.join(timeout=60)
     seconds, message = (tmp_path / "rank1.txt").read_text().split(" ", 1)
     assert message.startswith("rank 1 of 2: a collective failed") and float(seconds) < 20
+
+
+def test_bench_ranks_smoke():
+    """`bench.py ranks` in one process: a row of memory and speed, and a row per collective size."""
+    import argparse
+
+    from ds4.bench import ranks
+    parser = argparse.ArgumentParser()
+    ranks.add_args(parser, on_gpu=False)
+    args = parser.parse_args(["--prompt", "3", "--decode", "2", "--collectives", "8"])
+    args.reps = 1
+    memory, collective = ranks.rows(args, None)
+    assert memory["ranks"] == 1 and float(memory["expert_GB"]) > 0 and float(memory["peak_rss_GB"]) > 0
+    assert collective["collective_rows"] == 8 and collective["all_reduce_MB_sent"] == "0"
