@@ -185,7 +185,10 @@ class Worker:
                 self.link.send(Heartbeat())
                 continue
             if job is None:
-                self.link.send(Shutdown())
+                try:
+                    self.link.send(Shutdown())
+                except ParallelError:  # the other ranks stopped first (Ctrl-C under torchrun reaches every rank)
+                    log.info("the other ranks stopped before this one")
             return job
 
     def _run(self) -> None:
