@@ -20,7 +20,8 @@ from ds4.errors import ParallelError
 from ds4.server.app import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUESTS = [  # (path, body): greedy and seeded sampling, streaming and not, a second turn reusing the first's prefix
+REQUESTS = [  # (path, body): greedy and seeded sampling, streaming and not, a second turn reusing the first's prefix,
+    # a stop string (it cancels the job a few tokens on, when the server sees it), a JSON-constrained request
     ("/v1/completions", {"prompt": "def read_config(path):", "max_tokens": 16, "temperature": 0}),
     ("/v1/completions", {"prompt": "import os\n", "max_tokens": 12, "stream": True, "temperature": 0.9, "seed": 3}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "stream": True,
@@ -28,8 +29,9 @@ REQUESTS = [  # (path, body): greedy and seeded sampling, streaming and not, a s
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
                                            {"role": "user", "content": "more"}], "max_tokens": 12,
                               "temperature": 0.7, "top_k": 20, "seed": 11, "logprobs": True}),
+    ("/v1/completions", {"prompt": "def read_config(path):", "max_tokens": 40, "stop": ["\n"], "temperature": 0}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a JSON object"}], "max_tokens": 12,
-                              "response_format": {"type": "json_object"}, "stop": ["}"], "temperature": 0}),
+                              "response_format": {"type": "json_object"}, "temperature": 0}),
 ]
 
 
@@ -49,8 +51,8 @@ def post(url: str, body: dict) -> dict:
             choice = answer["choices"][0]
             text = choice.get("text", choice.get("message", {}).get("content"))
             logprobs = choice.get("logprobs") and [t["token"] for t in choice["logprobs"]["content"]]
-            return {"text": text, "finish": choice["finish_reason"], "tokens": answer["usage"]["completion_tokens"],
-                    "logprobs": logprobs}
+            tokens = None if body.get("stop") else answer["usage"]["completion_tokens"]  # a stop string: timing
+            return {"text": text, "finish": choice["finish_reason"], "tokens": tokens, "logprobs": logprobs}
         text, finish = "", None
         for line in response:
             if line.startswith(b"data: {"):
@@ -111,7 +113,7 @@ def test_two_ranks_serve_like_one_process(ranks):
     procs[0].send_signal(signal.SIGTERM)
     codes = [p.wait(timeout=30) for p in procs]
     assert got == want
-    assert got[3]["logprobs"] and got[0]["finish"] == "length"
+    assert got[3]["logprobs"] and got[0]["finish"] == "length" and got[4]["finish"] == "stop"
     # rank 0 ends as uvicorn does after a graceful shutdown (re-raising the signal it handled)
     assert codes[0] in (0, -signal.SIGTERM) and codes[1] == 0, [(logs / f"rank{r}.log").read_text()[-2000:]
                                                                  for r in (0, 1)]
