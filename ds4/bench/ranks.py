@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import ds4
+from backends.registry import PARALLEL
 from ds4 import distributed
 from ds4.bench.common import fmt
 from ds4.errors import UsageError
@@ -127,5 +128,5 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--decode", type=int, default=4, help="greedy decode steps timed (default 4)")
     p.add_argument("--collectives", default="", metavar="M,M,...",
                    help="also time the prefill collective for these row counts (e.g. 64,512,2048)")
-    p.add_argument("--parallel", choices=("ep",), default=None,
+    p.add_argument("--parallel", choices=PARALLEL, default=None,
                    help="split the model over the ranks torchrun started (docs/distributed.md)")

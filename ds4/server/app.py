@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from backends.registry import PARALLEL
 from ds4 import distributed
 from ds4.engine import Engine, load
 from ds4.errors import Ds4Error, UsageError
@@ -120,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compiled decode/verify steps (CPU; about a minute per row count on first use, then "
                         "faster steps for the server's lifetime; docs/cpu.md)")
     p.add_argument("--cuda-graphs", action="store_true", help="decode/verify steps as CUDA graphs (CUDA only)")
-    p.add_argument("--parallel", choices=("ep",),
+    p.add_argument("--parallel", choices=PARALLEL,
                    help="split the model over the ranks torchrun starts; rank 0 serves, the others follow "
                         "(torchrun --nproc-per-node N -m ds4.server ... --parallel ep; docs/distributed.md)")
     p.add_argument("--kv-disk-dir", metavar="DIR",
