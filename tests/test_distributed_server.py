@@ -160,3 +160,9 @@ def test_bench_ranks_smoke():
     memory, collective = ranks.rows(args, None)
     assert memory["ranks"] == 1 and float(memory["expert_GB"]) > 0 and float(memory["peak_rss_GB"]) > 0
     assert collective["collective_rows"] == 8 and collective["all_reduce_MB_sent"] == "0"
+
+
+def test_what_does_not_run_across_ranks_is_one_error_line(tmp_path, capsys):
+    from ds4.server.app import main
+    assert main(["--parallel", "ep", "--kv-disk-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == "error: --kv-disk-dir does not run across ranks yet: drop it with --parallel\n"
