@@ -153,6 +153,7 @@ class Worker:
         self.finished: list[Finished] = []   # the last 100 outcomes, newest last
         self.current: Job | None = None
         self.closing = False
+        self.ranks_lost = False  # across ranks: a collective with the other ranks failed, none is tried again
         self.on_finished: Callable[[Finished], None] | None = None  # e.g. the server's metrics
         self.rows: deque[torch.Tensor] = deque()  # the logits each token yielded by tokens() was chosen from
         self.thread = threading.Thread(target=self._run, name="ds4-worker", daemon=True)
@@ -176,34 +177,40 @@ class Worker:
 
     def _next_job(self) -> Job | None:
         """The next job (None: close); across ranks, a heartbeat goes to the other ranks while none comes."""
-        if self.link is None:
-            return self.jobs.get()
-        while True:
+        while self.link is not None and not self.ranks_lost:
             try:
                 job = self.jobs.get(timeout=self.link.idle_s)
             except queue.Empty:
-                self.link.send(Heartbeat())
+                self._tell_ranks(Heartbeat())
                 continue
             if job is None:
-                try:
-                    self.link.send(Shutdown())
-                except ParallelError:  # the other ranks stopped first (Ctrl-C under torchrun reaches every rank)
-                    log.info("the other ranks stopped before this one")
+                self._tell_ranks(Shutdown())
             return job
+        return self.jobs.get()
+
+    def _tell_ranks(self, message: Heartbeat | Shutdown) -> None:
+        """Send the other ranks a message; when they are gone, later jobs fail with 503 (the server shuts down)."""
+        try:
+            self.link.send(message)
+        except ParallelError as e:  # e.g. Ctrl-C under torchrun reaches every rank, and they stop first
+            log.error("%s", e)
+            self.ranks_lost = self.closing = True
 
     def _run(self) -> None:
         while (job := self._next_job()) is not None:
             self.current = job
             try:
                 if self.closing:
-                    raise Ds4Error("the server is shutting down")
+                    raise Ds4Error("the other ranks of this run stopped: restart every rank" if self.ranks_lost
+                                   else "the server is shutting down")
                 outcome = self._generate(job)
                 self.finished = [*self.finished[-99:], outcome]
                 if self.on_finished:
                     self.on_finished(outcome)
             except ParallelError as e:  # the other ranks are gone or out of step: this worker cannot go on
                 log.error("%s", e)
-                self.closing, outcome = True, Failed(503, str(e))
+                self.ranks_lost = self.closing = True
+                outcome = Failed(503, str(e))
             except Ds4Error as e:
                 self.session, outcome = None, Failed(503 if self.closing else 400, str(e))
             except Exception as e:  # a bug: log it here, tell the client only that it happened
