@@ -119,13 +119,23 @@ def test_two_ranks_serve_like_one_process(ranks):
                                                                  for r in (0, 1)]
 
 
-def dying_rank_0(rank: int, port: int, out_dir: str) -> None:
-    """Rank 0 sends one heartbeat and dies; rank 1 follows until its next receive fails."""
+def compile_then_die(rank: int, port: int, out_dir: str) -> None:
+    """Both ranks run a compiled function holding `ops.all_reduce` (the functional collective); then
+    rank 0 sends one heartbeat and dies, and rank 1 follows until its next receive fails."""
+    import torch
+
+    from backends.registry import OpSet
     from ds4 import distributed
     from ds4.server.ranks import Heartbeat, Link
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DS4_DIST_TIMEOUT="20")
+    torch.set_num_threads(1)
     link = Link(distributed.start("ep", None)[0])
+    ops = OpSet("torch", parallel="ep")
+    # traced whole (fullgraph) through AOTAutograd; inductor's lowering of it runs in the once-run check of
+    # docs/distributed.md (compiling with inductor here would cost half a minute)
+    step = torch.compile(lambda x: ops.all_reduce(x * 2.0) + 1.0, backend="aot_eager", fullgraph=True)
+    summed = step(torch.full((2, 3), float(rank + 1)))
     if rank == 0:
         link.send(Heartbeat())
         os._exit(0)
@@ -134,17 +144,18 @@ def dying_rank_0(rank: int, port: int, out_dir: str) -> None:
     try:
         link.receive()
     except ParallelError as e:
-        Path(out_dir, "rank1.txt").write_text(f"{time.monotonic() - started:.1f} {e}")
+        Path(out_dir, "rank1.txt").write_text(f"{summed.tolist()}|{time.monotonic() - started:.1f}|{e}")
 
 
-def test_a_follower_whose_rank_0_dies_gets_a_parallel_error(tmp_path):
+def test_compiled_all_reduce_then_a_follower_whose_rank_0_dies_gets_a_parallel_error(tmp_path):
     port = free_port()
-    procs = [mp.get_context("spawn").Process(target=dying_rank_0, args=(r, port, str(tmp_path))) for r in (0, 1)]
+    procs = [mp.get_context("spawn").Process(target=compile_then_die, args=(r, port, str(tmp_path))) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=60)
-    seconds, message = (tmp_path / "rank1.txt").read_text().split(" ", 1)
+        p.join(timeout=120)
+    summed, seconds, message = (tmp_path / "rank1.txt").read_text().split("|", 2)
+    assert summed == str([[7.0] * 3] * 2)   # 2·1 + 2·2 summed over the ranks, plus 1
     assert message.startswith("rank 1 of 2: a collective failed") and float(seconds) < 20
 
 
