@@ -1,6 +1,6 @@
 """Array primitives of the torch family (backends `torch` and `triton`): the few structural operations
 the model needs besides its ops — allocation, index arrays, concatenation, selection, weight placement,
-the collective that sums the ranks' partial results — all on one device, so the model itself never names a
+the collectives that sum or gather the ranks' partial results — all on one device, so the model itself never names a
 framework, a device or a communication library."""
 from __future__ import annotations
 
@@ -42,6 +42,17 @@ class TorchArrays:
         x = x.contiguous()
         dist.all_reduce(x)
         return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `x` concatenated in rank order along `dim` (a vocabulary-parallel LM head's logits), with
+        no host read; `x` itself in a single process."""
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts, dim=dim)
 
     def zeros(self, *shape: int) -> torch.Tensor:
         """A float32 array of zeros (cache allocation)."""

@@ -15,9 +15,9 @@ Resolution for an `OpSet(backend=..., overrides=...)`:
 Per-op overrides (`{"qmatmul": "torch"}` or `DS4_OPS=qmatmul:torch,moe:triton`) pin single ops.
 Besides the ops, an OpSet carries its device's array primitives (`zeros`, `array`, `cat`, `where`,
 `place`, `to_torch`, `compile`; see backends/arrays.py), so the model allocates and places everything
-through it, and the collective `all_reduce` (the sum over ranks; identity in one process). A parallel
-OpSet (`parallel="ep"`, made under an initialised torch.distributed group, see ds4/distributed.py) knows
-its `rank` and `world` size; MLX refuses one.
+through it, and the collectives `all_reduce` (the sum over ranks) and `all_gather` (the ranks' slices
+concatenated), both the identity in one process. A parallel OpSet (`parallel="ep"` or `"tp"`, made under an
+initialised torch.distributed group, see ds4/distributed.py) knows its `rank` and `world` size; MLX refuses one.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ from backends.arrays import TorchArrays
 from ds4.errors import BackendUnavailable
 
 BACKENDS = ("torch", "triton", "mlx", "cpu")
-PARALLEL = ("ep",)  # how a model splits over ranks: ep = routed experts by index (docs/distributed.md)
+PARALLEL = ("ep", "tp")  # how a model splits over ranks (docs/distributed.md): ep = routed experts by index;
+# tp = also vocabulary (embedding, LM head), attention and indexer heads, and the shared expert
 AUTO_ORDER = ("triton", "mlx", "cpu", "torch")
 OPS = (
     "qmatmul", "moe", "indexer_topk", "verify_argmax",
@@ -234,6 +235,7 @@ class OpSet:
         self.zeros, self.array, self.cat = self.arrays.zeros, self.arrays.array, self.arrays.cat
         self.where, self.place, self.to_torch = self.arrays.where, self.arrays.place, self.arrays.to_torch
         self.compile, self.all_reduce = self.arrays.compile, self.arrays.all_reduce
+        self.all_gather = self.arrays.all_gather
         self.rank, self.world = self.arrays.rank, self.arrays.world
         for name in {self.backend, *self.overrides.values()} - {"auto"}:
             ok, why = backend_status(name)

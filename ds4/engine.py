@@ -302,7 +302,8 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     ranks the step holds its all_reduces);
     `cuda_graphs`: record decode, verify and MTP steps in CUDA graphs and replay them (CUDA only; docs/kernels.md);
     `parallel`: "ep" splits the routed experts over the ranks torchrun started (one process each; every
-    rank calls load with the same arguments; docs/distributed.md), None runs in this process alone;
+    rank calls load with the same arguments; docs/distributed.md), "tp" also the vocabulary, the attention
+    and indexer heads and the shared expert; None runs in this process alone;
     `switches`: model switches such as indexer_fp4_sim, kv_fp8_sim, shared_swiglu_clamp, mtp_pairing.
     """
     for label, path in (("model_path", model_path), ("mtp_path", mtp_path)):
@@ -317,8 +318,10 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     ctx, prefill_chunk = check_size("ctx (--ctx)", ctx, 2), check_size("prefill_chunk (--prefill-chunk)", prefill_chunk)
     world = None
     if parallel is not None:
-        if parallel not in ("ep",):
-            raise UsageError(f"--parallel must be ep (tp is not written yet), got {parallel!r}")
+        if parallel not in ("ep", "tp"):
+            raise UsageError(f"--parallel must be ep or tp, got {parallel!r}")
+        if compile and parallel == "tp":
+            raise UsageError("--compile runs across ranks with --parallel ep only so far: drop it with --parallel tp")
         if cuda_graphs:
             raise UsageError("--cuda-graphs does not run across ranks yet: drop it with --parallel")
         world, device = distributed.start(parallel, device)

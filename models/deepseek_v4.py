@@ -10,7 +10,9 @@ owns; `forward` runs a contiguous block of tokens layer-major, writing their row
 Expert parallelism (an OpSet made with `parallel="ep"`): rank r of N binds only the routed experts
 `owned_experts(E, r, N)` (the stacks are sliced before placing, so each rank holds 1/N of their bytes),
 runs the chosen experts it owns, and one `ops.all_reduce` per MoE layer sums the ranks' partial outputs;
-everything else is replicated (docs/distributed.md).
+everything else is replicated (docs/distributed.md). Tensor parallelism (`parallel="tp"`) also splits the
+vocabulary, the attention and indexer heads and the shared expert (models/tensor_parallel.py): `tp_sum` adds
+the ranks' partial attention outputs, indexer scores and FFN outputs, and the LM head's slices are gathered.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Any
 from backends.registry import OpSet
 from ds4.errors import ModelFileError
 from models.args import ModelArgs, block_shapes, model_shapes
+from models.tensor_parallel import TensorSplit, tensor_split
 from ops.moe import Experts
 from ops.quants import QTensor
 from ops.rope_tail import rope_freqs
@@ -57,10 +60,12 @@ def experts_slice(w: QTensor, owned: range) -> QTensor:
 
 
 def bind(weights: Mapping[str, QTensor], shapes: dict[str, tuple[int, ...]], prefix: str, ops: OpSet,
-         optional: tuple[str, ...] = (), n_experts: int = 0, owned: range | None = None) -> dict[str, Any]:
+         optional: tuple[str, ...] = (), n_experts: int = 0, owned: range | None = None,
+         split: TensorSplit | None = None) -> dict[str, Any]:
     """Check names/shapes (and SMALL tensors' values, see check_small) and return {name without prefix:
     QTensor placed on the device, or a float array for SMALL ones}; with `owned`, routed expert stacks
-    keep only those experts (expert parallelism)."""
+    keep only those experts (expert parallelism); with `split`, this rank's share of the split tensors
+    (tensor parallelism)."""
     bound = {}
     for name, shape in shapes.items():
         if name not in weights:
@@ -74,9 +79,11 @@ def bind(weights: Mapping[str, QTensor], shapes: dict[str, tuple[int, ...]], pre
         if name.endswith(SMALL):
             values = t.dequantize()
             check_small(name, values, n_experts)
-            bound[short] = ops.array(values, "float32")
+            bound[short] = ops.array(split.values(short, values) if split else values, "float32")
+        elif owned is not None and name.endswith(ROUTED):
+            bound[short] = ops.place(experts_slice(t, owned))
         else:
-            bound[short] = ops.place(experts_slice(t, owned) if owned is not None and name.endswith(ROUTED) else t)
+            bound[short] = ops.place(split.weight(short, t) if split else t)
     return bound
 
 
@@ -175,7 +182,8 @@ def make_block(args: ModelArgs, ops: OpSet, w: dict[str, Any], ratio: int, hashe
         attn_norm=w["attn_norm.weight"], ffn_norm=w["ffn_norm.weight"],
         q_a=w["attn_q_a.weight"], q_a_norm=w["attn_q_a_norm.weight"], q_b=w["attn_q_b.weight"],
         kv=w["attn_kv.weight"], kv_norm=w["attn_kv_a_norm.weight"], sinks=w["attn_sinks.weight"],
-        output_a_groups=[rows_of(w["attn_output_a.weight"], g * r, (g + 1) * r) for g in range(args.o_groups)],
+        output_a_groups=[rows_of(w["attn_output_a.weight"], g * r, (g + 1) * r)
+                         for g in range(w["attn_output_a.weight"].shape[0] // r)],   # this rank's groups (tp)
         output_b=w["attn_output_b.weight"],
         compressor=make_compressor(w, "attn_compressor") if ratio else None,
         indexer=Indexer(w["indexer.attn_q_b.weight"], w["indexer.proj.weight"],
@@ -299,9 +307,13 @@ class DeepseekV4:
     def __init__(self, args: ModelArgs, weights: Mapping[str, QTensor], ops: OpSet | None = None):
         self.args, self.ops = args, ops or OpSet()
         self._compiled_run = None
-        self.owned = (owned_experts(args.n_experts, self.ops.rank, self.ops.world) if self.ops.parallel == "ep"
+        self.owned = (owned_experts(args.n_experts, self.ops.rank, self.ops.world) if self.ops.parallel
                       else range(args.n_experts))   # the routed experts this rank holds
-        g = bind(weights, {k: v for k, v in model_shapes(args).items() if not k.startswith("blk.")}, "", self.ops)
+        self.tensor_parallel = self.ops.parallel == "tp"
+        self.split = tensor_split(args, self.ops.rank, self.ops.world) if self.tensor_parallel else None
+        self.vocab = self.split.part(args.vocab_size) if self.split else range(args.vocab_size)  # embedding rows held
+        g = bind(weights, {k: v for k, v in model_shapes(args).items() if not k.startswith("blk.")}, "", self.ops,
+                 split=self.split)
         self.embedding, self.output = g["token_embd.weight"], g["output.weight"]
         self.head = HCHead(g["output_hc_fn.weight"], g["output_hc_scale.weight"], g["output_hc_base.weight"],
                            g["output_norm.weight"])
@@ -309,7 +321,7 @@ class DeepseekV4:
         for i in range(args.n_layers):
             prefix, hashed = f"blk.{i}.", i < args.n_hash_layers
             shapes = block_shapes(args, prefix, args.ratio(i), hashed)
-            w = bind(weights, shapes, prefix, self.ops, OPTIONAL, args.n_experts, self.owned)
+            w = bind(weights, shapes, prefix, self.ops, OPTIONAL, args.n_experts, self.owned, self.split)
             self.layers.append(make_block(args, self.ops, w, args.ratio(i), hashed, args.clamp(i), self.owned.start))
 
     # ---- caches -------------------------------------------------------------------------------
@@ -382,7 +394,7 @@ class DeepseekV4:
         """The forward of `token_ids` [M] under `plans` (everything on the device, the LM-head rows `logit_rows`
         included; what a compiled step or a CUDA graph captures)."""
         ops = self.ops
-        x = ops.embed(self.embedding, token_ids)[:, None, :]
+        x = self.embed(token_ids)[:, None, :]
         X = ops.cat([x] * self.args.hc_mult, dim=1)
         for L, cache in zip(self.layers, caches, strict=False):
             X = self.block(L, X, token_ids, plans[L.ratio], cache)
@@ -393,15 +405,31 @@ class DeepseekV4:
         """HC collapse, final norm and the LM head on HC states [M, S, D] -> [M, vocab]."""
         a, ops = self.args, self.ops
         x = ops.hc_head(X, head.fn, head.scale, head.base, a.rms_eps, a.hc_eps)
-        return ops.qmatmul(ops.rms_norm(x, head.norm, a.rms_eps), self.output)
+        logits = ops.qmatmul(ops.rms_norm(x, head.norm, a.rms_eps), self.output)
+        return ops.all_gather(logits) if self.tensor_parallel else logits   # the ranks' vocabulary slices (tp)
+
+    def embed(self, token_ids: Array) -> Array:
+        """Token embeddings [M, D]; under tp each rank looks up the ids in its vocabulary rows (zeros for the
+        others') and the ranks' rows are summed."""
+        if not self.tensor_parallel:
+            return self.ops.embed(self.embedding, token_ids)
+        local = token_ids - self.vocab.start
+        held = (local >= 0) & (local < len(self.vocab))
+        x = self.ops.embed(self.embedding, self.ops.where(held, local, 0))
+        return self.ops.all_reduce(self.ops.where(held[:, None], x, 0.0))
+
+    def tp_sum(self, x: Array) -> Array:
+        """Under tp, the sum over ranks of a partial result (attention, indexer scores, FFN); else `x`."""
+        return self.ops.all_reduce(x) if self.tensor_parallel else x
 
     def block(self, L: Block, X: Array, ids: Array, plan: Plan, cache: LayerCache) -> Array:
         """One decoder block: attention then FFN, each wrapped in HC pre/post."""
         x, post, comb = self.hc_pre(X, L.hc_attn, L.attn_norm)
         X = self.ops.hc_post(X, self.attention(L, x, plan, cache), post, comb)
         x, post, comb = self.hc_pre(X, L.hc_ffn, L.ffn_norm)
-        routed = self.ops.all_reduce(self.ops.moe(x, ids, L.experts))   # the ranks' experts summed (parallel)
-        ffn = routed + self.ops.shared_expert(x, *L.shared, L.shared_clamp)
+        routed, shared = self.ops.moe(x, ids, L.experts), self.ops.shared_expert(x, *L.shared, L.shared_clamp)
+        # the ranks' routed experts summed (ep), with their shared expert rows too (tp)
+        ffn = self.tp_sum(routed + shared) if self.tensor_parallel else self.ops.all_reduce(routed) + shared
         return self.ops.hc_post(X, ffn, post, comb)
 
     def hc_pre(self, X: Array, hc: HyperConnection, norm: Array) -> tuple[Array, Array, Array]:
@@ -429,9 +457,9 @@ class DeepseekV4:
     def attention(self, L: Block, a_in: Array, plan: Plan, cache: LayerCache) -> Array:
         """Attention sub-layer output [M, D] for normed inputs `a_in` [M, D]."""
         args, ops = self.args, self.ops
-        M, H, hd, eps = a_in.shape[0], args.n_heads, args.head_dim, args.rms_eps
+        M, hd, eps = a_in.shape[0], args.head_dim, args.rms_eps
         q_lat = ops.rms_norm(ops.qmatmul(a_in, L.q_a), L.q_a_norm, eps)
-        q = ops.rms_norm(ops.qmatmul(q_lat, L.q_b).reshape(M, H, hd), None, eps)
+        q = ops.rms_norm(ops.qmatmul(q_lat, L.q_b).reshape(M, -1, hd), None, eps)   # this rank's heads (tp)
         q = ops.rope_tail(q, plan.pos, L.freqs)
         kv = ops.rms_norm(ops.qmatmul(a_in, L.kv), L.kv_norm, eps)
         cache.rows = self.store_kv(cache.rows, plan.raw_slots, ops.rope_tail(kv, plan.pos, L.freqs))
@@ -453,9 +481,9 @@ class DeepseekV4:
                 rows = AttnRows(plan.raw_rows, plan.n_raw, plan.comp_rows, plan.visible)
 
         o = ops.sparse_attention(q, cache.rows, rows, L.sinks, 1 / math.sqrt(hd))
-        o = ops.rope_tail(o, plan.pos, L.freqs, inverse=True).reshape(M, args.o_groups, -1)
+        o = ops.rope_tail(o, plan.pos, L.freqs, inverse=True).reshape(M, len(L.output_a_groups), -1)
         u = ops.cat([ops.qmatmul(o[:, g], w) for g, w in enumerate(L.output_a_groups)], dim=1)
-        return ops.qmatmul(u, L.output_b)
+        return self.tp_sum(ops.qmatmul(u, L.output_b))
 
     def compress(self, L: Block, c: Compressor, a_in: Array, plan: CompressorPlan, kv_ring: Array,
                  score_ring: Array, out_rows: Array, out_offset: int, d: int, store) -> tuple[Array, Array, Array]:
@@ -481,8 +509,8 @@ class DeepseekV4:
         """Compressed rows [M, top_k] each query attends to (−1 = none), chosen by the lightning indexer."""
         args, ops, ix = self.args, self.ops, L.indexer
         M, Hi, di = a_in.shape[0], args.index_n_heads, args.index_head_dim
-        q = ops.rope_tail(ops.qmatmul(q_lat, ix.q_b).reshape(M, Hi, di), plan.pos, L.freqs)
+        q = ops.rope_tail(ops.qmatmul(q_lat, ix.q_b).reshape(M, -1, di), plan.pos, L.freqs)   # this rank's heads
         q = self.index_sim(q)
         w = ops.qmatmul(a_in, ix.proj) / math.sqrt(Hi * di)
-        scores = ops.index_scores(q, cache.index_rows, w, plan.visible)
+        scores = self.tp_sum(ops.index_scores(q, cache.index_rows, w, plan.visible))   # every rank ranks alike
         return ops.indexer_topk(scores, args.index_topk, plan.visible_rows)

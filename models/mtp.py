@@ -34,7 +34,7 @@ class MTPHead:
 
     def __init__(self, trunk: DeepseekV4, weights: Mapping[str, QTensor]):
         self.trunk, self.args, self.ops = trunk, trunk.args, trunk.ops
-        w = bind(weights, mtp_shapes(self.args), MTP_PREFIX, self.ops, OPTIONAL, owned=trunk.owned)
+        w = bind(weights, mtp_shapes(self.args), MTP_PREFIX, self.ops, OPTIONAL, owned=trunk.owned, split=trunk.split)
         self.e_proj, self.h_proj = w.pop("e_proj.weight"), w.pop("h_proj.weight")
         self.enorm, self.hnorm = w.pop("enorm.weight"), w.pop("hnorm.weight")
         self.head = HCHead(w.pop("hc_head_fn.weight"), w.pop("hc_head_scale.weight"),
@@ -69,7 +69,7 @@ class MTPHead:
             logit_rows: Array | None = None) -> tuple[Array, Array | None]:
         """The MTP forward of `token_ids` [M] under `plan` (everything on the device)."""
         a, ops = self.args, self.ops
-        e = ops.qmatmul(ops.rms_norm(ops.embed(self.trunk.embedding, token_ids), self.enorm, a.rms_eps), self.e_proj)
+        e = ops.qmatmul(ops.rms_norm(self.trunk.embed(token_ids), self.enorm, a.rms_eps), self.e_proj)
         M, S, D = states.shape
         # one M-row product per stream (not one of M·S rows): batch-invariant while M <= SMALL_M
         h = ops.cat([ops.qmatmul(ops.rms_norm(states[:, i], self.hnorm, a.rms_eps), self.h_proj)[:, None]

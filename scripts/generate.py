@@ -48,8 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where weights and caches live: cpu | cuda | cuda:N | mlx | mlx:cpu | mlx:gpu "
                         "(default: mlx with --backend mlx, else the best available)")
     p.add_argument("--ops", help="per-op overrides, e.g. qmatmul:torch,moe:triton")
-    p.add_argument("--parallel", choices=("ep",),
-                   help="split the model over the ranks torchrun starts: ep = routed experts by index "
+    p.add_argument("--parallel", choices=("ep", "tp"),
+                   help="split the model over the ranks torchrun starts: ep = routed experts by index; tp = also "
+                        "vocabulary, attention and indexer heads and the shared expert "
                         "(torchrun --nproc-per-node N scripts/generate.py ... --parallel ep; docs/distributed.md)")
     p.add_argument("--mtp-draft", default=None,
                    help="speculative draft depth N (1..16; a batched verify takes at most 15) or 'auto'; "

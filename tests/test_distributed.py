@@ -1,9 +1,11 @@
-"""Expert parallelism (docs/distributed.md): the moe contract's owned range on every backend, and two ranks on
-gloo (spawned here, one CPU thread each) against one process.
+"""Expert and tensor parallelism (docs/distributed.md): the moe contract's owned range on every backend, the
+tensor-parallel split's refusals, and two ranks on gloo (spawned here, one CPU thread each) against one process.
 
-Tolerance: the ranks' partial expert sums are added by the all_reduce in another order than one process adds
-them, so logits agree within 1e-4 · max|logits| (measured: 6e-7), and greedy, strict speculative and seeded
-sampled tokens are equal. Each rank holds half the routed experts' bytes.
+Tolerance: the ranks' partial sums (experts; under tp also attention heads, indexer heads and the shared
+expert's rows) are added by the all_reduce in another order than one process adds them, so logits agree within
+1e-4 · max|logits| (measured: ep 6e-7, tp 2e-5), and greedy, strict speculative and seeded sampled tokens are
+equal. Each rank holds half the routed experts' bytes; under tp also half the attention, indexer, shared
+expert, embedding and LM head bytes.
 """
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ import ds4
 from backends.registry import OpSet
 from ds4 import distributed
 from ds4.errors import BackendUnavailable, ParallelError, UsageError
-from models.deepseek_v4 import owned_experts
+from ds4.tiny.random_model import random_args
+from models.deepseek_v4 import experts_slice, owned_experts
+from models.tensor_parallel import TensorSplit, splits, tensor_split
 from ops.moe import Experts
 from ops.quants import QTensor
 
+MODES = ("ep", "tp")
 E, VOCAB, PROMPT = 16, 50, list(range(3, 27))   # 24 prompt tokens: a prefill above 16 rows (grouped experts)
 RUNS = {  # name -> generate() arguments
     "greedy": {"mtp_draft": 0},
@@ -37,9 +42,13 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
 
 
 def experts(owned: range, hashed: bool, d: int = 64, inter: int = 32, top_k: int = 4) -> Experts:
-    """Random experts (Q8_0 stacks) of which the stacks hold only `owned`."""
+    """Random experts (Q8_0 stacks) of which the stacks hold only `owned`: views into whole stacks whose other
+    experts are NaN, so a rank that reads another rank's expert fails."""
     def stack(*shape, seed):
-        return QTensor.quantize(randn(E, *shape, seed=seed)[owned.start:owned.stop] * 0.3, "Q8_0", "stack")
+        whole = QTensor.quantize(randn(E, *shape, seed=seed) * 0.3, "Q8_0", "stack")
+        poisoned = whole.data.clone()
+        poisoned[:owned.start], poisoned[owned.stop:] = 0xFF, 0xFF   # float16 scales of 0xFFFF: NaN
+        return experts_slice(QTensor(whole.qtype, whole.shape, poisoned, "stack"), owned)
     return Experts(
         router=QTensor.quantize(randn(E, d, seed=0), "F32", "router"), bias=None if hashed else randn(E, seed=1) * 0.1,
         tid2eid=torch.randint(0, E, (VOCAB, top_k), generator=torch.Generator().manual_seed(2)) if hashed else None,
@@ -51,11 +60,12 @@ def experts(owned: range, hashed: bool, d: int = 64, inter: int = 32, top_k: int
 @pytest.mark.parametrize("m", [3, 20])   # decode/verify rows and a prefill
 @pytest.mark.parametrize("hashed", [False, True])
 def test_owned_ranges_sum_to_the_whole_moe(backend, m, hashed):
-    """Each rank's moe adds only its experts: the ranks' outputs sum to the single-process output."""
-    ops = OpSet(backend)
-    x, ids = randn(m, 64, seed=9), torch.randint(0, VOCAB, (m,), generator=torch.Generator().manual_seed(8))
-    whole = ops.moe(x, ids, experts(range(E), hashed))
-    parts = [ops.moe(x, ids, experts(owned_experts(E, r, 2), hashed)) for r in range(2)]
+    """Each rank's moe adds only its experts: the ranks' outputs sum to the single-process output. On the cpu
+    backend rows of 128 values take the kernel's grouped Q8_0 path (the interpreter keeps Triton's smaller)."""
+    ops, d, inter = OpSet(backend), *((128, 128) if backend == "cpu" else (64, 32))
+    x, ids = randn(m, d, seed=9), torch.randint(0, VOCAB, (m,), generator=torch.Generator().manual_seed(8))
+    whole = ops.moe(x, ids, experts(range(E), hashed, d, inter))
+    parts = [ops.moe(x, ids, experts(owned_experts(E, r, 2), hashed, d, inter)) for r in range(2)]
     assert not torch.equal(parts[0], whole)   # each rank's share is only a part
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=0, atol=1e-5 * whole.abs().max().item())
 
@@ -96,8 +106,10 @@ def test_parallel_without_torchrun_says_how_to_start(monkeypatch, tiny_gguf):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(UsageError, match=r"torchrun --nproc-per-node N scripts/generate.py \.\.\. --parallel ep"):
         ds4.load(*tiny_gguf, parallel="ep")
-    with pytest.raises(UsageError, match="tp is not written yet"):
+    with pytest.raises(UsageError, match=r"--parallel tp runs one process per rank, started by torchrun"):
         ds4.load(*tiny_gguf, parallel="tp")
+    with pytest.raises(UsageError, match="--parallel must be ep or tp, got 'pp'"):
+        ds4.load(*tiny_gguf, parallel="pp")
     with pytest.raises(BackendUnavailable, match="needs torch.distributed initialised"):
         OpSet("torch", parallel="ep")
 
@@ -111,16 +123,45 @@ def test_generate_parallel_without_torchrun_is_one_error_line(monkeypatch, capsy
     assert err.startswith("error: --parallel ep runs one process per rank, started by torchrun") and "\n" == err[-1]
 
 
-def expert_bytes(engine) -> int:
-    """Bytes of the routed expert stacks this process holds (trunk and MTP block)."""
-    blocks = [L.experts for L in engine.model.layers] + [engine.mtp.block.experts]
-    return sum(w.data.nbytes for ex in blocks for w in (ex.gate, ex.up, ex.down))
+def test_a_count_the_ranks_do_not_divide_is_refused():
+    """tp splits vocabulary rows, heads, groups and shared expert rows evenly, and columns in whole quant blocks."""
+    with pytest.raises(UsageError, match=r"cannot split the 512 vocabulary rows over 3 ranks: use a number of ranks "
+                                         r"that divides 512 \(or --parallel ep\)"):
+        tensor_split(random_args(tiny=True), 0, 3)
+    with pytest.raises(UsageError, match="cannot split the 4 attention heads over 3 ranks"):
+        tensor_split(random_args(tiny=True, vocab_size=513), 0, 3)
+    w = QTensor.quantize(randn(8, 512, seed=0), "Q4_K", "blk.0.attn_output_b.weight")
+    with pytest.raises(UsageError, match=r"each 128 of the 512 columns of blk.0.attn_output_b.weight \(Q4_K\), "
+                                         "which cuts its blocks of 256 values"):
+        TensorSplit(1, 4, splits(random_args(tiny=True))).weight("attn_output_b.weight", w)
+    half = tensor_split(random_args(tiny=True), 1, 2).weight("attn_output_b.weight", w)
+    torch.testing.assert_close(half.dequantize(), w.dequantize()[:, 256:], rtol=0, atol=0)
+
+
+def test_every_split_tensor_is_a_model_tensor():
+    from models.args import block_shapes, model_shapes
+    args = random_args(tiny=True)
+    known = {*model_shapes(args), *block_shapes(args, "", 4, False)}
+    assert set(splits(args)) <= known
+
+
+def held_bytes(engine) -> dict[str, int]:
+    """Bytes this process holds of each part of the model (trunk and MTP block)."""
+    layers = [*engine.model.layers, engine.mtp.block]
+    indexers = [L.indexer for L in layers if L.indexer is not None]
+    parts = {"experts": [w for L in layers for w in (L.experts.gate, L.experts.up, L.experts.down)],
+             "attention": [w for L in layers for w in (L.q_b, *L.output_a_groups, L.output_b)],
+             "indexer": [w for ix in indexers for w in (ix.q_b, ix.proj)],
+             "shared expert": [w for L in layers for w in L.shared],
+             "embedding": [engine.model.embedding], "LM head": [engine.model.output],
+             "replicated": [w for L in layers for w in (L.q_a, L.kv, L.hc_attn.fn, L.experts.router)]}
+    return {name: sum(w.data.nbytes for w in ws) for name, ws in parts.items()}
 
 
 def generations(paths: tuple[str, str], parallel: str | None) -> dict:
-    """Every run of RUNS on one model: token ids (and the greedy run's logits), plus the expert bytes held."""
+    """Every run of RUNS on one model: token ids (and the greedy run's logits), plus the bytes held."""
     engine = ds4.load(*paths, "auto", ctx=64, prefill_chunk=16, parallel=parallel)
-    out = {"expert_bytes": expert_bytes(engine)}
+    out = {"bytes": held_bytes(engine)}
     for name, kwargs in RUNS.items():
         logits = []
         out[name] = [t.id for t in engine.generate(PROMPT, max_tokens=12, on_logits=logits.append, **kwargs)]
@@ -129,13 +170,13 @@ def generations(paths: tuple[str, str], parallel: str | None) -> dict:
     return out
 
 
-def steps_read_nothing_back(paths: tuple[str, str]) -> bool:
+def steps_read_nothing_back(paths: tuple[str, str], parallel: str) -> bool:
     """A decode, an MTP draft and a 4-row verify of the parallel model under tests/test_no_sync.py's guard."""
     from test_no_sync import guarded
 
     from models.deepseek_v4 import DeepseekV4
     from models.mtp import MTPHead
-    engine = ds4.load(*paths, "auto", ctx=64, prefill_chunk=16, parallel="ep")
+    engine = ds4.load(*paths, "auto", ctx=64, prefill_chunk=16, parallel=parallel)
     session = engine.session()
     session.prefill(PROMPT)
     real = DeepseekV4.forward, MTPHead.forward
@@ -149,8 +190,8 @@ def steps_read_nothing_back(paths: tuple[str, str]) -> bool:
     return True
 
 
-def bench_rows() -> list[dict]:
-    """`bench.py model --parallel ep` at smoke size (the tiny model's sizes, 2 layers, torch backend)."""
+def bench_rows(parallel: str) -> list[dict]:
+    """`bench.py model --parallel ep|tp` at smoke size (the tiny model's sizes, 2 layers, torch backend)."""
     import argparse
     import warnings
 
@@ -158,7 +199,7 @@ def bench_rows() -> list[dict]:
     parser = argparse.ArgumentParser()
     model.add_args(parser, on_gpu=False)
     args = parser.parse_args(["--mix", "q2", "--layers", "2", "--tiny", "--prompt", "3", "--decode", "2",
-                              "--backend", "torch", "--parallel", "ep"])
+                              "--backend", "torch", "--parallel", parallel])
     args.reps = 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -176,10 +217,11 @@ def rank_main(rank: int, port: int, models: dict[str, tuple[str, str]], other: t
         ds4.load(*(other if rank == 1 else models["tiny"]), parallel="ep")
     except ParallelError as e:
         out["mismatch"] = str(e)
-    for name, paths in models.items():
-        out[name] = generations(paths, "ep")
-    out["no_host_reads"] = steps_read_nothing_back(models["tiny"])
-    out["bench"] = bench_rows()
+    for mode in MODES:
+        for name, paths in models.items():
+            out[mode, name] = generations(paths, mode)
+        out[mode, "no_host_reads"] = steps_read_nothing_back(models["tiny"], mode)
+        out[mode, "bench"] = bench_rows(mode)
     world = distributed.start("ep", None)[0]
     if rank == 1:
         torch.save(out, f"{out_dir}/rank1.pt")
@@ -227,27 +269,42 @@ def two_ranks(models, tmp_path_factory) -> dict[int, dict]:
     return {r: torch.load(out_dir / f"rank{r}.pt") for r in range(2)}
 
 
-def test_two_ranks_match_one_process(models, two_ranks):
-    for name, paths in models.items():
-        single = generations(paths, None)
+SPLIT = {"ep": {"experts"}, "tp": {"experts", "attention", "indexer", "shared expert", "embedding", "LM head"}}
+
+
+@pytest.fixture(scope="module")
+def one_process(models) -> dict[str, dict]:
+    """Every model's runs in this process alone."""
+    return {name: generations(paths, None) for name, paths in models.items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_match_one_process(models, one_process, two_ranks, mode):
+    for name in models:
+        single = one_process[name]
+        # every rank sees the same logits (tp: after the head's all_gather), so every rank decides alike
+        assert torch.equal(two_ranks[0][mode, name]["logits"], two_ranks[1][mode, name]["logits"])
         for rank in (0, 1):
-            got = two_ranks[rank][name]
+            got = two_ranks[rank][mode, name]
             for run in RUNS:
                 assert got[run] == single[run], (name, rank, run)
             ref = single["logits"]
             torch.testing.assert_close(got["logits"], ref, rtol=0, atol=1e-4 * ref.abs().max().item())
-            assert got["expert_bytes"] * 2 == single["expert_bytes"]
+            for part, held in got["bytes"].items():   # the split parts halve, the rest is replicated
+                assert held * (2 if part in SPLIT[mode] else 1) == single["bytes"][part], (name, rank, part)
 
 
-def test_parallel_steps_read_nothing_back(two_ranks):
-    """The all_reduce adds no host read to a decode or verify step (the sync guard on the model's code)."""
-    assert two_ranks[0]["no_host_reads"] and two_ranks[1]["no_host_reads"]
+@pytest.mark.parametrize("mode", MODES)
+def test_parallel_steps_read_nothing_back(two_ranks, mode):
+    """The collectives add no host read to a decode or verify step (the sync guard on the model's code)."""
+    assert two_ranks[0][mode, "no_host_reads"] and two_ranks[1][mode, "no_host_reads"]
 
 
-def test_bench_model_parallel_smoke(two_ranks):
+@pytest.mark.parametrize("mode", MODES)
+def test_bench_model_parallel_smoke(two_ranks, mode):
     """Rank 0 prints one row with the ranks and its expert bytes (half the tiny model's); rank 1 prints nothing."""
-    assert two_ranks[1]["bench"] == []
-    (row,) = two_ranks[0]["bench"]
+    assert two_ranks[1][mode, "bench"] == []
+    (row,) = two_ranks[0][mode, "bench"]
     assert row["ranks"] == 2 and float(row["decode_tok_s"]) > 0 and float(row["peak_rss_GB"]) > 0
     import warnings
 
@@ -260,6 +317,8 @@ def test_bench_model_parallel_smoke(two_ranks):
         full = sum(tensor_bytes(n, s, "q2") for n, s in model_shapes(random_args(2, tiny=True)).items()
                    if n.endswith(ROUTED))
     assert float(row["expert_GB"]) * 1e9 == pytest.approx(full / 2, rel=1e-3)
+    if mode == "tp":   # the vocabulary, heads and shared expert split too
+        assert float(row["weight_GB"]) < float(two_ranks[0]["ep", "bench"][0]["weight_GB"])
 
 
 def test_mismatched_files_fail_on_every_rank(two_ranks):

@@ -76,6 +76,10 @@ class MLXArrays:
         """`x` itself: an MLX model runs in one process (OpSet refuses a parallel MLX run)."""
         return x
 
+    def all_gather(self, x: mx.array, dim: int = -1) -> mx.array:
+        """`x` itself: an MLX model runs in one process (OpSet refuses a parallel MLX run)."""
+        return x
+
     def to_torch(self, x) -> torch.Tensor:
         """`x` as a torch tensor for the decoder."""
         return x if isinstance(x, torch.Tensor) else to_torch(x)

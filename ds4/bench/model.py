@@ -11,16 +11,19 @@ the warm-up run on the same caches; without CUDA the steps go through the graphs
 (a check that the path runs, said on stderr, not a figure).
 
 With `--parallel ep` (under torchrun: `torchrun --nproc-per-node N scripts/bench.py model --parallel ep`) each
-rank builds and runs only its share of the routed experts; rank 0 prints the row, with the ranks, the threads
-per rank, and the largest expert bytes and peak resident memory of any rank.
+rank builds and runs only its share of the routed experts (`tp`: also of the vocabulary, the heads and the shared
+expert); rank 0 prints the row, with the ranks, the threads per rank, and the largest expert bytes, weight
+bytes and peak resident memory of any rank.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import resource
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -31,6 +34,7 @@ from ds4.cost import PassCost
 from ds4.cuda_graphs import StepGraphs
 from ds4.errors import UsageError
 from ds4.tiny.random_model import random_args, random_model
+from ops.quants import QTensor
 
 
 def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -89,7 +93,8 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     run(min(2, args.decode))                                   # warm-up: compile every kernel
     prefill_s, decode_s = run(args.decode)
     if world is not None:
-        shares = distributed.gather(world, (expert_bytes(model), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+        shares = distributed.gather(world, (expert_bytes(model), weight_bytes(model),
+                                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
         if not world.is_main:
             return []   # rank 0 prints
     print(ops.format_report(), file=sys.stderr)
@@ -106,8 +111,9 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
              "pct_roofline": fmt(100 * decode_tok_s / roofline)}]
     if world is not None:
         rows[0] |= {"ranks": world.size, "threads": torch.get_num_threads(),
-                    "expert_GB": f"{max(b for b, _ in shares) / 1e9:.4g}",
-                    "peak_rss_GB": f"{max(kb for _, kb in shares) / 1e6:.4g}"}   # ru_maxrss: KiB on Linux
+                    "expert_GB": f"{max(b for b, _, _ in shares) / 1e9:.4g}",
+                    "weight_GB": f"{max(b for _, b, _ in shares) / 1e9:.4g}",
+                    "peak_rss_GB": f"{max(kb for _, _, kb in shares) / 1e6:.4g}"}   # ru_maxrss: KiB on Linux
     if args.png:
         plot_model(rows, args.png)
     return rows
@@ -116,6 +122,23 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
 def expert_bytes(model) -> int:
     """Bytes of the routed expert stacks a model (or an expert-parallel rank of it) holds."""
     return sum(w.data.nbytes for L in model.layers for w in (L.experts.gate, L.experts.up, L.experts.down))
+
+
+def weight_bytes(model) -> int:
+    """Bytes of every quantized weight a model (or a parallel rank of it) holds."""
+    return sum(w.data.nbytes for w in quantized([model.embedding, model.output, model.head, model.layers]))
+
+
+def quantized(obj) -> Iterator[QTensor]:
+    """Every QTensor in `obj` and the records (dataclasses), lists and tuples it holds."""
+    if isinstance(obj, QTensor):
+        yield obj
+    elif isinstance(obj, list | tuple):
+        for item in obj:
+            yield from quantized(item)
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from quantized(getattr(obj, f.name))
 
 
 def plot_model(rows: list[dict], path: str) -> None:
@@ -144,7 +167,8 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--prompt", type=int, default=512 if on_gpu else 16, help="prefill tokens")
     p.add_argument("--decode", type=int, default=64 if on_gpu else 4, help="decode steps timed")
     p.add_argument("--backend", default="auto", help="auto (Triton on CUDA) | torch | triton | mlx")
-    p.add_argument("--parallel", choices=("ep",), default=None,
-                   help="split the routed experts over the ranks torchrun started (docs/distributed.md)")
+    p.add_argument("--parallel", choices=("ep", "tp"), default=None,
+                   help="split the routed experts (ep), and also the vocabulary, heads and shared expert (tp), over "
+                        "the ranks torchrun started (docs/distributed.md)")
     p.add_argument("--png", default=None, help="also draw decode vs roofline into this PNG")
     p.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs (CUDA)")
