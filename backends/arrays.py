@@ -31,10 +31,14 @@ class TorchArrays:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over every rank (torch.distributed: gloo on CPUs, NCCL on GPUs), summed in place on
-        the device with no host read; `x` itself in a single process."""
+        the device with no host read; `x` itself in a single process. Inside a compiled step it is the functional
+        all_reduce, which torch.compile traces into the step's graph."""
         if self.world == 1:
             return x
         import torch.distributed as dist
+        if torch.compiler.is_compiling():
+            from torch.distributed import _functional_collectives as funcol
+            return funcol.all_reduce(x, "sum", dist.group.WORLD)
         x = x.contiguous()
         dist.all_reduce(x)
         return x
@@ -77,9 +81,7 @@ class TorchArrays:
     def compile(self, fn: Callable) -> Callable:
         """`fn` compiled by torch.compile (inductor) with static shapes: one graph per distinct input shape
         (a step per verify width), traced on first use and replayed after. CPU only: on CUDA, steps are
-        recorded in CUDA graphs instead (ds4/cuda_graphs.py)."""
-        if self.world > 1:
-            raise BackendUnavailable("compiled steps do not run across ranks yet (--parallel); use --no-compile")
+        recorded in CUDA graphs instead (ds4/cuda_graphs.py). Across ranks the step holds its all_reduces."""
         if self.device.type != "cpu":
             raise BackendUnavailable(f"compiled steps run on the CPU only for now, not on {self.device}; "
                                      "use --no-compile")

@@ -301,7 +301,8 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     `backend`: auto | torch | triton | mlx | cpu; `ops`: per-op overrides {"qmatmul": "torch"};
     `device`: where weights and caches live (cpu, cuda, cuda:N, mlx, mlx:cpu, mlx:gpu; default: `mlx` for
     the mlx backend, else the best available, see backends.registry.default_device);
-    `compile`: run decode, verify and MTP steps through a compiled step (torch.compile, CPU; docs/cpu.md);
+    `compile`: run decode, verify and MTP steps through a compiled step (torch.compile, CPU; docs/cpu.md; across
+    ranks the step holds its all_reduces);
     `cuda_graphs`: record decode, verify and MTP steps in CUDA graphs and replay them (CUDA only; docs/kernels.md);
     `parallel`: "ep" splits the routed experts over the ranks torchrun started (one process each; every
     rank calls load with the same arguments; docs/distributed.md), "tp" also the vocabulary, the attention
@@ -324,8 +325,8 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     if parallel is not None:
         if parallel not in ("ep", "tp"):
             raise UsageError(f"--parallel must be ep or tp, got {parallel!r}")
-        if compile:
-            raise UsageError("--compile does not run across ranks yet: drop it with --parallel")
+        if compile and parallel == "tp":
+            raise UsageError("--compile runs across ranks with --parallel ep only so far: drop it with --parallel tp")
         if cuda_graphs:
             raise UsageError("--cuda-graphs does not run across ranks yet: drop it with --parallel")
         world, device = distributed.start(parallel, device)

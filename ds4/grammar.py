@@ -107,7 +107,7 @@ class Constraint:
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar)
         if self.matcher.is_error():
             raise UsageError(f"the grammar cannot be enforced: {self.matcher.get_error()}")
-        self.vocab_size = vocab_size
+        self.vocab_size, self.grammar = vocab_size, grammar   # the text: a rank repeating the job builds its own
         self.consumed: list[int] = []   # the tokens the parser has taken, in order
 
     def allowed(self) -> torch.Tensor:

@@ -70,6 +70,17 @@ def test_owned_ranges_sum_to_the_whole_moe(backend, m, hashed):
     torch.testing.assert_close(parts[0] + parts[1], whole, rtol=0, atol=1e-5 * whole.abs().max().item())
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q2_K", "IQ2_XXS"])
+def test_cpu_kernel_gives_zero_for_an_expert_another_rank_holds(qtype):
+    """Expert -1 (another rank's) is a zero row on every path of the fused kernel, the grouped ones included."""
+    from backends.cpu import kernels
+    if not kernels.available(qtype, 256):
+        pytest.skip("the cpu kernel library is not built here")
+    w = QTensor.quantize(randn(2, 8, 256, seed=1), qtype, "stack")
+    y = kernels.qgemv(randn(3, 256, seed=2), w, torch.tensor([1, -1, 0]))
+    assert torch.equal(y[1], torch.zeros(8)) and y[0].abs().sum() > 0 and y[2].abs().sum() > 0
+
+
 def test_an_owned_range_outside_the_router_and_mlx_refuse():
     x, ids = randn(2, 64, seed=9), torch.zeros(2, dtype=torch.int64)
     ex = experts(range(8, 16), False)

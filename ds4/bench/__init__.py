@@ -21,6 +21,7 @@ SUITES = {  # suite name -> module in ds4/bench/
     "kvdisk": "kvdisk",
     "quants": "quants",
     "grammar": "grammar",
+    "ranks": "ranks",
 }
 
 

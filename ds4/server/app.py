@@ -2,7 +2,8 @@
 
 The app serves one engine through one worker thread (ds4/server/worker.py); the routes live beside it
 (openai_routes.py, ops_routes.py), request bodies in schemas.py, streaming in streaming.py, the request
-guards in guards.py and the Prometheus metrics in metrics.py.
+guards in guards.py and the Prometheus metrics in metrics.py. Under torchrun with `--parallel`, rank 0 serves
+and every other rank follows its jobs (ranks.py, docs/distributed.md).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from backends.registry import PARALLEL
+from ds4 import distributed
 from ds4.engine import Engine, load
 from ds4.errors import Ds4Error, UsageError
 from ds4.server.anthropic_routes import ANTHROPIC_PREFIX, anthropic_router
@@ -26,6 +29,7 @@ from ds4.server.metrics import Metered, Metrics
 from ds4.server.openai_routes import openai_router
 from ds4.server.ops_routes import ops_router
 from ds4.server.prefix_cache import PrefixCache
+from ds4.server.ranks import Link
 from ds4.server.schemas import ApiError
 from ds4.server.worker import Worker
 from ds4.speculative import MAX_DRAFT
@@ -120,6 +124,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compiled decode/verify steps (CPU; about a minute per row count on first use, then "
                         "faster steps for the server's lifetime; docs/cpu.md)")
     p.add_argument("--cuda-graphs", action="store_true", help="decode/verify steps as CUDA graphs (CUDA only)")
+    p.add_argument("--parallel", choices=PARALLEL,
+                   help="split the model over the ranks torchrun starts; rank 0 serves, the others follow "
+                        "(torchrun --nproc-per-node N -m ds4.server ... --parallel ep; docs/distributed.md)")
     p.add_argument("--kv-disk-dir", metavar="DIR",
                    help="keep session files of long prompts in DIR so later requests and later server processes "
                         "skip prefilling them (docs/server.md)")
@@ -143,11 +150,16 @@ def main(argv: list[str] | None = None) -> int:
         guards = GuardConfig(a.api_key, allowed_hosts(a.host, a.allowed_host), int(a.max_body_mb * 2**20))
         if a.threads or a.model is None:
             torch.set_num_threads(a.threads or 1)
+        if a.parallel and a.kv_disk_dir:
+            raise UsageError("--kv-disk-dir does not run across ranks yet: drop it with --parallel")
         engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile,
-                      cuda_graphs=a.cuda_graphs, cpu_dot=a.cpu_dot)
+                      cuda_graphs=a.cuda_graphs, cpu_dot=a.cpu_dot, parallel=a.parallel)
         draft = int(a.mtp_draft) if a.mtp_draft not in (None, "auto") else a.mtp_draft
         cache = PrefixCache(engine, a.kv_disk_dir, a.kv_disk_space_mb) if a.kv_disk_dir else None
-        app = create_app(engine, a.served_model_name, Worker(engine, draft, cache), guards)
+        worker = Worker(engine, draft, cache, Link(engine.world) if engine.world else None)
+        if engine.world and not engine.world.is_main:
+            return follow(worker)
+        app = create_app(engine, a.served_model_name, worker, guards)
     except Ds4Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -155,5 +167,20 @@ def main(argv: list[str] | None = None) -> int:
     if warning:
         print(warning, file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level="info")
+    if a.parallel:
+        distributed.stop()
+    return 0
+
+
+def follow(worker: Worker) -> int:
+    """A rank other than 0: run rank 0's jobs until it shuts down (0), or until it stops answering (1)."""
+    try:
+        worker.follow()
+    except Ds4Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C under torchrun reaches every rank
+        return 0
+    distributed.stop()
     return 0
 

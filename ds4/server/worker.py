@@ -3,6 +3,9 @@
 A request whose prompt starts with tokens the session already holds (a continuing conversation) rolls back to
 that common prefix and prefills only the rest; with a disk prefix cache (prefix_cache.py) a longer stored prefix
 is loaded instead, and long prompts are saved there.
+
+Across ranks (`--parallel`) rank 0's worker sends each job to the other ranks (ds4/server/ranks.py), whose
+workers run it in `follow` with the same engine calls.
 """
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ds4.engine import Engine
-from ds4.errors import Ds4Error, UsageError
+from ds4.errors import Ds4Error, ParallelError, UsageError
 from ds4.grammar import Constraint
 from ds4.sampling import LogitAdjustments, Sampler, SamplingParams
 from ds4.server.prefix_cache import PrefixCache
+from ds4.server.ranks import Heartbeat, Link, Shutdown, Work, seeded
 from ds4.session import Session, Snapshot
 from ds4.speculative import SpecMetrics, check_draft, generate_ids
 from ds4.tokenizer import StreamDecoder
@@ -68,7 +72,7 @@ class Job:
     ids: list[int]
     max_tokens: int
     sampling: SamplingParams
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None   # None: a follower rank's copy of a job, whose events go nowhere
     adjust: LogitAdjustments = LogitAdjustments()
     logprobs: int | None = None      # None: off; else how many top alternatives each token reports
     stop_ids: frozenset[int] = frozenset()  # tokens that end the generation (their text is not emitted)
@@ -80,10 +84,18 @@ class Job:
 
     def emit(self, event: str | TokenLogprob | Finished | Failed) -> None:
         """Hand an event to the request's event loop (from the worker thread)."""
+        if self.loop is None:
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed: the server is going down
             self.cancel.set()
+
+    def work(self, fresh_session: bool) -> Work:
+        """The job as the other ranks repeat it."""
+        grammar = self.constraint.grammar if self.constraint else None
+        return Work(self.ids, self.max_tokens, self.sampling, self.adjust, self.stop_ids, grammar, self.constrain_after,
+                    fresh_session)
 
 
 class Shaper:
@@ -114,11 +126,24 @@ class Shaper:
         return [] if self.grammar_output(generated) is None else self.job.constraint.forced()
 
 
-class Worker:
-    """Owns the engine and one session; runs jobs one at a time in arrival order (FIFO, so fair)."""
+def followed_job(engine: Engine, work: Work) -> Job:
+    """A follower rank's copy of rank 0's job (its own grammar parser; its events go nowhere)."""
+    constraint = Constraint(engine.tokenizer, engine.args.vocab_size, work.grammar) if work.grammar else None
+    return Job(work.ids, work.max_tokens, work.sampling, None, work.adjust, None, work.stop_ids, constraint,
+               work.constrain_after)
 
-    def __init__(self, engine: Engine, mtp_draft: int | str | None = None, prefix_cache: PrefixCache | None = None):
-        self.engine, self.prefix_cache = engine, prefix_cache
+
+class Worker:
+    """Owns the engine and one session; runs jobs one at a time in arrival order (FIFO, so fair).
+
+    With a `link` (across ranks), rank 0's worker thread sends each job to the other ranks, and on every other
+    rank no thread starts: `follow` runs their jobs on the caller's thread."""
+
+    def __init__(self, engine: Engine, mtp_draft: int | str | None = None, prefix_cache: PrefixCache | None = None,
+                 link: Link | None = None):
+        if link is not None and prefix_cache is not None:
+            raise UsageError("--kv-disk-dir does not run across ranks yet: drop it with --parallel")
+        self.engine, self.prefix_cache, self.link = engine, prefix_cache, link
         self.mtp_draft = check_draft(mtp_draft if mtp_draft is not None else (1 if engine.mtp else None))
         if self.mtp_draft and engine.mtp is None:
             raise UsageError("--mtp-draft needs an MTP head: pass --mtp PATH")
@@ -128,10 +153,12 @@ class Worker:
         self.finished: list[Finished] = []   # the last 100 outcomes, newest last
         self.current: Job | None = None
         self.closing = False
+        self.ranks_lost = False  # across ranks: a collective with the other ranks failed, none is tried again
         self.on_finished: Callable[[Finished], None] | None = None  # e.g. the server's metrics
         self.rows: deque[torch.Tensor] = deque()  # the logits each token yielded by tokens() was chosen from
         self.thread = threading.Thread(target=self._run, name="ds4-worker", daemon=True)
-        self.thread.start()
+        if link is None or link.world.is_main:
+            self.thread.start()
 
     def submit(self, job: Job) -> Job:
         """Queue a job behind the ones already waiting."""
@@ -148,16 +175,42 @@ class Worker:
         if self.prefix_cache:
             self.prefix_cache.close()
 
+    def _next_job(self) -> Job | None:
+        """The next job (None: close); across ranks, a heartbeat goes to the other ranks while none comes."""
+        while self.link is not None and not self.ranks_lost:
+            try:
+                job = self.jobs.get(timeout=self.link.idle_s)
+            except queue.Empty:
+                self._tell_ranks(Heartbeat())
+                continue
+            if job is None:
+                self._tell_ranks(Shutdown())
+            return job
+        return self.jobs.get()
+
+    def _tell_ranks(self, message: Heartbeat | Shutdown) -> None:
+        """Send the other ranks a message; when they are gone, later jobs fail with 503 (the server shuts down)."""
+        try:
+            self.link.send(message)
+        except ParallelError as e:  # e.g. Ctrl-C under torchrun reaches every rank, and they stop first
+            log.error("%s", e)
+            self.ranks_lost = self.closing = True
+
     def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
+        while (job := self._next_job()) is not None:
             self.current = job
             try:
                 if self.closing:
-                    raise Ds4Error("the server is shutting down")
+                    raise Ds4Error("the other ranks of this run stopped: restart every rank" if self.ranks_lost
+                                   else "the server is shutting down")
                 outcome = self._generate(job)
                 self.finished = [*self.finished[-99:], outcome]
                 if self.on_finished:
                     self.on_finished(outcome)
+            except ParallelError as e:  # the other ranks are gone or out of step: this worker cannot go on
+                log.error("%s", e)
+                self.ranks_lost = self.closing = True
+                outcome = Failed(503, str(e))
             except Ds4Error as e:
                 self.session, outcome = None, Failed(503 if self.closing else 400, str(e))
             except Exception as e:  # a bug: log it here, tell the client only that it happened
@@ -165,6 +218,29 @@ class Worker:
                 self.session, outcome = None, Failed(500, f"internal error ({type(e).__name__})")
             job.emit(outcome)
             self.current = None
+
+    def follow(self) -> None:
+        """A follower rank: run rank 0's jobs as they come until it shuts down (ParallelError when it stops
+        answering for $DS4_DIST_TIMEOUT)."""
+        while not isinstance(message := self.link.receive(), Shutdown):
+            if isinstance(message, Heartbeat):
+                continue
+            job = followed_job(self.engine, message)
+            if message.fresh_session:
+                self.session = self.snapshot = None
+            try:
+                cached = self._reuse(job.ids)
+                stream = self.tokens(job, cached, SpecMetrics())
+                try:
+                    for token in stream:
+                        if not self.link.agree(token):
+                            break
+                finally:
+                    stream.close()
+            except ParallelError:
+                raise
+            except Ds4Error:  # rank 0 met the same error at the same point
+                self.session = None
 
     def _reuse(self, ids: list[int]) -> int:
         """Load the disk cache's longest prefix of `ids` when it beats the session's; else roll the session back to
@@ -227,27 +303,37 @@ class Worker:
         spec, count, reason, first_at = SpecMetrics(), 0, "length", None
         if job.cancel.is_set():
             return Finished("cancelled", len(job.ids), 0, 0, spec)
+        if self.link:
+            job.sampling = seeded(job.sampling)
+            self.link.send(job.work(fresh_session=self.session is None))
         cached = self._reuse(job.ids)
         decoder = StreamDecoder(self.engine.tokenizer)
         self.rows.clear()
         stream = self.tokens(job, cached, spec)
+        undecided = False   # across ranks: a token whose go-on flag the other ranks still wait for
         try:
             for token in stream:
                 count += 1
+                undecided = self.link is not None
                 first_at = first_at or time.monotonic()
                 logprob = self.logprob(job, token)
                 if token == self.engine.tokenizer.eos_id or token in job.stop_ids:
                     reason = "stop"
-                    break
-                if logprob:
-                    job.emit(logprob)
-                piece = decoder.push(token)
-                if piece:
-                    job.emit(piece)
-                if job.cancel.is_set():
-                    reason = "cancelled"
+                else:
+                    if logprob:
+                        job.emit(logprob)
+                    piece = decoder.push(token)
+                    if piece:
+                        job.emit(piece)
+                    reason = "cancelled" if job.cancel.is_set() else reason
+                if self.link:
+                    undecided = False
+                    self.link.agree(token, go=reason == "length")
+                if reason != "length":
                     break
         finally:
+            if undecided:  # this rank failed between two tokens: the others stop too
+                self.link.agree(token)
             stream.close()
         tail = decoder.flush()
         if tail:
