@@ -21,14 +21,18 @@ SHAPES = {  # type: (N, K) of the matrix V4 Flash stores in it (6 routed experts
     "Q4_K": (6 * 2048, 4096),       # routed gate/up/down (q4)
     "Q8_0": (32768, 1024),          # attention q_b
     "F16": (4096, 4096),            # HC, compressor, router
+    **dict.fromkeys(("IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"),
+                    (6 * 2048, 4096)),  # routed gate/up in llama.cpp's IQ, TQ and MXFP4_MOE mixes
+    "BF16": (4096, 4096),           # as F16
 }
 ROWS = (1, 2, 4, 8, 16)
 
 
-def weight(qtype: str, n: int, k: int) -> QTensor:
-    """An [n, k] weight of `qtype`: 64 quantized random rows repeated (every byte at its own address)."""
-    seed = QTensor.quantize(torch.randn(64, k, generator=torch.Generator().manual_seed(0)) / 16, qtype, "w").data
-    return QTensor(get(qtype), (n, k), seed.repeat((n + 63) // 64, 1)[:n].contiguous())
+def weight(qtype: str, n: int, k: int, seed_rows: int = 64) -> QTensor:
+    """An [n, k] weight of `qtype`: `seed_rows` quantized random rows repeated (every byte at its own address)."""
+    g = torch.Generator().manual_seed(0)
+    seed = QTensor.quantize(torch.randn(seed_rows, k, generator=g) / 16, qtype, "w").data
+    return QTensor(get(qtype), (n, k), seed.repeat((n + seed_rows - 1) // seed_rows, 1)[:n].contiguous())
 
 
 def cpu_seconds(fn, rounds: int) -> float:
@@ -53,7 +57,7 @@ def rows(rounds: int, smoke: bool = False) -> list[dict]:
         out = []
         for qtype, (n, k) in SHAPES.items():
             n = 256 if smoke else n
-            w = weight(qtype, n, k)
+            w = weight(qtype, n, k, 8 if smoke else 64)    # the IQ quantizers take seconds per 1000 blocks
             one = None
             for m in ROWS:
                 x = torch.randn(m, k)
