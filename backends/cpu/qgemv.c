@@ -320,34 +320,42 @@ static inline void deq_iq3_s(const uint8_t *b, float *w) {     /* 110 bytes -> 2
     }
 }
 
-static inline float iq2_sub_scale(float d, const uint8_t *scales, int j) {    /* d*(0.5 + ls)/4 of sub-block j */
-    return d * (0.5f + (float)((scales[j / 2] >> (4 * (j % 2))) & 15)) * 0.25f;
+/* The 16 sub-block scales d*(0.5 + ls)/4 of IQ2_XS/IQ2_S: sub-block 2i in even[i] (low nibble of scales[i]),
+ * 2i + 1 in odd[i] (high nibble). */
+static inline void iq2_sub_scales(float d, const uint8_t *scales, float *even, float *odd) {
+    i32x8 ls = widen(scales);
+    store8(even, splat(d) * (splat(0.5f) + to_float(ls & 15)) * splat(0.25f));
+    store8(odd, splat(d) * (splat(0.5f) + to_float(ls >> 4)) * splat(0.25f));
 }
 
 static inline void deq_iq2_xs(const uint8_t *b, float *w) {    /* 74 bytes -> 256 values */
-    float d = half_to_float(b);
+    float even[8], odd[8];
+    iq2_sub_scales(half_to_float(b), b + 66, even, odd);
     for (int c = 0; c < 32; c++) {                          /* chunk c: 8 values, sub-block c / 2 */
         uint32_t q = (uint32_t)b[2 + 2 * c] | ((uint32_t)b[3 + 2 * c] << 8);
-        v8 db = splat(iq2_sub_scale(d, b + 66, c / 2));
+        v8 db = splat(c % 4 < 2 ? even[c / 4] : odd[c / 4]);
         store8(w + 8 * c, db * to_float(widen(iq2_xs_grid[q & 511])) * load8(ksign_values[q >> 9]));
     }
 }
 
 static inline void deq_iq2_s(const uint8_t *b, float *w) {     /* 82 bytes -> 256 values */
-    float d = half_to_float(b);
     const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66;
+    float even[8], odd[8];
+    iq2_sub_scales(half_to_float(b), b + 74, even, odd);
     for (int c = 0; c < 32; c++) {
-        v8 db = splat(iq2_sub_scale(d, b + 74, c / 2));
+        v8 db = splat(c % 4 < 2 ? even[c / 4] : odd[c / 4]);
         const uint8_t *g = iq2_s_grid[qs[c] | (((qh[c / 4] >> (2 * (c % 4))) & 3) << 8)];
         store8(w + 8 * c, db * to_float(widen(g)) * load8(byte_sign_values[signs[c]]));
     }
 }
 
+static const float iq1_delta[2] = {0.125f, -0.125f};     /* indexed by the delta's sign bit */
+
 static inline void deq_iq1_s(const uint8_t *b, float *w) {     /* 50 bytes -> 256 values */
     float d = half_to_float(b);
     for (int s = 0; s < 8; s++) {
         uint32_t qh = (uint32_t)b[34 + 2 * s] | ((uint32_t)b[35 + 2 * s] << 8);
-        v8 dl = splat(d * (float)(2 * ((qh >> 12) & 7) + 1)), delta = splat(qh & 0x8000 ? -0.125f : 0.125f);
+        v8 dl = splat(d * (float)(2 * ((qh >> 12) & 7) + 1)), delta = splat(iq1_delta[qh >> 15]);
         for (int k = 0; k < 4; k++) {
             const int8_t *g = iq1_grid[b[2 + 4 * s + k] | (((qh >> (3 * k)) & 7) << 8)];
             store8(w + 32 * s + 8 * k, dl * (sfloat8((const uint8_t *)g) + delta));
@@ -367,7 +375,7 @@ static inline void deq_iq1_m(const uint8_t *b, float *w) {     /* 56 bytes -> 25
         for (int h = 0; h < 2; h++) {
             int nibble = (qh[j] >> (4 * h)) & 15;
             const int8_t *g = iq1_grid[qs[2 * j + h] | ((nibble & 7) << 8)];
-            store8(w + 16 * j + 8 * h, dl * (sfloat8((const uint8_t *)g) + splat(nibble & 8 ? -0.125f : 0.125f)));
+            store8(w + 16 * j + 8 * h, dl * (sfloat8((const uint8_t *)g) + splat(iq1_delta[nibble >> 3])));
         }
     }
 }
