@@ -93,7 +93,7 @@ def test_fused_product_is_the_dequantized_product_in_lane_order(qtype, odd, thre
     assert odd or want.isfinite().all()
     for n in (1, 2, 3):
         torch.set_num_threads(n)
-        for M in (1, 2, 5, 16):
+        for M in range(1, 17):
             torch.testing.assert_close(kernels.qgemv(x[:M], w), want[:M], rtol=0, atol=0, equal_nan=True)
 
 
