@@ -12,4 +12,4 @@ def test_bench_gemv_smoke(capsys):
     out = capsys.readouterr().out
     for qtype in ("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0", "F16", "IQ3_XXS", "IQ1_M", "TQ1_0", "MXFP4", "BF16"):
         assert qtype in out
-    assert "pct_copy" in out and "x_M1" in out
+    assert "pct_copy" in out and "x_M1" in out and "x_ref" in out

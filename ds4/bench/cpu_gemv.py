@@ -3,7 +3,9 @@
 For each type a V4 mix stores large matrices in, a weight of distinct bytes (seed rows repeated, as
 ds4/tiny/random_model.py) is multiplied by M = 1..16 rows; the table gives the weight bytes read per second
 and that as a share of the one-thread copy bandwidth (bytes read + written per second of a large copy), and
-the M-row time against the 1-row time. Times are the minimum over `--rounds` calls of the calling thread's
+the M-row time against the 1-row time; at M = 1 also the reference's way, the weight dequantized one ~1 MB tile
+at a time by ops/quants and multiplied (`ref_ms`: how the cpu backend serves a type without a kernel), and
+that against the kernel (`x_ref`). Times are the minimum over `--rounds` calls of the calling thread's
 CPU time (time.thread_time), so a busy shared machine inflates them less than wall time would.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 import torch
 
 from backends.cpu import kernels
+from backends.cpu.qmatmul import TILE_BYTES
 from ops.quants import QTensor, get
 
 SHAPES = {  # type: (N, K) of the matrix V4 Flash stores in it (6 routed experts stacked for the experts' types)
@@ -46,6 +49,14 @@ def cpu_seconds(fn, rounds: int) -> float:
     return best
 
 
+def reference_tiles(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """`x @ W.T` through the reference dequantizer, one tile of about TILE_BYTES of float32 at a time."""
+    n, k = w.shape
+    step = max(1, TILE_BYTES // (4 * k))
+    return torch.cat([x @ QTensor(w.qtype, (min(n, i + step) - i, k), w.data[i:i + step]).dequantize().T
+                      for i in range(0, n, step)], 1)
+
+
 def rows(rounds: int, smoke: bool = False) -> list[dict]:
     """One row per (type, M): ms, GB/s, % of one-thread copy bandwidth, time against M = 1 (`smoke`: 256 rows)."""
     before = torch.get_num_threads()
@@ -66,7 +77,10 @@ def rows(rounds: int, smoke: bool = False) -> list[dict]:
                 gb_s = w.data.numel() / s
                 out.append({"type": qtype, "N": n, "K": k, "M": m, "ms": f"{1e3 * s:.2f}", "GB_s": f"{gb_s / 1e9:.2f}",
                             "pct_copy": f"{100 * gb_s / copy:.0f}", "x_M1": f"{s / one:.2f}",
-                            "copy_GB_s": f"{copy / 1e9:.1f}"})
+                            "copy_GB_s": f"{copy / 1e9:.1f}", "ref_ms": "", "x_ref": ""})
+                if m == 1:
+                    ref = cpu_seconds(lambda: reference_tiles(x, w), rounds)     # noqa: B023
+                    out[-1].update(ref_ms=f"{1e3 * ref:.1f}", x_ref=f"{ref / s:.1f}")
     finally:
         torch.set_num_threads(before)
     return out
