@@ -299,6 +299,7 @@ static inline void deq_iq3_xxs(const uint8_t *b, float *w) {   /* 98 bytes -> 25
         const uint8_t *a = aux + 4 * s;
         uint32_t bits = (uint32_t)a[0] | ((uint32_t)a[1] << 8) | ((uint32_t)a[2] << 16) | ((uint32_t)a[3] << 24);
         v8 db = splat(d * (0.5f + (float)(bits >> 28)) * 0.5f);
+#pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             v8 g = grid_pair(iq3_xxs_grid[qs[8 * s + 2 * k]], iq3_xxs_grid[qs[8 * s + 2 * k + 1]]);
             store8(w + 32 * s + 8 * k, db * g * load8(ksign_values[(bits >> (7 * k)) & 127]));
@@ -311,6 +312,7 @@ static inline void deq_iq3_s(const uint8_t *b, float *w) {     /* 110 bytes -> 2
     const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
     for (int s = 0; s < 8; s++) {
         v8 db = splat(d * (float)(1 + 2 * ((scales[s / 2] >> (4 * (s % 2))) & 15)));
+#pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {                       /* values 32s + 8k + (0..7): chunks c and c + 1 */
             int c = 8 * s + 2 * k;
             v8 g = grid_pair(iq3_s_grid[qs[c] | (((qh[s] >> (2 * k)) & 1) << 8)],
@@ -331,10 +333,14 @@ static inline void iq2_sub_scales(float d, const uint8_t *scales, float *even, f
 static inline void deq_iq2_xs(const uint8_t *b, float *w) {    /* 74 bytes -> 256 values */
     float even[8], odd[8];
     iq2_sub_scales(half_to_float(b), b + 66, even, odd);
-    for (int c = 0; c < 32; c++) {                          /* chunk c: 8 values, sub-block c / 2 */
-        uint32_t q = (uint32_t)b[2 + 2 * c] | ((uint32_t)b[3 + 2 * c] << 8);
-        v8 db = splat(c % 4 < 2 ? even[c / 4] : odd[c / 4]);
-        store8(w + 8 * c, db * to_float(widen(iq2_xs_grid[q & 511])) * load8(ksign_values[q >> 9]));
+    for (int i = 0; i < 8; i++) {                           /* chunks 4i..4i+3 (8 values each): sub-blocks 2i, 2i+1 */
+        v8 db[2] = {splat(even[i]), splat(odd[i])};
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            int c = 4 * i + p;
+            uint32_t q = (uint32_t)b[2 + 2 * c] | ((uint32_t)b[3 + 2 * c] << 8);
+            store8(w + 8 * c, db[p / 2] * to_float(widen(iq2_xs_grid[q & 511])) * load8(ksign_values[q >> 9]));
+        }
     }
 }
 
@@ -342,10 +348,15 @@ static inline void deq_iq2_s(const uint8_t *b, float *w) {     /* 82 bytes -> 25
     const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66;
     float even[8], odd[8];
     iq2_sub_scales(half_to_float(b), b + 74, even, odd);
-    for (int c = 0; c < 32; c++) {
-        v8 db = splat(c % 4 < 2 ? even[c / 4] : odd[c / 4]);
-        const uint8_t *g = iq2_s_grid[qs[c] | (((qh[c / 4] >> (2 * (c % 4))) & 3) << 8)];
-        store8(w + 8 * c, db * to_float(widen(g)) * load8(byte_sign_values[signs[c]]));
+    for (int i = 0; i < 8; i++) {                           /* chunks 4i..4i+3: sub-blocks 2i, 2i+1, high bits qh[i] */
+        v8 db[2] = {splat(even[i]), splat(odd[i])};
+        uint32_t high = qh[i];
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            int c = 4 * i + p;
+            const uint8_t *g = iq2_s_grid[qs[c] | (((high >> (2 * p)) & 3) << 8)];
+            store8(w + 8 * c, db[p / 2] * to_float(widen(g)) * load8(byte_sign_values[signs[c]]));
+        }
     }
 }
 
@@ -356,6 +367,7 @@ static inline void deq_iq1_s(const uint8_t *b, float *w) {     /* 50 bytes -> 25
     for (int s = 0; s < 8; s++) {
         uint32_t qh = (uint32_t)b[34 + 2 * s] | ((uint32_t)b[35 + 2 * s] << 8);
         v8 dl = splat(d * (float)(2 * ((qh >> 12) & 7) + 1)), delta = splat(iq1_delta[qh >> 15]);
+#pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
             const int8_t *g = iq1_grid[b[2 + 4 * s + k] | (((qh >> (3 * k)) & 7) << 8)];
             store8(w + 32 * s + 8 * k, dl * (sfloat8((const uint8_t *)g) + delta));
@@ -372,6 +384,7 @@ static inline void deq_iq1_m(const uint8_t *b, float *w) {     /* 56 bytes -> 25
     float d = half_to_float(d_bytes);                       /* the f16 spread over the scales' top nibbles */
     for (int j = 0; j < 16; j++) {                          /* sub-block j: 16 values, chunks 2j and 2j + 1 */
         v8 dl = splat(d * (float)(2 * ((sc[j / 4] >> (3 * (j % 4))) & 7) + 1));
+#pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             int nibble = (qh[j] >> (4 * h)) & 15;
             const int8_t *g = iq1_grid[qs[2 * j + h] | ((nibble & 7) << 8)];
