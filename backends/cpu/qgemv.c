@@ -780,6 +780,8 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 7: if (K % 32) return -1; rows_of(deq_q5_1, 32, 24, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 20: if (K % 32) return -1; rows_of(deq_iq4_nl, 32, 18, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 23: if (K % 256) return -1; rows_of(deq_iq4_xs, 256, 136, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    /* dequantize-then-multiply on every target (the IQ grids after qgemv_set_<type> and qgemv_set_iq_signs): 18 IQ3_XXS,
+     * 21 IQ3_S, 17 IQ2_XS, 22 IQ2_S, 19 IQ1_S, 29 IQ1_M, 34 TQ1_0, 35 TQ2_0, 39 MXFP4, 30 BF16 */
     case 18: if (K % 256) return -1; rows_of(deq_iq3_xxs, 256, 98, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 21: if (K % 256) return -1; rows_of(deq_iq3_s, 256, 110, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 17: if (K % 256) return -1; rows_of(deq_iq2_xs, 256, 74, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
