@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backends.cpu import kernels
-from ops.quants import QTensor, get
+from ops.quants import QTensor, get, iq2_xxs, iq3_s
 
 TYPES = ("IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4", "BF16")
 SCALE_AT = {"TQ1_0": 52, "TQ2_0": 64}   # byte offset of the f16 scale `d` (0 for the IQ types but IQ1_M)
@@ -123,3 +123,14 @@ def test_rows_the_kernel_cannot_take_are_refused():
         torch.ops.ds4.qgemv(torch.randn(1, 128), w.data, kernels.GGML_TYPE["IQ3_S"], 16, None)
     with pytest.raises(ValueError, match="unsupported call .MXFP4"):
         torch.ops.ds4.dequantize(w.data, kernels.GGML_TYPE["MXFP4"], 8, 100)
+
+
+def test_a_grid_the_kernel_cannot_hold_fails_the_build(monkeypatch):
+    """A codebook value that is not a small integer (the kernel keeps grids as bytes) is a build failure naming
+    the type, and the table in use stays as it was."""
+    w = random_weight("IQ3_S", (8, 256), seed=7, odd=False)
+    before = kernels.dequantize(w)
+    monkeypatch.setattr(iq3_s, "GRID", iq3_s.GRID + 0.5)
+    with pytest.raises(kernels.BuildFailed, match="IQ3_S grid"):
+        kernels._set_codebooks(kernels.lib(), iq2_xxs.KSIGNS.to(torch.int64))
+    assert torch.equal(kernels.dequantize(w), before)

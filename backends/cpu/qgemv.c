@@ -263,11 +263,10 @@ static int8_t iq1_grid[2048][8];
 static float ksign_values[128][8];      /* the 8 factors of ksigns[i] (IQ2_XXS's even-parity patterns) */
 static float byte_sign_values[256][8];  /* factor j of byte i: -1 where bit j is set */
 
-static int codebook_bytes(const float *grid, uint8_t *out, int count, int lowest) {   /* -1: a value not a byte */
-    for (int i = 0; i < count; i++) {
+static int codebook_bytes(const float *grid, uint8_t *out, int count, int lowest) {   /* -1 (table unchanged): */
+    for (int i = 0; i < count; i++)                                                     /* a value not a byte */
         if (!(grid[i] >= (float)lowest && grid[i] <= (float)(lowest + 255)) || grid[i] != (float)(int)grid[i]) return -1;
-        out[i] = (uint8_t)(int)grid[i];
-    }
+    for (int i = 0; i < count; i++) out[i] = (uint8_t)(int)grid[i];
     return 0;
 }
 
