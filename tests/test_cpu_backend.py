@@ -46,7 +46,7 @@ def test_fused_kernel_is_built_here():
     """This machine has a C compiler, so the fused kernel must serve (a broken build would silently fall
     back to the slow tiled path)."""
     assert all(kernels.available(t, 256) for t in kernels.GGML_TYPE)
-    assert not kernels.available("MXFP4", 256) and not kernels.available("F32", 96)
+    assert not kernels.available("FP8_E4M3", 256) and not kernels.available("F32", 96)
     assert kernels.available("F16", 96) and not kernels.available("F16", 48)
 
 
@@ -57,7 +57,7 @@ def test_cpu_backend_serves_auto_on_cpu_only():
     assert OpSet().batch_invariant()
 
 
-@pytest.mark.parametrize("qtype", [*kernels.GGML_TYPE, "TQ2_0"])   # TQ2_0: a type the kernel does not read
+@pytest.mark.parametrize("qtype", [*kernels.GGML_TYPE, "FP8_E4M3"])   # FP8_E4M3: a type the kernel does not read
 @pytest.mark.parametrize("M", (1, 3, 16, 40))
 @pytest.mark.parametrize("fused", (True, False))
 def test_qmatmul_matches_reference(qtype, M, fused, monkeypatch):

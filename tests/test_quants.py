@@ -297,8 +297,8 @@ def test_the_op_report_lists_how_each_type_is_served():
     ops.qmatmul(torch.randn(1, 256), QTensor.quantize(torch.randn(4, 256), "Q6_K"))
     lines = {line.split(":")[0]: line.split(":")[1].split() for line in ops.format_report().splitlines()
              if line.startswith("cpu ")}
-    assert {"Q6_K", "Q8_0", "F16"} <= set(lines["cpu fused kernel (qgemv.c)"])
-    assert {"TQ2_0", "IQ1_S"} <= set(lines["cpu reference dequantize per tile"])
+    assert {"Q6_K", "Q8_0", "F16", "TQ2_0", "IQ1_S"} <= set(lines["cpu fused kernel (qgemv.c)"])
+    assert {"FP8_E4M3", "I32"} <= set(lines["cpu reference dequantize per tile"])
     assert sorted(sum(lines.values(), [])) == sorted(quants.TYPES)
     assert format_quant_support("triton").splitlines()[-1] == "triton unsupported here: I32"
 

@@ -24,12 +24,14 @@ from pathlib import Path
 import torch
 
 from backends.registry import add_note
-from ops.quants import QTensor, iq2_xxs
+from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
-             "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23}
-ROW_MULTIPLE = {"F32": 64, "F16": 32}   # qgemv.c takes F32 and F16 rows this many values at a time
+             "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
+             "IQ3_XXS": 18, "IQ3_S": 21, "IQ2_XS": 17, "IQ2_S": 22, "IQ1_S": 19, "IQ1_M": 29, "TQ1_0": 34, "TQ2_0": 35,
+             "MXFP4": 39, "BF16": 30}
+ROW_MULTIPLE = {"F32": 64, "F16": 32, "BF16": 32}   # qgemv.c takes F32, F16 and BF16 rows this many values at a time
 MAX_ROWS = 16
 SPLIT_BYTES = 1 << 20   # weights at least this large are split across threads
 FLAGS = (("-O3", "-march=native", "-ffp-contract=off"), ("-O3", "-ffp-contract=off"))
@@ -83,8 +85,21 @@ def _build() -> ctypes.CDLL:
     lib.sinkhorn.argtypes = [ptr, ptr, i64, i64, i64, ctypes.c_float]
     grid, ksigns = iq2_xxs.GRID.contiguous(), iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     lib.qgemv_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
+    _set_codebooks(lib, ksigns)
     _bind_q8(lib)
     return lib
+
+
+def _set_codebooks(lib: ctypes.CDLL, ksigns: torch.Tensor) -> None:
+    """Hand the other IQ types' grids (ops/quants/<type>.py) and the sign patterns to qgemv.c; BuildFailed where a
+    grid does not fit the kernel's byte tables."""
+    lib.qgemv_set_iq_signs(ctypes.c_void_p(ksigns.data_ptr()))
+    for module in (iq3_xxs, iq3_s, iq2_xs, iq2_s, iq1_s):
+        setter = getattr(lib, f"qgemv_set_{module.QTYPE.name.lower()}")
+        setter.restype = ctypes.c_int
+        grid = module.GRID.to(torch.float32).contiguous()
+        if setter(ctypes.c_void_p(grid.data_ptr())):
+            raise BuildFailed(f"the {module.QTYPE.name} grid has values that are not small integers")
 
 
 def lib() -> ctypes.CDLL | None:

@@ -255,6 +255,197 @@ static inline void deq_iq2_xxs(const uint8_t *b, float *w) {    /* 66 bytes -> 2
     }
 }
 
+/* The other IQ codebooks, each handed over by its qgemv_set_<type> from ops/quants/<type>.py's grid (every grid
+ * value a small integer, kept as a byte: the tables stay in L1), and the ±1 factors of the sign patterns
+ * (qgemv_set_iq_signs). The block functions below multiply in the reference's order: (scale * grid) * sign. */
+static uint8_t iq3_xxs_grid[256][4], iq3_s_grid[512][4], iq2_xs_grid[512][8], iq2_s_grid[1024][8];
+static int8_t iq1_grid[2048][8];
+static float ksign_values[128][8];      /* the 8 factors of ksigns[i] (IQ2_XXS's even-parity patterns) */
+static float byte_sign_values[256][8];  /* factor j of byte i: -1 where bit j is set */
+
+static int codebook_bytes(const float *grid, uint8_t *out, int count, int lowest) {   /* -1 (table unchanged): */
+    for (int i = 0; i < count; i++)                                                     /* a value not a byte */
+        if (!(grid[i] >= (float)lowest && grid[i] <= (float)(lowest + 255)) || grid[i] != (float)(int)grid[i]) return -1;
+    for (int i = 0; i < count; i++) out[i] = (uint8_t)(int)grid[i];
+    return 0;
+}
+
+int qgemv_set_iq3_xxs(const float *grid) { return codebook_bytes(grid, &iq3_xxs_grid[0][0], 256 * 4, 0); }
+int qgemv_set_iq3_s(const float *grid) { return codebook_bytes(grid, &iq3_s_grid[0][0], 512 * 4, 0); }
+int qgemv_set_iq2_xs(const float *grid) { return codebook_bytes(grid, &iq2_xs_grid[0][0], 512 * 8, 0); }
+int qgemv_set_iq2_s(const float *grid) { return codebook_bytes(grid, &iq2_s_grid[0][0], 1024 * 8, 0); }
+int qgemv_set_iq1_s(const float *grid) { return codebook_bytes(grid, (uint8_t *)&iq1_grid[0][0], 2048 * 8, -128); }
+
+void qgemv_set_iq_signs(const int64_t *ksigns) {
+    for (int i = 0; i < 256; i++)
+        for (int j = 0; j < 8; j++) {
+            if (i < 128) ksign_values[i][j] = ((ksigns[i] >> j) & 1) ? -1.0f : 1.0f;
+            byte_sign_values[i][j] = ((i >> j) & 1) ? -1.0f : 1.0f;
+        }
+}
+
+static inline v8 grid_pair(const uint8_t *a, const uint8_t *b) {     /* two 4-value grid points as 8 floats */
+    uint8_t v[8];
+    memcpy(v, a, 4);
+    memcpy(v + 4, b, 4);
+    return to_float(widen(v));
+}
+
+static inline void deq_iq3_xxs(const uint8_t *b, float *w) {   /* 98 bytes -> 256 values */
+    float d = half_to_float(b);
+    const uint8_t *qs = b + 2, *aux = b + 66;
+    for (int s = 0; s < 8; s++) {                           /* sub-block s: 8 grid points, 4 sign patterns */
+        const uint8_t *a = aux + 4 * s;
+        uint32_t bits = (uint32_t)a[0] | ((uint32_t)a[1] << 8) | ((uint32_t)a[2] << 16) | ((uint32_t)a[3] << 24);
+        v8 db = splat(d * (0.5f + (float)(bits >> 28)) * 0.5f);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            v8 g = grid_pair(iq3_xxs_grid[qs[8 * s + 2 * k]], iq3_xxs_grid[qs[8 * s + 2 * k + 1]]);
+            store8(w + 32 * s + 8 * k, db * g * load8(ksign_values[(bits >> (7 * k)) & 127]));
+        }
+    }
+}
+
+static inline void deq_iq3_s(const uint8_t *b, float *w) {     /* 110 bytes -> 256 values */
+    float d = half_to_float(b);
+    const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
+    for (int s = 0; s < 8; s++) {
+        v8 db = splat(d * (float)(1 + 2 * ((scales[s / 2] >> (4 * (s % 2))) & 15)));
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {                       /* values 32s + 8k + (0..7): chunks c and c + 1 */
+            int c = 8 * s + 2 * k;
+            v8 g = grid_pair(iq3_s_grid[qs[c] | (((qh[s] >> (2 * k)) & 1) << 8)],
+                             iq3_s_grid[qs[c + 1] | (((qh[s] >> (2 * k + 1)) & 1) << 8)]);
+            store8(w + 32 * s + 8 * k, db * g * load8(byte_sign_values[signs[4 * s + k]]));
+        }
+    }
+}
+
+/* The 16 sub-block scales d*(0.5 + ls)/4 of IQ2_XS/IQ2_S: sub-block 2i in even[i] (low nibble of scales[i]),
+ * 2i + 1 in odd[i] (high nibble). */
+static inline void iq2_sub_scales(float d, const uint8_t *scales, float *even, float *odd) {
+    i32x8 ls = widen(scales);
+    store8(even, splat(d) * (splat(0.5f) + to_float(ls & 15)) * splat(0.25f));
+    store8(odd, splat(d) * (splat(0.5f) + to_float(ls >> 4)) * splat(0.25f));
+}
+
+static inline void deq_iq2_xs(const uint8_t *b, float *w) {    /* 74 bytes -> 256 values */
+    float even[8], odd[8];
+    iq2_sub_scales(half_to_float(b), b + 66, even, odd);
+    for (int i = 0; i < 8; i++) {                           /* chunks 4i..4i+3 (8 values each): sub-blocks 2i, 2i+1 */
+        v8 db[2] = {splat(even[i]), splat(odd[i])};
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            int c = 4 * i + p;
+            uint32_t q = (uint32_t)b[2 + 2 * c] | ((uint32_t)b[3 + 2 * c] << 8);
+            store8(w + 8 * c, db[p / 2] * to_float(widen(iq2_xs_grid[q & 511])) * load8(ksign_values[q >> 9]));
+        }
+    }
+}
+
+static inline void deq_iq2_s(const uint8_t *b, float *w) {     /* 82 bytes -> 256 values */
+    const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66;
+    float even[8], odd[8];
+    iq2_sub_scales(half_to_float(b), b + 74, even, odd);
+    for (int i = 0; i < 8; i++) {                           /* chunks 4i..4i+3: sub-blocks 2i, 2i+1, high bits qh[i] */
+        v8 db[2] = {splat(even[i]), splat(odd[i])};
+        uint32_t high = qh[i];
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            int c = 4 * i + p;
+            const uint8_t *g = iq2_s_grid[qs[c] | (((high >> (2 * p)) & 3) << 8)];
+            store8(w + 8 * c, db[p / 2] * to_float(widen(g)) * load8(byte_sign_values[signs[c]]));
+        }
+    }
+}
+
+static const float iq1_delta[2] = {0.125f, -0.125f};     /* indexed by the delta's sign bit */
+
+static inline void deq_iq1_s(const uint8_t *b, float *w) {     /* 50 bytes -> 256 values */
+    float d = half_to_float(b);
+    for (int s = 0; s < 8; s++) {
+        uint32_t qh = (uint32_t)b[34 + 2 * s] | ((uint32_t)b[35 + 2 * s] << 8);
+        v8 dl = splat(d * (float)(2 * ((qh >> 12) & 7) + 1)), delta = splat(iq1_delta[qh >> 15]);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const int8_t *g = iq1_grid[b[2 + 4 * s + k] | (((qh >> (3 * k)) & 7) << 8)];
+            store8(w + 32 * s + 8 * k, dl * (sfloat8((const uint8_t *)g) + delta));
+        }
+    }
+}
+
+static inline void deq_iq1_m(const uint8_t *b, float *w) {     /* 56 bytes -> 256 values */
+    const uint8_t *qs = b, *qh = b + 32;
+    uint32_t sc[4];
+    for (int i = 0; i < 4; i++) sc[i] = (uint32_t)b[48 + 2 * i] | ((uint32_t)b[49 + 2 * i] << 8);
+    const uint8_t d_bytes[2] = {(uint8_t)((sc[0] >> 12) | ((sc[1] >> 12) << 4)),
+                                (uint8_t)((sc[2] >> 12) | ((sc[3] >> 12) << 4))};
+    float d = half_to_float(d_bytes);                       /* the f16 spread over the scales' top nibbles */
+    for (int j = 0; j < 16; j++) {                          /* sub-block j: 16 values, chunks 2j and 2j + 1 */
+        v8 dl = splat(d * (float)(2 * ((sc[j / 4] >> (3 * (j % 4))) & 7) + 1));
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            int nibble = (qh[j] >> (4 * h)) & 15;
+            const int8_t *g = iq1_grid[qs[2 * j + h] | ((nibble & 7) << 8)];
+            store8(w + 16 * j + 8 * h, dl * (sfloat8((const uint8_t *)g) + splat(iq1_delta[nibble >> 3])));
+        }
+    }
+}
+
+static inline i32x8 trit(i32x8 bytes, int pow3) { return ((((bytes * pow3) & 255) * 3) >> 8) - 1; }
+
+static inline void deq_tq1_0(const uint8_t *b, float *w) {     /* 54 bytes -> 256 values */
+    static const int pow3[5] = {1, 3, 9, 27, 81};
+    float d = half_to_float(b + 52);
+    for (int p = 0; p < 5; p++) {                           /* digit p of qs[0..31] and of qs[32..47] */
+        for (int l = 0; l < 32; l += 8) store8(w + 32 * p + l, splat(d) * to_float(trit(widen(b + l), pow3[p])));
+        for (int l = 0; l < 16; l += 8) store8(w + 160 + 16 * p + l, splat(d) * to_float(trit(widen(b + 32 + l), pow3[p])));
+    }
+    for (int p = 0; p < 4; p++)                             /* digit p of qh[0..3] */
+        for (int l = 0; l < 4; l++) w[240 + 4 * p + l] = d * (float)(((((b[48 + l] * pow3[p]) & 255) * 3) >> 8) - 1);
+}
+
+static inline void deq_tq2_0(const uint8_t *b, float *w) {     /* 66 bytes -> 256 values */
+    v8 d = splat(half_to_float(b + 64));
+    for (int c = 0; c < 2; c++)
+        for (int s = 0; s < 4; s++)                         /* elements 128c + 32s + l: bits 2s of qs[32c + l] */
+            for (int l = 0; l < 32; l += 8) store8(w + 128 * c + 32 * s + l, d * to_float(((widen(b + 32 * c + l) >> (2 * s)) & 3) - 1));
+}
+
+static const float mxfp4_twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  /* 2 * E2M1 */
+
+static inline void deq_mxfp4(const uint8_t *b, float *w) {     /* 17 bytes -> 32 values */
+    uint32_t e = b[0];
+    float half_scale = bits_to_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);    /* 2**(e - 128), exact */
+#if defined(__AVX2__)
+    __m256 lo = _mm256_loadu_ps(mxfp4_twice), hi = _mm256_loadu_ps(mxfp4_twice + 8);
+    for (int l = 0; l < 16; l += 8) {                       /* byte l: element l low nibble, l + 16 high */
+        i32x8 q = widen(b + 1 + l);
+        for (int h = 0; h < 2; h++) {
+            __m256i code = (__m256i)(h ? q >> 4 : q & 15);
+            __m256 v = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, code), _mm256_permutevar8x32_ps(hi, code),
+                                        (__m256)(h ? q << 24 : q << 28));     /* code bit 3 into the sign bit */
+            store8(w + 16 * h + l, splat(half_scale) * (v8)v);
+        }
+    }
+#else
+    for (int l = 0; l < 16; l++) {
+        w[l] = half_scale * mxfp4_twice[b[1 + l] & 15];
+        w[16 + l] = half_scale * mxfp4_twice[b[1 + l] >> 4];
+    }
+#endif
+}
+
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+static inline void deq_bf16(const uint8_t *b, float *w) {      /* 64 bytes -> 32 values (exact: the top 16 bits) */
+    for (int i = 0; i < 32; i += 8) {
+        u16x8 h;
+        memcpy(&h, b + 2 * i, sizeof h);
+        store8(w + i, (v8)(__builtin_convertvector(h, i32x8) << 16));
+    }
+}
+
 typedef void (*deq_fn)(const uint8_t *, float *);
 
 /* Lanes (lo, hi) += w[i] * x[i] for the bs values of one block, element i in lane i % 16. */
@@ -589,6 +780,18 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 7: if (K % 32) return -1; rows_of(deq_q5_1, 32, 24, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 20: if (K % 32) return -1; rows_of(deq_iq4_nl, 32, 18, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 23: if (K % 256) return -1; rows_of(deq_iq4_xs, 256, 136, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    /* dequantize-then-multiply on every target (the IQ grids after qgemv_set_<type> and qgemv_set_iq_signs): 18 IQ3_XXS,
+     * 21 IQ3_S, 17 IQ2_XS, 22 IQ2_S, 19 IQ1_S, 29 IQ1_M, 34 TQ1_0, 35 TQ2_0, 39 MXFP4, 30 BF16 */
+    case 18: if (K % 256) return -1; rows_of(deq_iq3_xxs, 256, 98, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 21: if (K % 256) return -1; rows_of(deq_iq3_s, 256, 110, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 17: if (K % 256) return -1; rows_of(deq_iq2_xs, 256, 74, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 22: if (K % 256) return -1; rows_of(deq_iq2_s, 256, 82, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 19: if (K % 256) return -1; rows_of(deq_iq1_s, 256, 50, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 29: if (K % 256) return -1; rows_of(deq_iq1_m, 256, 56, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 34: if (K % 256) return -1; rows_of(deq_tq1_0, 256, 54, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 35: if (K % 256) return -1; rows_of(deq_tq2_0, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 39: if (K % 32) return -1; rows_of(deq_mxfp4, 32, 17, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 30: if (K % 32) return -1; rows_of(deq_bf16, 32, 64, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     default: return -1;
     }
 }
@@ -616,6 +819,16 @@ int dequantize(int type, const uint8_t *w, int64_t rows, int64_t K, float *out) 
     case 7: if (K % 32) return -1; blocks_of(deq_q5_1, 32, 24, w, rows * (K / 32), out); return 0;
     case 20: if (K % 32) return -1; blocks_of(deq_iq4_nl, 32, 18, w, rows * (K / 32), out); return 0;
     case 23: if (K % 256) return -1; blocks_of(deq_iq4_xs, 256, 136, w, rows * (K / 256), out); return 0;
+    case 18: if (K % 256) return -1; blocks_of(deq_iq3_xxs, 256, 98, w, rows * (K / 256), out); return 0;
+    case 21: if (K % 256) return -1; blocks_of(deq_iq3_s, 256, 110, w, rows * (K / 256), out); return 0;
+    case 17: if (K % 256) return -1; blocks_of(deq_iq2_xs, 256, 74, w, rows * (K / 256), out); return 0;
+    case 22: if (K % 256) return -1; blocks_of(deq_iq2_s, 256, 82, w, rows * (K / 256), out); return 0;
+    case 19: if (K % 256) return -1; blocks_of(deq_iq1_s, 256, 50, w, rows * (K / 256), out); return 0;
+    case 29: if (K % 256) return -1; blocks_of(deq_iq1_m, 256, 56, w, rows * (K / 256), out); return 0;
+    case 34: if (K % 256) return -1; blocks_of(deq_tq1_0, 256, 54, w, rows * (K / 256), out); return 0;
+    case 35: if (K % 256) return -1; blocks_of(deq_tq2_0, 256, 66, w, rows * (K / 256), out); return 0;
+    case 39: if (K % 32) return -1; blocks_of(deq_mxfp4, 32, 17, w, rows * (K / 32), out); return 0;
+    case 30: if (K % 32) return -1; blocks_of(deq_bf16, 32, 64, w, rows * (K / 32), out); return 0;
     default: return -1;
     }
 }

@@ -1,10 +1,10 @@
 """qmatmul on the CPU without dequantizing a whole weight at once (contract: ops/qmatmul.py).
 
 - F32 weights are multiplied in place: the stored blocks are viewed as a float32 matrix (no copy).
-- The types qgemv.c reads (`kernels.GGML_TYPE`: F16, the legacy Q4/Q5/Q8_0, K-quants, IQ4, IQ2_XXS) with
-  M <= SMALL_M (decode, verify) go through the fused dequantize-and-multiply kernel (backends/cpu/qgemv.c):
-  each block is dequantized into a small buffer and used by every row at once, so the weight is read once,
-  in its stored size, and never materialized.
+- The types qgemv.c reads (`kernels.GGML_TYPE`: F16, BF16, the legacy Q4/Q5/Q8_0, K-quants, the IQ and TQ
+  types, MXFP4) with M <= SMALL_M (decode, verify) go through the fused dequantize-and-multiply kernel
+  (backends/cpu/qgemv.c): each block is dequantized into a small buffer and used by every row at once, so the
+  weight is read once, in its stored size, and never materialized.
   F32 weights of STREAM_BYTES or more (the LM head) take the kernel too: MKL's few-row product over
   a weight stored [N, K] is far from memory speed once the weight leaves the cache (2-row BLAS 34 ms,
   the kernel ~10 ms for the 132 MB F32 head of a 129,280-token vocabulary on an AMD EPYC core); smaller,
@@ -34,8 +34,7 @@ from . import kernels
 
 # Types qgemv.c does not read: served by the reference dequantizer, one tile at a time (qmatmul, moe,
 # shared_expert; correct and batch-invariant, but each decode step dequantizes the weight).
-REFERENCE_TILES = frozenset({"BF16", "I32", "MXFP4", "FP8_E4M3", "TQ1_0", "TQ2_0", "IQ2_XS", "IQ2_S", "IQ3_XXS",
-                             "IQ3_S", "IQ1_S", "IQ1_M"})
+REFERENCE_TILES = frozenset({"I32", "FP8_E4M3"})
 declare_quants("cpu", {**dict.fromkeys(kernels.GGML_TYPE, "fused kernel (qgemv.c)"),
                        **dict.fromkeys(REFERENCE_TILES, "reference dequantize per tile")})
 TILE_BYTES = 1 << 20   # float32 bytes of one dequantized weight tile

@@ -4,7 +4,9 @@ and beside it the 8-bit-activation kernel of `--cpu-dot q8` (backends/cpu/qdot8.
 For each type a V4 mix stores large matrices in, a weight of distinct bytes (seed rows repeated, as
 ds4/tiny/random_model.py) is multiplied by M = 1..16 rows; the table gives the weight bytes read per second
 and that as a share of the one-thread copy bandwidth (bytes read + written per second of a large copy), and
-the M-row time against the 1-row time. Times are the minimum over `--rounds` calls of the calling thread's
+the M-row time against the 1-row time; at M = 1 also the reference's way, the weight dequantized one ~1 MB tile
+at a time by ops/quants and multiplied (`ref_ms`: how the cpu backend serves a type without a kernel), and
+that against the kernel (`x_ref`). Times are the minimum over `--rounds` calls of the calling thread's
 CPU time (time.thread_time), so a busy shared machine inflates them less than wall time would.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 import torch
 
 from backends.cpu import kernels
+from backends.cpu.qmatmul import TILE_BYTES
 from ops.quants import QTensor, get
 
 SHAPES = {  # type: (N, K) of the matrix V4 Flash stores in it (6 routed experts stacked for the experts' types)
@@ -22,14 +25,18 @@ SHAPES = {  # type: (N, K) of the matrix V4 Flash stores in it (6 routed experts
     "Q4_K": (6 * 2048, 4096),       # routed gate/up/down (q4)
     "Q8_0": (32768, 1024),          # attention q_b
     "F16": (4096, 4096),            # HC, compressor, router
+    **dict.fromkeys(("IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"),
+                    (6 * 2048, 4096)),  # routed gate/up in llama.cpp's IQ, TQ and MXFP4_MOE mixes
+    "BF16": (4096, 4096),           # as F16
 }
 ROWS = (1, 2, 4, 8, 16)
 
 
-def weight(qtype: str, n: int, k: int) -> QTensor:
-    """An [n, k] weight of `qtype`: 64 quantized random rows repeated (every byte at its own address)."""
-    seed = QTensor.quantize(torch.randn(64, k, generator=torch.Generator().manual_seed(0)) / 16, qtype, "w").data
-    return QTensor(get(qtype), (n, k), seed.repeat((n + 63) // 64, 1)[:n].contiguous())
+def weight(qtype: str, n: int, k: int, seed_rows: int = 64) -> QTensor:
+    """An [n, k] weight of `qtype`: `seed_rows` quantized random rows repeated (every byte at its own address)."""
+    g = torch.Generator().manual_seed(0)
+    seed = QTensor.quantize(torch.randn(seed_rows, k, generator=g) / 16, qtype, "w").data
+    return QTensor(get(qtype), (n, k), seed.repeat((n + seed_rows - 1) // seed_rows, 1)[:n].contiguous())
 
 
 def cpu_seconds(fn, rounds: int) -> float:
@@ -43,6 +50,14 @@ def cpu_seconds(fn, rounds: int) -> float:
     return best
 
 
+def reference_tiles(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """`x @ W.T` through the reference dequantizer, one tile of about TILE_BYTES of float32 at a time."""
+    n, k = w.shape
+    step = max(1, TILE_BYTES // (4 * k))
+    return torch.cat([x @ QTensor(w.qtype, (min(n, i + step) - i, k), w.data[i:i + step]).dequantize().T
+                      for i in range(0, n, step)], 1)
+
+
 def rows(rounds: int, smoke: bool = False) -> list[dict]:
     """One row per (type, M): ms, GB/s, % of one-thread copy bandwidth, time against M = 1 (`smoke`: 256 rows)."""
     before = torch.get_num_threads()
@@ -54,7 +69,7 @@ def rows(rounds: int, smoke: bool = False) -> list[dict]:
         out = []
         for qtype, (n, k) in SHAPES.items():
             n = 256 if smoke else n
-            w = weight(qtype, n, k)
+            w = weight(qtype, n, k, 8 if smoke else 64)    # the IQ quantizers take seconds per 1000 blocks
             one = None
             for m in ROWS:
                 x = torch.randn(m, k)
@@ -63,11 +78,15 @@ def rows(rounds: int, smoke: bool = False) -> list[dict]:
                 gb_s = w.data.numel() / s
                 row = {"type": qtype, "N": n, "K": k, "M": m, "ms": f"{1e3 * s:.2f}", "GB_s": f"{gb_s / 1e9:.2f}",
                        "pct_copy": f"{100 * gb_s / copy:.0f}", "x_M1": f"{s / one:.2f}",
-                       "q8_GB_s": "-", "q8_pct_copy": "-", "q8_x_exact": "-", "copy_GB_s": f"{copy / 1e9:.1f}"}
+                       "q8_GB_s": "-", "q8_pct_copy": "-", "q8_x_exact": "-", "copy_GB_s": f"{copy / 1e9:.1f}",
+                       "ref_ms": "", "x_ref": ""}
                 if kernels.q8_available(qtype, k):
                     s8 = cpu_seconds(lambda: kernels.qdot8(x, w), rounds)     # noqa: B023 (called at once)
                     row.update(q8_GB_s=f"{w.data.numel() / s8 / 1e9:.2f}",
                                q8_pct_copy=f"{100 * w.data.numel() / s8 / copy:.0f}", q8_x_exact=f"{s / s8:.2f}")
+                if m == 1:
+                    ref = cpu_seconds(lambda: reference_tiles(x, w), rounds)     # noqa: B023
+                    row.update(ref_ms=f"{1e3 * ref:.1f}", x_ref=f"{ref / s:.1f}")
                 out.append(row)
     finally:
         torch.set_num_threads(before)
