@@ -71,6 +71,7 @@ def test_qmatmul_matches_reference(qtype, M, fused, monkeypatch):
     close(cpu("qmatmul").fn(x, w), reference("qmatmul").fn(x, w))
 
 
+@pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library is off (DS4_CPU_KERNELS=0)")
 @pytest.mark.parametrize("qtype", [t for t in kernels.GGML_TYPE if t != "F32"])
 def test_block_dequantizer_is_the_reference(qtype):
     """The kernel library's dequantizer (prefill's tiles) on random bytes, so every scale kind occurs (zero,
