@@ -267,13 +267,15 @@ class OpSet:
     def __getattr__(self, op: str) -> Callable:
         if op not in OPS:
             raise AttributeError(f"no op named {op!r}; known ops: {', '.join(OPS)}")
-        impl, _ = self.resolve(op)
+        fn, calls, compiling = self.resolve(op)[0].fn, self.calls, torch.compiler.is_compiling
 
         def call(*args, **kwargs):
-            if not torch.compiler.is_compiling():  # a compiled step's calls are counted by its caller
-                self.calls[op] += 1
-            return impl.fn(*args, **kwargs)
+            if not compiling():  # a compiled step's calls are counted by its caller
+                calls[op] += 1
+            return fn(*args, **kwargs)
 
+        if type(self).__getattr__ is OpSet.__getattr__:  # later lookups skip this method (a subclass may wrap calls)
+            self.__dict__[op] = call
         return call
 
     def batch_invariant(self) -> bool:
