@@ -25,6 +25,6 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inv
         sin = sin.neg_()
     out = x.to(torch.float32, copy=True)
     x0, x1 = x[..., -r::2].to(torch.float32), x[..., -r + 1::2].to(torch.float32)
-    torch.sub(x0 * cos, x1 * sin, out=out[..., -r::2])
-    torch.add(x0 * sin, x1 * cos, out=out[..., -r + 1::2])
+    out[..., -r::2] = x0 * cos - x1 * sin
+    out[..., -r + 1::2] = x0 * sin + x1 * cos
     return out
