@@ -4,14 +4,29 @@ the collectives that sum or gather the ranks' partial results — all on one dev
 framework, a device or a communication library."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from ds4.errors import BackendUnavailable
 from ops.quants import QTensor
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64, "bool": torch.bool}
+HOST_DTYPES = {"float32": np.float32, "int64": np.int64, "bool": np.bool_}
+
+
+def compile_cache_dir() -> Path:
+    """Where compiled steps are cached across processes: $TORCHINDUCTOR_CACHE_DIR if set to other than
+    inductor's /tmp default (which inductor itself writes into the environment once used), else
+    $DS4_CACHE/inductor (default ~/.cache/ds4py/inductor)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return Path(chosen)
+    return Path(os.environ.get("DS4_CACHE", Path.home() / ".cache" / "ds4py")) / "inductor"
 
 
 class TorchArrays:
@@ -60,6 +75,8 @@ class TorchArrays:
 
     def array(self, values, dtype: str = "int64") -> torch.Tensor:
         """An array from host values (nested lists of Python numbers, or a CPU tensor)."""
+        if isinstance(values, list):  # numpy reads nested lists several times faster than torch (a step's plan)
+            values = torch.from_numpy(np.array(values, dtype=HOST_DTYPES[dtype]))
         return torch.as_tensor(values, dtype=DTYPES[dtype], device=self.device)
 
     def cat(self, arrays: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
@@ -81,12 +98,17 @@ class TorchArrays:
     def compile(self, fn: Callable) -> Callable:
         """`fn` compiled by torch.compile (inductor) with static shapes: one graph per distinct input shape
         (a step per verify width), traced on first use and replayed after. CPU only: on CUDA, steps are
-        recorded in CUDA graphs instead (ds4/cuda_graphs.py). Across ranks the step holds its all_reduces."""
+        recorded in CUDA graphs instead (ds4/cuda_graphs.py). Across ranks the step holds its all_reduces. The
+        compiled code is cached on disk (`compile_cache_dir`), so a later process with the same model shapes and
+        code skips inductor's compile."""
         if self.device.type != "cpu":
             raise BackendUnavailable(f"compiled steps run on the CPU only for now, not on {self.device}; "
                                      "use --no-compile")
         # one recompile per verify width (1..16) and per MTP row count; dynamo's default limit is 8
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # inductor's FX-graph and AOTAutograd caches (keyed by the traced graph, its shapes and torch's version)
+        # kept where a later process finds them: a warm start retraces the step but compiles nothing
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
         return torch.compile(fn, dynamic=False, fullgraph=True)  # a graph break is an error, not a slow path
 
 

@@ -240,8 +240,7 @@ class OpSet:
             self.arrays = TorchArrays(self.device, distributed=parallel is not None)
         self.zeros, self.array, self.cat = self.arrays.zeros, self.arrays.array, self.arrays.cat
         self.where, self.place, self.to_torch = self.arrays.where, self.arrays.place, self.arrays.to_torch
-        self.compile, self.all_reduce = self.arrays.compile, self.arrays.all_reduce
-        self.all_gather = self.arrays.all_gather
+        self.all_reduce, self.all_gather = self.arrays.all_reduce, self.arrays.all_gather
         self.rank, self.world = self.arrays.rank, self.arrays.world
         for name in {self.backend, *self.overrides.values()} - {"auto"}:
             ok, why = backend_status(name)
@@ -299,14 +298,26 @@ class OpSet:
     def __getattr__(self, op: str) -> Callable:
         if op not in OPS:
             raise AttributeError(f"no op named {op!r}; known ops: {', '.join(OPS)}")
-        impl, _ = self.resolve(op)
+        fn, calls, compiling = self.resolve(op)[0].fn, self.calls, torch.compiler.is_compiling
 
         def call(*args, **kwargs):
-            if not torch.compiler.is_compiling():  # a compiled step's calls are counted by its caller
-                self.calls[op] += 1
-            return impl.fn(*args, **kwargs)
+            if not compiling():  # a compiled step's calls are counted by its caller
+                calls[op] += 1
+            return fn(*args, **kwargs)
 
+        if type(self).__getattr__ is OpSet.__getattr__:  # later lookups skip this method (a subclass may wrap calls)
+            self.__dict__[op] = call
         return call
+
+    def compile(self, fn: Callable) -> Callable:
+        """`fn` compiled by the device's arrays (backends/arrays.py), every op bound first: resolving an op
+        imports its module, which a compiled step cannot trace (an op left unresolvable fails where it is called)."""
+        for op in OPS:
+            try:
+                getattr(self, op)
+            except BackendUnavailable:
+                pass
+        return self.arrays.compile(fn)
 
     def batch_invariant(self) -> bool:
         """Whether every op resolves to a batch-invariant implementation (bit-exact rows for M <= 16)."""

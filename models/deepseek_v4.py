@@ -270,17 +270,20 @@ def plan_compressor(ops: OpSet, pos: range, ratio: int, cap: int, scratch: int |
 
 
 def plan_positions(ops: OpSet, start: int, M: int, window: int, cache: LayerCache, valid_from: int = 0,
-                   fixed: bool = False) -> Plan:
+                   fixed: bool = False, raw_plan: Plan | None = None) -> Plan:
     """Every index array a forward of rows start..start+M-1 needs for layers shaped like `cache`; raw
     rows below position `valid_from` are not attended (the MTP cache may start late).
 
     `fixed=True` gives the fixed-capacity plan of a compiled step: every shape and count depends only on
     M and the cache's capacities, never on `start` (counts cover the whole width, unused entries are −1,
-    the compressed part spans the cache's capacity, and every row pools a block, see plan_compressor)."""
+    the compressed part spans the cache's capacity, and every row pools a block, see plan_compressor).
+    `raw_plan`: the ratio-0 plan of the same rows for a cache of the same raw ring, whose arrays are reused."""
     pos = range(start, start + M)
-    raw = [[(p - b) % cache.raw_cap if p - b >= valid_from else -1 for b in range(window)] for p in pos]
-    n_raw = (window,) * M if fixed else tuple(max(0, min(window, p - valid_from + 1)) for p in pos)
-    plan = Plan(ops.array(list(pos)), ops.array([p % cache.raw_cap for p in pos]), ops.array(raw), n_raw)
+    if raw_plan is None:
+        raw = [[(p - b) % cache.raw_cap if p - b >= valid_from else -1 for b in range(window)] for p in pos]
+        n_raw = (window,) * M if fixed else tuple(max(0, min(window, p - valid_from + 1)) for p in pos)
+        raw_plan = Plan(ops.array(list(pos)), ops.array([p % cache.raw_cap for p in pos]), ops.array(raw), n_raw)
+    plan = raw_plan
     ratio = cache.ratio
     if not ratio:
         return plan
@@ -384,9 +387,13 @@ class DeepseekV4:
     def plan(self, start: int, M: int, caches: list[LayerCache], fixed: bool = False) -> dict[int, Plan]:
         """The position plan of each compression ratio for rows start..start+M-1."""
         plans: dict[int, Plan] = {}
+        raw_plans: dict[int, Plan] = {}  # the raw-window arrays, shared by the ratios of one raw ring size
         for L, cache in zip(self.layers, caches, strict=False):
             if L.ratio not in plans:
-                plans[L.ratio] = plan_positions(self.ops, start, M, self.args.window, cache, fixed=fixed)
+                plans[L.ratio] = plan_positions(self.ops, start, M, self.args.window, cache, fixed=fixed,
+                                                raw_plan=raw_plans.get(cache.raw_cap))
+                p = plans[L.ratio]
+                raw_plans.setdefault(cache.raw_cap, Plan(p.pos, p.raw_slots, p.raw_rows, p.n_raw))
         return plans
 
     def run(self, token_ids: Array, plans: dict[int, Plan], caches: list[LayerCache],

@@ -23,7 +23,7 @@ from ops.quants import QTensor, get
 from tests.test_batch_invariance import CASES
 
 CPU_OPS = sorted(op for op in ("qmatmul", "moe", "shared_expert", "sparse_attention", "index_scores", "hc_pre",
-                               "hc_head") if "cpu" in implementations(op))
+                               "hc_head", "hc_post", "rms_norm", "rope_tail") if "cpu" in implementations(op))
 
 
 def cpu(op: str):
@@ -51,7 +51,8 @@ def test_fused_kernel_is_built_here():
 
 
 def test_cpu_backend_serves_auto_on_cpu_only():
-    assert CPU_OPS == ["hc_head", "hc_pre", "index_scores", "moe", "qmatmul", "shared_expert", "sparse_attention"]
+    assert CPU_OPS == ["hc_head", "hc_post", "hc_pre", "index_scores", "moe", "qmatmul", "rms_norm", "rope_tail",
+                       "shared_expert", "sparse_attention"]
     assert OpSet().resolve("moe")[0].backend == "cpu"
     assert OpSet("torch").resolve("moe")[0].backend == "torch"
     assert OpSet().batch_invariant()
@@ -107,6 +108,23 @@ CPU_CASES["moe_f32"] = lambda M, seed: quantized_moe_case(M, seed, "F32")   # th
 CPU_CASES["moe_f16"] = lambda M, seed: quantized_moe_case(M, seed, "F16")
 CPU_CASES["qmatmul_q6_k"] = lambda M, seed: qmatmul_case(M, seed, "Q6_K", n=40, k=512)
 CPU_CASES["moe_q5_k"] = lambda M, seed: quantized_moe_case(M, seed, "Q5_K")
+CPU_CASES["rms_norm"] = lambda M, seed: rms_norm_case(M, seed, weighted=True)
+CPU_CASES["rms_norm_unweighted_heads"] = lambda M, seed: rms_norm_case(M, seed, weighted=False)
+CPU_CASES["rope_tail_inverse"] = lambda M, seed: rope_inverse_case(M, seed)
+
+
+def rms_norm_case(M: int, seed: int, weighted: bool):
+    """Rows of 256 values with a weight, or [M, 4 heads, 80] without one (the query norm)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, 256, generator=g) * 3 if weighted else torch.randn(M, 4, 80, generator=g)
+    w = torch.rand(256, generator=g) + 0.5 if weighted else None
+    return (x, w, 1e-6), [(x[m:m + 1], w, 1e-6) for m in range(M)]
+
+
+def rope_inverse_case(M: int, seed: int):
+    """The rope_tail case rotated backwards (the attention output's inverse rotation)."""
+    args, rows = CASES["rope_tail"](M, seed)
+    return (*args, True), [(*r, True) for r in rows]
 
 
 @functools.cache

@@ -1,8 +1,9 @@
 """Hyper-connection steps on the CPU (contracts: ops/hc_pre.py, ops/hc_head.py): the sigmoids run on rows
 padded to whole vectors (`rows.rowwise`) instead of one row at a time, an eager step's Sinkhorn rounds are
 one call into the kernel library (backends/cpu/sinkhorn.c; a compiled step, which fuses them, and machines
-where the library cannot be built keep in-place torch ops), and the HC head uses the CPU qmatmul. Row-wise,
-so batch-invariant."""
+where the library cannot be built keep in-place torch ops), the stream sums of hc_pre/hc_head and hc_post's
+mix are one batched product each (`bmm`, the same kernel for every row whatever M is), and the HC head uses the
+CPU qmatmul. Row-wise, so batch-invariant."""
 from __future__ import annotations
 
 import torch
@@ -29,11 +30,8 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def streams(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """Σ_h w[:, h] · X[:, h], summed in stream order."""
-    x = w[:, 0, None] * X[:, 0]
-    for h in range(1, X.shape[1]):
-        x = x + w[:, h, None] * X[:, h]
-    return x
+    """Σ_h w[:, h] · X[:, h] as one [1, S] x [S, D] product per row (one op instead of 2S)."""
+    return torch.bmm(w[:, None, :], X.to(torch.float32))[:, 0]
 
 
 @register("hc_pre", "cpu", batch_invariant=True)
@@ -45,6 +43,12 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
     post = 2 * rowwise(torch.sigmoid, mixes[:, S:2 * S] * scale[1] + base[S:2 * S])
     comb = sinkhorn((mixes[:, 2 * S:] * scale[2] + base[2 * S:]).reshape(-1, S, S), iters, eps)
     return streams(pre, X), post, comb
+
+
+@register("hc_post", "cpu", batch_invariant=True)
+def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New HC state `post ⊗ y + combᵀ · X` per row: one batched product instead of 2S + 1 small ops."""
+    return torch.baddbmm(post[:, :, None] * y[:, None, :], comb.transpose(1, 2), X)
 
 
 @register("hc_head", "cpu", batch_invariant=True)
