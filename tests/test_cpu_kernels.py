@@ -17,11 +17,20 @@ QTYPES = tuple(kernels.GGML_TYPE)
 
 
 @pytest.fixture
-def threads():
-    """Restores torch's thread count after the test."""
+def threads(monkeypatch):
+    """The kernel pool follows torch's thread count during the test; restores torch's count after it."""
     before = torch.get_num_threads()
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
     yield
     torch.set_num_threads(before)
+
+
+def test_set_threads_gives_the_pool_n_threads_and_torch_one(threads):
+    """`set_threads(n)`: the kernels split over n threads, torch's own ops run on one; n < 1 is refused."""
+    kernels.set_threads(3)
+    assert kernels.threads() == 3 and torch.get_num_threads() == 1
+    with pytest.raises(ValueError, match="at least 1 thread"):
+        kernels.set_threads(0)
 
 
 @pytest.mark.parametrize("experts", (False, True))

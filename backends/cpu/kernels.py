@@ -6,8 +6,9 @@ reference's dequantization one tile at a time, the Sinkhorn as torch ops) when t
 or `DS4_CPU_KERNELS=0` (the only silent way off).
 
 The shared library is cached under $DS4_CACHE (default ~/.cache/ds4py) keyed by the sources' hash.
-ctypes releases the GIL during a call, so large weights are split across `torch.get_num_threads()`
-Python threads by output rows (each output's arithmetic does not depend on the split).
+ctypes releases the GIL during a call, so large weights are split by output rows into chunks that
+`threads()` Python threads of a pool take in turn (each output's arithmetic does not depend on the split).
+`set_threads(N)` gives the pool N threads and torch's own ops one (`--threads N`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,6 +40,8 @@ FLAGS = (("-O3", "-march=native", "-ffp-contract=off"), ("-O3", "-ffp-contract=o
 _lib: ctypes.CDLL | None | bool = False      # False: not tried yet
 _failure: str | None = None     # why the build failed
 _pool: ThreadPoolExecutor | None = None
+_pool_threads = 0   # set_threads(n); 0: torch.get_num_threads()
+CHUNKS_PER_THREAD = 4   # a split weight is cut into this many chunks per thread, taken in turn
 
 
 class BuildFailed(Exception):
@@ -122,6 +127,35 @@ def available(qtype: str, k: int = 0) -> bool:
     return qtype in GGML_TYPE and k % ROW_MULTIPLE.get(qtype, 1) == 0 and built()
 
 
+def set_threads(n: int) -> None:
+    """Run the kernels on `n` threads and torch's own ops on one (on `n` where the library cannot be built):
+    torch's threads slow the small ops of a step down (docs/cpu.md, "Threads")."""
+    global _pool_threads
+    if n < 1:
+        raise ValueError(f"set_threads: need at least 1 thread, got {n}")
+    _pool_threads = n
+    torch.set_num_threads(1 if built() else n)
+
+
+def threads() -> int:
+    """The kernel pool's thread count: `set_threads`' value, else torch's."""
+    return _pool_threads or torch.get_num_threads()
+
+
+def split(fn: Callable[[int, int], int], n: int, parts: int) -> int:
+    """fn(start, stop) over [0, n) cut into `parts` even chunks, on the calling thread (parts <= 1) or taken in
+    turn by `threads()` threads of the pool; the largest return code (kernel calls return 0, or a negative
+    error), 0 for fn returning None."""
+    global _pool
+    parts = max(1, min(parts, n))
+    if parts == 1 or threads() == 1 or threading.current_thread().name.startswith("ds4-cpu"):  # no nesting
+        return fn(0, n) or 0
+    if _pool is None or _pool._max_workers != threads():
+        _pool = ThreadPoolExecutor(max_workers=threads(), thread_name_prefix="ds4-cpu")
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return max(rc or 0 for rc in _pool.map(lambda i: fn(bounds[i], bounds[i + 1]), range(parts)))
+
+
 def qgemv(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:
     """`x [M, K] @ W.T` for M <= MAX_ROWS; with `experts` [M] int64, row m uses expert experts[m] of a
     stacked [E, N, K] weight. Float32 [M, N]."""
@@ -153,7 +187,6 @@ _ops.define("sinkhorn(Tensor p, int iters, float eps) -> Tensor")
 
 def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
     """qgemv on raw blocks `data` of type `ggml_type` with `n` output rows."""
-    global _pool
     x = x.to(torch.float32).contiguous()
     M, K = x.shape
     data = data.contiguous()
@@ -164,14 +197,8 @@ def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, expert
     args = (ggml_type, data.data_ptr(), expert_bytes, 0 if ids is None else ids.data_ptr(), n, K,
             x.data_ptr(), M, y.data_ptr())
     weight_bytes = expert_bytes if experts is not None else data.numel()
-    parts = min(torch.get_num_threads(), n) if weight_bytes >= SPLIT_BYTES else 1
-    if parts <= 1:
-        rc = k.qgemv(*args, 0, n)
-    else:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="ds4-qgemv")
-        bounds = [n * i // parts for i in range(parts + 1)]
-        rc = max(_pool.map(lambda i: k.qgemv(*args, bounds[i], bounds[i + 1]), range(parts)))
+    parts = CHUNKS_PER_THREAD * threads() if weight_bytes >= SPLIT_BYTES else 1
+    rc = split(lambda start, stop: k.qgemv(*args, start, stop), n, parts)
     if rc == -2:
         raise MemoryError(f"qgemv: no memory for the group sums of {M} rows of {K} values")
     if rc:

@@ -46,14 +46,17 @@ def dense(w: QTensor) -> torch.Tensor | None:
     return w.data.view(torch.float32).reshape(w.shape)
 
 
-def tiles(w: QTensor):
-    """(start, stop, float32 tile [stop-start, K]) over the output rows of `w`, one tile dequantized at a time."""
+def tile_bounds(w: QTensor):
+    """(start, stop) of each tile of output rows of `w` (about TILE_BYTES of float32 each)."""
     N, K = w.shape
     step = max(1, TILE_BYTES // (4 * K))
-    dequantize = kernels.dequantize if kernels.available(w.qtype.name, K) else QTensor.dequantize
-    for start in range(0, N, step):
-        stop = min(N, start + step)
-        yield start, stop, dequantize(QTensor(w.qtype, (stop - start, K), w.data[start:stop]))
+    return ((start, min(N, start + step)) for start in range(0, N, step))
+
+
+def tile(w: QTensor, start: int, stop: int) -> torch.Tensor:
+    """Float32 rows [start, stop) of `w`, dequantized by the kernel library where it serves the type."""
+    dequantize = kernels.dequantize if kernels.available(w.qtype.name, w.shape[1]) else QTensor.dequantize
+    return dequantize(QTensor(w.qtype, (stop - start, w.shape[1]), w.data[start:stop]))
 
 
 @register("qmatmul", "cpu", batch_invariant=True)
@@ -69,6 +72,12 @@ def qmatmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     if weight is not None:
         return product(x, weight.T)
     out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
-    for start, stop, tile in tiles(w):
-        out[:, start:stop] = product(x, tile.T)
+    bounds = list(tile_bounds(w))
+
+    def run(first: int, last: int) -> None:
+        for start, stop in bounds[first:last]:
+            out[:, start:stop] = product(x, tile(w, start, stop).T)
+
+    prefill = x.shape[0] > SMALL_M      # verify rows stay on one thread: BLAS's kernel is the same for any split
+    kernels.split(run, len(bounds), kernels.CHUNKS_PER_THREAD * kernels.threads() if prefill else 1)
     return out

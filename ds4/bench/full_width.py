@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from backends.cpu import kernels
 from backends.registry import OpSet
 from ds4.bench.common import copy_bandwidth
 from ds4.errors import UsageError
@@ -133,7 +134,7 @@ def rows(a) -> list[dict]:
         try:
             for r in range(a.rounds + 1):          # round 0 warms up (page cache, kernels) and is not counted
                 for threads in a.threads:
-                    torch.set_num_threads(threads)
+                    kernels.set_threads(threads)
                     runs = [("ds4py", run_ds4(path, prompt, a.tokens))]
                     if binary:
                         llama = run_llama(binary, path, a.prompt, a.tokens, threads, a.llama_args.split())

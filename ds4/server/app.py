@@ -12,12 +12,12 @@ import os
 import sys
 from contextlib import asynccontextmanager
 
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from backends.cpu import kernels
 from ds4.engine import Engine, load
 from ds4.errors import Ds4Error, UsageError
 from ds4.server.anthropic_routes import ANTHROPIC_PREFIX, anthropic_router
@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", help="auto | torch | triton | mlx")
     p.add_argument("--mtp-draft", choices=["auto", *map(str, range(MAX_DRAFT + 1))],
                    help="speculative draft depth (0 = off) or 'auto' (default 1 with an MTP head)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for the tiny model)")
+    p.add_argument("--threads", type=int, help="CPU threads of the kernels (torch's own ops run on one; "
+                                                          "default: 1 for the tiny model)")
     p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
                    help="require this key on every request (Authorization: Bearer KEY); default $DS4_API_KEY")
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--api-key (DS4_API_KEY) is empty")
         guards = GuardConfig(a.api_key, allowed_hosts(a.host, a.allowed_host), int(a.max_body_mb * 2**20))
         if a.threads or a.model is None:
-            torch.set_num_threads(a.threads or 1)
+            kernels.set_threads(a.threads or 1)     # the kernel pool; torch's own ops on one thread
         engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile,
                       cuda_graphs=a.cuda_graphs)
         draft = int(a.mtp_draft) if a.mtp_draft not in (None, "auto") else a.mtp_draft
