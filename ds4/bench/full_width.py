@@ -5,7 +5,9 @@ The file is written once per (mix, N) with the seed-rows trick of ds4/tiny/rando
 own address, generated in seconds). ds4py prefills a prompt and decodes greedily; when `LLAMA_BENCH` names a
 llama-bench binary, it runs on the same file (`-p` prompt, `-n` tokens) right after, for each thread count, in
 interleaved rounds. The table gives the median tok/s, the weight bytes a decode token reads per second and
-that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp.
+that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp. `--op-times` prints instead
+where ds4py's prefill and decode steps go: each op's wall time and calls (and the time outside op calls), per
+thread count.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 import statistics
 import subprocess
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +97,60 @@ def run_ds4(path: Path, prompt: list[int], tokens: int) -> Timing:
     return Timing(len(prompt) / (t1 - t0), tokens / (time.perf_counter() - t1))
 
 
+class TimedOps(OpSet):
+    """An OpSet that adds the wall time of each op call to `seconds[op]` (the calls are counted in `calls`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seconds: Counter[str] = Counter()
+
+    def __getattr__(self, op: str):
+        fn = super().__getattr__(op)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[op] += time.perf_counter() - t0
+
+        return timed
+
+
+def op_times(path: Path, prompt: list[int], tokens: int, threads: int) -> list[dict]:
+    """Per op: ms and calls of a prefill of `prompt` and per decode step (the mean of `tokens` greedy steps), after
+    one untimed warm-up run; the last rows are the time outside op calls and the whole prefill / step."""
+    from ds4.engine import open_model
+    ops = TimedOps("auto")
+    model = open_model(str(path), ops)
+    for _ in range(2):         # the first run warms the page cache and the kernels up
+        s = Session(model, len(prompt) + tokens + 1, len(prompt))
+        ops.seconds.clear()
+        ops.calls.clear()
+        t0 = time.perf_counter()
+        tok = int(s.prefill(prompt).argmax())
+        prefill_s = time.perf_counter() - t0
+        prefill, prefill_calls = Counter(ops.seconds), Counter(ops.calls)
+        ops.seconds.clear()
+        ops.calls.clear()
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            tok = int(s.decode(tok).argmax())
+        decode_s = (time.perf_counter() - t0) / tokens
+    decode = {op: t / tokens for op, t in ops.seconds.items()}
+
+    def row(op: str, pre: float, calls: str, dec: float, dec_calls: str) -> dict:
+        return {"threads": threads, "op": op, "prefill_ms": f"{1e3 * pre:.1f}",
+                "prefill_pct": f"{100 * pre / prefill_s:.1f}", "prefill_calls": calls,
+                "decode_ms": f"{1e3 * dec:.2f}", "decode_pct": f"{100 * dec / decode_s:.1f}", "decode_calls": dec_calls}
+
+    out = [row(op, prefill[op], str(prefill_calls[op]), decode.get(op, 0.0), f"{ops.calls[op] / tokens:g}")
+           for op in sorted(prefill.keys() | decode.keys(), key=lambda o: -prefill[o] - decode.get(o, 0.0))]
+    out.append(row("(outside op calls)", prefill_s - sum(prefill.values()), "-", decode_s - sum(decode.values()), "-"))
+    out.append(row(f"(prefill {len(prompt)} / decode step)", prefill_s, "-", decode_s, "-"))
+    return out
+
+
 def run_llama(binary: str, path: Path, prompt: int, tokens: int, threads: int, extra: list[str]) -> Timing:
     """llama-bench on the file (one repetition of a `prompt`-token prefill and a `tokens`-token decode)."""
     cmd = [binary, "-m", str(path), "-p", str(prompt), "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json",
@@ -130,6 +187,14 @@ def rows(a) -> list[dict]:
         step = decode_bytes(path)
         vocab = ModelArgs.from_metadata(gguf.open(path).metadata).vocab_size
         prompt = torch.randint(0, vocab, (a.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+        if a.op_times:
+            try:
+                for threads in a.threads:
+                    kernels.set_threads(threads)
+                    out += [{"mix": mix, **r} for r in op_times(path, prompt, a.tokens, threads)]
+            finally:
+                torch.set_num_threads(before)
+            continue
         times: dict[tuple[str, int], list[Timing]] = {}
         try:
             for r in range(a.rounds + 1):          # round 0 warms up (page cache, kernels) and is not counted
