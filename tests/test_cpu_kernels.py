@@ -9,7 +9,7 @@ import stat
 import pytest
 import torch
 
-from backends.cpu import kernels
+from backends.cpu import kernels, qmatmul
 from backends.registry import OpSet
 from ops.quants import QTensor
 
@@ -51,6 +51,22 @@ def test_kernel_is_identical_across_threads_and_row_counts(qtype, experts, threa
         for M in range(1, 17):
             out = kernels.qgemv(x[:M], w, ids[:M] if experts else None)
             assert torch.equal(out, single[:M]), (qtype, experts, n, M)
+
+
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q2_K", "F16", "IQ3_S"))
+def test_prefill_tiles_are_identical_across_threads(qtype, threads, monkeypatch):
+    """A prefill product (M > 16; IQ3_S through the reference's dequantizer) split into tiles across 1, 2 or 3
+    threads: the same bits, each row within float rounding of the dequantized weight's product."""
+    monkeypatch.setattr(qmatmul, "TILE_BYTES", 4 * 512 * 3)     # 3-row tiles: 14 tiles of 40 rows
+    g = torch.Generator().manual_seed(5)
+    w = QTensor.quantize(torch.randn(40, 512, generator=g) / 16, qtype, "w")
+    x = torch.randn(20, 512, generator=g)
+    outs = []
+    for n in (1, 2, 3):
+        kernels.set_threads(n)
+        outs.append(qmatmul.qmatmul(x, w))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0], x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
 def test_unbuildable_library_warns_with_the_compiler_error(tmp_path, monkeypatch):
