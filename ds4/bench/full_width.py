@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,56 +99,83 @@ def run_ds4(path: Path, prompt: list[int], tokens: int) -> Timing:
 
 
 class TimedOps(OpSet):
-    """An OpSet that adds the wall time of each op call to `seconds[op]` (the calls are counted in `calls`)."""
+    """An OpSet that adds the wall time and the process's CPU time (all threads) of each op call to
+    `seconds[op]` and `cpu_seconds[op]` (the calls are counted in `calls`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.seconds: Counter[str] = Counter()
+        self.cpu_seconds: Counter[str] = Counter()
 
     def __getattr__(self, op: str):
         fn = super().__getattr__(op)
 
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[op] += time.perf_counter() - t0
+                self.cpu_seconds[op] += time.process_time() - c0
 
         return timed
 
 
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Wall and CPU seconds per op and calls per op of a prefill or of one decode step (a mean over steps); the
+    whole phase's times under the name TOTAL."""
+
+    wall: dict[str, float]
+    cpu: dict[str, float]
+    calls: dict[str, float]
+
+
+TOTAL, OUTSIDE = "(whole prefill / decode step)", "(outside op calls)"
+
+
+def timed_phase(ops: TimedOps, run: Callable[[], None], steps: int = 1) -> PhaseTimes:
+    """The op times of `run()`, divided by `steps`, with TOTAL and OUTSIDE (the time outside op calls)."""
+    for counter in (ops.seconds, ops.cpu_seconds, ops.calls):
+        counter.clear()
+    t0, c0 = time.perf_counter(), time.process_time()
+    run()
+    wall = {op: t / steps for op, t in ops.seconds.items()}
+    cpu = {op: t / steps for op, t in ops.cpu_seconds.items()}
+    wall[OUTSIDE] = (time.perf_counter() - t0) / steps - sum(wall.values())
+    cpu[OUTSIDE] = (time.process_time() - c0) / steps - sum(cpu.values())
+    wall[TOTAL], cpu[TOTAL] = sum(wall.values()), sum(cpu.values())
+    return PhaseTimes(wall, cpu, {op: n / steps for op, n in ops.calls.items()})
+
+
 def op_times(path: Path, prompt: list[int], tokens: int, threads: int) -> list[dict]:
-    """Per op: ms and calls of a prefill of `prompt` and per decode step (the mean of `tokens` greedy steps), after
-    one untimed warm-up run; the last rows are the time outside op calls and the whole prefill / step."""
+    """Per op: wall and CPU ms (the process's, all threads) and calls of a prefill of `prompt` and of a decode
+    step (the mean of `tokens` greedy steps), after one untimed warm-up run."""
     from ds4.engine import open_model
     ops = TimedOps("auto")
     model = open_model(str(path), ops)
     for _ in range(2):         # the first run warms the page cache and the kernels up
         s = Session(model, len(prompt) + tokens + 1, len(prompt))
-        ops.seconds.clear()
-        ops.calls.clear()
-        t0 = time.perf_counter()
-        tok = int(s.prefill(prompt).argmax())
-        prefill_s = time.perf_counter() - t0
-        prefill, prefill_calls = Counter(ops.seconds), Counter(ops.calls)
-        ops.seconds.clear()
-        ops.calls.clear()
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            tok = int(s.decode(tok).argmax())
-        decode_s = (time.perf_counter() - t0) / tokens
-    decode = {op: t / tokens for op, t in ops.seconds.items()}
+        last: list[int] = []
+        prefill = timed_phase(ops, lambda: last.append(int(s.prefill(prompt).argmax())))  # noqa: B023
 
-    def row(op: str, pre: float, calls: str, dec: float, dec_calls: str) -> dict:
-        return {"threads": threads, "op": op, "prefill_ms": f"{1e3 * pre:.1f}",
-                "prefill_pct": f"{100 * pre / prefill_s:.1f}", "prefill_calls": calls,
-                "decode_ms": f"{1e3 * dec:.2f}", "decode_pct": f"{100 * dec / decode_s:.1f}", "decode_calls": dec_calls}
+        def decode_all():
+            for _ in range(tokens):
+                last.append(int(s.decode(last[-1]).argmax()))  # noqa: B023
 
-    out = [row(op, prefill[op], str(prefill_calls[op]), decode.get(op, 0.0), f"{ops.calls[op] / tokens:g}")
-           for op in sorted(prefill.keys() | decode.keys(), key=lambda o: -prefill[o] - decode.get(o, 0.0))]
-    out.append(row("(outside op calls)", prefill_s - sum(prefill.values()), "-", decode_s - sum(decode.values()), "-"))
-    out.append(row(f"(prefill {len(prompt)} / decode step)", prefill_s, "-", decode_s, "-"))
+        decode = timed_phase(ops, decode_all, tokens)
+    out = []
+    last_rows = {OUTSIDE: 1, TOTAL: 2}
+    names = prefill.wall.keys() | decode.wall.keys()
+    for op in sorted(names, key=lambda o: (last_rows.get(o, 0), -prefill.wall.get(o, 0) - decode.wall.get(o, 0))):
+        out.append({"threads": threads, "op": op, "prefill_ms": f"{1e3 * prefill.wall.get(op, 0):.1f}",
+                    "prefill_cpu_ms": f"{1e3 * prefill.cpu.get(op, 0):.1f}",
+                    "prefill_pct": f"{100 * prefill.wall.get(op, 0) / prefill.wall[TOTAL]:.1f}",
+                    "prefill_calls": f"{prefill.calls.get(op, 0):g}",
+                    "decode_ms": f"{1e3 * decode.wall.get(op, 0):.2f}",
+                    "decode_cpu_ms": f"{1e3 * decode.cpu.get(op, 0):.2f}",
+                    "decode_pct": f"{100 * decode.wall.get(op, 0) / decode.wall[TOTAL]:.1f}",
+                    "decode_calls": f"{decode.calls.get(op, 0):g}"})
     return out
 
 
