@@ -69,6 +69,23 @@ def test_prefill_tiles_are_identical_across_threads(qtype, threads, monkeypatch)
     torch.testing.assert_close(outs[0], x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
+def test_split_runs_every_chunk_once_and_raises_a_chunks_error(threads):
+    """`kernels.split` over 3 threads: every chunk of [0, 100) runs exactly once; an error in a chunk reaches the
+    caller (after the chunks in flight), and so does a chunk's negative return code (a kernel's error)."""
+    kernels.set_threads(3)
+    seen = []
+    assert kernels.split(lambda a, b: seen.extend(range(a, b)), 100, 12) == 0
+    assert sorted(seen) == list(range(100))
+    assert kernels.split(lambda a, b: -2 if a == 0 else 0, 100, 12) == -2
+
+    def failing(a: int, b: int) -> None:
+        if a >= 50:
+            raise MemoryError("chunk failed")
+
+    with pytest.raises(MemoryError, match="chunk failed"):
+        kernels.split(failing, 100, 12)
+
+
 def test_unbuildable_library_warns_with_the_compiler_error(tmp_path, monkeypatch):
     """A compiler that fails: the first use warns once with its error message, the kernels are off, and the
     op report of an OpSet that ran a cpu op says `cpu kernels unavailable: <reason>`."""

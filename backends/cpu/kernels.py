@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -40,6 +41,7 @@ FLAGS = (("-O3", "-march=native", "-ffp-contract=off"), ("-O3", "-ffp-contract=o
 _lib: ctypes.CDLL | None | bool = False      # False: not tried yet
 _failure: str | None = None     # why the build failed
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 _pool_threads = 0   # set_threads(n); 0: torch.get_num_threads()
 CHUNKS_PER_THREAD = 4   # a split weight is cut into this many chunks per thread, taken in turn
 
@@ -142,18 +144,50 @@ def threads() -> int:
     return _pool_threads or torch.get_num_threads()
 
 
-def split(fn: Callable[[int, int], int], n: int, parts: int) -> int:
+class Chunks:
+    """The chunks of one split call, taken in turn by whichever thread asks next (the caller among them)."""
+
+    def __init__(self, fn: Callable[[int, int], int | None], bounds: list[int]):
+        self.fn, self.bounds = fn, bounds
+        self.order = itertools.count()     # next() on it is atomic under the GIL
+        self.left = len(bounds) - 1
+        self.lock = threading.Lock()
+        self.finished = threading.Event()
+        self.rc = 0
+        self.error: BaseException | None = None
+
+    def take(self) -> None:
+        """Run chunks until none is left to start."""
+        while (i := next(self.order)) < len(self.bounds) - 1:
+            try:
+                rc = self.fn(self.bounds[i], self.bounds[i + 1]) or 0
+            except BaseException as e:  # noqa: BLE001 (re-raised by the caller)
+                rc, self.error = 0, e
+            with self.lock:
+                self.rc, self.left = min(self.rc, rc), self.left - 1
+                if self.left == 0:
+                    self.finished.set()
+
+
+def split(fn: Callable[[int, int], int | None], n: int, parts: int) -> int:
     """fn(start, stop) over [0, n) cut into `parts` even chunks, on the calling thread (parts <= 1) or taken in
-    turn by `threads()` threads of the pool; the largest return code (kernel calls return 0, or a negative
-    error), 0 for fn returning None."""
-    global _pool
+    turn by the caller and `threads() - 1` threads of the pool: the caller waits only for chunks already begun,
+    never for a pool thread that the OS has not scheduled yet, so N threads are not slower than one. Returns the
+    lowest return code (kernel calls return 0, or a negative error; fn returning None counts as 0)."""
+    global _pool, _pool_size
     parts = max(1, min(parts, n))
     if parts == 1 or threads() == 1 or threading.current_thread().name.startswith("ds4-cpu"):  # no nesting
         return fn(0, n) or 0
-    if _pool is None or _pool._max_workers != threads():
-        _pool = ThreadPoolExecutor(max_workers=threads(), thread_name_prefix="ds4-cpu")
-    bounds = [n * i // parts for i in range(parts + 1)]
-    return max(rc or 0 for rc in _pool.map(lambda i: fn(bounds[i], bounds[i + 1]), range(parts)))
+    if _pool is None or _pool_size != threads() - 1:
+        _pool, _pool_size = ThreadPoolExecutor(max_workers=threads() - 1, thread_name_prefix="ds4-cpu"), threads() - 1
+    chunks = Chunks(fn, [n * i // parts for i in range(parts + 1)])
+    for _ in range(threads() - 1):
+        _pool.submit(chunks.take)
+    chunks.take()
+    chunks.finished.wait()
+    if chunks.error is not None:
+        raise chunks.error
+    return chunks.rc
 
 
 def qgemv(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:
