@@ -132,11 +132,21 @@ def available(qtype: str, k: int = 0) -> bool:
 def set_threads(n: int) -> None:
     """Run the kernels on `n` threads and torch's own ops on one (on `n` where the library cannot be built):
     torch's threads slow the small ops of a step down (docs/cpu.md, "Threads")."""
-    global _pool_threads
+    global _pool_threads, _pool
     if n < 1:
         raise ValueError(f"set_threads: need at least 1 thread, got {n}")
     _pool_threads = n
     torch.set_num_threads(1 if built() else n)
+    if _pool is not None:       # a new pool, whose threads start with one torch thread each
+        _pool.shutdown(wait=False)
+        _pool = None
+
+
+def _one_torch_thread() -> None:
+    """Pool threads run torch's ops (a prefill tile's BLAS product) on one thread, as the caller does after
+    `set_threads`: else each starts an OpenMP team of its own, measured 2-4x slower tiles on 2 threads."""
+    if _pool_threads and built():
+        torch.set_num_threads(1)
 
 
 def threads() -> int:
@@ -179,7 +189,8 @@ def split(fn: Callable[[int, int], int | None], n: int, parts: int) -> int:
     if parts == 1 or threads() == 1 or threading.current_thread().name.startswith("ds4-cpu"):  # no nesting
         return fn(0, n) or 0
     if _pool is None or _pool_size != threads() - 1:
-        _pool, _pool_size = ThreadPoolExecutor(max_workers=threads() - 1, thread_name_prefix="ds4-cpu"), threads() - 1
+        _pool_size = threads() - 1
+        _pool = ThreadPoolExecutor(max_workers=_pool_size, thread_name_prefix="ds4-cpu", initializer=_one_torch_thread)
     chunks = Chunks(fn, [n * i // parts for i in range(parts + 1)])
     for _ in range(threads() - 1):
         _pool.submit(chunks.take)
