@@ -38,7 +38,7 @@ def test_set_threads_gives_the_pool_n_threads_and_torch_one(threads):
 def test_kernel_is_identical_across_threads_and_row_counts(qtype, experts, threads, monkeypatch):
     """Every output split across 1, 2 or 3 threads (uneven parts of 40 rows) and every M in 1..16: the
     same bits as the 1-thread call, and row m the same bits as the 1-row call on that row."""
-    monkeypatch.setattr(kernels, "SPLIT_BYTES", 0)     # split even these small weights
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)     # split even these small weights, into the most chunks
     g = torch.Generator().manual_seed(3)
     shape = (3, 40, 512) if experts else (40, 512)
     w = QTensor.quantize(torch.randn(*shape, generator=g) / 16, qtype, "w")

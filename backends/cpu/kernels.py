@@ -35,7 +35,7 @@ GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 1
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23}
 ROW_MULTIPLE = {"F32": 64, "F16": 32}   # qgemv.c takes F32 and F16 rows this many values at a time
 MAX_ROWS = 16
-SPLIT_BYTES = 1 << 20   # weights at least this large are split across threads
+SPLIT_BYTES = 1 << 20   # weights at least this large are split across threads, in chunks at least this large
 FLAGS = (("-O3", "-march=native", "-ffp-contract=off"), ("-O3", "-ffp-contract=off"))
 
 _lib: ctypes.CDLL | None | bool = False      # False: not tried yet
@@ -242,7 +242,7 @@ def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, expert
     args = (ggml_type, data.data_ptr(), expert_bytes, 0 if ids is None else ids.data_ptr(), n, K,
             x.data_ptr(), M, y.data_ptr())
     weight_bytes = expert_bytes if experts is not None else data.numel()
-    parts = CHUNKS_PER_THREAD * threads() if weight_bytes >= SPLIT_BYTES else 1
+    parts = min(CHUNKS_PER_THREAD * threads(), weight_bytes // SPLIT_BYTES)   # chunks of SPLIT_BYTES or more
     rc = split(lambda start, stop: k.qgemv(*args, start, stop), n, parts)
     if rc == -2:
         raise MemoryError(f"qgemv: no memory for the group sums of {M} rows of {K} values")
