@@ -25,12 +25,17 @@ def threads(monkeypatch):
     torch.set_num_threads(before)
 
 
-def test_set_threads_gives_the_pool_n_threads_and_torch_one(threads):
-    """`set_threads(n)`: the kernels split over n threads, torch's own ops run on one; n < 1 is refused."""
+def test_set_threads_gives_the_pool_n_threads_and_torch_one(threads, monkeypatch):
+    """`set_threads(n)`: the kernels split over n threads, torch's own ops run on one (on n where the library is
+    off); n < 1 is refused."""
     kernels.set_threads(3)
     assert kernels.threads() == 3 and torch.get_num_threads() == 1
     with pytest.raises(ValueError, match="at least 1 thread"):
         kernels.set_threads(0)
+    monkeypatch.setenv("DS4_CPU_KERNELS", "0")         # no library: torch's ops take the threads back
+    monkeypatch.setattr(kernels, "_lib", False)
+    kernels.set_threads(2)
+    assert kernels.lib() is None and torch.get_num_threads() == 2
 
 
 @pytest.mark.parametrize("experts", (False, True))

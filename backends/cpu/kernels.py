@@ -107,6 +107,8 @@ def lib() -> ctypes.CDLL | None:
                 warnings.warn(f"cpu kernels unavailable: {_failure}\n(the cpu backend runs its slower torch paths; "
                               "DS4_CPU_KERNELS=0 turns the kernels off without this warning)", RuntimeWarning,
                               stacklevel=2)
+        if _lib is None and _pool_threads:      # set_threads: torch's ops take the threads the kernels cannot
+            torch.set_num_threads(_pool_threads)
     return _lib
 
 
@@ -130,13 +132,13 @@ def available(qtype: str, k: int = 0) -> bool:
 
 
 def set_threads(n: int) -> None:
-    """Run the kernels on `n` threads and torch's own ops on one (on `n` where the library cannot be built):
+    """Run the kernels on `n` threads and torch's own ops on one (on `n` once the library turns out not to build):
     torch's threads slow the small ops of a step down (docs/cpu.md, "Threads")."""
     global _pool_threads, _pool
     if n < 1:
         raise ValueError(f"set_threads: need at least 1 thread, got {n}")
     _pool_threads = n
-    torch.set_num_threads(1 if built() else n)
+    torch.set_num_threads(n if _lib is None else 1)     # _lib False: not built yet (lib() gives n back on failure)
     if _pool is not None:       # a new pool, whose threads start with one torch thread each
         _pool.shutdown(wait=False)
         _pool = None
@@ -145,7 +147,7 @@ def set_threads(n: int) -> None:
 def _one_torch_thread() -> None:
     """Pool threads run torch's ops (a prefill tile's BLAS product) on one thread, as the caller does after
     `set_threads`: else each starts an OpenMP team of its own, measured 2-4x slower tiles on 2 threads."""
-    if _pool_threads and built():
+    if _pool_threads and _lib:
         torch.set_num_threads(1)
 
 
