@@ -13,7 +13,9 @@
   machines without a C compiler dequantize one tile of output rows at
   a time (about TILE_BYTES of float32, so the tile stays in cache while it is multiplied); a prefill batch
   dequantizes each tile once for all its rows, through the kernel library's block dequantizer where it
-  serves the type (the same values as the reference's, several times faster).
+  serves the type (the same values as the reference's, several times faster), the tiles split across the
+  kernel pool's threads (`kernels.split`). Measured against the fused kernel on chunks of 16 rows at M = 32,
+  the tiles were as fast or faster at every V4 Flash shape (docs/cpu.md, "Prefill").
 - For M <= SMALL_M every path is batch-invariant without a loop over rows: the kernel does the same
   arithmetic for each row whatever M is, and dense products run in fixed groups of rows
   (`rows.grouped_product`), so row r of an M-row call equals the 1-row call bit for bit.
