@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, help="sampling seed (reproducible runs)")
     p.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prefill chunk (default 2048)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 for the tiny model)")
+    p.add_argument("--threads", type=int,
+                   help="CPU threads of the kernels (torch's own ops run on one; default: torch's choice; 1 for the "
+                        "tiny model)")
     p.add_argument("--backend", default=None, help="auto | torch | triton | mlx | cpu (default: $DS4_BACKEND or auto)")
     p.add_argument("--device", default=None,
                    help="where weights and caches live: cpu | cuda | cuda:N | mlx | mlx:cpu | mlx:gpu "
@@ -136,8 +138,8 @@ def run(a: argparse.Namespace) -> int:
         check_writable("--dump-logits", Path(a.dump_logits))
     threads = a.threads or (1 if a.model is None else 0)
     if threads:
-        import torch
-        torch.set_num_threads(threads)
+        from backends.cpu import kernels
+        kernels.set_threads(threads)    # the kernel pool; torch's own ops on one thread
     switches = {k: getattr(a, k) for k in SWITCHES if getattr(a, k) is not None}
     if a.mtp_pairing:
         switches["mtp_pairing"] = a.mtp_pairing

@@ -1,6 +1,6 @@
 """`scripts/bench.py cpu --full-layers N` at smoke size (the tiny sizes, `--full-tiny`): it writes the truncated
 GGUF, runs ds4py and a stand-in llama-bench (a script printing llama-bench's JSON) and prints the table with
-the ratios and the PNG (timings are not checked; tests never time)."""
+the ratios and the PNG, and `--op-times`' per-op table (timings are not checked; tests never time)."""
 from __future__ import annotations
 
 import stat
@@ -28,3 +28,13 @@ def test_bench_full_width_smoke(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "ds4py" in out and "llama.cpp" in out and "decode_x_llama" in out and "pct_copy_1thread" in out
     assert (tmp_path / "v4flash-tiny-4L-q2.gguf").exists() and (tmp_path / "threads.png").stat().st_size > 0
+
+
+def test_bench_full_width_op_times_smoke(tmp_path, capsys):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        bench.main(["cpu", "--full-layers", "2", "--full-tiny", "--full-mixes", "q2", "--threads", "1", "2",
+                    "--prompt", "6", "--tokens", "2", "--workdir", str(tmp_path), "--op-times"])
+    out = capsys.readouterr().out
+    assert "decode_ms" in out and "moe" in out and "qmatmul" in out and "(outside op calls)" in out
+    assert "llama.cpp" not in out

@@ -9,7 +9,7 @@ import stat
 import pytest
 import torch
 
-from backends.cpu import kernels
+from backends.cpu import kernels, qmatmul
 from backends.registry import OpSet
 from ops.quants import QTensor
 
@@ -17,11 +17,25 @@ QTYPES = tuple(kernels.GGML_TYPE)
 
 
 @pytest.fixture
-def threads():
-    """Restores torch's thread count after the test."""
+def threads(monkeypatch):
+    """The kernel pool follows torch's thread count during the test; restores torch's count after it."""
     before = torch.get_num_threads()
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
     yield
     torch.set_num_threads(before)
+
+
+def test_set_threads_gives_the_pool_n_threads_and_torch_one(threads, monkeypatch):
+    """`set_threads(n)`: the kernels split over n threads, torch's own ops run on one (on n where the library is
+    off); n < 1 is refused."""
+    kernels.set_threads(3)
+    assert kernels.threads() == 3 and torch.get_num_threads() == 1
+    with pytest.raises(ValueError, match="at least 1 thread"):
+        kernels.set_threads(0)
+    monkeypatch.setenv("DS4_CPU_KERNELS", "0")         # no library: torch's ops take the threads back
+    monkeypatch.setattr(kernels, "_lib", False)
+    kernels.set_threads(2)
+    assert kernels.lib() is None and torch.get_num_threads() == 2
 
 
 @pytest.mark.parametrize("experts", (False, True))
@@ -29,7 +43,7 @@ def threads():
 def test_kernel_is_identical_across_threads_and_row_counts(qtype, experts, threads, monkeypatch):
     """Every output split across 1, 2 or 3 threads (uneven parts of 40 rows) and every M in 1..16: the
     same bits as the 1-thread call, and row m the same bits as the 1-row call on that row."""
-    monkeypatch.setattr(kernels, "SPLIT_BYTES", 0)     # split even these small weights
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)     # split even these small weights, into the most chunks
     g = torch.Generator().manual_seed(3)
     shape = (3, 40, 512) if experts else (40, 512)
     w = QTensor.quantize(torch.randn(*shape, generator=g) / 16, qtype, "w")
@@ -42,6 +56,39 @@ def test_kernel_is_identical_across_threads_and_row_counts(qtype, experts, threa
         for M in range(1, 17):
             out = kernels.qgemv(x[:M], w, ids[:M] if experts else None)
             assert torch.equal(out, single[:M]), (qtype, experts, n, M)
+
+
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q2_K", "F16", "IQ3_S"))
+def test_prefill_tiles_are_identical_across_threads(qtype, threads, monkeypatch):
+    """A prefill product (M > 16; IQ3_S through the reference's dequantizer) split into tiles across 1, 2 or 3
+    threads: the same bits, each row within float rounding of the dequantized weight's product."""
+    monkeypatch.setattr(qmatmul, "TILE_BYTES", 4 * 512 * 3)     # 3-row tiles: 14 tiles of 40 rows
+    g = torch.Generator().manual_seed(5)
+    w = QTensor.quantize(torch.randn(40, 512, generator=g) / 16, qtype, "w")
+    x = torch.randn(20, 512, generator=g)
+    outs = []
+    for n in (1, 2, 3):
+        kernels.set_threads(n)
+        outs.append(qmatmul.qmatmul(x, w))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(outs[0], x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+def test_split_runs_every_chunk_once_and_raises_a_chunks_error(threads):
+    """`kernels.split` over 3 threads: every chunk of [0, 100) runs exactly once; an error in a chunk reaches the
+    caller (after the chunks in flight), and so does a chunk's negative return code (a kernel's error)."""
+    kernels.set_threads(3)
+    seen = []
+    assert kernels.split(lambda a, b: seen.extend(range(a, b)), 100, 12) == 0
+    assert sorted(seen) == list(range(100))
+    assert kernels.split(lambda a, b: -2 if a == 0 else 0, 100, 12) == -2
+
+    def failing(a: int, b: int) -> None:
+        if a >= 50:
+            raise MemoryError("chunk failed")
+
+    with pytest.raises(MemoryError, match="chunk failed"):
+        kernels.split(failing, 100, 12)
 
 
 def test_unbuildable_library_warns_with_the_compiler_error(tmp_path, monkeypatch):

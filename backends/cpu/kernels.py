@@ -6,18 +6,22 @@ reference's dequantization one tile at a time, the Sinkhorn as torch ops) when t
 or `DS4_CPU_KERNELS=0` (the only silent way off).
 
 The shared library is cached under $DS4_CACHE (default ~/.cache/ds4py) keyed by the sources' hash.
-ctypes releases the GIL during a call, so large weights are split across `torch.get_num_threads()`
-Python threads by output rows (each output's arithmetic does not depend on the split).
+ctypes releases the GIL during a call, so large weights are split by output rows into chunks that
+`threads()` Python threads of a pool take in turn (each output's arithmetic does not depend on the split).
+`set_threads(N)` gives the pool N threads and torch's own ops one (`--threads N`).
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,12 +37,15 @@ GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 1
              "MXFP4": 39, "BF16": 30}
 ROW_MULTIPLE = {"F32": 64, "F16": 32, "BF16": 32}   # qgemv.c takes F32, F16 and BF16 rows this many values at a time
 MAX_ROWS = 16
-SPLIT_BYTES = 1 << 20   # weights at least this large are split across threads
+SPLIT_BYTES = 1 << 20   # weights at least this large are split across threads, in chunks at least this large
 FLAGS = (("-O3", "-march=native", "-ffp-contract=off"), ("-O3", "-ffp-contract=off"))
 
 _lib: ctypes.CDLL | None | bool = False      # False: not tried yet
 _failure: str | None = None     # why the build failed
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_threads = 0   # set_threads(n); 0: torch.get_num_threads()
+CHUNKS_PER_THREAD = 4   # a split weight is cut into this many chunks per thread, taken in turn
 
 
 class BuildFailed(Exception):
@@ -116,6 +123,8 @@ def lib() -> ctypes.CDLL | None:
                 warnings.warn(f"cpu kernels unavailable: {_failure}\n(the cpu backend runs its slower torch paths; "
                               "DS4_CPU_KERNELS=0 turns the kernels off without this warning)", RuntimeWarning,
                               stacklevel=2)
+        if _lib is None and _pool_threads:      # set_threads: torch's ops take the threads the kernels cannot
+            torch.set_num_threads(_pool_threads)
     return _lib
 
 
@@ -136,6 +145,78 @@ def built() -> bool:
 def available(qtype: str, k: int = 0) -> bool:
     """Whether the fused kernel serves weights of `qtype` with rows of `k` values."""
     return qtype in GGML_TYPE and k % ROW_MULTIPLE.get(qtype, 1) == 0 and built()
+
+
+def set_threads(n: int) -> None:
+    """Run the kernels on `n` threads and torch's own ops on one (on `n` once the library turns out not to build):
+    torch's threads slow the small ops of a step down (docs/cpu.md, "Threads")."""
+    global _pool_threads, _pool
+    if n < 1:
+        raise ValueError(f"set_threads: need at least 1 thread, got {n}")
+    _pool_threads = n
+    torch.set_num_threads(n if _lib is None else 1)     # _lib False: not built yet (lib() gives n back on failure)
+    if _pool is not None:       # a new pool, whose threads start with one torch thread each
+        _pool.shutdown(wait=False)
+        _pool = None
+
+
+def _one_torch_thread() -> None:
+    """Pool threads run torch's ops (a prefill tile's BLAS product) on one thread, as the caller does after
+    `set_threads`: else each starts an OpenMP team of its own, measured 2-4x slower tiles on 2 threads."""
+    if _pool_threads and _lib:
+        torch.set_num_threads(1)
+
+
+def threads() -> int:
+    """The kernel pool's thread count: `set_threads`' value, else torch's."""
+    return _pool_threads or torch.get_num_threads()
+
+
+class Chunks:
+    """The chunks of one split call, taken in turn by whichever thread asks next (the caller among them)."""
+
+    def __init__(self, fn: Callable[[int, int], int | None], bounds: list[int]):
+        self.fn, self.bounds = fn, bounds
+        self.order = itertools.count()     # next() on it is atomic under the GIL
+        self.left = len(bounds) - 1
+        self.lock = threading.Lock()
+        self.finished = threading.Event()
+        self.rc = 0
+        self.error: BaseException | None = None
+
+    def take(self) -> None:
+        """Run chunks until none is left to start."""
+        while (i := next(self.order)) < len(self.bounds) - 1:
+            try:
+                rc = self.fn(self.bounds[i], self.bounds[i + 1]) or 0
+            except BaseException as e:  # noqa: BLE001 (re-raised by the caller)
+                rc, self.error = 0, e
+            with self.lock:
+                self.rc, self.left = min(self.rc, rc), self.left - 1
+                if self.left == 0:
+                    self.finished.set()
+
+
+def split(fn: Callable[[int, int], int | None], n: int, parts: int) -> int:
+    """fn(start, stop) over [0, n) cut into `parts` even chunks, on the calling thread (parts <= 1) or taken in
+    turn by the caller and `threads() - 1` threads of the pool: the caller waits only for chunks already begun,
+    never for a pool thread that the OS has not scheduled yet, so N threads are not slower than one. Returns the
+    lowest return code (kernel calls return 0, or a negative error; fn returning None counts as 0)."""
+    global _pool, _pool_size
+    parts = max(1, min(parts, n))
+    if parts == 1 or threads() == 1 or threading.current_thread().name.startswith("ds4-cpu"):  # no nesting
+        return fn(0, n) or 0
+    if _pool is None or _pool_size != threads() - 1:
+        _pool_size = threads() - 1
+        _pool = ThreadPoolExecutor(max_workers=_pool_size, thread_name_prefix="ds4-cpu", initializer=_one_torch_thread)
+    chunks = Chunks(fn, [n * i // parts for i in range(parts + 1)])
+    for _ in range(threads() - 1):
+        _pool.submit(chunks.take)
+    chunks.take()
+    chunks.finished.wait()
+    if chunks.error is not None:
+        raise chunks.error
+    return chunks.rc
 
 
 def qgemv(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:
@@ -170,7 +251,6 @@ _ops.define("sinkhorn(Tensor p, int iters, float eps) -> Tensor")
 
 def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
     """qgemv on raw blocks `data` of type `ggml_type` with `n` output rows."""
-    global _pool
     x = x.to(torch.float32).contiguous()
     M, K = x.shape
     data = data.contiguous()
@@ -181,14 +261,8 @@ def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, expert
     args = (ggml_type, data.data_ptr(), expert_bytes, 0 if ids is None else ids.data_ptr(), n, K,
             x.data_ptr(), M, y.data_ptr())
     weight_bytes = expert_bytes if experts is not None else data.numel()
-    parts = min(torch.get_num_threads(), n) if weight_bytes >= SPLIT_BYTES else 1
-    if parts <= 1:
-        rc = k.qgemv(*args, 0, n)
-    else:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="ds4-qgemv")
-        bounds = [n * i // parts for i in range(parts + 1)]
-        rc = max(_pool.map(lambda i: k.qgemv(*args, bounds[i], bounds[i + 1]), range(parts)))
+    parts = min(CHUNKS_PER_THREAD * threads(), weight_bytes // SPLIT_BYTES)   # chunks of SPLIT_BYTES or more
+    rc = split(lambda start, stop: k.qgemv(*args, start, stop), n, parts)
     if rc == -2:
         raise MemoryError(f"qgemv: no memory for the group sums of {M} rows of {K} values")
     if rc:

@@ -648,6 +648,32 @@ static inline void unpack_iq2_xxs(const uint8_t *b, float *q, float *scale, floa
 
 typedef void (*unpack_fn)(const uint8_t *, float *, float *, float *);
 
+/* One row's share of one block straight from its packed bytes, in registers (decode, and each routed expert's
+ * row): add_block's arithmetic on the values the unpack_ function gives (the same bits), without storing and
+ * reloading them. Measured for IQ2_XXS 9-10% faster at M = 1; for Q2_K no faster, so Q2_K has none. */
+typedef void (*dot_fn)(acc_t *, const uint8_t *, const float *);     /* types without group mins */
+
+static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
+    float d = half_to_float(b);
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *p = b + 2 + 8 * g;
+        uint32_t bits = (uint32_t)p[4] | ((uint32_t)p[5] << 8) | ((uint32_t)p[6] << 16) | ((uint32_t)p[7] << 24);
+        float scale = d * (0.5f + (float)(bits >> 28)) * 0.25f;
+        v16 t = {0};
+        for (int l = 0; l < 4; l += 2) {
+            i32x8 v0, v1, m0, m1;
+            memcpy(&v0, iq2_grid[p[l]], sizeof v0);
+            memcpy(&v1, iq2_grid[p[l + 1]], sizeof v1);
+            memcpy(&m0, iq2_sign_mask[(bits >> (7 * l)) & 127], sizeof m0);
+            memcpy(&m1, iq2_sign_mask[(bits >> (7 * l + 7)) & 127], sizeof m1);
+            v16 q = (v16)HALVES(v0 ^ m0, v1 ^ m1);
+            t = l == 0 ? q * load16(x + 32 * g) : fma16(q, load16(x + 32 * g + 16), t);
+        }
+        a->part[g % ACCS] = fma16(splat16(scale), t, a->part[g % ACCS]);
+    }
+}
+
 /* One row's share of one unpacked block: ng groups of G values starting at group number j0 of the row. */
 static inline __attribute__((always_inline)) void add_block(acc_t *a, const float *q, const float *scale,
         const float *low, int ng, int G, const float *x, const float *xsum) {
@@ -670,11 +696,12 @@ static inline float finish(const acc_t *a, int lows) {
 }
 
 /* Output rows [n0, n1) of y [M, N] through a grouped unpacker (bs values in bb bytes, groups of G values,
- * each a multiple of ACCS groups per block); xsum: each row's sums of x per group, 16 per block (or NULL). */
+ * each a multiple of ACCS groups per block; a row of its own through `dot` where not NULL); xsum: each row's
+ * sums of x per group, 16 per block (or NULL). */
 static inline __attribute__((always_inline)) void rows_grouped(
-        unpack_fn unpack, const int bs, const int bb, const int G, const uint8_t *w, int64_t expert_bytes,
-        const int64_t *experts, int64_t N, int64_t K, const float *x, const float *xsum, int64_t M, float *y,
-        int64_t n0, int64_t n1) {
+        unpack_fn unpack, dot_fn dot, const int bs, const int bb, const int G, const uint8_t *w,
+        int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K, const float *x, const float *xsum,
+        int64_t M, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / bs, row_bytes = nb * bb;
     const int ng = bs / G;
     float q[256] __attribute__((aligned(64))), scale[16], low[16] __attribute__((aligned(64))) = {0};
@@ -688,6 +715,10 @@ static inline __attribute__((always_inline)) void rows_grouped(
                 acc_t a = {0};
                 for (int64_t b = 0; b < nb; b++) {
                     prefetch_block(row + b * bb, bb);
+                    if (dot != NULL) {
+                        dot(&a, row + b * bb, x + m * K + b * bs);
+                        continue;
+                    }
                     unpack(row + b * bb, q, scale, low);
                     add_block(&a, q, scale, lows, ng, G, x + m * K + b * bs,
                               xsum == NULL ? NULL : xsum + (m * nb + b) * 16);
@@ -737,7 +768,7 @@ static inline __attribute__((always_inline)) int k_quant_rows(
     }
     float *xsum = group_sums(x, M, K, 256, G);
     if (xsum == NULL) return -2;
-    rows_grouped(unpack, 256, bb, G, w, expert_bytes, experts, N, K, x, xsum, M, y, n0, n1);
+    rows_grouped(unpack, NULL, 256, bb, G, w, expert_bytes, experts, N, K, x, xsum, M, y, n0, n1);
     free(xsum);
     return 0;
 }
@@ -756,7 +787,7 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 8:
         if (K % 32) return -1;
         if (GROUPED && K % 128 == 0) {
-            rows_grouped(unpack_q8_0x4, 128, 136, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
+            rows_grouped(unpack_q8_0x4, NULL, 128, 136, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
             return 0;
         }
         if (M == 1 && experts == NULL) n0 = q8_0_row_pairs(w, K, x, y, n0, n1);
@@ -764,7 +795,9 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         return 0;
     case 16:
         if (K % 256) return -1;
-        if (GROUPED) rows_grouped(unpack_iq2_xxs, 256, 66, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
+        if (GROUPED)
+            rows_grouped(unpack_iq2_xxs, dot_iq2_xxs, 256, 66, 32, w, expert_bytes, experts, N, K, x, NULL, M, y,
+                         n0, n1);
         else rows_of(deq_iq2_xxs, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
     case 12: return K % 256 ? -1 : k_quant_rows(deq_q4_k, unpack_q4_k, 144, 32, w, expert_bytes, experts, N, K,

@@ -13,7 +13,9 @@
   machines without a C compiler dequantize one tile of output rows at
   a time (about TILE_BYTES of float32, so the tile stays in cache while it is multiplied); a prefill batch
   dequantizes each tile once for all its rows, through the kernel library's block dequantizer where it
-  serves the type (the same values as the reference's, several times faster).
+  serves the type (the same values as the reference's, several times faster), the tiles split across the
+  kernel pool's threads (`kernels.split`). Measured against the fused kernel on chunks of 16 rows at M = 32,
+  the tiles were as fast or faster at every V4 Flash shape (docs/cpu.md, "Prefill").
 - `dot="q8"` (`--cpu-dot q8`, OpSet(cpu_dot="q8")): for M <= SMALL_M the types qdot8.c reads (IQ2_XXS, Q2_K,
   Q4_K, Q8_0) round the activations to 8 bits per block and multiply in integers, as llama.cpp does
   (backends/cpu/qdot8.c, reference ops/q8_activations.py); everything else as above.
@@ -48,14 +50,17 @@ def dense(w: QTensor) -> torch.Tensor | None:
     return w.data.view(torch.float32).reshape(w.shape)
 
 
-def tiles(w: QTensor):
-    """(start, stop, float32 tile [stop-start, K]) over the output rows of `w`, one tile dequantized at a time."""
+def tile_bounds(w: QTensor):
+    """(start, stop) of each tile of output rows of `w` (about TILE_BYTES of float32 each)."""
     N, K = w.shape
     step = max(1, TILE_BYTES // (4 * K))
-    dequantize = kernels.dequantize if kernels.available(w.qtype.name, K) else QTensor.dequantize
-    for start in range(0, N, step):
-        stop = min(N, start + step)
-        yield start, stop, dequantize(QTensor(w.qtype, (stop - start, K), w.data[start:stop]))
+    return ((start, min(N, start + step)) for start in range(0, N, step))
+
+
+def tile(w: QTensor, start: int, stop: int) -> torch.Tensor:
+    """Float32 rows [start, stop) of `w`, dequantized by the kernel library where it serves the type."""
+    dequantize = kernels.dequantize if kernels.available(w.qtype.name, w.shape[1]) else QTensor.dequantize
+    return dequantize(QTensor(w.qtype, (stop - start, w.shape[1]), w.data[start:stop]))
 
 
 @register("qmatmul", "cpu", batch_invariant=True)
@@ -73,6 +78,12 @@ def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
     if weight is not None:
         return product(x, weight.T)
     out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
-    for start, stop, tile in tiles(w):
-        out[:, start:stop] = product(x, tile.T)
+    bounds = list(tile_bounds(w))
+
+    def run(first: int, last: int) -> None:
+        for start, stop in bounds[first:last]:
+            out[:, start:stop] = product(x, tile(w, start, stop).T)
+
+    prefill = x.shape[0] > SMALL_M      # verify rows stay on one thread: BLAS's kernel is the same for any split
+    kernels.split(run, len(bounds), kernels.CHUNKS_PER_THREAD * kernels.threads() if prefill else 1)
     return out

@@ -179,5 +179,8 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
                    help="--full-layers: ds4py's cpu dot products to time, interleaved (e.g. exact q8; docs/cpu.md)")
     p.add_argument("--full-tiny", action="store_true", help="--full-layers at the tiny model's sizes (smoke test)")
     p.add_argument("--png", help="--full-layers: also plot tok/s against threads into this PNG")
+    p.add_argument("--op-times", action="store_true",
+                   help="--full-layers: instead of the comparison, ds4py's wall time per op at prefill and per decode "
+                        "step, per --threads count")
     p.add_argument("--compile", action="store_true",
                    help="also time each mix with the compiled decode step (compiled in the warm-up round)")

@@ -3,9 +3,11 @@ to its first N layers (real vocabulary and tokenizer, random weights in the ds4 
 
 The file is written once per (mix, N) with the seed-rows trick of ds4/tiny/random_model.py (every byte at its
 own address, generated in seconds). ds4py prefills a prompt and decodes greedily (once per `--cpu-dot` given);
-when `LLAMA_BENCH` names a llama-bench binary, it runs on the same file (`-p` prompt, `-n` tokens) right after,
-for each thread count, in interleaved rounds. The table gives the median tok/s, the weight bytes a decode token
-reads per second and that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp.
+when `LLAMA_BENCH` names a llama-bench binary, it runs on the same file (`-p` prompt, `-n` tokens) right after, for each thread count, in
+interleaved rounds. The table gives the median tok/s, the weight bytes a decode token reads per second and
+that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp. `--op-times` prints instead
+where ds4py's prefill and decode steps go: each op's wall time and calls (and the time outside op calls), per
+thread count.
 """
 from __future__ import annotations
 
@@ -15,11 +17,14 @@ import os
 import statistics
 import subprocess
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from backends.cpu import kernels
 from backends.registry import OpSet
 from ds4.bench.common import copy_bandwidth
 from ds4.errors import UsageError
@@ -99,6 +104,87 @@ def engine_name(cpu_dot: str) -> str:
     return "ds4py" if cpu_dot == "exact" else f"ds4py --cpu-dot {cpu_dot}"
 
 
+class TimedOps(OpSet):
+    """An OpSet that adds the wall time and the process's CPU time (all threads) of each op call to
+    `seconds[op]` and `cpu_seconds[op]` (the calls are counted in `calls`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seconds: Counter[str] = Counter()
+        self.cpu_seconds: Counter[str] = Counter()
+
+    def __getattr__(self, op: str):
+        fn = super().__getattr__(op)
+
+        def timed(*args, **kwargs):
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[op] += time.perf_counter() - t0
+                self.cpu_seconds[op] += time.process_time() - c0
+
+        return timed
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Wall and CPU seconds per op and calls per op of a prefill or of one decode step (a mean over steps); the
+    whole phase's times under the name TOTAL."""
+
+    wall: dict[str, float]
+    cpu: dict[str, float]
+    calls: dict[str, float]
+
+
+TOTAL, OUTSIDE = "(whole prefill / decode step)", "(outside op calls)"
+
+
+def timed_phase(ops: TimedOps, run: Callable[[], None], steps: int = 1) -> PhaseTimes:
+    """The op times of `run()`, divided by `steps`, with TOTAL and OUTSIDE (the time outside op calls)."""
+    for counter in (ops.seconds, ops.cpu_seconds, ops.calls):
+        counter.clear()
+    t0, c0 = time.perf_counter(), time.process_time()
+    run()
+    wall = {op: t / steps for op, t in ops.seconds.items()}
+    cpu = {op: t / steps for op, t in ops.cpu_seconds.items()}
+    wall[OUTSIDE] = (time.perf_counter() - t0) / steps - sum(wall.values())
+    cpu[OUTSIDE] = (time.process_time() - c0) / steps - sum(cpu.values())
+    wall[TOTAL], cpu[TOTAL] = sum(wall.values()), sum(cpu.values())
+    return PhaseTimes(wall, cpu, {op: n / steps for op, n in ops.calls.items()})
+
+
+def op_times(path: Path, prompt: list[int], tokens: int, threads: int) -> list[dict]:
+    """Per op: wall and CPU ms (the process's, all threads) and calls of a prefill of `prompt` and of a decode
+    step (the mean of `tokens` greedy steps), after one untimed warm-up run."""
+    from ds4.engine import open_model
+    ops = TimedOps("auto")
+    model = open_model(str(path), ops)
+    for _ in range(2):         # the first run warms the page cache and the kernels up
+        s = Session(model, len(prompt) + tokens + 1, len(prompt))
+        last: list[int] = []
+        prefill = timed_phase(ops, lambda: last.append(int(s.prefill(prompt).argmax())))  # noqa: B023
+
+        def decode_all():
+            for _ in range(tokens):
+                last.append(int(s.decode(last[-1]).argmax()))  # noqa: B023
+
+        decode = timed_phase(ops, decode_all, tokens)
+    out = []
+    last_rows = {OUTSIDE: 1, TOTAL: 2}
+    names = prefill.wall.keys() | decode.wall.keys()
+    for op in sorted(names, key=lambda o: (last_rows.get(o, 0), -prefill.wall.get(o, 0) - decode.wall.get(o, 0))):
+        out.append({"threads": threads, "op": op, "prefill_ms": f"{1e3 * prefill.wall.get(op, 0):.1f}",
+                    "prefill_cpu_ms": f"{1e3 * prefill.cpu.get(op, 0):.1f}",
+                    "prefill_pct": f"{100 * prefill.wall.get(op, 0) / prefill.wall[TOTAL]:.1f}",
+                    "prefill_calls": f"{prefill.calls.get(op, 0):g}",
+                    "decode_ms": f"{1e3 * decode.wall.get(op, 0):.2f}",
+                    "decode_cpu_ms": f"{1e3 * decode.cpu.get(op, 0):.2f}",
+                    "decode_pct": f"{100 * decode.wall.get(op, 0) / decode.wall[TOTAL]:.1f}",
+                    "decode_calls": f"{decode.calls.get(op, 0):g}"})
+    return out
+
+
 def run_llama(binary: str, path: Path, prompt: int, tokens: int, threads: int, extra: list[str]) -> Timing:
     """llama-bench on the file (one repetition of a `prompt`-token prefill and a `tokens`-token decode)."""
     cmd = [binary, "-m", str(path), "-p", str(prompt), "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json",
@@ -135,11 +221,19 @@ def rows(a) -> list[dict]:
         step = decode_bytes(path)
         vocab = ModelArgs.from_metadata(gguf.open(path).metadata).vocab_size
         prompt = torch.randint(0, vocab, (a.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+        if a.op_times:
+            try:
+                for threads in a.threads:
+                    kernels.set_threads(threads)
+                    out += [{"mix": mix, **r} for r in op_times(path, prompt, a.tokens, threads)]
+            finally:
+                torch.set_num_threads(before)
+            continue
         times: dict[tuple[str, int], list[Timing]] = {}
         try:
             for r in range(a.rounds + 1):          # round 0 warms up (page cache, kernels) and is not counted
                 for threads in a.threads:
-                    torch.set_num_threads(threads)
+                    kernels.set_threads(threads)
                     runs = [(engine_name(dot), run_ds4(path, prompt, a.tokens, dot)) for dot in a.cpu_dot]
                     if binary:
                         llama = run_llama(binary, path, a.prompt, a.tokens, threads, a.llama_args.split())

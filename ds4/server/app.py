@@ -13,12 +13,12 @@ import os
 import sys
 from contextlib import asynccontextmanager
 
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from backends.cpu import kernels
 from backends.registry import PARALLEL
 from ds4 import distributed
 from ds4.engine import Engine, load
@@ -110,7 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto", help="auto | torch | triton | mlx")
     p.add_argument("--mtp-draft", choices=["auto", *map(str, range(MAX_DRAFT + 1))],
                    help="speculative draft depth (0 = off) or 'auto' (default 1 with an MTP head)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 for the tiny model)")
+    p.add_argument("--threads", type=int, help="CPU threads of the kernels (torch's own ops run on one; "
+                                                          "default: 1 for the tiny model)")
     p.add_argument("--cpu-dot", choices=("exact", "q8"), default="exact",
                    help="cpu backend's quantized products: exact float (default) or q8, activations rounded to 8 bits "
                         "per block as llama.cpp does (faster on 2-bit types, other numbers)")
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--api-key (DS4_API_KEY) is empty")
         guards = GuardConfig(a.api_key, allowed_hosts(a.host, a.allowed_host), int(a.max_body_mb * 2**20))
         if a.threads or a.model is None:
-            torch.set_num_threads(a.threads or 1)
+            kernels.set_threads(a.threads or 1)     # the kernel pool; torch's own ops on one thread
         if a.parallel and a.kv_disk_dir:
             raise UsageError("--kv-disk-dir does not run across ranks yet: drop it with --parallel")
         engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile,
