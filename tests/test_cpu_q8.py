@@ -199,7 +199,8 @@ def test_reference_dot_is_llama_cpps(qtype):
 def test_kernel_equals_reference_rows_threads_experts(qtype, monkeypatch):
     """The C kernel equals the reference bit for bit, plain and by expert (an expert -1 gives 0), for every
     M in 1..16 (row m the same bits as the 1-row call) and split across 1, 2 or 3 threads."""
-    monkeypatch.setattr(kernels, "SPLIT_BYTES", 0)     # split even these small weights
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)     # split even these small weights
+    monkeypatch.setattr(kernels, "_pool_threads", 0)     # the pool follows torch's thread count
     before = torch.get_num_threads()
     w, stacked = weight(qtype, 40, 512), weight(qtype, 3, 40, 512, seed=2)
     x = activations(16, 512)

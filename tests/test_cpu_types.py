@@ -86,7 +86,8 @@ def test_block_dequantizer_is_the_reference_bit_for_bit(qtype):
 def test_fused_product_is_the_dequantized_product_in_lane_order(qtype, odd, threads, monkeypatch):
     """qgemv equals the reference's dequantized weight multiplied in the kernel's summation order, bit for bit
     (NaN where the reference's values make one), for M = 1..16 and 1/2/3 threads (uneven row splits)."""
-    monkeypatch.setattr(kernels, "SPLIT_BYTES", 0)     # split even these small weights
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)     # split even these small weights
+    monkeypatch.setattr(kernels, "_pool_threads", 0)     # the pool follows torch's thread count
     w = random_weight(qtype, (40, 512), seed=2, odd=odd)
     x = torch.randn(16, 512, generator=torch.Generator().manual_seed(3))
     want = lane_order_product(x, w.dequantize())
@@ -101,7 +102,8 @@ def test_fused_product_is_the_dequantized_product_in_lane_order(qtype, odd, thre
 def test_fused_product_by_expert(qtype, threads, monkeypatch):
     """Routed experts read in place by index ([E, N, K] stacks, a row per (token, expert) pair; -1: another
     rank's expert, 0): each row the lane-order product with its own expert, for 1 and 3 threads."""
-    monkeypatch.setattr(kernels, "SPLIT_BYTES", 0)
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
     w = random_weight(qtype, (4, 24, 256), seed=4, odd=False)
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(5))
     ids = torch.tensor([3, 0, 2, -1, 1, 3, 3, 0, 2, 1, -1, 0, 1, 2, 3, 0])

@@ -356,7 +356,6 @@ _ops.define("qdot8(Tensor x, Tensor data, int ggml_type, int n, Tensor? experts)
 
 def qdot8_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
     """qdot8.c on raw blocks `data` of type `ggml_type` with `n` output rows."""
-    global _pool
     x = x.to(torch.float32).contiguous()
     M, K = x.shape
     if M > MAX_ROWS:
@@ -370,14 +369,8 @@ def qdot8_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, expert
     args = (ggml_type, data.data_ptr(), expert_bytes, 0 if ids is None else ids.data_ptr(), n, K,
             xq.data_ptr(), M, y.data_ptr())
     weight_bytes = expert_bytes if experts is not None else data.numel()
-    parts = min(torch.get_num_threads(), n) if weight_bytes >= SPLIT_BYTES else 1
-    if parts <= 1:
-        rc = k.qdot8(*args, 0, n)
-    else:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="ds4-qgemv")
-        bounds = [n * i // parts for i in range(parts + 1)]
-        rc = max(_pool.map(lambda i: k.qdot8(*args, bounds[i], bounds[i + 1]), range(parts)))
+    parts = min(CHUNKS_PER_THREAD * threads(), weight_bytes // SPLIT_BYTES)   # chunks of SPLIT_BYTES or more
+    rc = split(lambda start, stop: k.qdot8(*args, start, stop), n, parts)
     if rc:
         raise ValueError(f"qdot8: unsupported call ({type_name(ggml_type)}, M={M}, K={K})")
     return y

@@ -3,11 +3,11 @@ to its first N layers (real vocabulary and tokenizer, random weights in the ds4 
 
 The file is written once per (mix, N) with the seed-rows trick of ds4/tiny/random_model.py (every byte at its
 own address, generated in seconds). ds4py prefills a prompt and decodes greedily (once per `--cpu-dot` given);
-when `LLAMA_BENCH` names a llama-bench binary, it runs on the same file (`-p` prompt, `-n` tokens) right after, for each thread count, in
-interleaved rounds. The table gives the median tok/s, the weight bytes a decode token reads per second and
-that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp. `--op-times` prints instead
-where ds4py's prefill and decode steps go: each op's wall time and calls (and the time outside op calls), per
-thread count.
+when `LLAMA_BENCH` names a llama-bench binary, it runs on the same file (`-p` prompt, `-n` tokens) right after,
+for each thread count, in interleaved rounds. The table gives the median tok/s, the weight bytes a decode token
+reads per second and that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp.
+`--op-times` prints instead where ds4py's prefill and decode steps go: each op's wall time and calls (and the time
+outside op calls), per thread count.
 """
 from __future__ import annotations
 
