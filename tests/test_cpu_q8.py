@@ -376,3 +376,24 @@ def test_against_ggml_itself(qtype, ggml_harness):
         assert np.array_equal(blocks[..., 260:].copy().view(np.int16), mine.bsums.numpy())
         y = np.frombuffer(done.stdout[4 * 2 * 292:], np.float32).reshape(4, 24)
     assert np.allclose(y, ref.qdot8(x, w).numpy(), rtol=1e-5, atol=1e-6 * np.abs(y).max())
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "IQ2_XXS"])
+def test_prefill_routed_experts_take_q8(qtype):
+    """A prefill (M > 16) under q8: each expert's few rows go through qdot8, so every row equals that row's
+    1-row q8 call (within float rounding of the SwiGLU) and not the exact kernel's."""
+    from backends.cpu import ffn
+    from ops.moe import Experts
+    E, D, inter, g = 8, 256, 256, torch.Generator().manual_seed(11)
+
+    def stack(*shape):
+        return QTensor.quantize(torch.randn(E, *shape, generator=g) * 0.3, qtype, "stack")
+    ex = Experts(router=QTensor.quantize(torch.randn(E, D, generator=g), "F32", "router"),
+                 bias=torch.randn(E, generator=g) * 0.1, tid2eid=None, gate=stack(inter, D), up=stack(inter, D),
+                 down=stack(D, inter), top_k=2, route_scale=1.5, normalize=True, clamp=10.0)
+    x, ids = torch.randn(20, D, generator=g), torch.zeros(20, dtype=torch.int64)
+    prefill = ffn.moe(x, ids, ex, "q8")
+    rows = torch.cat([ffn.moe(x[m:m + 1], ids[m:m + 1], ex, "q8") for m in range(20)])
+    tol = 1e-5 * prefill.abs().max().item()
+    torch.testing.assert_close(prefill, rows, rtol=0, atol=tol)
+    assert (prefill - ffn.moe(x, ids, ex)).abs().max() > 100 * tol     # the exact kernel's differ

@@ -61,7 +61,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts, dot: str = "exact"
     x = x.to(torch.float32)
     chosen, w = route(x, ids, experts, dot)
     if M > SMALL_M:
-        return grouped(x, chosen, w, experts)
+        return grouped(x, chosen, w, experts, dot)
     chosen, w = owned_pairs(chosen, w, experts, missing=-1)   # expert parallelism: the kernel skips the others
     k, flat = chosen.shape[1], chosen.reshape(-1)
     xs = x.repeat_interleave(k, dim=0)                                      # [M*k, D]
@@ -75,8 +75,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts, dot: str = "exact"
     return out
 
 
-def grouped(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts) -> torch.Tensor:
-    """Prefill: each chosen expert's rows in one product (reads the chosen ids back; rounding may depend on M)."""
+def grouped(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts, dot: str = "exact") -> torch.Tensor:
+    """Prefill: each chosen expert's rows in one product (reads the chosen ids back; rounding may depend on M);
+    `dot="q8"`: experts with at most SMALL_M rows (most of them at prefill) take the 8-bit activation kernel."""
     check_owned(ex)
     out = torch.zeros(x.shape, dtype=torch.float32)
     for e in torch.unique(chosen).tolist():
@@ -84,9 +85,10 @@ def grouped(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts)
             continue
         rows, slots = torch.nonzero(chosen == e, as_tuple=True)
         xe, local = x[rows], e - ex.first
-        g = qmatmul(xe, reference.expert(ex.gate, local)).clamp(max=ex.clamp)
-        u = qmatmul(xe, reference.expert(ex.up, local)).clamp(-ex.clamp, ex.clamp)
-        out.index_add_(0, rows, qmatmul(F.silu(g) * u * w[rows, slots, None], reference.expert(ex.down, local)))
+        g = qmatmul(xe, reference.expert(ex.gate, local), dot).clamp(max=ex.clamp)
+        u = qmatmul(xe, reference.expert(ex.up, local), dot).clamp(-ex.clamp, ex.clamp)
+        h = F.silu(g) * u * w[rows, slots, None]
+        out.index_add_(0, rows, qmatmul(h, reference.expert(ex.down, local), dot))
     return out
 
 
