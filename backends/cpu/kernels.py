@@ -249,20 +249,27 @@ _ops.define("dequantize(Tensor data, int ggml_type, int n, int k) -> Tensor")
 _ops.define("sinkhorn(Tensor p, int iters, float eps) -> Tensor")
 
 
+def split_rows(kernel: Callable[..., int], ggml_type: int, data: torch.Tensor, n: int, experts: torch.Tensor | None,
+               x: torch.Tensor, m: int, k: int) -> tuple[int, torch.Tensor]:
+    """Run `kernel` (the library's qgemv or qdot8) on the `n` output rows of raw blocks `data` with the prepared
+    contiguous activations `x` (`m` rows of `k` values, float32 or qdot8's rounded blocks), the rows split across
+    the kernel pool in chunks of SPLIT_BYTES or more of weight; its return code and float32 y [m, n]."""
+    data = data.contiguous()
+    expert_bytes = data[0].numel() if experts is not None else 0
+    ids = experts.to(torch.int64).contiguous() if experts is not None else None
+    y = torch.empty((m, n), dtype=torch.float32)
+    args = (ggml_type, data.data_ptr(), expert_bytes, 0 if ids is None else ids.data_ptr(), n, k,
+            x.data_ptr(), m, y.data_ptr())
+    weight_bytes = expert_bytes if experts is not None else data.numel()
+    parts = min(CHUNKS_PER_THREAD * threads(), weight_bytes // SPLIT_BYTES)
+    return split(lambda start, stop: kernel(*args, start, stop), n, parts), y
+
+
 def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
     """qgemv on raw blocks `data` of type `ggml_type` with `n` output rows."""
     x = x.to(torch.float32).contiguous()
     M, K = x.shape
-    data = data.contiguous()
-    expert_bytes = data[0].numel() if experts is not None else 0
-    ids = experts.to(torch.int64).contiguous() if experts is not None else None
-    y = torch.empty((M, n), dtype=torch.float32)
-    k = lib()
-    args = (ggml_type, data.data_ptr(), expert_bytes, 0 if ids is None else ids.data_ptr(), n, K,
-            x.data_ptr(), M, y.data_ptr())
-    weight_bytes = expert_bytes if experts is not None else data.numel()
-    parts = min(CHUNKS_PER_THREAD * threads(), weight_bytes // SPLIT_BYTES)   # chunks of SPLIT_BYTES or more
-    rc = split(lambda start, stop: k.qgemv(*args, start, stop), n, parts)
+    rc, y = split_rows(lib().qgemv, ggml_type, data, n, experts, x, M, K)
     if rc == -2:
         raise MemoryError(f"qgemv: no memory for the group sums of {M} rows of {K} values")
     if rc:
@@ -361,16 +368,7 @@ def qdot8_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, expert
     if M > MAX_ROWS:
         raise ValueError(f"qdot8: at most {MAX_ROWS} rows, got {M}")
     xq = q8_quantize(x, type_name(ggml_type))
-    k = lib()
-    data = data.contiguous()
-    expert_bytes = data[0].numel() if experts is not None else 0
-    ids = experts.to(torch.int64).contiguous() if experts is not None else None
-    y = torch.empty((M, n), dtype=torch.float32)
-    args = (ggml_type, data.data_ptr(), expert_bytes, 0 if ids is None else ids.data_ptr(), n, K,
-            xq.data_ptr(), M, y.data_ptr())
-    weight_bytes = expert_bytes if experts is not None else data.numel()
-    parts = min(CHUNKS_PER_THREAD * threads(), weight_bytes // SPLIT_BYTES)   # chunks of SPLIT_BYTES or more
-    rc = split(lambda start, stop: k.qdot8(*args, start, stop), n, parts)
+    rc, y = split_rows(lib().qdot8, ggml_type, data, n, experts, xq, M, K)
     if rc:
         raise ValueError(f"qdot8: unsupported call ({type_name(ggml_type)}, M={M}, K={K})")
     return y

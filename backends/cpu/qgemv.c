@@ -88,16 +88,22 @@ static inline void deq_q8_0(const uint8_t *b, float *w) {          /* 34 bytes -
     for (int i = 0; i < 32; i++) w[i] = (float)(int8_t)b[2 + i] * d;
 }
 
-static inline void deq_q4_k(const uint8_t *b, float *w) {          /* 144 bytes -> 256 values */
+/* The eight 6-bit (scale, min) pairs of a Q4_K or Q5_K block, times its d and dmin. */
+static inline void k_scales(const uint8_t *b, float *scale, float *low) {
     float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t *s = b + 4, *qs = b + 16;
-    float scale[8], low[8];
+    const uint8_t *s = b + 4;
     for (int j = 0; j < 4; j++) {
         scale[j] = d * (float)(s[j] & 63);
         low[j] = dmin * (float)(s[4 + j] & 63);
         scale[4 + j] = d * (float)((s[8 + j] & 15) | ((s[j] >> 6) << 4));
         low[4 + j] = dmin * (float)((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
     }
+}
+
+static inline void deq_q4_k(const uint8_t *b, float *w) {          /* 144 bytes -> 256 values */
+    const uint8_t *qs = b + 16;
+    float scale[8], low[8];
+    k_scales(b, scale, low);
     for (int c = 0; c < 4; c++)
         for (int l = 0; l < 32; l += 8) {
             i32x8 q = widen(qs + 32 * c + l);
@@ -135,15 +141,9 @@ static inline void deq_q6_k(const uint8_t *b, float *w) {          /* 210 bytes 
 }
 
 static inline void deq_q5_k(const uint8_t *b, float *w) {          /* 176 bytes -> 256 values */
-    float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t *s = b + 4, *qh = b + 16, *qs = b + 48;
+    const uint8_t *qh = b + 16, *qs = b + 48;
     float scale[8], low[8];
-    for (int j = 0; j < 4; j++) {                           /* the 6-bit (scale, min) pairs, as Q4_K */
-        scale[j] = d * (float)(s[j] & 63);
-        low[j] = dmin * (float)(s[4 + j] & 63);
-        scale[4 + j] = d * (float)((s[8 + j] & 15) | ((s[j] >> 6) << 4));
-        low[4 + j] = dmin * (float)((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
-    }
+    k_scales(b, scale, low);
     for (int c = 0; c < 4; c++)
         for (int l = 0; l < 32; l += 8) {
             i32x8 q = widen(qs + 32 * c + l), h = widen(qh + l);
@@ -598,14 +598,8 @@ static inline void unpack_q8_0x4(const uint8_t *b, float *q, float *scale, float
 }
 
 static inline void unpack_q4_k(const uint8_t *b, float *q, float *scale, float *low) {    /* 144 bytes, G 32 */
-    float d = half_to_float(b), dmin = half_to_float(b + 2);
-    const uint8_t *s = b + 4, *qs = b + 16;
-    for (int j = 0; j < 4; j++) {
-        scale[j] = d * (float)(s[j] & 63);
-        low[j] = dmin * (float)(s[4 + j] & 63);
-        scale[4 + j] = d * (float)((s[8 + j] & 15) | ((s[j] >> 6) << 4));
-        low[4 + j] = dmin * (float)((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
-    }
+    const uint8_t *qs = b + 16;
+    k_scales(b, scale, low);
     for (int c = 0; c < 4; c++)
         for (int l = 0; l < 32; l += 16) {
             i32x16 v = widen16(qs + 32 * c + l);
