@@ -647,6 +647,46 @@ typedef void (*unpack_fn)(const uint8_t *, float *, float *, float *);
  * reloading them. Measured for IQ2_XXS 9-10% faster at M = 1; for Q2_K no faster, so Q2_K has none. */
 typedef void (*dot_fn)(acc_t *, const uint8_t *, const float *);     /* types without group mins */
 
+#if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__AVX512BW__)
+/* With VBMI/BITALG (Sapphire Rapids, Zen 4) the block's bookkeeping is vector work done once per block: its 32
+ * sign bytes (ksigns[i] is i with its parity in bit 7: sign indices spread by vpmultishiftqb, parity by vpopcntb)
+ * become one 16-bit mask per 16 values, applied to the grid floats by a masked xor of the sign bit, and its 8
+ * group scales come from one conversion; what is left per group is the grid rows' loads and the same float
+ * products as below (the same bits). Measured 2x faster than the scalar index and sign work per 8 values. */
+static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
+    __m512i v = _mm512_loadu_si512(b + 2);     /* qword g: group g's 4 grid indices, then its 32 bits */
+    __m512i t = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720), v),
+                                 _mm512_set1_epi8(0x7f));
+    __m512i parity = _mm512_and_si512(_mm512_popcnt_epi8(t), _mm512_set1_epi8(1));
+    const __m512i pack = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x3b3a3938, 0x33323130, 0x2b2a2928, 0x23222120,
+                                          0x1b1a1918, 0x13121110, 0x0b0a0908, 0x03020100);
+    __m256i signs = _mm512_castsi512_si256(_mm512_permutexvar_epi8(pack, _mm512_or_si512(t, _mm512_slli_epi16(parity, 7))));
+    __m128i sign_lo = _mm256_castsi256_si128(signs), sign_hi = _mm256_extracti128_si256(signs, 1);
+    uint64_t negative[4] = {(uint64_t)_mm_cvtsi128_si64(sign_lo), (uint64_t)_mm_extract_epi64(sign_lo, 1),
+                            (uint64_t)_mm_cvtsi128_si64(sign_hi), (uint64_t)_mm_extract_epi64(sign_hi, 1)};
+    __m512 ls = _mm512_castps256_ps512(_mm256_cvtepi32_ps(_mm512_cvtepi64_epi32(_mm512_srli_epi64(v, 60))));
+    __m512 scale = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(half_to_float(b)),    /* + 0: splat16's */
+        _mm512_add_ps(_mm512_set1_ps(0.5f), ls)), _mm512_set1_ps(0.25f)), _mm512_setzero_ps());
+    const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u);
+    static const int32_t lane[8][16] __attribute__((aligned(64))) = {{0}, {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
+        {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2}, {3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
+        {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4}, {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
+        {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6}, {7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *p = b + 2 + 8 * g;
+        v16 s = {0};
+        for (int h = 0; h < 2; h++) {
+            __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)iq2_grid[p[2 * h]])),
+                                           _mm256_loadu_si256((const __m256i *)iq2_grid[p[2 * h + 1]]), 1);
+            __mmask16 k = _cvtu32_mask16((uint32_t)(negative[g / 2] >> (32 * (g % 2) + 16 * h)) & 0xffff);
+            v16 signed_q = (v16)_mm512_mask_xor_epi32(q, k, q, sign_bit);
+            s = h == 0 ? signed_q * load16(x + 32 * g) : fma16(signed_q, load16(x + 32 * g + 16), s);
+        }
+        a->part[g % ACCS] = fma16((v16)_mm512_permutexvar_ps(_mm512_load_si512(lane[g]), scale), s, a->part[g % ACCS]);
+    }
+}
+#else
 static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
     float d = half_to_float(b);
 #pragma GCC unroll 8
@@ -667,6 +707,7 @@ static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
         a->part[g % ACCS] = fma16(splat16(scale), t, a->part[g % ACCS]);
     }
 }
+#endif
 
 /* One row's share of one unpacked block: ng groups of G values starting at group number j0 of the row. */
 static inline __attribute__((always_inline)) void add_block(acc_t *a, const float *q, const float *scale,
