@@ -664,14 +664,11 @@ static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
     __m128i sign_lo = _mm256_castsi256_si128(signs), sign_hi = _mm256_extracti128_si256(signs, 1);
     uint64_t negative[4] = {(uint64_t)_mm_cvtsi128_si64(sign_lo), (uint64_t)_mm_extract_epi64(sign_lo, 1),
                             (uint64_t)_mm_cvtsi128_si64(sign_hi), (uint64_t)_mm_extract_epi64(sign_hi, 1)};
-    __m512 ls = _mm512_castps256_ps512(_mm256_cvtepi32_ps(_mm512_cvtepi64_epi32(_mm512_srli_epi64(v, 60))));
-    __m512 scale = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(half_to_float(b)),    /* + 0: splat16's */
-        _mm512_add_ps(_mm512_set1_ps(0.5f), ls)), _mm512_set1_ps(0.25f)), _mm512_setzero_ps());
+    __m256 ls = _mm256_cvtepi32_ps(_mm512_cvtepi64_epi32(_mm512_srli_epi64(v, 60)));
+    float scale[8] __attribute__((aligned(32)));     /* + 0: splat16's, as the scalar path */
+    _mm256_store_ps(scale, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(b)),
+        _mm256_add_ps(_mm256_set1_ps(0.5f), ls)), _mm256_set1_ps(0.25f)), _mm256_setzero_ps()));
     const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u);
-    static const int32_t lane[8][16] __attribute__((aligned(64))) = {{0}, {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
-        {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2}, {3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3},
-        {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4}, {5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5},
-        {6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6}, {7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7}};
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
         const uint8_t *p = b + 2 + 8 * g;
@@ -683,7 +680,9 @@ static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
             v16 signed_q = (v16)_mm512_mask_xor_epi32(q, k, q, sign_bit);
             s = h == 0 ? signed_q * load16(x + 32 * g) : fma16(signed_q, load16(x + 32 * g + 16), s);
         }
-        a->part[g % ACCS] = fma16((v16)_mm512_permutexvar_ps(_mm512_load_si512(lane[g]), scale), s, a->part[g % ACCS]);
+        v16 sc;     /* as asm: a load (gcc would permute in registers, its index vector built on port 5) */
+        __asm__("vbroadcastss %1, %0" : "=v"(sc) : "m"(scale[g]));
+        a->part[g % ACCS] = fma16(sc, s, a->part[g % ACCS]);
     }
 }
 #else
@@ -792,6 +791,53 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int bs, int G) {
     return out;
 }
 
+#if defined(__AVX512F__)
+/* Q2_K's one-row counterpart of unpack_q2_k + add_block (the same operations in the same order, so the same
+ * bits), in registers: each 2-bit value becomes its float by a vpermps lookup of its shifted byte (the index's
+ * low 4 bits, so no mask), and the group scales are applied from one vector per block. */
+static inline __attribute__((always_inline)) void dot_q2_k(acc_t *a, const uint8_t *b, const float *x,
+                                                           const float *xsum) {
+    static const float levels[16] __attribute__((aligned(64))) = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+    i32x16 sv = widen16(b);
+    float scales[16] __attribute__((aligned(64)));
+    store16(scales, splat16(half_to_float(b + 80)) * float16(sv & 15) + 0.0f);     /* + 0: splat16's */
+    a->low = fma16(splat16(half_to_float(b + 82)) * float16(sv >> 4), load16(xsum), a->low);
+    const __m512 table = _mm512_load_ps(levels);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) {      /* j = 4 k + 2 h' ... in the order k, h, i: groups g = 8k + 2i + h */
+        int k = j / 8, h = (j / 4) % 2, i = j % 4, g = 8 * k + 2 * i + h;
+        __m512i v = (__m512i)widen16(b + 16 + 32 * k + 16 * h);
+        v16 q = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 2 * i), table);
+        v16 t = q * load16(x + 16 * g);
+        v16 sc;     /* as asm: a load (gcc would permute in registers, its index vector built on port 5) */
+        __asm__("vbroadcastss %1, %0" : "=v"(sc) : "m"(scales[g]));
+        a->part[g % ACCS] = fma16(sc, t, a->part[g % ACCS]);
+    }
+}
+
+/* Q2_K rows [n0, n1) of y [M, N] where each row has a weight of its own (decode, routed experts) through
+ * dot_q2_k; the same bits as rows_grouped. Returns 0, or -2 out of memory. */
+static int q2_k_own_rows(const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+                         const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
+    int64_t nb = K / 256, row_bytes = nb * 84;
+    float *xsum = group_sums(x, M, K, 256, 16);
+    if (xsum == NULL) return -2;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = n0; n < n1; n++) {
+            if (experts != NULL && experts[m] < 0) { y[m * N + n] = 0.0f; continue; }  /* another rank's */
+            const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
+            acc_t a = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                prefetch_block(row + b * 84, 84);
+                dot_q2_k(&a, row + b * 84, x + m * K + b * 256, xsum + (m * nb + b) * 16);
+            }
+            y[m * N + n] = finish(&a, 1);
+        }
+    free(xsum);
+    return 0;
+}
+#endif
+
 /* Rows [n0, n1) of a K-quant with group mins (256 values in bb bytes, groups of G): the grouped path with each
  * row's sums of x per group where it is built, else dequantize-then-multiply. Returns 0, or -2 out of memory. */
 static inline __attribute__((always_inline)) int k_quant_rows(
@@ -837,7 +883,11 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         return 0;
     case 12: return K % 256 ? -1 : k_quant_rows(deq_q4_k, unpack_q4_k, 144, 32, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
-    case 10: return K % 256 ? -1 : k_quant_rows(deq_q2_k, unpack_q2_k, 84, 16, w, expert_bytes, experts, N, K,
+    case 10:
+#if defined(__AVX512F__)
+        if (K % 256 == 0 && (experts != NULL || M == 1)) return q2_k_own_rows(w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        return K % 256 ? -1 : k_quant_rows(deq_q2_k, unpack_q2_k, 84, 16, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
     case 14: if (K % 256) return -1; rows_of(deq_q6_k, 256, 210, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 13: if (K % 256) return -1; rows_of(deq_q5_k, 256, 176, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
