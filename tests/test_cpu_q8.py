@@ -218,6 +218,15 @@ def test_kernel_equals_reference_rows_threads_experts(qtype, monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_iq2_xxs_rows_of_many_blocks_equal_reference():
+    """Rows of 5 blocks (the AVX-512 kernel reduces 4 blocks' integer sums together, then takes the fifth alone):
+    the reference's bits, plain and by expert."""
+    w, stacked = weight("IQ2_XXS", 8, 1280), weight("IQ2_XXS", 2, 8, 1280, seed=2)
+    x, ids = activations(3, 1280), torch.tensor([1, 0, 1])
+    assert torch.equal(kernels.qdot8(x, w), ref.qdot8(x, w))
+    assert torch.equal(kernels.qdot8(x, stacked, ids), ref.qdot8(x, stacked, ids))
+
+
 @pytest.mark.parametrize("flags", ("-mno-avx512f", "-mno-avx512f -mno-avx2"))
 def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
     """The AVX2 build (what an AVX2-only machine compiles) and the plain C build give the same bits."""

@@ -128,12 +128,11 @@ static inline int hsum_i32(__m256i v) {        /* the 8 lanes added (integers: a
 static inline __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 #endif
 
-/* IQ2_XXS (66 bytes) against a Q8_K block: d_w d_x bsum (the 0.125 is applied per output). */
-static inline float dot_iq2_xxs(const uint8_t *b, const void *act) {
-    const q8k_block *y = act;
-    const uint8_t *p = b + 2;
-    int bsum = 0;
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define IQ2_VECTOR 1
+/* IQ2_XXS's integer dot of one block in one vector: its 16 lanes add up to bsum (below). */
+static inline __m512i iq2_xxs_sums(const uint8_t *b, const q8k_block *y) {
+    const uint8_t *p = b + 2;
     /* The block's 8 groups in one vector: 64-bit lane g = the group's 4 grid indices, then its 32 bits. */
     __m512i v = _mm512_loadu_si512(p);
     /* bytes 0-3 of lane g: the 7-bit sign indices of chunks 0-3 (bits 32 + 7l), each byte's parity on top */
@@ -161,7 +160,18 @@ static inline float dot_iq2_xxs(const uint8_t *b, const void *act) {
                                                                  _mm256_set1_epi16((short)(8 * i + 4)), 1), scales);
         acc = _mm512_dpwssd_epi32(acc, prod, ls);
     }
-    bsum = _mm512_reduce_add_epi32(acc);
+    return acc;
+}
+#endif
+
+/* IQ2_XXS (66 bytes) against a Q8_K block: d_w d_x bsum (the 0.125 is applied per output). */
+static inline float dot_iq2_xxs(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *p = b + 2;
+    int bsum = 0;
+#if defined(IQ2_VECTOR)
+    (void)p;
+    bsum = _mm512_reduce_add_epi32(iq2_xxs_sums(b, y));
 #elif defined(__AVX2__)
     __m256i acc = _mm256_setzero_si256();
     for (int g = 0; g < 8; g++, p += 8) {
@@ -288,9 +298,40 @@ static inline __attribute__((always_inline)) float row_blocks(dot8_fn dot, const
     return acc;
 }
 
+#if defined(IQ2_VECTOR)
+/* The 16 lanes of each of a, b, c, d added: [sum a, sum b, sum c, sum d] (one transposing tree for 4 blocks). */
+static inline __m128i sum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
+    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* Blocks 4 at a time: their integer sums reduced together (a quarter of the shuffles of one reduction per
+ * block), then the same float steps in block order as row_blocks, so the same bits. */
+static float row_iq2_xxs(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    const q8k_block *y = (const q8k_block *)act;
+    float acc = 0.0f, bsum[4];
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        const uint8_t *w = row + b * 66;
+        for (int i = 0; i < 4; i++) prefetch_ahead(w + 66 * i, 66);
+        _mm_storeu_ps(bsum, _mm_cvtepi32_ps(sum4_epi32(iq2_xxs_sums(w, y + b), iq2_xxs_sums(w + 66, y + b + 1),
+                                                       iq2_xxs_sums(w + 132, y + b + 2), iq2_xxs_sums(w + 198, y + b + 3))));
+        for (int i = 0; i < 4; i++) acc += (q8_half(w + 66 * i) * y[b + i].d) * bsum[i];
+    }
+    for (; b < nb; b++) {
+        prefetch_ahead(row + b * 66, 66);
+        acc += dot_iq2_xxs(row + b * 66, y + b);
+    }
+    return 0.125f * acc;
+}
+#else
 static float row_iq2_xxs(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return 0.125f * row_blocks(dot_iq2_xxs, 66, sizeof(q8k_block), row, act, nb);
 }
+#endif
 
 static float row_q2_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return row_blocks(dot_q2_k, 84, sizeof(q8k_block), row, act, nb);
