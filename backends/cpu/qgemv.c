@@ -793,21 +793,22 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int bs, int G) {
 
 #if defined(__AVX512F__)
 /* Q2_K's one-row counterpart of unpack_q2_k + add_block (the same operations in the same order, so the same
- * bits), in registers: each 2-bit value becomes its float by a vpermps lookup of its shifted byte (the index's
- * low 4 bits, so no mask), and the group scales are applied from one vector per block. */
+ * bits), in registers: each 2-bit value becomes its float by a vpermps lookup (of the low 4 bits of its byte,
+ * or of the byte shifted by 4: no mask, one shift per 4 values), and the group scales are broadcast from memory. */
 static inline __attribute__((always_inline)) void dot_q2_k(acc_t *a, const uint8_t *b, const float *x,
                                                            const float *xsum) {
-    static const float levels[16] __attribute__((aligned(64))) = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+    static const float levels[2][16] __attribute__((aligned(64))) = {   /* the low / high 2 bits of a 4-bit index */
+        {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}, {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}};
     i32x16 sv = widen16(b);
     float scales[16] __attribute__((aligned(64)));
     store16(scales, splat16(half_to_float(b + 80)) * float16(sv & 15) + 0.0f);     /* + 0: splat16's */
     a->low = fma16(splat16(half_to_float(b + 82)) * float16(sv >> 4), load16(xsum), a->low);
-    const __m512 table = _mm512_load_ps(levels);
+    const __m512 low_bits = _mm512_load_ps(levels[0]), high_bits = _mm512_load_ps(levels[1]);
 #pragma GCC unroll 16
-    for (int j = 0; j < 16; j++) {      /* j = 4 k + 2 h' ... in the order k, h, i: groups g = 8k + 2i + h */
+    for (int j = 0; j < 16; j++) {      /* in the order k, h, i: groups g = 8k + 2i + h */
         int k = j / 8, h = (j / 4) % 2, i = j % 4, g = 8 * k + 2 * i + h;
-        __m512i v = (__m512i)widen16(b + 16 + 32 * k + 16 * h);
-        v16 q = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 2 * i), table);
+        __m512i v = (__m512i)widen16(b + 16 + 32 * k + 16 * h);      /* value i: bits 2i, 2i + 1 of byte */
+        v16 q = (v16)_mm512_permutexvar_ps(i < 2 ? v : _mm512_srli_epi32(v, 4), i % 2 ? high_bits : low_bits);
         v16 t = q * load16(x + 16 * g);
         v16 sc;     /* as asm: a load (gcc would permute in registers, its index vector built on port 5) */
         __asm__("vbroadcastss %1, %0" : "=v"(sc) : "m"(scales[g]));
