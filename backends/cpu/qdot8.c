@@ -317,8 +317,9 @@ static float row_iq2_xxs(const uint8_t *row, const uint8_t *act, int64_t nb) {
     for (; b + 4 <= nb; b += 4) {
         const uint8_t *w = row + b * 66;
         for (int i = 0; i < 4; i++) prefetch_ahead(w + 66 * i, 66);
-        _mm_storeu_ps(bsum, _mm_cvtepi32_ps(sum4_epi32(iq2_xxs_sums(w, y + b), iq2_xxs_sums(w + 66, y + b + 1),
-                                                       iq2_xxs_sums(w + 132, y + b + 2), iq2_xxs_sums(w + 198, y + b + 3))));
+        __m128i sums = sum4_epi32(iq2_xxs_sums(w, y + b), iq2_xxs_sums(w + 66, y + b + 1),
+                                  iq2_xxs_sums(w + 132, y + b + 2), iq2_xxs_sums(w + 198, y + b + 3));
+        _mm_storeu_ps(bsum, _mm_cvtepi32_ps(sums));
         for (int i = 0; i < 4; i++) acc += (q8_half(w + 66 * i) * y[b + i].d) * bsum[i];
     }
     for (; b < nb; b++) {
