@@ -155,7 +155,9 @@ static inline __m512i iq2_xxs_sums(const uint8_t *b, const q8k_block *y) {
         __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
         __m512i grid = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
         __m512i q8 = _mm512_loadu_si512(y->qs + 64 * i);
-        __m512i prod = _mm512_maddubs_epi16(grid, _mm512_mask_sub_epi8(q8, negative[i], _mm512_setzero_si512(), q8));
+        __mmask64 neg;      /* as asm: a load (gcc would move each mask out of the vector: ~3 uops on the shuffle port) */
+        __asm__("kmovq %1, %0" : "=k"(neg) : "m"(negative[i]));
+        __m512i prod = _mm512_maddubs_epi16(grid, _mm512_mask_sub_epi8(q8, neg, _mm512_setzero_si512(), q8));
         __m512i ls = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(8 * i)),
                                                                  _mm256_set1_epi16((short)(8 * i + 4)), 1), scales);
         acc = _mm512_dpwssd_epi32(acc, prod, ls);
