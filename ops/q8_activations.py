@@ -9,14 +9,18 @@ weight row is multiplied with it in integers; floats only combine whole blocks:
   has d = 0 and q = 0.
 - **Q8_0** (activations of Q8_0 weights): per 32 values, `d = amax / 127`, `q = roundf(x / d)` (halves away
   from zero), d stored as f16.
+- **F16** (activations of F16 weights, llama.cpp's `vec_dot_type` for F16): each value rounded to the nearest
+  f16 (halves to even); the products of two f16 values are exact in float32.
 
 Per weight block the dot is an exact integer sum; the float combination, in block order along the row:
 IQ2_XXS `acc += (d_w d_x) bsum` (bsum = sum over groups of (2 ls + 1) times the group's integer dot), and
 0.125 acc at the end; the K-quants `acc += (d_x d) isum - (d_x dmin) msum` (isum = sum over sub-blocks of
 scale times the sub-block's integer dot, msum = sum of min times bsums; Q3_K and Q6_K have no mins);
+Q3_K and Q6_K (signed sub-block scales, no mins) `acc += (d_x d) isum`;
 Q8_0 in 8 lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values
-4l..4l+3 of each 32, block after block; then the lanes in order). These are the formulas of llama.cpp's
-`ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_q8_0_q8_0` (per-block integers equal; IQ2_XXS and Q2_K add the
+4l..4l+3 of each 32, block after block; then the lanes in order); F16 in 32 lanes (lane l adds the products
+of values l, l + 32, l + 64, ... in order; then the lanes in order). These are the formulas of llama.cpp's
+`ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_q8_0_q8_0` / `ggml_vec_dot_f16` (per-block integers equal; IQ2_XXS and Q2_K add the
 block terms in the generic version's float order; llama.cpp's SIMD variants use other float orders). The C
 kernel matches this reference bit for bit.
 """
@@ -27,13 +31,14 @@ from dataclasses import dataclass
 import torch
 
 from ops.quants import QTensor
-from ops.quants._blocks import f16_field, round_half_away
+from ops.quants._blocks import bit_planes, f16_field, round_half_away
 from ops.quants.iq2_xxs import GRID, KSIGNS
 from ops.quants.q4_k import _unpack_scales
 
-Q8_K_TYPES = ("IQ2_XXS", "Q2_K", "Q4_K")    # weights multiplied with Q8_K activations
+Q8_K_TYPES = ("IQ2_XXS", "Q2_K", "Q4_K", "Q3_K", "Q5_K", "Q6_K")    # weights multiplied with Q8_K activations
 Q8_0_TYPES = ("Q8_0",)                        # weights multiplied with Q8_0 activations
-TYPES = Q8_K_TYPES + Q8_0_TYPES
+F16_TYPES = ("F16",)                          # weights multiplied with activations rounded to f16
+TYPES = Q8_K_TYPES + Q8_0_TYPES + F16_TYPES
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,11 @@ def quantize_q8_0(x: torch.Tensor) -> Q8Blocks:
     inverse = torch.where(d != 0, 1 / torch.where(d != 0, d, 1), 0)
     q = round_half_away((v * inverse[..., None]).double())    # in float64: halves exact, as C's roundf
     return Q8Blocks(d.to(torch.float16).to(torch.float32), q.to(torch.int32), None)
+
+
+def round_f16(x: torch.Tensor) -> torch.Tensor:
+    """Activations `x` [M, K] (K a multiple of 32) rounded to the nearest f16, as float32 (llama.cpp's F16 rows)."""
+    return _check(x, 32).to(torch.float16).to(torch.float32)
 
 
 def _iq2_xxs(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
@@ -131,7 +141,53 @@ def _q8_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
     return (f16_field(bu, 0).reshape(P, nb) * xq.d)[..., None] * lanes.to(torch.float32)
 
 
-_BLOCK_TERMS = {"IQ2_XXS": _iq2_xxs, "Q2_K": _q2_k, "Q4_K": _q4_k, "Q8_0": _q8_0}
+def _q3_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb] of Q3_K blocks [P, nb, 110] against Q8_K rows."""
+    P, nb = blocks.shape[:2]
+    b = blocks.reshape(-1, 110).to(torch.int64)
+    low = bit_planes(b[:, 96:104], [0, 4], 15).reshape(P, nb, 16)
+    high = bit_planes(b[:, 104:108], [0, 2, 4, 6], 3).reshape(P, nb, 16)
+    q = bit_planes(b[:, 32:96].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(P, nb, 256)
+    h = bit_planes(b[:, :32], list(range(8)), 1).reshape(P, nb, 256)
+    dots = ((q - 4 * (1 - h)) * xq.q).reshape(P, nb, 16, 16).sum(-1)
+    isum = (((low | (high << 4)) - 32) * dots).sum(-1)
+    return f16_field(blocks.reshape(-1, 110), 108).reshape(P, nb) * xq.d * isum.to(torch.float32)
+
+
+def _q5_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb] of Q5_K blocks [P, nb, 176] against Q8_K rows."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 176)
+    sc, m = (t.to(torch.int64).reshape(P, nb, 8) for t in _unpack_scales(bu[:, 4:16]))
+    qs = bu[:, 48:].to(torch.int64).reshape(-1, 4, 1, 32)
+    high = bit_planes(bu[:, 16:48].to(torch.int64), list(range(8)), 1)
+    q = (torch.cat([qs & 15, qs >> 4], 2).reshape(-1, 8, 32) | (high << 4)).reshape(P, nb, 8, 32)
+    isum = (sc * (q * xq.q.reshape(P, nb, 8, 32)).sum(-1)).sum(-1)
+    msum = (m * xq.bsums.reshape(P, nb, 8, 2).sum(-1)).sum(-1)
+    d, dmin = f16_field(bu, 0).reshape(P, nb) * xq.d, f16_field(bu, 2).reshape(P, nb) * xq.d
+    return d * isum.to(torch.float32) - dmin * msum.to(torch.float32)
+
+
+def _q6_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb] of Q6_K blocks [P, nb, 210] against Q8_K rows."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 210)
+    b = bu.to(torch.int64)
+    low = bit_planes(b[:, :128].reshape(-1, 2, 64), [0, 4], 15).reshape(P, nb, 256)
+    high = bit_planes(b[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(P, nb, 256)
+    dots = (((low | (high << 4)) - 32) * xq.q).reshape(P, nb, 16, 16).sum(-1)
+    scales = bu[:, 192:208].contiguous().view(torch.int8).to(torch.int64).reshape(P, nb, 16)
+    return f16_field(bu, 208).reshape(P, nb) * xq.d * (scales * dots).sum(-1).to(torch.float32)
+
+
+def _f16(blocks: torch.Tensor, x16: torch.Tensor) -> torch.Tensor:
+    """Per-block products [P, nb, 32] of F16 weight rows [P, nb, 64 bytes] with rows of f16-rounded activations
+    [P, nb, 32] (exact in float32: lane l of a block holds the product of its value l)."""
+    return blocks.contiguous().view(torch.float16).to(torch.float32) * x16
+
+
+_BLOCK_TERMS = {"IQ2_XXS": _iq2_xxs, "Q2_K": _q2_k, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q3_K": _q3_k, "Q5_K": _q5_k,
+                "Q6_K": _q6_k}
 
 
 def quantize_activations(x: torch.Tensor, qtype: str) -> Q8Blocks:
@@ -149,19 +205,22 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
         raise ValueError(f"activations must be [M, {K}], got {tuple(x.shape)}")
     if (experts is None) != (len(w.shape) == 2):
         raise ValueError(f"a weight of shape {w.shape} needs experts exactly when it is stacked [E, N, K]")
-    xq = quantize_activations(x, w.qtype.name)
-    M, N, nb = x.shape[0], w.shape[-2], xq.d.shape[1]
+    M, N, nb = x.shape[0], w.shape[-2], K // (32 if w.qtype.name in Q8_0_TYPES + F16_TYPES else 256)
     if experts is None:
         data = w.data.reshape(1, N, -1).expand(M, N, -1)
     else:
         data = w.data.reshape(w.shape[0], N, -1)[experts.clamp(min=0)]
     blocks = data.reshape(M * N, nb, -1)
-    rows = Q8Blocks(*(None if t is None else t.repeat_interleave(N, 0) for t in (xq.d, xq.q, xq.bsums)))
-    terms = _BLOCK_TERMS[w.qtype.name](blocks, rows)
+    if w.qtype.name in F16_TYPES:
+        terms = _f16(blocks, round_f16(x).reshape(M, 1, nb, 32).expand(M, N, nb, 32).reshape(M * N, nb, 32))
+    else:
+        xq = quantize_activations(x, w.qtype.name)
+        rows = Q8Blocks(*(None if t is None else t.repeat_interleave(N, 0) for t in (xq.d, xq.q, xq.bsums)))
+        terms = _BLOCK_TERMS[w.qtype.name](blocks, rows)
     acc = torch.zeros(M * N, *terms.shape[2:], dtype=torch.float32)
     for b in range(nb):                               # in block order, as the kernel adds them
         acc = acc + terms[:, b]
-    if acc.dim() == 2:                                # Q8_0's lanes, added in order
+    if acc.dim() == 2:                                # Q8_0's and F16's lanes, added in order
         acc = sum((acc[:, lane] for lane in range(1, acc.shape[1])), start=acc[:, 0])
     if w.qtype.name == "IQ2_XXS":
         acc = 0.125 * acc

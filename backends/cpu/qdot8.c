@@ -64,7 +64,8 @@ static inline int q8_nearest(float v) {     /* round to nearest, ties to even (|
 }
 
 /* Rows of x [M, K] rounded to Q8_K (kind 0, K % 256 == 0) or Q8_0 (kind 1, K % 32 == 0) blocks into `out`
- * (M * K/256 q8k_block or M * K/32 q8_0_block). Returns -1 for a kind or K it cannot serve. */
+ * (M * K/256 q8k_block or M * K/32 q8_0_block), or (kind 2, K % 32 == 0) each value to the nearest f16, as
+ * M * K floats. Returns -1 for a kind or K it cannot serve. */
 int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
     if (kind == 0) {
         if (K % 256) return -1;
@@ -100,6 +101,12 @@ int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
             y[b].d = q8_round_half(d);
             for (int j = 0; j < 32; j++) y[b].qs[j] = (int8_t)roundf(x[j] * id);
         }
+        return 0;
+    }
+    if (kind == 2) {
+        if (K % 32) return -1;
+        float *y = out;
+        for (int64_t i = 0; i < M * K; i++) y[i] = copysignf(q8_round_half(fabsf(x[i])), x[i]);
         return 0;
     }
     return -1;
@@ -270,6 +277,129 @@ static inline float dot_q4_k(const uint8_t *b, const void *act) {
     return (y->d * q8_half(b)) * (float)isum - (y->d * q8_half(b + 2)) * (float)msum;
 }
 
+static inline int q3_k_scale(const uint8_t *s, int j) {      /* Q3_K's signed 6-bit scale j (-32..31) */
+    return (((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+}
+
+#if defined(__AVX2__)
+static inline __m256i scale_pair(int lo, int hi) {     /* int16 lanes 0-7 = lo, 8-15 = hi */
+    return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo));
+}
+#endif
+
+/* Q3_K (110 bytes: hmask, qs, scales, d) against a Q8_K block: (d_x d) isum, the codes q - 4 (1 - h). */
+static inline float dot_q3_k(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+    int scale[16], isum = 0;
+    for (int j = 0; j < 16; j++) scale[j] = q3_k_scale(s, j);
+#if defined(__AVX2__)
+    __m256i missing = _mm256_andnot_si256(load256(hm), _mm256_set1_epi8(-1));    /* high bits cleared: -4 */
+    __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), acc = _mm256_setzero_si256();
+    for (int c = 0; c < 2; c++) {
+        __m256i q3 = load256(qs + 32 * c);
+        for (int i = 0; i < 4; i++) {               /* elements 128c + 32i + (0..31): scales 8c+2i, 8c+2i+1 */
+            __m256i q = _mm256_and_si256(_mm256_srli_epi16(q3, 2 * i), three);
+            __m256i four = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(missing, 4 * c + i), one), 2);
+            __m256i q8 = load256(y->qs + 128 * c + 32 * i);
+            __m256i prod = _mm256_sub_epi16(_mm256_maddubs_epi16(q, q8), _mm256_maddubs_epi16(four, q8));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, scale_pair(scale[8 * c + 2 * i], scale[8 * c + 2 * i + 1])));
+        }
+    }
+    isum = hsum_i32(acc);
+#else
+    for (int e = 0; e < 256; e += 16) {
+        int sumi = 0;
+        for (int l = e; l < e + 16; l++) {
+            int q = ((qs[32 * (l / 128) + l % 32] >> (2 * ((l / 32) % 4))) & 3) - ((hm[l % 32] >> (l / 32)) & 1 ? 0 : 4);
+            sumi += q * y->qs[l];
+        }
+        isum += scale[e / 16] * sumi;
+    }
+#endif
+    return (q8_half(b + 108) * y->d) * (float)isum;
+}
+
+static inline void k_scale_min(const uint8_t *s, int *scale, int *low) {     /* Q4_K/Q5_K's 6-bit pairs */
+    for (int j = 0; j < 4; j++) {
+        scale[j] = s[j] & 63;
+        low[j] = s[4 + j] & 63;
+        scale[4 + j] = (s[8 + j] & 15) | ((s[j] >> 6) << 4);
+        low[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4);
+    }
+}
+
+/* Q5_K (176 bytes: d, dmin, scales, qh, qs) against a Q8_K block: (d_x d) isum - (d_x dmin) msum. */
+static inline float dot_q5_k(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    int scale[8], low[8], isum = 0, msum = 0;
+    k_scale_min(b + 4, scale, low);
+    for (int j = 0; j < 8; j++) msum += low[j] * (y->bsums[2 * j] + y->bsums[2 * j + 1]);
+#if defined(__AVX2__)
+    __m256i nibble = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), high = load256(qh);
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i q4 = load256(qs + 32 * c);
+        __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c), one), 4);
+        __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c + 1), one), 4);
+        __m256i lo = _mm256_or_si256(_mm256_and_si256(q4, nibble), h0);
+        __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), nibble), h1);
+        lo = _mm256_maddubs_epi16(lo, load256(y->qs + 64 * c));
+        hi = _mm256_maddubs_epi16(hi, load256(y->qs + 64 * c + 32));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(lo, _mm256_set1_epi16((short)scale[2 * c])));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(hi, _mm256_set1_epi16((short)scale[2 * c + 1])));
+    }
+    isum = hsum_i32(acc);
+#else
+    for (int c = 0; c < 4; c++) {
+        int lo = 0, hi = 0;
+        for (int l = 0; l < 32; l++) {
+            lo += ((qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4)) * y->qs[64 * c + l];
+            hi += ((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4)) * y->qs[64 * c + 32 + l];
+        }
+        isum += scale[2 * c] * lo + scale[2 * c + 1] * hi;
+    }
+#endif
+    return (y->d * q8_half(b)) * (float)isum - (y->d * q8_half(b + 2)) * (float)msum;
+}
+
+/* Q6_K (210 bytes: ql, qh, int8 scales, d) against a Q8_K block: (d_x d) isum, the codes q - 32. */
+static inline float dot_q6_k(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    int isum = 0;
+#if defined(__AVX2__)
+    __m256i nibble = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = 0; c < 2; c++) {
+        __m256i l0 = load256(ql + 64 * c), l1 = load256(ql + 64 * c + 32), h = load256(qh + 32 * c);
+        __m256i lows[4] = {_mm256_and_si256(l0, nibble), _mm256_and_si256(l1, nibble),
+                           _mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
+                           _mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble)};
+        for (int i = 0; i < 4; i++) {               /* elements 128c + 32i + (0..31): scales 8c+2i, 8c+2i+1 */
+            __m256i q = _mm256_or_si256(lows[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * i), three), 4));
+            __m256i q8 = load256(y->qs + 128 * c + 32 * i);
+            __m256i prod = _mm256_sub_epi16(_mm256_maddubs_epi16(q, q8), _mm256_maddubs_epi16(offset, q8));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, scale_pair(sc[8 * c + 2 * i], sc[8 * c + 2 * i + 1])));
+        }
+    }
+    isum = hsum_i32(acc);
+#else
+    for (int e = 0; e < 256; e += 16) {
+        int sumi = 0;
+        for (int l = e; l < e + 16; l++) {
+            int c = l / 128, i = (l / 32) % 4, k = l % 32;
+            int low = (ql[64 * c + 32 * (i % 2) + k] >> (4 * (i / 2))) & 15;
+            sumi += ((low | (((qh[32 * c + k] >> (2 * i)) & 3) << 4)) - 32) * y->qs[l];
+        }
+        isum += sc[e / 16] * sumi;
+    }
+#endif
+    return (q8_half(b + 208) * y->d) * (float)isum;
+}
+
 typedef float (*dot8_fn)(const uint8_t *, const void *);
 typedef float (*row8_fn)(const uint8_t *, const uint8_t *, int64_t);
 
@@ -331,6 +461,53 @@ static float row_q8_0(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return sum;
 }
 
+static float row_q3_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_blocks(dot_q3_k, 110, sizeof(q8k_block), row, act, nb);
+}
+
+static float row_q5_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_blocks(dot_q5_k, 176, sizeof(q8k_block), row, act, nb);
+}
+
+static float row_q6_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_blocks(dot_q6_k, 210, sizeof(q8k_block), row, act, nb);
+}
+
+/* A row of F16 weights against f16-rounded float activations (q8_quantize kind 2) in 32 float lanes: lane l
+ * adds the products of values l, l + 32, l + 64, ... (exact: two f16 values multiply exactly in float), then the
+ * lanes are added in order. `nb` blocks of 32 values. */
+static float row_f16(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    const float *x = (const float *)act;
+    float lanes[32] = {0};
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, row += 64, x += 32) {
+        prefetch_ahead(row, 64);
+        acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)row)),
+                                                 _mm512_loadu_ps(x)));
+        acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 32))),
+                                                 _mm512_loadu_ps(x + 16)));
+    }
+    _mm512_storeu_ps(lanes, acc0);
+    _mm512_storeu_ps(lanes + 16, acc1);
+#elif defined(__AVX2__) && defined(__F16C__)
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++, row += 64, x += 32) {
+        prefetch_ahead(row, 64);
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 16 * j))),
+                                                         _mm256_loadu_ps(x + 8 * j)));
+    }
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(lanes + 8 * j, acc[j]);
+#else
+    for (int64_t b = 0; b < nb; b++, row += 64, x += 32)
+        for (int l = 0; l < 32; l++) lanes[l] += q8_half(row + 2 * l) * x[l];
+#endif
+    float sum = 0.0f;
+    for (int l = 0; l < 32; l++) sum += lanes[l];
+    return sum;
+}
+
 /* Output rows [n0, n1) of y [M, N]: each (row, output) through `row_dot` (bs values in bb bytes per weight
  * block, ab bytes per activation block). */
 static inline __attribute__((always_inline)) void rows_q8(
@@ -346,7 +523,8 @@ static inline __attribute__((always_inline)) void rows_q8(
 }
 
 /* y [M, N] rows [n0, n1) = x @ W.T for a weight of GGUF type `type` (16 IQ2_XXS after qdot8_set_iq2_xxs,
- * 10 Q2_K, 12 Q4_K: `xq` from q8_quantize kind 0; 8 Q8_0: kind 1), M <= 16; experts as in qgemv.c (row m
+ * 10 Q2_K, 12 Q4_K, 11 Q3_K, 13 Q5_K, 14 Q6_K: `xq` from q8_quantize kind 0; 8 Q8_0: kind 1; 1 F16: kind 2),
+ * M <= 16; experts as in qgemv.c (row m
  * uses the weight at w + experts[m] * expert_bytes; experts[m] < 0 gives 0). Returns -1 for a call it cannot
  * serve. */
 int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
@@ -364,6 +542,14 @@ int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 8: if (K % 32) return -1;
         rows_q8(row_q8_0, 32, 34, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
+    case 11: if (K % 256) return -1;
+        rows_q8(row_q3_k, 256, 110, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 13: if (K % 256) return -1;
+        rows_q8(row_q5_k, 256, 176, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 14: if (K % 256) return -1;
+        rows_q8(row_q6_k, 256, 210, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 1: if (K % 32) return -1;
+        rows_q8(row_f16, 32, 64, 32 * (int)sizeof(float), w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     default: return -1;
     }
 }
