@@ -14,15 +14,14 @@ weight row is multiplied with it in integers; floats only combine whole blocks:
 
 Per weight block the dot is an exact integer sum; the float combination, in block order along the row:
 IQ2_XXS `acc += (d_w d_x) bsum` (bsum = sum over groups of (2 ls + 1) times the group's integer dot), and
-0.125 acc at the end; the K-quants `acc += (d_x d) isum - (d_x dmin) msum` (isum = sum over sub-blocks of
-scale times the sub-block's integer dot, msum = sum of min times bsums; Q3_K and Q6_K have no mins);
-Q3_K and Q6_K (signed sub-block scales, no mins) `acc += (d_x d) isum`;
-Q8_0 in 8 lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values
-4l..4l+3 of each 32, block after block; then the lanes in order); F16 in 32 lanes (lane l adds the products
-of values l, l + 32, l + 64, ... in order; then the lanes in order). These are the formulas of llama.cpp's
-`ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_q8_0_q8_0` / `ggml_vec_dot_f16` (per-block integers equal; IQ2_XXS and Q2_K add the
-block terms in the generic version's float order; llama.cpp's SIMD variants use other float orders). The C
-kernel matches this reference bit for bit.
+0.125 acc at the end; Q2_K, Q4_K, Q5_K `acc += (d_x d) isum - (d_x dmin) msum` (isum = sum over sub-blocks of
+scale times the sub-block's integer dot, msum = sum of min times bsums); Q3_K, Q6_K (signed sub-block scales,
+no mins) `acc += (d_w d_x) isum`; Q8_0 in 8 lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`,
+sumi_l the integer dot of values 4l..4l+3 of each 32, block after block; then the lanes in order); F16 in 32
+lanes (lane l adds the products of values l, l + 32, l + 64, ... in order; then the lanes in order). These are
+the formulas of llama.cpp's `ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_q8_0_q8_0` / `ggml_vec_dot_f16`
+(per-block integers equal; IQ2_XXS and Q2_K add the block terms in the generic version's float order;
+llama.cpp's SIMD variants use other float orders). The C kernel matches this reference bit for bit.
 """
 from __future__ import annotations
 

@@ -127,15 +127,86 @@ def vec_dot_q4_k_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[in
     """The integer sums of ggml_vec_dot_q4_K_q8_K_generic per block: (sum of its 8 aux32 lanes, sumi)."""
     isums, msums = [], []
     for b, (_, q8, bsums) in zip(w.reshape(-1, 144), y, strict=True):
-        s = b[4:16].astype(np.int32)
-        scales = [s[j] & 63 for j in range(4)] + [(s[8 + j] & 15) | ((s[j] >> 6) << 4) for j in range(4)]
-        mins = [s[4 + j] & 63 for j in range(4)] + [(s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4) for j in range(4)]
+        scales, mins = k_scales_mins(b[4:16])
         q4 = b[16:].astype(np.int32).reshape(4, 32)
         a = np.concatenate([np.concatenate([c & 15, c >> 4]) for c in q4])
         msums.append(sum(int(bsums[j]) * int(mins[j // 2]) for j in range(16)))
         dots = (q8 * a).reshape(8, 32).sum(1)
         isums.append(sum(int(scales[j]) * int(dots[j]) for j in range(8)))
     return isums, msums
+
+
+def vec_dot_q3_k_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[int]]:
+    """The integer sums of ggml_vec_dot_q3_K_q8_K_generic per block: (sum of its 8 aux32 lanes, 0: no mins)."""
+    isums = []
+    kmask1, kmask2 = 0x03030303, 0x0F0F0F0F
+    for b, (_, q8, _) in zip(w.reshape(-1, 110), y, strict=True):
+        hm, q3 = b[:32].astype(np.int32), b[32:96].astype(np.int32)
+        a, m = [], 1
+        for j in range(2):
+            for shift in (0, 2, 4, 6):
+                a.append(((q3[32 * j:32 * j + 32] >> shift) & 3) - np.where(hm & m, 0, 4))
+                m <<= 1
+        a = np.concatenate(a)
+        aux = [int(v) for v in b[96:108].view(np.uint32)]
+        tmp = aux[2]
+        words = [(aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4), (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4),
+                 ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4),
+                 ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4)]
+        scales = np.array(words, np.uint32).view(np.int8).astype(np.int32)
+        isums.append(sum(int(scales[j] - 32) * int((q8[16 * j:16 * j + 16] * a[16 * j:16 * j + 16]).sum())
+                         for j in range(16)))
+    return isums, [0] * len(isums)
+
+
+def k_scales_mins(s: np.ndarray) -> tuple[list[int], list[int]]:
+    """ggml's get_scale_min_k4 on the 12 scale bytes of a Q4_K/Q5_K block."""
+    s = s.astype(np.int32)
+    scales = [s[j] & 63 for j in range(4)] + [(s[8 + j] & 15) | ((s[j] >> 6) << 4) for j in range(4)]
+    mins = [s[4 + j] & 63 for j in range(4)] + [(s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4) for j in range(4)]
+    return scales, mins
+
+
+def vec_dot_q5_k_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[int]]:
+    """The integer sums of ggml_vec_dot_q5_K_q8_K_generic per block: (sum of its 8 aux32 lanes, sumi)."""
+    isums, msums = [], []
+    for b, (_, q8, bsums) in zip(w.reshape(-1, 176), y, strict=True):
+        scales, mins = k_scales_mins(b[4:16])
+        hm, q4 = b[16:48].astype(np.int32), b[48:].astype(np.int32).reshape(4, 32)
+        a = np.concatenate([np.concatenate([(c & 15) + np.where(hm & (1 << 2 * j), 16, 0),
+                                            (c >> 4) + np.where(hm & (2 << 2 * j), 16, 0)]) for j, c in enumerate(q4)])
+        msums.append(sum(int(bsums[j]) * int(mins[j // 2]) for j in range(16)))
+        dots = (q8 * a).reshape(8, 32).sum(1)
+        isums.append(sum(int(scales[j]) * int(dots[j]) for j in range(8)))
+    return isums, msums
+
+
+def vec_dot_q6_k_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[int]]:
+    """The integer sums of ggml_vec_dot_q6_K_q8_K_generic per block: (sum of its 8 aux32 lanes, 0: no mins)."""
+    isums = []
+    for b, (_, q8, _) in zip(w.reshape(-1, 210), y, strict=True):
+        a = np.zeros(256, np.int32)
+        for j in range(2):
+            q4, qh = b[64 * j:64 * j + 64].astype(np.int32), b[128 + 32 * j:160 + 32 * j].astype(np.int32)
+            a[128 * j:128 * j + 32] = ((q4[:32] & 15) | (((qh >> 0) & 3) << 4)) - 32
+            a[128 * j + 32:128 * j + 64] = ((q4[32:] & 15) | (((qh >> 2) & 3) << 4)) - 32
+            a[128 * j + 64:128 * j + 96] = ((q4[:32] >> 4) | (((qh >> 4) & 3) << 4)) - 32
+            a[128 * j + 96:128 * j + 128] = ((q4[32:] >> 4) | (((qh >> 6) & 3) << 4)) - 32
+        scales = b[192:208].view(np.int8).astype(np.int32)
+        isums.append(sum(int(scales[j]) * int((q8[16 * j:16 * j + 16] * a[16 * j:16 * j + 16]).sum())
+                         for j in range(16)))
+    return isums, [0] * len(isums)
+
+
+def vec_dot_f16(w: np.ndarray, x: np.ndarray) -> np.float32:
+    """ggml_vec_dot_f16's scalar loop on one row: f16 products summed in double."""
+    return F32(sum(float(F32(a) * F32(b)) for a, b in zip(w.view(np.float16), x.astype(np.float16), strict=True)))
+
+
+# Per K-quant whose generic ggml dot adds its float terms in 8 lanes: the block's integer sums and its f16 fields
+# (d, dmin; dmin None for the types without mins).
+K_LANES = {"Q3_K": (vec_dot_q3_k_q8_k, 110, 108, None), "Q4_K": (vec_dot_q4_k_q8_k, 144, 0, 2),
+           "Q5_K": (vec_dot_q5_k_q8_k, 176, 0, 2), "Q6_K": (vec_dot_q6_k_q8_k, 210, 208, None)}
 
 
 def vec_dot_q8_0_q8_0(w: np.ndarray, y: list[tuple]) -> np.float32:
@@ -173,20 +244,27 @@ def test_q8_k_rounding_is_llama_cpps():
 @pytest.mark.parametrize("qtype", ref.TYPES)
 def test_reference_dot_is_llama_cpps(qtype):
     """Each output of the reference equals llama.cpp's generic dot product of the same blocks (IQ2_XXS, Q2_K:
-    the same float steps, bit for bit; Q4_K: llama.cpp adds its float terms in 8 lanes, so its per-block integer
-    sums give the reference's float result; Q8_0: ours adds 8 lanes, the generic one a scalar: within rounding)."""
+    the same float steps, bit for bit; Q3_K..Q6_K: llama.cpp adds its float terms in 8 lanes, so its per-block
+    integer sums give the reference's float result; Q8_0: ours adds 8 lanes, the generic one a scalar; F16: ours
+    32 float lanes, the generic one a double: within rounding)."""
     w, x = weight(qtype, 4, 512), activations(2, 512)
     out = ref.qdot8(x, w)
     for m in range(2):
         xq = quantize_row_q8_0_ref(x[m].numpy()) if qtype == "Q8_0" else quantize_row_q8_k_ref(x[m].numpy())
         for n in range(4):
             row = w.data[n].numpy()
-            if qtype == "Q4_K":
-                isums, msums = vec_dot_q4_k_q8_k(row, xq)
-                d = torch.tensor([f16(b, 0) * xd for b, (xd, _, _) in zip(row.reshape(-1, 144), xq, strict=True)])
-                dmin = torch.tensor([f16(b, 2) * xd for b, (xd, _, _) in zip(row.reshape(-1, 144), xq, strict=True)])
-                terms = d * torch.tensor(isums, dtype=torch.float32) - dmin * torch.tensor(msums, dtype=torch.float32)
-                assert out[m, n].item() == (terms[0] + terms[1]).item()
+            if qtype in K_LANES:
+                sums, size, at_d, at_dmin = K_LANES[qtype]
+                isums, msums = sums(row, xq)
+                blocks = list(zip(row.reshape(-1, size), xq, strict=True))
+                terms = torch.tensor([f16(b, at_d) * xd for b, (xd, _, _) in blocks]) * torch.tensor(isums).float()
+                if at_dmin is not None:
+                    dmin = torch.tensor([f16(b, at_dmin) * xd for b, (xd, _, _) in blocks])
+                    terms = terms - dmin * torch.tensor(msums, dtype=torch.float32)
+                assert out[m, n].item() == (terms[0] + terms[1]).item(), (qtype, m, n)
+                continue
+            if qtype == "F16":
+                assert out[m, n].item() == pytest.approx(vec_dot_f16(row, x[m].numpy()), rel=1e-5, abs=1e-6)
                 continue
             if qtype == "Q8_0":     # 8 lanes (as llama.cpp's AVX2 kernel) against the generic scalar sum
                 assert out[m, n].item() == pytest.approx(vec_dot_q8_0_q8_0(row, xq), rel=1e-5, abs=1e-6)
@@ -356,12 +434,18 @@ def ggml_harness(tmp_path_factory) -> Path:
 def test_against_ggml_itself(qtype, ggml_harness):
     """llama.cpp's from_float and vec_dot on the same weight and rows: Q8_K activations identical to the
     reference's (d, quants, sums), Q8_0 quants within one step where its AVX rounding differs from its own
-    reference quantizer, and every output within float32 rounding of the reference (llama.cpp adds the same
-    block terms in SIMD lanes)."""
+    reference quantizer, F16 rows the reference's f16 values, and every output within float32 rounding of the
+    reference (llama.cpp adds the same block terms in SIMD lanes)."""
     w, x = weight(qtype, 24, 512), activations(4, 512)
     header = np.array([w.qtype.ggml_type], np.int32).tobytes() + np.array([4, 24, 512], np.int64).tobytes()
     done = subprocess.run([str(ggml_harness)], input=header + w.data.numpy().tobytes() + x.numpy().tobytes(),
                           capture_output=True, check=True)
+    if qtype == "F16":
+        rows = np.frombuffer(done.stdout[:4 * 512 * 2], np.float16).reshape(4, 512).astype(np.float32)
+        assert np.array_equal(rows, ref.round_f16(x).numpy())
+        y = np.frombuffer(done.stdout[4 * 512 * 2:], np.float32).reshape(4, 24)
+        assert np.allclose(y, ref.qdot8(x, w).numpy(), rtol=1e-5, atol=1e-6 * np.abs(y).max())
+        return
     mine = ref.quantize_activations(x, qtype)
     if qtype == "Q8_0":
         blocks = np.frombuffer(done.stdout[:4 * 16 * 34], np.uint8).reshape(4, 16, 34)
