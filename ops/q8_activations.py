@@ -3,12 +3,12 @@
 As llama.cpp's CPU kernels do, each row of activations is rounded to 8 bits per block and every block of a
 weight row is multiplied with it in integers; floats only combine whole blocks:
 
-- **Q8_K** (activations of the 256-value types IQ2_XXS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): per 256 values,
+- **Q8_K** (activations of the 256-value types IQ2_XXS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS): per 256 values,
   `max` = the first value of the largest magnitude, `iscale = -127 / max`, `q = min(127, round(iscale * x))`
   (halves to even), `d = 1 / iscale`, and the sums of q over each 16 values (`bsums`); an all-zero block
   has d = 0 and q = 0.
-- **Q8_0** (activations of Q8_0 weights): per 32 values, `d = amax / 127`, `q = roundf(x / d)` (halves away
-  from zero), d stored as f16.
+- **Q8_0** (activations of Q8_0, Q4_0, Q5_0, IQ4_NL and MXFP4 weights): per 32 values, `d = amax / 127`,
+  `q = roundf(x / d)` (halves away from zero), d stored as f16.
 - **F16** (activations of F16 weights, llama.cpp's `vec_dot_type` for F16): each value rounded to the nearest
   f16 (halves to even); the products of two f16 values are exact in float32.
 
@@ -16,8 +16,11 @@ Per weight block the dot is an exact integer sum; the float combination, in bloc
 IQ2_XXS `acc += (d_w d_x) bsum` (bsum = sum over groups of (2 ls + 1) times the group's integer dot), and
 0.125 acc at the end; Q2_K, Q4_K, Q5_K `acc += (d_x d) isum - (d_x dmin) msum` (isum = sum over sub-blocks of
 scale times the sub-block's integer dot, msum = sum of min times bsums); Q3_K, Q6_K (signed sub-block scales,
-no mins) `acc += (d_w d_x) isum`; Q8_0 in 8 lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`,
-sumi_l the integer dot of values 4l..4l+3 of each 32, block after block; then the lanes in order); F16 in 32
+no mins) and IQ4_XS (isum = sum of (ls - 32) times each 32's integer dot) `acc += (d_w d_x) isum`; Q8_0 in 8
+lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values 4l..4l+3 of
+each 32, block after block; then the lanes in order), and so the types whose 32 values are integer codes times
+one scale: Q4_0 (q - 8), Q5_0 (q - 16), IQ4_NL (its table), MXFP4 (twice the E2M1 value; the scale
+2^(e - 128)); F16 in 32
 lanes (lane l adds the products of values l, l + 32, l + 64, ... in order; then the lanes in order). These are
 the formulas of llama.cpp's `ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_q8_0_q8_0` / `ggml_vec_dot_f16`
 (per-block integers equal; IQ2_XXS and Q2_K add the block terms in the generic version's float order;
@@ -32,10 +35,14 @@ import torch
 from ops.quants import QTensor
 from ops.quants._blocks import bit_planes, f16_field, round_half_away
 from ops.quants.iq2_xxs import GRID, KSIGNS
+from ops.quants.iq4_nl import KVALUES
+from ops.quants.mxfp4 import E2M1, _half_scale
+from ops.quants.q4_0 import nibbles
 from ops.quants.q4_k import _unpack_scales
+from ops.quants.q5_0 import codes as q5_codes
 
-Q8_K_TYPES = ("IQ2_XXS", "Q2_K", "Q4_K", "Q3_K", "Q5_K", "Q6_K")    # weights multiplied with Q8_K activations
-Q8_0_TYPES = ("Q8_0",)                        # weights multiplied with Q8_0 activations
+Q8_K_TYPES = ("IQ2_XXS", "Q2_K", "Q4_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS")   # weights multiplied with Q8_K
+Q8_0_TYPES = ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "MXFP4")                       # ... with Q8_0 activations
 F16_TYPES = ("F16",)                          # weights multiplied with activations rounded to f16
 TYPES = Q8_K_TYPES + Q8_0_TYPES + F16_TYPES
 
@@ -130,14 +137,63 @@ def _q4_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
     return d * isum.to(torch.float32) - dmin * msum.to(torch.float32)
 
 
+def _lanes(codes: torch.Tensor, d: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb, 8] of integer codes [P, nb, 32] times block scales `d` [P, nb] against Q8_0
+    rows, in 8 lanes (lane l: values 4l..4l+3 of the block)."""
+    P, nb = d.shape
+    lanes = (codes.to(torch.int64) * xq.q).reshape(P, nb, 8, 4).sum(-1)
+    return (d * xq.d)[..., None] * lanes.to(torch.float32)
+
+
 def _q8_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
-    """Per-block float terms [P, nb, 8] of Q8_0 blocks [P, nb, 34] against Q8_0 rows, in 8 lanes (lane l: values
-    4l..4l+3 of the block)."""
+    """Per-block float terms [P, nb, 8] of Q8_0 blocks [P, nb, 34] against Q8_0 rows, in 8 lanes."""
     P, nb = blocks.shape[:2]
     bu = blocks.reshape(-1, 34)
-    q = bu[:, 2:].contiguous().view(torch.int8).to(torch.int64).reshape(P, nb, 32)
-    lanes = (q * xq.q).reshape(P, nb, 8, 4).sum(-1)
-    return (f16_field(bu, 0).reshape(P, nb) * xq.d)[..., None] * lanes.to(torch.float32)
+    q = bu[:, 2:].contiguous().view(torch.int8).reshape(P, nb, 32)
+    return _lanes(q, f16_field(bu, 0).reshape(P, nb), xq)
+
+
+def _q4_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Q4_0 blocks [P, nb, 18] (codes q - 8) against Q8_0 rows, in 8 lanes."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 18)
+    return _lanes(nibbles(bu[:, 2:]).to(torch.int64).reshape(P, nb, 32) - 8, f16_field(bu, 0).reshape(P, nb), xq)
+
+
+def _q5_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Q5_0 blocks [P, nb, 22] (codes q - 16) against Q8_0 rows, in 8 lanes."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 22)
+    return _lanes(q5_codes(bu, 2).to(torch.int64).reshape(P, nb, 32) - 16, f16_field(bu, 0).reshape(P, nb), xq)
+
+
+def _iq4_nl(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """IQ4_NL blocks [P, nb, 18] (codes: the table's integers) against Q8_0 rows, in 8 lanes."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 18)
+    codes = KVALUES.to(torch.int64)[nibbles(bu[:, 2:]).to(torch.int64)].reshape(P, nb, 32)
+    return _lanes(codes, f16_field(bu, 0).reshape(P, nb), xq)
+
+
+def _mxfp4(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """MXFP4 blocks [P, nb, 17] (codes: twice the E2M1 values, scale 2^(e - 128)) against Q8_0 rows, in 8 lanes."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 17)
+    codes = (2 * E2M1).to(torch.int64)[nibbles(bu[:, 1:]).to(torch.int64)].reshape(P, nb, 32)
+    return _lanes(codes, _half_scale(bu[:, :1]).reshape(P, nb), xq)
+
+
+def _iq4_xs(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb] of IQ4_XS blocks [P, nb, 136] against Q8_K rows."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 136)
+    b = bu.to(torch.int64)
+    low = bit_planes(b[:, 4:8, None], [0, 4], 15).reshape(P, nb, 8)
+    high = ((b[:, 2] | (b[:, 3] << 8))[:, None] >> (2 * torch.arange(8))) & 3
+    codes = KVALUES.to(torch.int64)[nibbles(b[:, 8:].reshape(-1, 16))].reshape(P, nb, 8, 32)
+    dots = (codes * xq.q.reshape(P, nb, 8, 32)).sum(-1)
+    isum = (((low | (high.reshape(P, nb, 8) << 4)) - 32) * dots).sum(-1)
+    return f16_field(bu, 0).reshape(P, nb) * xq.d * isum.to(torch.float32)
 
 
 def _q3_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
@@ -186,11 +242,11 @@ def _f16(blocks: torch.Tensor, x16: torch.Tensor) -> torch.Tensor:
 
 
 _BLOCK_TERMS = {"IQ2_XXS": _iq2_xxs, "Q2_K": _q2_k, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q3_K": _q3_k, "Q5_K": _q5_k,
-                "Q6_K": _q6_k}
+                "Q6_K": _q6_k, "IQ4_XS": _iq4_xs, "Q4_0": _q4_0, "Q5_0": _q5_0, "IQ4_NL": _iq4_nl, "MXFP4": _mxfp4}
 
 
 def quantize_activations(x: torch.Tensor, qtype: str) -> Q8Blocks:
-    """The 8-bit activations a weight of `qtype` is multiplied with (Q8_0 for Q8_0, else Q8_K)."""
+    """The 8-bit activations a weight of `qtype` is multiplied with (Q8_0 for Q8_0_TYPES, else Q8_K)."""
     return quantize_q8_0(x) if qtype in Q8_0_TYPES else quantize_q8_k(x)
 
 
@@ -219,7 +275,7 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
     acc = torch.zeros(M * N, *terms.shape[2:], dtype=torch.float32)
     for b in range(nb):                               # in block order, as the kernel adds them
         acc = acc + terms[:, b]
-    if acc.dim() == 2:                                # Q8_0's and F16's lanes, added in order
+    if acc.dim() == 2:                                # the lanes of Q8_0_TYPES and F16, added in order
         acc = sum((acc[:, lane] for lane in range(1, acc.shape[1])), start=acc[:, 0])
     if w.qtype.name == "IQ2_XXS":
         acc = 0.125 * acc

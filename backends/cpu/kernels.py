@@ -320,7 +320,7 @@ def _(p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 # The opt-in 8-bit-activation dot product (`--cpu-dot q8`, qdot8.c; numerics and reference: ops/q8_activations.py).
 Q8_TYPES = {"IQ2_XXS": 0, "Q2_K": 0, "Q4_K": 0, "Q8_0": 1,    # the types qdot8.c reads -> activation kind
-            "Q3_K": 0, "Q5_K": 0, "Q6_K": 0, "F16": 2}
+            "Q3_K": 0, "Q5_K": 0, "Q6_K": 0, "IQ4_XS": 0, "Q4_0": 1, "Q5_0": 1, "IQ4_NL": 1, "MXFP4": 1, "F16": 2}
 # Per activation kind (0 Q8_K, 1 Q8_0, 2 the f16-rounded floats of F16 weights): values and bytes of one block.
 Q8_ACTIVATION = ((256, 320), (32, 36), (32, 128))
 

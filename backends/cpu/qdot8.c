@@ -508,6 +508,145 @@ static float row_f16(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return sum;
 }
 
+static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};   /* 2 x E2M1 */
+
+static inline float e8m0_half(uint8_t e) {     /* 2^(e - 128), exact (subnormal for e < 2) */
+    return q8_bits_float(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
+
+/* The 32 integer codes of a 32-value block (Q4_0 q - 8, Q5_0 q - 16, IQ4_NL and MXFP4 their tables) and its
+ * scale: each type's `codes32_<type>` writes them as int8 (an __m256i on AVX2) and returns the scale. */
+#if defined(__AVX2__)
+typedef __m256i codes32;
+static inline __m256i nibbles32(const uint8_t *qs) {   /* bytes 0-15 the low nibbles of qs[16], 16-31 the high */
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    __m128i lo = _mm_and_si128(q, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15));
+    return _mm256_set_m128i(hi, lo);
+}
+static inline __m256i table16(const int8_t *table, __m256i idx) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table)), idx);
+}
+static inline float codes32_q4_0(const uint8_t *b, codes32 *c) {
+    *c = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+    return q8_half(b);
+}
+static inline float codes32_q5_0(const uint8_t *b, codes32 *c) {
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    /* byte j <- byte j / 8 of qh, tested against bit j % 8: 16 where element j's 5th bit is set */
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                         _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                           0x0101010101010101, 0x0000000000000000));
+    __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+    *c = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), high), _mm256_set1_epi8(16));
+    return q8_half(b);
+}
+static inline float codes32_iq4_nl(const uint8_t *b, codes32 *c) {
+    *c = table16(iq4_values, nibbles32(b + 2));
+    return q8_half(b);
+}
+static inline float codes32_mxfp4(const uint8_t *b, codes32 *c) {
+    *c = table16(mxfp4_values, nibbles32(b + 1));
+    return e8m0_half(b[0]);
+}
+#else
+typedef int8_t codes32[32];
+static inline float codes32_q4_0(const uint8_t *b, codes32 *c) {
+    for (int j = 0; j < 16; j++) { (*c)[j] = (int8_t)((b[2 + j] & 15) - 8); (*c)[j + 16] = (int8_t)((b[2 + j] >> 4) - 8); }
+    return q8_half(b);
+}
+static inline float codes32_q5_0(const uint8_t *b, codes32 *c) {
+    uint32_t qh = (uint32_t)b[2] | ((uint32_t)b[3] << 8) | ((uint32_t)b[4] << 16) | ((uint32_t)b[5] << 24);
+    for (int j = 0; j < 16; j++) {
+        (*c)[j] = (int8_t)(((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+        (*c)[j + 16] = (int8_t)(((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+    return q8_half(b);
+}
+static inline float codes32_iq4_nl(const uint8_t *b, codes32 *c) {
+    for (int j = 0; j < 16; j++) { (*c)[j] = iq4_values[b[2 + j] & 15]; (*c)[j + 16] = iq4_values[b[2 + j] >> 4]; }
+    return q8_half(b);
+}
+static inline float codes32_mxfp4(const uint8_t *b, codes32 *c) {
+    for (int j = 0; j < 16; j++) { (*c)[j] = mxfp4_values[b[1 + j] & 15]; (*c)[j + 16] = mxfp4_values[b[1 + j] >> 4]; }
+    return e8m0_half(b[0]);
+}
+#endif
+
+/* A row of 32-value blocks of `bb` bytes given as codes times a scale against Q8_0 activations in 8 float lanes,
+ * as row_q8_0: lane l adds (d_w d_x) times the integer dot of values 4l..4l+3 of each block, then the lanes. */
+static inline __attribute__((always_inline)) float row_codes(float (*codes)(const uint8_t *, codes32 *), const int bb,
+                                                             const uint8_t *row, const uint8_t *act, int64_t nb) {
+    const q8_0_block *y = (const q8_0_block *)act;
+    float lanes[8] = {0};
+    codes32 w;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, row += bb) {
+        prefetch_ahead(row, bb);
+        float d = codes(row, &w);
+        __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256(y[b].qs), w));
+        __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(d * y[b].d), dots));
+    }
+    _mm256_storeu_ps(lanes, acc);
+#else
+    for (int64_t b = 0; b < nb; b++, row += bb) {
+        float d = codes(row, &w) * y[b].d;
+        for (int l = 0; l < 8; l++) {
+            int s = 0;
+            for (int i = 4 * l; i < 4 * l + 4; i++) s += w[i] * y[b].qs[i];
+            lanes[l] += d * (float)s;
+        }
+    }
+#endif
+    float sum = 0.0f;
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    return sum;
+}
+
+static float row_q4_0(const uint8_t *row, const uint8_t *act, int64_t nb) { return row_codes(codes32_q4_0, 18, row, act, nb); }
+static float row_q5_0(const uint8_t *row, const uint8_t *act, int64_t nb) { return row_codes(codes32_q5_0, 22, row, act, nb); }
+static float row_iq4_nl(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_codes(codes32_iq4_nl, 18, row, act, nb);
+}
+static float row_mxfp4(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_codes(codes32_mxfp4, 17, row, act, nb);
+}
+
+/* IQ4_XS (136 bytes: d, scales_h, scales_l, qs) against a Q8_K block: (d_w d_x) isum, isum = sum over the 8
+ * sub-blocks of (ls - 32) times the integer dot of IQ4_NL's table values. */
+static inline float dot_iq4_xs(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *qs = b + 8;
+    int h = b[2] | (b[3] << 8), isum = 0, ls[8];
+    for (int j = 0; j < 8; j++) ls[j] = (((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((h >> (2 * j)) & 3) << 4)) - 32;
+#if defined(__AVX2__)
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        __m256i w = table16(iq4_values, nibbles32(qs + 16 * j));
+        __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256(y->qs + 32 * j), w));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, _mm256_set1_epi16((short)ls[j])));
+    }
+    isum = hsum_i32(acc);
+#else
+    for (int j = 0; j < 8; j++) {
+        int sumi = 0;
+        for (int l = 0; l < 16; l++)
+            sumi += iq4_values[qs[16 * j + l] & 15] * y->qs[32 * j + l] + iq4_values[qs[16 * j + l] >> 4] * y->qs[32 * j + 16 + l];
+        isum += ls[j] * sumi;
+    }
+#endif
+    return (q8_half(b) * y->d) * (float)isum;
+}
+
+static float row_iq4_xs(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_blocks(dot_iq4_xs, 136, sizeof(q8k_block), row, act, nb);
+}
+
 /* Output rows [n0, n1) of y [M, N]: each (row, output) through `row_dot` (bs values in bb bytes per weight
  * block, ab bytes per activation block). */
 static inline __attribute__((always_inline)) void rows_q8(
@@ -523,7 +662,8 @@ static inline __attribute__((always_inline)) void rows_q8(
 }
 
 /* y [M, N] rows [n0, n1) = x @ W.T for a weight of GGUF type `type` (16 IQ2_XXS after qdot8_set_iq2_xxs,
- * 10 Q2_K, 12 Q4_K, 11 Q3_K, 13 Q5_K, 14 Q6_K: `xq` from q8_quantize kind 0; 8 Q8_0: kind 1; 1 F16: kind 2),
+ * 10 Q2_K, 12 Q4_K, 11 Q3_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS: `xq` from q8_quantize kind 0; 8 Q8_0, 2 Q4_0, 6 Q5_0,
+ * 20 IQ4_NL, 39 MXFP4: kind 1; 1 F16: kind 2),
  * M <= 16; experts as in qgemv.c (row m
  * uses the weight at w + experts[m] * expert_bytes; experts[m] < 0 gives 0). Returns -1 for a call it cannot
  * serve. */
@@ -550,6 +690,14 @@ int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         rows_q8(row_q6_k, 256, 210, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 1: if (K % 32) return -1;
         rows_q8(row_f16, 32, 64, 32 * (int)sizeof(float), w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 23: if (K % 256) return -1;
+        rows_q8(row_iq4_xs, 256, 136, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 2: case 6: case 20: case 39: {
+        if (K % 32) return -1;
+        row8_fn row = type == 2 ? row_q4_0 : type == 6 ? row_q5_0 : type == 20 ? row_iq4_nl : row_mxfp4;
+        int bb = type == 2 || type == 20 ? 18 : type == 6 ? 22 : 17;
+        rows_q8(row, 32, bb, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    }
     default: return -1;
     }
 }
