@@ -203,18 +203,61 @@ def vec_dot_f16(w: np.ndarray, x: np.ndarray) -> np.float32:
     return F32(sum(float(F32(a) * F32(b)) for a, b in zip(w.view(np.float16), x.astype(np.float16), strict=True)))
 
 
-# Per K-quant whose generic ggml dot adds its float terms in 8 lanes: the block's integer sums and its f16 fields
-# (d, dmin; dmin None for the types without mins).
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int32)
+
+
+def vec_dot_iq4_xs_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[int]]:
+    """The integer sum per block of ggml_vec_dot_iq4_xs_q8_K's AVX2 kernel (the generic one adds a float per 32):
+    sum over the 32s of (ls - 32) times their integer dot; no mins."""
+    isums = []
+    for b, (_, q8, _) in zip(w.reshape(-1, 136), y, strict=True):
+        h, qs, isum = int(b[2:4].view(np.uint16)[0]), b[8:].astype(np.int32), 0
+        for ib in range(0, 8, 2):
+            ls1 = (int(b[4 + ib // 2]) & 0xF) | ((h << 4) & 0x30)
+            ls2 = (int(b[4 + ib // 2]) >> 4) | ((h << 2) & 0x30)
+            h >>= 4
+            for k, ls in ((ib, ls1), (ib + 1, ls2)):
+                q = qs[16 * k:16 * k + 16]
+                sumi = int((q8[32 * k:32 * k + 16] * KVALUES_IQ4NL[q & 0xF]).sum())
+                sumi += int((q8[32 * k + 16:32 * k + 32] * KVALUES_IQ4NL[q >> 4]).sum())
+                isum += (ls - 32) * sumi
+        isums.append(isum)
+    return isums, [0] * len(isums)
+
+
+# Per K-quant whose ggml dot adds its float terms in 8 lanes (the generic kernels) or per block (IQ4_XS's AVX2
+# kernel): the block's integer sums and its f16 fields (d, dmin; dmin None for the types without mins).
 K_LANES = {"Q3_K": (vec_dot_q3_k_q8_k, 110, 108, None), "Q4_K": (vec_dot_q4_k_q8_k, 144, 0, 2),
-           "Q5_K": (vec_dot_q5_k_q8_k, 176, 0, 2), "Q6_K": (vec_dot_q6_k_q8_k, 210, 208, None)}
+           "Q5_K": (vec_dot_q5_k_q8_k, 176, 0, 2), "Q6_K": (vec_dot_q6_k_q8_k, 210, 208, None),
+           "IQ4_XS": (vec_dot_iq4_xs_q8_k, 136, 0, None)}
 
 
-def vec_dot_q8_0_q8_0(w: np.ndarray, y: list[tuple]) -> np.float32:
-    """ggml_vec_dot_q8_0_q8_0_generic on one row."""
+def codes_32(qtype: str, b: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """The integer codes and scale of one 32-value block as ggml's dequantize_row_<type> reads them."""
+    if qtype == "Q8_0":
+        return b[2:].view(np.int8).astype(np.int32), f16(b, 0)
+    if qtype == "MXFP4":
+        e = int(b[0])
+        half = np.array([0x00200000 << e if e < 2 else (e - 1) << 23], np.uint32).view(np.float32)[0]
+        return KVALUES_MXFP4[np.concatenate([b[1:] & 15, b[1:] >> 4])], half
+    if qtype == "Q5_0":
+        qh, qs = int(b[2:6].view(np.uint32)[0]), b[6:].astype(np.int32)
+        j = np.arange(16)
+        x0 = (qs & 0x0F) | (((qh >> j) << 4) & 0x10)
+        x1 = (qs >> 4) | ((qh >> (j + 12)) & 0x10)
+        return np.concatenate([x0, x1]) - 16, f16(b, 0)
+    qs = b[2:].astype(np.int32)
+    nib = np.concatenate([qs & 0x0F, qs >> 4])
+    return (nib - 8 if qtype == "Q4_0" else KVALUES_IQ4NL[nib]), f16(b, 0)
+
+
+def vec_dot_32_q8_0(qtype: str, w: np.ndarray, y: list[tuple]) -> np.float32:
+    """ggml_vec_dot_<type>_q8_0_generic on one row (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): sumi times d_w d_x per block."""
     sumf = F32(0)
-    for b, (yd, q8) in zip(w.reshape(-1, 34), y, strict=True):
-        sumi = int((b[2:].view(np.int8).astype(np.int32) * q8).sum())
-        sumf += F32(sumi) * (f16(b, 0) * yd)
+    for b, (yd, q8) in zip(w.reshape(-1, w.size // len(y)), y, strict=True):
+        codes, d = codes_32(qtype, b)
+        sumf += F32(int((codes * q8).sum())) * (d * yd)
     return sumf
 
 
@@ -250,7 +293,8 @@ def test_reference_dot_is_llama_cpps(qtype):
     w, x = weight(qtype, 4, 512), activations(2, 512)
     out = ref.qdot8(x, w)
     for m in range(2):
-        xq = quantize_row_q8_0_ref(x[m].numpy()) if qtype == "Q8_0" else quantize_row_q8_k_ref(x[m].numpy())
+        q8_0 = qtype in ref.Q8_0_TYPES
+        xq = quantize_row_q8_0_ref(x[m].numpy()) if q8_0 else quantize_row_q8_k_ref(x[m].numpy())
         for n in range(4):
             row = w.data[n].numpy()
             if qtype in K_LANES:
@@ -266,8 +310,8 @@ def test_reference_dot_is_llama_cpps(qtype):
             if qtype == "F16":
                 assert out[m, n].item() == pytest.approx(vec_dot_f16(row, x[m].numpy()), rel=1e-5, abs=1e-6)
                 continue
-            if qtype == "Q8_0":     # 8 lanes (as llama.cpp's AVX2 kernel) against the generic scalar sum
-                assert out[m, n].item() == pytest.approx(vec_dot_q8_0_q8_0(row, xq), rel=1e-5, abs=1e-6)
+            if q8_0:     # 8 lanes (as llama.cpp's AVX2 kernel) against the generic scalar sum
+                assert out[m, n].item() == pytest.approx(vec_dot_32_q8_0(qtype, row, xq), rel=1e-5, abs=1e-6)
                 continue
             llama = {"IQ2_XXS": vec_dot_iq2_xxs_q8_k, "Q2_K": vec_dot_q2_k_q8_k}[qtype]
             assert out[m, n].item() == llama(row, xq), (qtype, m, n)
@@ -447,7 +491,7 @@ def test_against_ggml_itself(qtype, ggml_harness):
         assert np.allclose(y, ref.qdot8(x, w).numpy(), rtol=1e-5, atol=1e-6 * np.abs(y).max())
         return
     mine = ref.quantize_activations(x, qtype)
-    if qtype == "Q8_0":
+    if qtype in ref.Q8_0_TYPES:
         blocks = np.frombuffer(done.stdout[:4 * 16 * 34], np.uint8).reshape(4, 16, 34)
         d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
         assert np.array_equal(d, mine.d.numpy())
