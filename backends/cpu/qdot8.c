@@ -288,22 +288,19 @@ static const uint8_t signed_pair_shuffle[8][32] = {  /* int16 lanes 0-7 <- byte 
     PAIR_HIGH(0), PAIR_HIGH(2), PAIR_HIGH(4), PAIR_HIGH(6), PAIR_HIGH(8), PAIR_HIGH(10), PAIR_HIGH(12), PAIR_HIGH(14)
 #undef PAIR_HIGH
 };
+
+static inline __m256i scale_pair(int lo, int hi) {     /* int16 lanes 0-7 = lo, 8-15 = hi */
+    return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo));
+}
 #endif
 
 /* Q3_K (110 bytes: hmask, qs, scales, d) against a Q8_K block: (d_x d) isum, the codes q - 4 (1 - h). */
 static inline float dot_q3_k(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
     const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
-    int isum = 0;
+    int scale[16], isum = 0;
+    for (int j = 0; j < 16; j++) scale[j] = q3_k_scale(s, j);
 #if defined(__AVX2__)
-    uint32_t aux[4];                                /* the 16 scales as bytes (llama.cpp's unpacking) */
-    memcpy(aux, s, 12);
-    uint32_t tmp = aux[2];
-    aux[2] = ((aux[0] >> 4) & 0x0f0f0f0f) | (((tmp >> 4) & 0x03030303) << 4);
-    aux[3] = ((aux[1] >> 4) & 0x0f0f0f0f) | (((tmp >> 6) & 0x03030303) << 4);
-    aux[0] = (aux[0] & 0x0f0f0f0f) | ((tmp & 0x03030303) << 4);
-    aux[1] = (aux[1] & 0x0f0f0f0f) | (((tmp >> 2) & 0x03030303) << 4);
-    __m256i scales = _mm256_broadcastsi128_si256(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)aux), _mm_set1_epi8(32)));
     __m256i missing = _mm256_andnot_si256(load256(hm), _mm256_set1_epi8(-1));    /* high bits cleared: -4 */
     __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), acc = _mm256_setzero_si256();
     for (int c = 0; c < 2; c++) {
@@ -313,8 +310,7 @@ static inline float dot_q3_k(const uint8_t *b, const void *act) {
             __m256i four = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(missing, 4 * c + i), one), 2);
             __m256i q8 = load256(y->qs + 128 * c + 32 * i);
             __m256i prod = _mm256_sub_epi16(_mm256_maddubs_epi16(q, q8), _mm256_maddubs_epi16(four, q8));
-            __m256i scale = _mm256_srai_epi16(_mm256_shuffle_epi8(scales, load256(signed_pair_shuffle[4 * c + i])), 8);
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, scale));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, scale_pair(scale[8 * c + 2 * i], scale[8 * c + 2 * i + 1])));
         }
     }
     isum = hsum_i32(acc);
@@ -325,7 +321,7 @@ static inline float dot_q3_k(const uint8_t *b, const void *act) {
             int q = ((qs[32 * (l / 128) + l % 32] >> (2 * ((l / 32) % 4))) & 3) - ((hm[l % 32] >> (l / 32)) & 1 ? 0 : 4);
             sumi += q * y->qs[l];
         }
-        isum += q3_k_scale(s, e / 16) * sumi;
+        isum += scale[e / 16] * sumi;
     }
 #endif
     return (q8_half(b + 108) * y->d) * (float)isum;
