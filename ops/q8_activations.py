@@ -9,6 +9,8 @@ weight row is multiplied with it in integers; floats only combine whole blocks:
   has d = 0 and q = 0.
 - **Q8_0** (activations of Q8_0, Q4_0, Q5_0, IQ4_NL and MXFP4 weights): per 32 values, `d = amax / 127`,
   `q = roundf(x / d)` (halves away from zero), d stored as f16.
+- **Q8_1** (activations of Q4_1 and Q5_1 weights): Q8_0's, plus `s = f16(d * sum of q)` (d before its f16
+  rounding).
 - **F16** (activations of F16 weights, llama.cpp's `vec_dot_type` for F16): each value rounded to the nearest
   f16 (halves to even); the products of two f16 values are exact in float32.
 
@@ -20,7 +22,8 @@ no mins) and IQ4_XS (isum = sum of (ls - 32) times each 32's integer dot) `acc +
 lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values 4l..4l+3 of
 each 32, block after block; then the lanes in order), and so the types whose 32 values are integer codes times
 one scale: Q4_0 (q - 8), Q5_0 (q - 16), IQ4_NL (its table), MXFP4 (twice the E2M1 value; the scale
-2^(e - 128)); F16 in 32
+2^(e - 128)); Q4_1 and Q5_1 (unsigned codes, a min `m`) as those, then `+ summs` at the end (summs adds
+`m_w s_x` block after block); F16 in 32
 lanes (lane l adds the products of values l, l + 32, l + 64, ... in order; then the lanes in order). These are
 the formulas of llama.cpp's `ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_q8_0_q8_0` / `ggml_vec_dot_f16`
 (per-block integers equal; IQ2_XXS and Q2_K add the block terms in the generic version's float order;
@@ -43,18 +46,20 @@ from ops.quants.q5_0 import codes as q5_codes
 
 Q8_K_TYPES = ("IQ2_XXS", "Q2_K", "Q4_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS")   # weights multiplied with Q8_K
 Q8_0_TYPES = ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "MXFP4")                       # ... with Q8_0 activations
+Q8_1_TYPES = ("Q4_1", "Q5_1")                                                   # ... with Q8_1 activations
 F16_TYPES = ("F16",)                          # weights multiplied with activations rounded to f16
-TYPES = Q8_K_TYPES + Q8_0_TYPES + F16_TYPES
+TYPES = Q8_K_TYPES + Q8_0_TYPES + Q8_1_TYPES + F16_TYPES
 
 
 @dataclass(frozen=True)
 class Q8Blocks:
     """Activations rounded to 8 bits per block: `d` [M, nb] float32, `q` [M, nb, B] int32 in -127..127,
-    `bsums` [M, nb, B // 16] int32 (Q8_K) or None (Q8_0)."""
+    `bsums` [M, nb, B // 16] int32 (Q8_K) or None (Q8_0, Q8_1), `s` [M, nb] float32 (Q8_1) or None."""
 
     d: torch.Tensor
     q: torch.Tensor
     bsums: torch.Tensor | None
+    s: torch.Tensor | None = None
 
 
 def _check(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -88,6 +93,15 @@ def quantize_q8_0(x: torch.Tensor) -> Q8Blocks:
     inverse = torch.where(d != 0, 1 / torch.where(d != 0, d, 1), 0)
     q = round_half_away((v * inverse[..., None]).double())    # in float64: halves exact, as C's roundf
     return Q8Blocks(d.to(torch.float16).to(torch.float32), q.to(torch.int32), None)
+
+
+def quantize_q8_1(x: torch.Tensor) -> Q8Blocks:
+    """llama.cpp's `quantize_row_q8_1_ref`: Q8_0's d and quants, and `s` = the quants' sum times the unrounded d,
+    rounded to f16."""
+    q8_0 = quantize_q8_0(x)
+    d = x.to(torch.float32).reshape(x.shape[0], -1, 32).abs().amax(-1) / 127
+    s = (q8_0.q.sum(-1).to(torch.float32) * d).to(torch.float16).to(torch.float32)
+    return Q8Blocks(q8_0.d, q8_0.q, None, s)
 
 
 def round_f16(x: torch.Tensor) -> torch.Tensor:
@@ -183,6 +197,28 @@ def _mxfp4(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
     return _lanes(codes, _half_scale(bu[:, :1]).reshape(P, nb), xq)
 
 
+def _with_mins(codes: torch.Tensor, bu: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb, 9] of Q4_1/Q5_1 (unsigned `codes` [P, nb, 32], blocks `bu` [P * nb, bytes]
+    with f16 d and m first) against Q8_1 rows: the 8 lanes of `_lanes`, then `m_w s_x` as a ninth."""
+    P, nb = codes.shape[:2]
+    lanes = _lanes(codes, f16_field(bu, 0).reshape(P, nb), xq)
+    return torch.cat([lanes, (f16_field(bu, 2).reshape(P, nb) * xq.s)[..., None]], -1)
+
+
+def _q4_1(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Q4_1 blocks [P, nb, 20] (codes q, a min) against Q8_1 rows: 8 lanes and the mins."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 20)
+    return _with_mins(nibbles(bu[:, 4:]).to(torch.int64).reshape(P, nb, 32), bu, xq)
+
+
+def _q5_1(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Q5_1 blocks [P, nb, 24] (5-bit codes q, a min) against Q8_1 rows: 8 lanes and the mins."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 24)
+    return _with_mins(q5_codes(bu, 4).to(torch.int64).reshape(P, nb, 32), bu, xq)
+
+
 def _iq4_xs(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
     """Per-block float terms [P, nb] of IQ4_XS blocks [P, nb, 136] against Q8_K rows."""
     P, nb = blocks.shape[:2]
@@ -242,12 +278,15 @@ def _f16(blocks: torch.Tensor, x16: torch.Tensor) -> torch.Tensor:
 
 
 _BLOCK_TERMS = {"IQ2_XXS": _iq2_xxs, "Q2_K": _q2_k, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q3_K": _q3_k, "Q5_K": _q5_k,
-                "Q6_K": _q6_k, "IQ4_XS": _iq4_xs, "Q4_0": _q4_0, "Q5_0": _q5_0, "IQ4_NL": _iq4_nl, "MXFP4": _mxfp4}
+                "Q6_K": _q6_k, "IQ4_XS": _iq4_xs, "Q4_0": _q4_0, "Q5_0": _q5_0, "IQ4_NL": _iq4_nl, "MXFP4": _mxfp4,
+                "Q4_1": _q4_1, "Q5_1": _q5_1}
 
 
 def quantize_activations(x: torch.Tensor, qtype: str) -> Q8Blocks:
-    """The 8-bit activations a weight of `qtype` is multiplied with (Q8_0 for Q8_0_TYPES, else Q8_K)."""
-    return quantize_q8_0(x) if qtype in Q8_0_TYPES else quantize_q8_k(x)
+    """The 8-bit activations a weight of `qtype` is multiplied with (Q8_0, Q8_1 for their types, else Q8_K)."""
+    if qtype in Q8_0_TYPES:
+        return quantize_q8_0(x)
+    return quantize_q8_1(x) if qtype in Q8_1_TYPES else quantize_q8_k(x)
 
 
 def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:
@@ -260,7 +299,7 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
         raise ValueError(f"activations must be [M, {K}], got {tuple(x.shape)}")
     if (experts is None) != (len(w.shape) == 2):
         raise ValueError(f"a weight of shape {w.shape} needs experts exactly when it is stacked [E, N, K]")
-    M, N, nb = x.shape[0], w.shape[-2], K // (32 if w.qtype.name in Q8_0_TYPES + F16_TYPES else 256)
+    M, N, nb = x.shape[0], w.shape[-2], K // (256 if w.qtype.name in Q8_K_TYPES else 32)
     if experts is None:
         data = w.data.reshape(1, N, -1).expand(M, N, -1)
     else:
@@ -270,12 +309,12 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
         terms = _f16(blocks, round_f16(x).reshape(M, 1, nb, 32).expand(M, N, nb, 32).reshape(M * N, nb, 32))
     else:
         xq = quantize_activations(x, w.qtype.name)
-        rows = Q8Blocks(*(None if t is None else t.repeat_interleave(N, 0) for t in (xq.d, xq.q, xq.bsums)))
+        rows = Q8Blocks(*(None if t is None else t.repeat_interleave(N, 0) for t in (xq.d, xq.q, xq.bsums, xq.s)))
         terms = _BLOCK_TERMS[w.qtype.name](blocks, rows)
     acc = torch.zeros(M * N, *terms.shape[2:], dtype=torch.float32)
     for b in range(nb):                               # in block order, as the kernel adds them
         acc = acc + terms[:, b]
-    if acc.dim() == 2:                                # the lanes of Q8_0_TYPES and F16, added in order
+    if acc.dim() == 2:               # the lanes of Q8_0_TYPES, Q8_1_TYPES (their mins last) and F16, added in order
         acc = sum((acc[:, lane] for lane in range(1, acc.shape[1])), start=acc[:, 0])
     if w.qtype.name == "IQ2_XXS":
         acc = 0.125 * acc

@@ -78,6 +78,15 @@ def quantize_row_q8_0_ref(x: np.ndarray) -> list[tuple]:
     return out
 
 
+def quantize_row_q8_1_ref(x: np.ndarray) -> list[tuple]:
+    """Per 32 values: (d as f16, qs, s) as llama.cpp's quantize_row_q8_1_ref: s = f16(sum of qs times d)."""
+    out = []
+    for blk, (d16, qs) in zip(x.reshape(-1, 32), quantize_row_q8_0_ref(x), strict=True):
+        d = np.abs(blk).max() / F32(127)
+        out.append((d16, qs, F32(np.float16(F32(int(qs.sum())) * d))))
+    return out
+
+
 def f16(b: np.ndarray, at: int) -> np.float32:
     """The f16 at byte `at` of block `b`."""
     return F32(b[at:at + 2].view(np.float16)[0])
@@ -252,6 +261,19 @@ def codes_32(qtype: str, b: np.ndarray) -> tuple[np.ndarray, np.float32]:
     return (nib - 8 if qtype == "Q4_0" else KVALUES_IQ4NL[nib]), f16(b, 0)
 
 
+def vec_dot_32_q8_1(w: np.ndarray, y: list[tuple], five: bool) -> np.float32:
+    """ggml_vec_dot_q4_1_q8_1_generic / q5_1 on one row: sumi times d_w d_x plus m_w s_x per block."""
+    sumf = F32(0)
+    for b, (yd, q8, ys) in zip(w.reshape(-1, 24 if five else 20), y, strict=True):
+        qs = b[8 if five else 4:].astype(np.int32)
+        codes = np.concatenate([qs & 0x0F, qs >> 4])
+        if five:
+            qh = int(b[4:8].view(np.uint32)[0])
+            codes = codes | (((qh >> np.arange(32)) & 1) << 4)
+        sumf += F32(int((codes * q8).sum())) * (f16(b, 0) * yd) + f16(b, 2) * ys
+    return sumf
+
+
 def vec_dot_32_q8_0(qtype: str, w: np.ndarray, y: list[tuple]) -> np.float32:
     """ggml_vec_dot_<type>_q8_0_generic on one row (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): sumi times d_w d_x per block."""
     sumf = F32(0)
@@ -262,8 +284,8 @@ def vec_dot_32_q8_0(qtype: str, w: np.ndarray, y: list[tuple]) -> np.float32:
 
 
 def test_q8_k_rounding_is_llama_cpps():
-    """Q8_K and Q8_0 of random rows (with a zero block, a tied peak and exact halves): the reference and the C
-    kernel's rounding give llama.cpp's d, quants and sums."""
+    """Q8_K, Q8_0 and Q8_1 of random rows (with a zero block, a tied peak and exact halves): the reference and the
+    C kernel's rounding give llama.cpp's d, quants and sums."""
     x = activations(3, 512)
     mine = ref.quantize_q8_k(x)
     raw = kernels.q8_quantize(x, "Q2_K").reshape(3, 2, 320)
@@ -282,6 +304,25 @@ def test_q8_k_rounding_is_llama_cpps():
             assert mine0.d[m, b].item() == d and np.array_equal(mine0.q[m, b].numpy(), qs)
             assert raw0[m, b, :4].view(torch.float32).item() == d
             assert np.array_equal(raw0[m, b, 4:].view(torch.int8).numpy(), qs)
+    mine1 = ref.quantize_q8_1(x)
+    raw1 = kernels.q8_quantize(x, "Q4_1").reshape(3, 16, 40)
+    for m in range(3):
+        for b, (d, qs, s) in enumerate(quantize_row_q8_1_ref(x[m].numpy())):
+            assert mine1.d[m, b].item() == d and mine1.s[m, b].item() == s
+            assert np.array_equal(mine1.q[m, b].numpy(), qs)
+            assert raw1[m, b, :8].view(torch.float32).tolist() == [d, s]
+            assert np.array_equal(raw1[m, b, 8:].view(torch.int8).numpy(), qs)
+
+
+def test_f16_rounding():
+    """F16 weights' activations: the reference and the C kernel (SIMD and scalar tail alike) round each value to
+    the nearest f16 as numpy does: ties to even, f16 subnormals, overflow to infinity."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)) * torch.logspace(-9, 4, 64)
+    x[0, :8] = torch.tensor([65519.0, 65520.0, -65520.0, 2**-25, 3 * 2**-25, -(2**-24), 1e-30, 1 + 2**-11])
+    with np.errstate(over="ignore"):         # 65520 rounds to infinity: that is the point
+        expected = x.numpy().astype(np.float16).astype(np.float32)
+    assert np.array_equal(ref.round_f16(x).numpy(), expected)
+    assert np.array_equal(kernels.q8_quantize(x, "F16").view(torch.float32).reshape(3, 64).numpy(), expected)
 
 
 @pytest.mark.parametrize("qtype", ref.TYPES)
@@ -295,6 +336,8 @@ def test_reference_dot_is_llama_cpps(qtype):
     for m in range(2):
         q8_0 = qtype in ref.Q8_0_TYPES
         xq = quantize_row_q8_0_ref(x[m].numpy()) if q8_0 else quantize_row_q8_k_ref(x[m].numpy())
+        if qtype in ref.Q8_1_TYPES:
+            xq = quantize_row_q8_1_ref(x[m].numpy())
         for n in range(4):
             row = w.data[n].numpy()
             if qtype in K_LANES:
@@ -309,6 +352,9 @@ def test_reference_dot_is_llama_cpps(qtype):
                 continue
             if qtype == "F16":
                 assert out[m, n].item() == pytest.approx(vec_dot_f16(row, x[m].numpy()), rel=1e-5, abs=1e-6)
+                continue
+            if qtype in ref.Q8_1_TYPES:
+                assert out[m, n].item() == pytest.approx(vec_dot_32_q8_1(row, xq, qtype == "Q5_1"), rel=1e-5, abs=1e-6)
                 continue
             if q8_0:     # 8 lanes (as llama.cpp's AVX2 kernel) against the generic scalar sum
                 assert out[m, n].item() == pytest.approx(vec_dot_32_q8_0(qtype, row, xq), rel=1e-5, abs=1e-6)
@@ -491,12 +537,13 @@ def test_against_ggml_itself(qtype, ggml_harness):
         assert np.allclose(y, ref.qdot8(x, w).numpy(), rtol=1e-5, atol=1e-6 * np.abs(y).max())
         return
     mine = ref.quantize_activations(x, qtype)
-    if qtype in ref.Q8_0_TYPES:
-        blocks = np.frombuffer(done.stdout[:4 * 16 * 34], np.uint8).reshape(4, 16, 34)
+    if qtype in ref.Q8_0_TYPES + ref.Q8_1_TYPES:
+        size = 34 if qtype in ref.Q8_0_TYPES else 36       # Q8_1: f16 d, f16 s, 32 quants
+        blocks = np.frombuffer(done.stdout[:4 * 16 * size], np.uint8).reshape(4, 16, size)
         d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
         assert np.array_equal(d, mine.d.numpy())
-        assert np.abs(blocks[..., 2:].view(np.int8) - mine.q.numpy()).max() <= 1
-        y = np.frombuffer(done.stdout[4 * 16 * 34:], np.float32).reshape(4, 24)
+        assert np.abs(blocks[..., size - 32:].view(np.int8) - mine.q.numpy()).max() <= 1
+        y = np.frombuffer(done.stdout[4 * 16 * size:], np.float32).reshape(4, 24)
     else:
         blocks = np.frombuffer(done.stdout[:4 * 2 * 292], np.uint8).reshape(4, 2, 292)
         assert np.array_equal(blocks[..., :4].copy().view(np.float32)[..., 0], mine.d.numpy())

@@ -20,6 +20,7 @@
 
 typedef struct { int8_t qs[256]; float d; int16_t bsums[16]; int8_t pad[28]; } q8k_block; /* 320: whole lines */
 typedef struct { float d; int8_t qs[32]; } q8_0_block;                       /* 36 bytes */
+typedef struct { float d, s; int8_t qs[32]; } q8_1_block;                    /* 40 bytes */
 
 static float q8_bits_float(uint32_t bits) {
     float f;
@@ -64,8 +65,8 @@ static inline int q8_nearest(float v) {     /* round to nearest, ties to even (|
 }
 
 /* Rows of x [M, K] rounded to Q8_K (kind 0, K % 256 == 0) or Q8_0 (kind 1, K % 32 == 0) blocks into `out`
- * (M * K/256 q8k_block or M * K/32 q8_0_block), or (kind 2, K % 32 == 0) each value to the nearest f16, as
- * M * K floats. Returns -1 for a kind or K it cannot serve. */
+ * (M * K/256 q8k_block or M * K/32 q8_0_block), Q8_1 (kind 3: M * K/32 q8_1_block) or (kind 2, K % 32 == 0)
+ * each value to the nearest f16, as M * K floats. Returns -1 for a kind or K it cannot serve. */
 int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
     if (kind == 0) {
         if (K % 256) return -1;
@@ -103,10 +104,30 @@ int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
         }
         return 0;
     }
+    if (kind == 3) {                /* Q8_1: Q8_0's d and quants, s = f16(d * sum of the quants), d unrounded */
+        if (K % 32) return -1;
+        q8_1_block *y = out;
+        for (int64_t b = 0; b < M * (K / 32); b++, x += 32) {
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) { y[b].qs[j] = (int8_t)roundf(x[j] * id); sum += y[b].qs[j]; }
+            float s = (float)sum * d;
+            y[b].d = q8_round_half(d);
+            y[b].s = copysignf(q8_round_half(fabsf(s)), s);
+        }
+        return 0;
+    }
     if (kind == 2) {
         if (K % 32) return -1;
         float *y = out;
-        for (int64_t i = 0; i < M * K; i++) y[i] = copysignf(q8_round_half(fabsf(x[i])), x[i]);
+        int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+        for (; i + 8 <= M * K; i += 8)              /* the same rounding (to nearest, ties to even) 8 at a time */
+            _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+        for (; i < M * K; i++) y[i] = copysignf(q8_round_half(fabsf(x[i])), x[i]);
         return 0;
     }
     return -1;
@@ -539,16 +560,26 @@ static inline float codes32_q4_0(const uint8_t *b, codes32 *c) {
     *c = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
     return q8_half(b);
 }
-static inline float codes32_q5_0(const uint8_t *b, codes32 *c) {
+static inline __m256i fifth_bits(const uint8_t *qh_bytes) {    /* byte j: 16 where bit j of the u32 is set */
     uint32_t qh;
-    memcpy(&qh, b + 2, 4);
-    /* byte j <- byte j / 8 of qh, tested against bit j % 8: 16 where element j's 5th bit is set */
+    memcpy(&qh, qh_bytes, 4);
+    /* byte j <- byte j / 8 of qh, tested against bit j % 8 */
     __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
                                          _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
                                                            0x0101010101010101, 0x0000000000000000));
     __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
-    *c = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), high), _mm256_set1_epi8(16));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+static inline float codes32_q5_0(const uint8_t *b, codes32 *c) {
+    *c = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)), _mm256_set1_epi8(16));
+    return q8_half(b);
+}
+static inline float codes32_q4_1(const uint8_t *b, codes32 *c) {
+    *c = nibbles32(b + 4);
+    return q8_half(b);
+}
+static inline float codes32_q5_1(const uint8_t *b, codes32 *c) {
+    *c = _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4));
     return q8_half(b);
 }
 static inline float codes32_iq4_nl(const uint8_t *b, codes32 *c) {
@@ -570,6 +601,18 @@ static inline float codes32_q5_0(const uint8_t *b, codes32 *c) {
     for (int j = 0; j < 16; j++) {
         (*c)[j] = (int8_t)(((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
         (*c)[j + 16] = (int8_t)(((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+    return q8_half(b);
+}
+static inline float codes32_q4_1(const uint8_t *b, codes32 *c) {
+    for (int j = 0; j < 16; j++) { (*c)[j] = (int8_t)(b[4 + j] & 15); (*c)[j + 16] = (int8_t)(b[4 + j] >> 4); }
+    return q8_half(b);
+}
+static inline float codes32_q5_1(const uint8_t *b, codes32 *c) {
+    uint32_t qh = (uint32_t)b[4] | ((uint32_t)b[5] << 8) | ((uint32_t)b[6] << 16) | ((uint32_t)b[7] << 24);
+    for (int j = 0; j < 16; j++) {
+        (*c)[j] = (int8_t)((b[8 + j] & 15) | (((qh >> j) & 1) << 4));
+        (*c)[j + 16] = (int8_t)((b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
     }
     return q8_half(b);
 }
@@ -614,6 +657,49 @@ static inline __attribute__((always_inline)) float row_codes(float (*codes)(cons
     float sum = 0.0f;
     for (int l = 0; l < 8; l++) sum += lanes[l];
     return sum;
+}
+
+/* Q4_1 / Q5_1 rows (unsigned codes, f16 d and m first) against Q8_1 activations: row_codes' 8 lanes, then
+ * `+ summs`, summs adding m_w s_x block after block. */
+static inline __attribute__((always_inline)) float row_codes_min(float (*codes)(const uint8_t *, codes32 *),
+                                                                 const int bb, const uint8_t *row, const uint8_t *act,
+                                                                 int64_t nb) {
+    const q8_1_block *y = (const q8_1_block *)act;
+    float lanes[8] = {0}, summs = 0.0f;
+    codes32 w;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, row += bb) {
+        prefetch_ahead(row, bb);
+        float d = codes(row, &w);
+        summs += q8_half(row + 2) * y[b].s;
+        __m256i prod = _mm256_maddubs_epi16(w, load256(y[b].qs));
+        __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(d * y[b].d), dots));
+    }
+    _mm256_storeu_ps(lanes, acc);
+#else
+    for (int64_t b = 0; b < nb; b++, row += bb) {
+        float d = codes(row, &w) * y[b].d;
+        summs += q8_half(row + 2) * y[b].s;
+        for (int l = 0; l < 8; l++) {
+            int s = 0;
+            for (int i = 4 * l; i < 4 * l + 4; i++) s += w[i] * y[b].qs[i];
+            lanes[l] += d * (float)s;
+        }
+    }
+#endif
+    float sum = 0.0f;
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    return sum + summs;
+}
+
+static float row_q4_1(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_codes_min(codes32_q4_1, 20, row, act, nb);
+}
+static float row_q5_1(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_codes_min(codes32_q5_1, 24, row, act, nb);
 }
 
 static float row_q4_0(const uint8_t *row, const uint8_t *act, int64_t nb) { return row_codes(codes32_q4_0, 18, row, act, nb); }
@@ -671,7 +757,7 @@ static inline __attribute__((always_inline)) void rows_q8(
 
 /* y [M, N] rows [n0, n1) = x @ W.T for a weight of GGUF type `type` (16 IQ2_XXS after qdot8_set_iq2_xxs,
  * 10 Q2_K, 12 Q4_K, 11 Q3_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS: `xq` from q8_quantize kind 0; 8 Q8_0, 2 Q4_0, 6 Q5_0,
- * 20 IQ4_NL, 39 MXFP4: kind 1; 1 F16: kind 2),
+ * 20 IQ4_NL, 39 MXFP4: kind 1; 3 Q4_1, 7 Q5_1: kind 3; 1 F16: kind 2),
  * M <= 16; experts as in qgemv.c (row m
  * uses the weight at w + experts[m] * expert_bytes; experts[m] < 0 gives 0). Returns -1 for a call it cannot
  * serve. */
@@ -706,6 +792,10 @@ int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         int bb = type == 2 || type == 20 ? 18 : type == 6 ? 22 : 17;
         rows_q8(row, 32, bb, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     }
+    case 3: case 7: if (K % 32) return -1;
+        rows_q8(type == 3 ? row_q4_1 : row_q5_1, 32, type == 3 ? 20 : 24, (int)sizeof(q8_1_block), w, expert_bytes,
+                experts, N, K, x, M, y, n0, n1);
+        return 0;
     default: return -1;
     }
 }
