@@ -1,7 +1,8 @@
 /* The opt-in 8-bit-activation dot product (`--cpu-dot q8`): y[m, n] = sum_k W[n, k] * x[m, k] with x rounded
  * to 8 bits per block, as llama.cpp's CPU kernels do (the numerics and their PyTorch reference:
  * ops/q8_activations.py). `q8_quantize` rounds the activations once per call (Q8_K: 256 values, a float
- * scale, the sums of each 16 quants; Q8_0: 32 values, an f16 scale); `qdot8` multiplies every weight block
+ * scale, the sums of each 16 quants; Q8_0: 32 values, an f16 scale; Q8_1: Q8_0 and an f16 scaled sum; for F16
+ * weights each value to the nearest f16); `qdot8` multiplies every weight block
  * with its activation block in integers (maddubs/madd on AVX2; IQ2_XXS a block per vector on AVX-512 with
  * VBMI/BITALG/VNNI; a plain C loop elsewhere: the same exact integers everywhere) and adds the blocks' float
  * terms in block order (Q8_0: in 8 lanes, then the lanes in order). Each output's arithmetic depends only on

@@ -17,7 +17,7 @@
   kernel pool's threads (`kernels.split`). Measured against the fused kernel on chunks of 16 rows at M = 32,
   the tiles were as fast or faster at every V4 Flash shape (docs/cpu.md, "Prefill").
 - `dot="q8"` (`--cpu-dot q8`, OpSet(cpu_dot="q8")): for M <= SMALL_M the types qdot8.c reads
-  (`kernels.Q8_TYPES`: IQ2_XXS, the K-quants, IQ4_XS, Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4) round the activations to
+  (`kernels.Q8_TYPES`: IQ2_XXS, the K-quants, IQ4_XS, the legacy types, IQ4_NL, MXFP4) round the activations to
   8 bits per block and multiply in integers, F16 rounds them to f16, as llama.cpp does (backends/cpu/qdot8.c,
   reference ops/q8_activations.py); everything else as above.
 - For M <= SMALL_M every path is batch-invariant without a loop over rows: the kernel does the same
