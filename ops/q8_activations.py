@@ -23,11 +23,11 @@ lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the int
 each 32, block after block; then the lanes in order), and so the types whose 32 values are integer codes times
 one scale: Q4_0 (q - 8), Q5_0 (q - 16), IQ4_NL (its table), MXFP4 (twice the E2M1 value; the scale
 2^(e - 128)); Q4_1 and Q5_1 (unsigned codes, a min `m`) as those, then `+ summs` at the end (summs adds
-`m_w s_x` block after block); F16 in 32
-lanes (lane l adds the products of values l, l + 32, l + 64, ... in order; then the lanes in order). These are
-the formulas of llama.cpp's `ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_q8_0_q8_0` / `ggml_vec_dot_f16`
-(per-block integers equal; IQ2_XXS and Q2_K add the block terms in the generic version's float order;
-llama.cpp's SIMD variants use other float orders). The C kernel matches this reference bit for bit.
+`m_w s_x` block after block); F16 in 32 lanes (lane l adds the products of values l, l + 32, l + 64, ... in
+order; then the lanes in order). These are the formulas of llama.cpp's `ggml_vec_dot_<type>_q8_K` /
+`ggml_vec_dot_<type>_q8_0` / `_q8_1` / `ggml_vec_dot_f16` (per-block integers equal; IQ2_XXS and Q2_K add the
+block terms in the generic version's float order; llama.cpp's SIMD variants use other float orders). The C
+kernel matches this reference bit for bit.
 """
 from __future__ import annotations
 
