@@ -352,8 +352,7 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
 def q8_quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
     """Rows of float32 `x` [M, K] rounded by qdot8.c for weights of `qtype`, as raw bytes per block: Q8_K the
     256 int8 quants, float32 d, 16 int16 sums of 16 quants and padding to 320 bytes; Q8_0 float32 d, 32 int8; Q8_1
-    float32 d and s, 32 int8;
-    F16 weights: each value rounded to the nearest f16, as float32."""
+    float32 d and s, 32 int8; for F16 weights each value rounded to the nearest f16, as float32."""
     kind = Q8_TYPES[qtype]
     block, block_bytes = Q8_ACTIVATION[kind]
     M, K = x.shape
