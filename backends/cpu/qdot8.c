@@ -320,9 +320,16 @@ static inline __m256i scale_pair(int lo, int hi) {     /* int16 lanes 0-7 = lo, 
 static inline float dot_q3_k(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
     const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
-    int scale[16], isum = 0;
-    for (int j = 0; j < 16; j++) scale[j] = q3_k_scale(s, j);
+    int isum = 0;
 #if defined(__AVX2__)
+    uint32_t aux[4];                                /* the 16 scales + 32 as bytes (llama.cpp's unpacking) */
+    memcpy(aux, s, 12);
+    uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & 0x0f0f0f0f) | (((tmp >> 4) & 0x03030303) << 4);
+    aux[3] = ((aux[1] >> 4) & 0x0f0f0f0f) | (((tmp >> 6) & 0x03030303) << 4);
+    aux[0] = (aux[0] & 0x0f0f0f0f) | ((tmp & 0x03030303) << 4);
+    aux[1] = (aux[1] & 0x0f0f0f0f) | (((tmp >> 2) & 0x03030303) << 4);
+    const uint8_t *biased = (const uint8_t *)aux;
     __m256i missing = _mm256_andnot_si256(load256(hm), _mm256_set1_epi8(-1));    /* high bits cleared: -4 */
     __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), acc = _mm256_setzero_si256();
     for (int c = 0; c < 2; c++) {
@@ -332,11 +339,14 @@ static inline float dot_q3_k(const uint8_t *b, const void *act) {
             __m256i four = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(missing, 4 * c + i), one), 2);
             __m256i q8 = load256(y->qs + 128 * c + 32 * i);
             __m256i prod = _mm256_sub_epi16(_mm256_maddubs_epi16(q, q8), _mm256_maddubs_epi16(four, q8));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, scale_pair(scale[8 * c + 2 * i], scale[8 * c + 2 * i + 1])));
+            __m256i scale = scale_pair(biased[8 * c + 2 * i] - 32, biased[8 * c + 2 * i + 1] - 32);
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, scale));
         }
     }
     isum = hsum_i32(acc);
 #else
+    int scale[16];
+    for (int j = 0; j < 16; j++) scale[j] = q3_k_scale(s, j);
     for (int e = 0; e < 256; e += 16) {
         int sumi = 0;
         for (int l = e; l < e + 16; l++) {
