@@ -359,21 +359,23 @@ static inline float dot_q3_k(const uint8_t *b, const void *act) {
     return (q8_half(b + 108) * y->d) * (float)isum;
 }
 
-static inline void k_scale_min(const uint8_t *s, int *scale, int *low) {     /* Q4_K/Q5_K's 6-bit pairs */
-    for (int j = 0; j < 4; j++) {
-        scale[j] = s[j] & 63;
-        low[j] = s[4 + j] & 63;
-        scale[4 + j] = (s[8 + j] & 15) | ((s[j] >> 6) << 4);
-        low[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4);
-    }
+static inline void k_scale_min(const uint8_t *s, uint32_t u[4]) {  /* Q5_K's 6-bit pairs: 8 scale bytes, 8 mins */
+    memcpy(u, s, 12);                               /* llama.cpp's unpacking */
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    uint32_t mins_low = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mins_low;
+    u[0] &= 0x3f3f3f3f;
 }
 
 /* Q5_K (176 bytes: d, dmin, scales, qh, qs) against a Q8_K block: (d_x d) isum - (d_x dmin) msum. */
 static inline float dot_q5_k(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
     const uint8_t *qh = b + 16, *qs = b + 48;
-    int scale[8], low[8], isum = 0, msum = 0;
-    k_scale_min(b + 4, scale, low);
+    uint32_t u[4];
+    k_scale_min(b + 4, u);
+    const uint8_t *scale = (const uint8_t *)u, *low = scale + 8;
+    int isum = 0, msum = 0;
     for (int j = 0; j < 8; j++) msum += low[j] * (y->bsums[2 * j] + y->bsums[2 * j + 1]);
 #if defined(__AVX2__)
     __m256i nibble = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), high = load256(qh);
