@@ -3,20 +3,29 @@
 As llama.cpp's CPU kernels do, each row of activations is rounded to 8 bits per block and every block of a
 weight row is multiplied with it in integers; floats only combine whole blocks:
 
-- **Q8_K** (activations of the 256-value types IQ2_XXS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): per 256 values,
+- **Q8_K** (activations of the 256-value types IQ2_XXS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS): per 256 values,
   `max` = the first value of the largest magnitude, `iscale = -127 / max`, `q = min(127, round(iscale * x))`
   (halves to even), `d = 1 / iscale`, and the sums of q over each 16 values (`bsums`); an all-zero block
   has d = 0 and q = 0.
-- **Q8_0** (activations of Q8_0 weights): per 32 values, `d = amax / 127`, `q = roundf(x / d)` (halves away
-  from zero), d stored as f16.
+- **Q8_0** (activations of Q8_0, Q4_0, Q5_0, IQ4_NL and MXFP4 weights): per 32 values, `d = amax / 127`,
+  `q = roundf(x / d)` (halves away from zero), d stored as f16.
+- **Q8_1** (activations of Q4_1 and Q5_1 weights): Q8_0's, plus `s = f16(d * sum of q)` (d before its f16
+  rounding).
+- **F16** (activations of F16 weights, llama.cpp's `vec_dot_type` for F16): each value rounded to the nearest
+  f16 (halves to even); the products of two f16 values are exact in float32.
 
 Per weight block the dot is an exact integer sum; the float combination, in block order along the row:
 IQ2_XXS `acc += (d_w d_x) bsum` (bsum = sum over groups of (2 ls + 1) times the group's integer dot), and
-0.125 acc at the end; the K-quants `acc += (d_x d) isum - (d_x dmin) msum` (isum = sum over sub-blocks of
-scale times the sub-block's integer dot, msum = sum of min times bsums; Q3_K and Q6_K have no mins);
-Q8_0 in 8 lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values
-4l..4l+3 of each 32, block after block; then the lanes in order). These are the formulas of llama.cpp's
-`ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_q8_0_q8_0` (per-block integers equal; IQ2_XXS and Q2_K add the
+0.125 acc at the end; Q2_K, Q4_K, Q5_K `acc += (d_x d) isum - (d_x dmin) msum` (isum = sum over sub-blocks of
+scale times the sub-block's integer dot, msum = sum of min times bsums); Q3_K, Q6_K (signed sub-block scales,
+no mins) and IQ4_XS (isum = sum of (ls - 32) times each 32's integer dot) `acc += (d_w d_x) isum`; Q8_0 in 8
+lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values 4l..4l+3 of
+each 32, block after block; then the lanes in order), and so the types whose 32 values are integer codes times
+one scale: Q4_0 (q - 8), Q5_0 (q - 16), IQ4_NL (its table), MXFP4 (twice the E2M1 value; the scale
+2^(e - 128)); Q4_1 and Q5_1 (unsigned codes, a min `m`) as those, then `+ summs` at the end (summs adds
+`m_w s_x` block after block); F16 in 32 lanes (lane l adds the products of values l, l + 32, l + 64, ... in
+order; then the lanes in order). These are the formulas of llama.cpp's `ggml_vec_dot_<type>_q8_K` /
+`ggml_vec_dot_<type>_q8_0` / `_q8_1` / `ggml_vec_dot_f16` (per-block integers equal; IQ2_XXS and Q2_K add the
 block terms in the generic version's float order; llama.cpp's SIMD variants use other float orders). The C
 kernel matches this reference bit for bit.
 """
@@ -27,23 +36,30 @@ from dataclasses import dataclass
 import torch
 
 from ops.quants import QTensor
-from ops.quants._blocks import f16_field, round_half_away
+from ops.quants._blocks import bit_planes, f16_field, round_half_away
 from ops.quants.iq2_xxs import GRID, KSIGNS
+from ops.quants.iq4_nl import KVALUES
+from ops.quants.mxfp4 import E2M1, _half_scale
+from ops.quants.q4_0 import nibbles
 from ops.quants.q4_k import _unpack_scales
+from ops.quants.q5_0 import codes as q5_codes
 
-Q8_K_TYPES = ("IQ2_XXS", "Q2_K", "Q4_K")    # weights multiplied with Q8_K activations
-Q8_0_TYPES = ("Q8_0",)                        # weights multiplied with Q8_0 activations
-TYPES = Q8_K_TYPES + Q8_0_TYPES
+Q8_K_TYPES = ("IQ2_XXS", "Q2_K", "Q4_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS")   # weights multiplied with Q8_K
+Q8_0_TYPES = ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "MXFP4")                       # ... with Q8_0 activations
+Q8_1_TYPES = ("Q4_1", "Q5_1")                                                   # ... with Q8_1 activations
+F16_TYPES = ("F16",)                          # weights multiplied with activations rounded to f16
+TYPES = Q8_K_TYPES + Q8_0_TYPES + Q8_1_TYPES + F16_TYPES
 
 
 @dataclass(frozen=True)
 class Q8Blocks:
     """Activations rounded to 8 bits per block: `d` [M, nb] float32, `q` [M, nb, B] int32 in -127..127,
-    `bsums` [M, nb, B // 16] int32 (Q8_K) or None (Q8_0)."""
+    `bsums` [M, nb, B // 16] int32 (Q8_K) or None (Q8_0, Q8_1), `s` [M, nb] float32 (Q8_1) or None."""
 
     d: torch.Tensor
     q: torch.Tensor
     bsums: torch.Tensor | None
+    s: torch.Tensor | None = None
 
 
 def _check(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -77,6 +93,20 @@ def quantize_q8_0(x: torch.Tensor) -> Q8Blocks:
     inverse = torch.where(d != 0, 1 / torch.where(d != 0, d, 1), 0)
     q = round_half_away((v * inverse[..., None]).double())    # in float64: halves exact, as C's roundf
     return Q8Blocks(d.to(torch.float16).to(torch.float32), q.to(torch.int32), None)
+
+
+def quantize_q8_1(x: torch.Tensor) -> Q8Blocks:
+    """llama.cpp's `quantize_row_q8_1_ref`: Q8_0's d and quants, and `s` = the quants' sum times the unrounded d,
+    rounded to f16."""
+    q8_0 = quantize_q8_0(x)
+    d = x.to(torch.float32).reshape(x.shape[0], -1, 32).abs().amax(-1) / 127
+    s = (q8_0.q.sum(-1).to(torch.float32) * d).to(torch.float16).to(torch.float32)
+    return Q8Blocks(q8_0.d, q8_0.q, None, s)
+
+
+def round_f16(x: torch.Tensor) -> torch.Tensor:
+    """Activations `x` [M, K] (K a multiple of 32) rounded to the nearest f16, as float32 (llama.cpp's F16 rows)."""
+    return _check(x, 32).to(torch.float16).to(torch.float32)
 
 
 def _iq2_xxs(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
@@ -121,22 +151,142 @@ def _q4_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
     return d * isum.to(torch.float32) - dmin * msum.to(torch.float32)
 
 
+def _lanes(codes: torch.Tensor, d: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb, 8] of integer codes [P, nb, 32] times block scales `d` [P, nb] against Q8_0
+    rows, in 8 lanes (lane l: values 4l..4l+3 of the block)."""
+    P, nb = d.shape
+    lanes = (codes.to(torch.int64) * xq.q).reshape(P, nb, 8, 4).sum(-1)
+    return (d * xq.d)[..., None] * lanes.to(torch.float32)
+
+
 def _q8_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
-    """Per-block float terms [P, nb, 8] of Q8_0 blocks [P, nb, 34] against Q8_0 rows, in 8 lanes (lane l: values
-    4l..4l+3 of the block)."""
+    """Per-block float terms [P, nb, 8] of Q8_0 blocks [P, nb, 34] against Q8_0 rows, in 8 lanes."""
     P, nb = blocks.shape[:2]
     bu = blocks.reshape(-1, 34)
-    q = bu[:, 2:].contiguous().view(torch.int8).to(torch.int64).reshape(P, nb, 32)
-    lanes = (q * xq.q).reshape(P, nb, 8, 4).sum(-1)
-    return (f16_field(bu, 0).reshape(P, nb) * xq.d)[..., None] * lanes.to(torch.float32)
+    q = bu[:, 2:].contiguous().view(torch.int8).reshape(P, nb, 32)
+    return _lanes(q, f16_field(bu, 0).reshape(P, nb), xq)
 
 
-_BLOCK_TERMS = {"IQ2_XXS": _iq2_xxs, "Q2_K": _q2_k, "Q4_K": _q4_k, "Q8_0": _q8_0}
+def _q4_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Q4_0 blocks [P, nb, 18] (codes q - 8) against Q8_0 rows, in 8 lanes."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 18)
+    return _lanes(nibbles(bu[:, 2:]).to(torch.int64).reshape(P, nb, 32) - 8, f16_field(bu, 0).reshape(P, nb), xq)
+
+
+def _q5_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Q5_0 blocks [P, nb, 22] (codes q - 16) against Q8_0 rows, in 8 lanes."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 22)
+    return _lanes(q5_codes(bu, 2).to(torch.int64).reshape(P, nb, 32) - 16, f16_field(bu, 0).reshape(P, nb), xq)
+
+
+def _iq4_nl(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """IQ4_NL blocks [P, nb, 18] (codes: the table's integers) against Q8_0 rows, in 8 lanes."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 18)
+    codes = KVALUES.to(torch.int64)[nibbles(bu[:, 2:]).to(torch.int64)].reshape(P, nb, 32)
+    return _lanes(codes, f16_field(bu, 0).reshape(P, nb), xq)
+
+
+def _mxfp4(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """MXFP4 blocks [P, nb, 17] (codes: twice the E2M1 values, scale 2^(e - 128)) against Q8_0 rows, in 8 lanes."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 17)
+    codes = (2 * E2M1).to(torch.int64)[nibbles(bu[:, 1:]).to(torch.int64)].reshape(P, nb, 32)
+    return _lanes(codes, _half_scale(bu[:, :1]).reshape(P, nb), xq)
+
+
+def _with_mins(codes: torch.Tensor, bu: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb, 9] of Q4_1/Q5_1 (unsigned `codes` [P, nb, 32], blocks `bu` [P * nb, bytes]
+    with f16 d and m first) against Q8_1 rows: the 8 lanes of `_lanes`, then `m_w s_x` as a ninth."""
+    P, nb = codes.shape[:2]
+    lanes = _lanes(codes, f16_field(bu, 0).reshape(P, nb), xq)
+    return torch.cat([lanes, (f16_field(bu, 2).reshape(P, nb) * xq.s)[..., None]], -1)
+
+
+def _q4_1(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Q4_1 blocks [P, nb, 20] (codes q, a min) against Q8_1 rows: 8 lanes and the mins."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 20)
+    return _with_mins(nibbles(bu[:, 4:]).to(torch.int64).reshape(P, nb, 32), bu, xq)
+
+
+def _q5_1(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Q5_1 blocks [P, nb, 24] (5-bit codes q, a min) against Q8_1 rows: 8 lanes and the mins."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 24)
+    return _with_mins(q5_codes(bu, 4).to(torch.int64).reshape(P, nb, 32), bu, xq)
+
+
+def _iq4_xs(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb] of IQ4_XS blocks [P, nb, 136] against Q8_K rows."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 136)
+    b = bu.to(torch.int64)
+    low = bit_planes(b[:, 4:8, None], [0, 4], 15).reshape(P, nb, 8)
+    high = ((b[:, 2] | (b[:, 3] << 8))[:, None] >> (2 * torch.arange(8))) & 3
+    codes = KVALUES.to(torch.int64)[nibbles(b[:, 8:].reshape(-1, 16))].reshape(P, nb, 8, 32)
+    dots = (codes * xq.q.reshape(P, nb, 8, 32)).sum(-1)
+    isum = (((low | (high.reshape(P, nb, 8) << 4)) - 32) * dots).sum(-1)
+    return f16_field(bu, 0).reshape(P, nb) * xq.d * isum.to(torch.float32)
+
+
+def _q3_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb] of Q3_K blocks [P, nb, 110] against Q8_K rows."""
+    P, nb = blocks.shape[:2]
+    b = blocks.reshape(-1, 110).to(torch.int64)
+    low = bit_planes(b[:, 96:104], [0, 4], 15).reshape(P, nb, 16)
+    high = bit_planes(b[:, 104:108], [0, 2, 4, 6], 3).reshape(P, nb, 16)
+    q = bit_planes(b[:, 32:96].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(P, nb, 256)
+    h = bit_planes(b[:, :32], list(range(8)), 1).reshape(P, nb, 256)
+    dots = ((q - 4 * (1 - h)) * xq.q).reshape(P, nb, 16, 16).sum(-1)
+    isum = (((low | (high << 4)) - 32) * dots).sum(-1)
+    return f16_field(blocks.reshape(-1, 110), 108).reshape(P, nb) * xq.d * isum.to(torch.float32)
+
+
+def _q5_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb] of Q5_K blocks [P, nb, 176] against Q8_K rows."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 176)
+    sc, m = (t.to(torch.int64).reshape(P, nb, 8) for t in _unpack_scales(bu[:, 4:16]))
+    qs = bu[:, 48:].to(torch.int64).reshape(-1, 4, 1, 32)
+    high = bit_planes(bu[:, 16:48].to(torch.int64), list(range(8)), 1)
+    q = (torch.cat([qs & 15, qs >> 4], 2).reshape(-1, 8, 32) | (high << 4)).reshape(P, nb, 8, 32)
+    isum = (sc * (q * xq.q.reshape(P, nb, 8, 32)).sum(-1)).sum(-1)
+    msum = (m * xq.bsums.reshape(P, nb, 8, 2).sum(-1)).sum(-1)
+    d, dmin = f16_field(bu, 0).reshape(P, nb) * xq.d, f16_field(bu, 2).reshape(P, nb) * xq.d
+    return d * isum.to(torch.float32) - dmin * msum.to(torch.float32)
+
+
+def _q6_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """Per-block float terms [P, nb] of Q6_K blocks [P, nb, 210] against Q8_K rows."""
+    P, nb = blocks.shape[:2]
+    bu = blocks.reshape(-1, 210)
+    b = bu.to(torch.int64)
+    low = bit_planes(b[:, :128].reshape(-1, 2, 64), [0, 4], 15).reshape(P, nb, 256)
+    high = bit_planes(b[:, 128:192].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(P, nb, 256)
+    dots = (((low | (high << 4)) - 32) * xq.q).reshape(P, nb, 16, 16).sum(-1)
+    scales = bu[:, 192:208].contiguous().view(torch.int8).to(torch.int64).reshape(P, nb, 16)
+    return f16_field(bu, 208).reshape(P, nb) * xq.d * (scales * dots).sum(-1).to(torch.float32)
+
+
+def _f16(blocks: torch.Tensor, x16: torch.Tensor) -> torch.Tensor:
+    """Per-block products [P, nb, 32] of F16 weight rows [P, nb, 64 bytes] with rows of f16-rounded activations
+    [P, nb, 32] (exact in float32: lane l of a block holds the product of its value l)."""
+    return blocks.contiguous().view(torch.float16).to(torch.float32) * x16
+
+
+_BLOCK_TERMS = {"IQ2_XXS": _iq2_xxs, "Q2_K": _q2_k, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q3_K": _q3_k, "Q5_K": _q5_k,
+                "Q6_K": _q6_k, "IQ4_XS": _iq4_xs, "Q4_0": _q4_0, "Q5_0": _q5_0, "IQ4_NL": _iq4_nl, "MXFP4": _mxfp4,
+                "Q4_1": _q4_1, "Q5_1": _q5_1}
 
 
 def quantize_activations(x: torch.Tensor, qtype: str) -> Q8Blocks:
-    """The 8-bit activations a weight of `qtype` is multiplied with (Q8_0 for Q8_0, else Q8_K)."""
-    return quantize_q8_0(x) if qtype in Q8_0_TYPES else quantize_q8_k(x)
+    """The 8-bit activations a weight of `qtype` is multiplied with (Q8_0, Q8_1 for their types, else Q8_K)."""
+    if qtype in Q8_0_TYPES:
+        return quantize_q8_0(x)
+    return quantize_q8_1(x) if qtype in Q8_1_TYPES else quantize_q8_k(x)
 
 
 def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,19 +299,22 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
         raise ValueError(f"activations must be [M, {K}], got {tuple(x.shape)}")
     if (experts is None) != (len(w.shape) == 2):
         raise ValueError(f"a weight of shape {w.shape} needs experts exactly when it is stacked [E, N, K]")
-    xq = quantize_activations(x, w.qtype.name)
-    M, N, nb = x.shape[0], w.shape[-2], xq.d.shape[1]
+    M, N, nb = x.shape[0], w.shape[-2], K // (256 if w.qtype.name in Q8_K_TYPES else 32)
     if experts is None:
         data = w.data.reshape(1, N, -1).expand(M, N, -1)
     else:
         data = w.data.reshape(w.shape[0], N, -1)[experts.clamp(min=0)]
     blocks = data.reshape(M * N, nb, -1)
-    rows = Q8Blocks(*(None if t is None else t.repeat_interleave(N, 0) for t in (xq.d, xq.q, xq.bsums)))
-    terms = _BLOCK_TERMS[w.qtype.name](blocks, rows)
+    if w.qtype.name in F16_TYPES:
+        terms = _f16(blocks, round_f16(x).reshape(M, 1, nb, 32).expand(M, N, nb, 32).reshape(M * N, nb, 32))
+    else:
+        xq = quantize_activations(x, w.qtype.name)
+        rows = Q8Blocks(*(None if t is None else t.repeat_interleave(N, 0) for t in (xq.d, xq.q, xq.bsums, xq.s)))
+        terms = _BLOCK_TERMS[w.qtype.name](blocks, rows)
     acc = torch.zeros(M * N, *terms.shape[2:], dtype=torch.float32)
     for b in range(nb):                               # in block order, as the kernel adds them
         acc = acc + terms[:, b]
-    if acc.dim() == 2:                                # Q8_0's lanes, added in order
+    if acc.dim() == 2:               # the lanes of Q8_0_TYPES, Q8_1_TYPES (their mins last) and F16, added in order
         acc = sum((acc[:, lane] for lane in range(1, acc.shape[1])), start=acc[:, 0])
     if w.qtype.name == "IQ2_XXS":
         acc = 0.125 * acc

@@ -2,10 +2,13 @@
 
     python scripts/perplexity.py MODEL.gguf TEXT.txt [--ctx 512] [--kl-base BASE.gguf | --kl-logits FILE]
     python scripts/perplexity.py BASE.gguf TEXT.txt --save-logits FILE
+    python scripts/perplexity.py MODEL.gguf TEXT.txt --cpu-dot q8 --batch 16 --kl-base MODEL.gguf
 
 The text is cut into independent chunks of --ctx tokens; the second half of each chunk is scored. With a
 base (a model, or the log-probabilities --save-logits wrote from one) it prints the mean and p99 KL
 divergence, RMS of the probability difference of the right token and top-1 agreement. docs/quantization.md.
+`--cpu-dot q8` scores the model (not the base) with 8-bit activations (docs/cpu.md); `--batch 16` feeds each chunk
+16 tokens at a time, the rows where q8 applies (the third line: q8's divergence from exact on the same file).
 """
 from __future__ import annotations
 
@@ -23,13 +26,13 @@ from ds4.errors import Ds4Error
 from ds4.research import perplexity
 
 
-def _load(path: str, args: argparse.Namespace) -> ds4.Engine:
-    return ds4.load(path, backend=args.backend, ctx=args.ctx, prefill_chunk=args.ctx)
+def _load(path: str, args: argparse.Namespace, cpu_dot: str = "exact") -> ds4.Engine:
+    return ds4.load(path, backend=args.backend, ctx=args.ctx, prefill_chunk=args.ctx, cpu_dot=cpu_dot)
 
 
 def _score(engine: ds4.Engine, ids: list[int], args: argparse.Namespace, what: str) -> perplexity.Scores:
     with tqdm(total=len(ids) // args.ctx, desc=what, unit="chunk", file=sys.stderr) as bar:
-        return perplexity.score(engine, ids, args.ctx, on_chunk=lambda i: bar.update())
+        return perplexity.score(engine, ids, args.ctx, on_chunk=lambda i: bar.update(), batch=args.batch)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,11 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     ap.add_argument("--backend", default="auto", help="backend running the model(s) (default auto)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--cpu-dot", choices=("exact", "q8"), default="exact",
+                    help="the model's cpu dot products (the base always exact; docs/cpu.md)")
+    ap.add_argument("--batch", type=int, default=0, help="tokens per forward within a chunk (default: the whole chunk)")
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
-        engine = _load(args.model, args)
+        engine = _load(args.model, args, args.cpu_dot)
         ids = engine.tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))
         if args.chunks > 0:
             ids = ids[:args.chunks * args.ctx]

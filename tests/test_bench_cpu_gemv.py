@@ -10,6 +10,7 @@ bench = script("bench")
 def test_bench_gemv_smoke(capsys):
     bench.main(["cpu", "--gemv", "--size", "smoke", "--rounds", "1"])
     out = capsys.readouterr().out
-    for qtype in ("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0", "F16", "IQ3_XXS", "IQ1_M", "TQ1_0", "MXFP4", "BF16"):
+    for qtype in ("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0", "F16", "IQ3_XXS", "IQ1_M", "TQ1_0", "MXFP4", "BF16", "Q3_K",
+                  "Q6_K", "IQ4_XS", "Q5_1"):
         assert qtype in out
     assert "pct_copy" in out and "x_M1" in out and "q8_pct_copy" in out and "x_ref" in out

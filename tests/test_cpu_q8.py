@@ -78,6 +78,15 @@ def quantize_row_q8_0_ref(x: np.ndarray) -> list[tuple]:
     return out
 
 
+def quantize_row_q8_1_ref(x: np.ndarray) -> list[tuple]:
+    """Per 32 values: (d as f16, qs, s) as llama.cpp's quantize_row_q8_1_ref: s = f16(sum of qs times d)."""
+    out = []
+    for blk, (d16, qs) in zip(x.reshape(-1, 32), quantize_row_q8_0_ref(x), strict=True):
+        d = np.abs(blk).max() / F32(127)
+        out.append((d16, qs, F32(np.float16(F32(int(qs.sum())) * d))))
+    return out
+
+
 def f16(b: np.ndarray, at: int) -> np.float32:
     """The f16 at byte `at` of block `b`."""
     return F32(b[at:at + 2].view(np.float16)[0])
@@ -127,9 +136,7 @@ def vec_dot_q4_k_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[in
     """The integer sums of ggml_vec_dot_q4_K_q8_K_generic per block: (sum of its 8 aux32 lanes, sumi)."""
     isums, msums = [], []
     for b, (_, q8, bsums) in zip(w.reshape(-1, 144), y, strict=True):
-        s = b[4:16].astype(np.int32)
-        scales = [s[j] & 63 for j in range(4)] + [(s[8 + j] & 15) | ((s[j] >> 6) << 4) for j in range(4)]
-        mins = [s[4 + j] & 63 for j in range(4)] + [(s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4) for j in range(4)]
+        scales, mins = k_scales_mins(b[4:16])
         q4 = b[16:].astype(np.int32).reshape(4, 32)
         a = np.concatenate([np.concatenate([c & 15, c >> 4]) for c in q4])
         msums.append(sum(int(bsums[j]) * int(mins[j // 2]) for j in range(16)))
@@ -138,18 +145,147 @@ def vec_dot_q4_k_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[in
     return isums, msums
 
 
-def vec_dot_q8_0_q8_0(w: np.ndarray, y: list[tuple]) -> np.float32:
-    """ggml_vec_dot_q8_0_q8_0_generic on one row."""
+def vec_dot_q3_k_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[int]]:
+    """The integer sums of ggml_vec_dot_q3_K_q8_K_generic per block: (sum of its 8 aux32 lanes, 0: no mins)."""
+    isums = []
+    kmask1, kmask2 = 0x03030303, 0x0F0F0F0F
+    for b, (_, q8, _) in zip(w.reshape(-1, 110), y, strict=True):
+        hm, q3 = b[:32].astype(np.int32), b[32:96].astype(np.int32)
+        a, m = [], 1
+        for j in range(2):
+            for shift in (0, 2, 4, 6):
+                a.append(((q3[32 * j:32 * j + 32] >> shift) & 3) - np.where(hm & m, 0, 4))
+                m <<= 1
+        a = np.concatenate(a)
+        aux = [int(v) for v in b[96:108].view(np.uint32)]
+        tmp = aux[2]
+        words = [(aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4), (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4),
+                 ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4),
+                 ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4)]
+        scales = np.array(words, np.uint32).view(np.int8).astype(np.int32)
+        isums.append(sum(int(scales[j] - 32) * int((q8[16 * j:16 * j + 16] * a[16 * j:16 * j + 16]).sum())
+                         for j in range(16)))
+    return isums, [0] * len(isums)
+
+
+def k_scales_mins(s: np.ndarray) -> tuple[list[int], list[int]]:
+    """ggml's get_scale_min_k4 on the 12 scale bytes of a Q4_K/Q5_K block."""
+    s = s.astype(np.int32)
+    scales = [s[j] & 63 for j in range(4)] + [(s[8 + j] & 15) | ((s[j] >> 6) << 4) for j in range(4)]
+    mins = [s[4 + j] & 63 for j in range(4)] + [(s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4) for j in range(4)]
+    return scales, mins
+
+
+def vec_dot_q5_k_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[int]]:
+    """The integer sums of ggml_vec_dot_q5_K_q8_K_generic per block: (sum of its 8 aux32 lanes, sumi)."""
+    isums, msums = [], []
+    for b, (_, q8, bsums) in zip(w.reshape(-1, 176), y, strict=True):
+        scales, mins = k_scales_mins(b[4:16])
+        hm, q4 = b[16:48].astype(np.int32), b[48:].astype(np.int32).reshape(4, 32)
+        a = np.concatenate([np.concatenate([(c & 15) + np.where(hm & (1 << 2 * j), 16, 0),
+                                            (c >> 4) + np.where(hm & (2 << 2 * j), 16, 0)]) for j, c in enumerate(q4)])
+        msums.append(sum(int(bsums[j]) * int(mins[j // 2]) for j in range(16)))
+        dots = (q8 * a).reshape(8, 32).sum(1)
+        isums.append(sum(int(scales[j]) * int(dots[j]) for j in range(8)))
+    return isums, msums
+
+
+def vec_dot_q6_k_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[int]]:
+    """The integer sums of ggml_vec_dot_q6_K_q8_K_generic per block: (sum of its 8 aux32 lanes, 0: no mins)."""
+    isums = []
+    for b, (_, q8, _) in zip(w.reshape(-1, 210), y, strict=True):
+        a = np.zeros(256, np.int32)
+        for j in range(2):
+            q4, qh = b[64 * j:64 * j + 64].astype(np.int32), b[128 + 32 * j:160 + 32 * j].astype(np.int32)
+            a[128 * j:128 * j + 32] = ((q4[:32] & 15) | (((qh >> 0) & 3) << 4)) - 32
+            a[128 * j + 32:128 * j + 64] = ((q4[32:] & 15) | (((qh >> 2) & 3) << 4)) - 32
+            a[128 * j + 64:128 * j + 96] = ((q4[:32] >> 4) | (((qh >> 4) & 3) << 4)) - 32
+            a[128 * j + 96:128 * j + 128] = ((q4[32:] >> 4) | (((qh >> 6) & 3) << 4)) - 32
+        scales = b[192:208].view(np.int8).astype(np.int32)
+        isums.append(sum(int(scales[j]) * int((q8[16 * j:16 * j + 16] * a[16 * j:16 * j + 16]).sum())
+                         for j in range(16)))
+    return isums, [0] * len(isums)
+
+
+def vec_dot_f16(w: np.ndarray, x: np.ndarray) -> np.float32:
+    """ggml_vec_dot_f16's scalar loop on one row: f16 products summed in double."""
+    return F32(sum(float(F32(a) * F32(b)) for a, b in zip(w.view(np.float16), x.astype(np.float16), strict=True)))
+
+
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int32)
+
+
+def vec_dot_iq4_xs_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[int]]:
+    """The integer sum per block of ggml_vec_dot_iq4_xs_q8_K's AVX2 kernel (the generic one adds a float per 32):
+    sum over the 32s of (ls - 32) times their integer dot; no mins."""
+    isums = []
+    for b, (_, q8, _) in zip(w.reshape(-1, 136), y, strict=True):
+        h, qs, isum = int(b[2:4].view(np.uint16)[0]), b[8:].astype(np.int32), 0
+        for ib in range(0, 8, 2):
+            ls1 = (int(b[4 + ib // 2]) & 0xF) | ((h << 4) & 0x30)
+            ls2 = (int(b[4 + ib // 2]) >> 4) | ((h << 2) & 0x30)
+            h >>= 4
+            for k, ls in ((ib, ls1), (ib + 1, ls2)):
+                q = qs[16 * k:16 * k + 16]
+                sumi = int((q8[32 * k:32 * k + 16] * KVALUES_IQ4NL[q & 0xF]).sum())
+                sumi += int((q8[32 * k + 16:32 * k + 32] * KVALUES_IQ4NL[q >> 4]).sum())
+                isum += (ls - 32) * sumi
+        isums.append(isum)
+    return isums, [0] * len(isums)
+
+
+# Per K-quant whose ggml dot adds its float terms in 8 lanes (the generic kernels) or per block (IQ4_XS's AVX2
+# kernel): the block's integer sums and its f16 fields (d, dmin; dmin None for the types without mins).
+K_LANES = {"Q3_K": (vec_dot_q3_k_q8_k, 110, 108, None), "Q4_K": (vec_dot_q4_k_q8_k, 144, 0, 2),
+           "Q5_K": (vec_dot_q5_k_q8_k, 176, 0, 2), "Q6_K": (vec_dot_q6_k_q8_k, 210, 208, None),
+           "IQ4_XS": (vec_dot_iq4_xs_q8_k, 136, 0, None)}
+
+
+def codes_32(qtype: str, b: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """The integer codes and scale of one 32-value block as ggml's dequantize_row_<type> reads them."""
+    if qtype == "Q8_0":
+        return b[2:].view(np.int8).astype(np.int32), f16(b, 0)
+    if qtype == "MXFP4":
+        e = int(b[0])
+        half = np.array([0x00200000 << e if e < 2 else (e - 1) << 23], np.uint32).view(np.float32)[0]
+        return KVALUES_MXFP4[np.concatenate([b[1:] & 15, b[1:] >> 4])], half
+    if qtype == "Q5_0":
+        qh, qs = int(b[2:6].view(np.uint32)[0]), b[6:].astype(np.int32)
+        j = np.arange(16)
+        x0 = (qs & 0x0F) | (((qh >> j) << 4) & 0x10)
+        x1 = (qs >> 4) | ((qh >> (j + 12)) & 0x10)
+        return np.concatenate([x0, x1]) - 16, f16(b, 0)
+    qs = b[2:].astype(np.int32)
+    nib = np.concatenate([qs & 0x0F, qs >> 4])
+    return (nib - 8 if qtype == "Q4_0" else KVALUES_IQ4NL[nib]), f16(b, 0)
+
+
+def vec_dot_32_q8_1(w: np.ndarray, y: list[tuple], five: bool) -> np.float32:
+    """ggml_vec_dot_q4_1_q8_1_generic / q5_1 on one row: sumi times d_w d_x plus m_w s_x per block."""
     sumf = F32(0)
-    for b, (yd, q8) in zip(w.reshape(-1, 34), y, strict=True):
-        sumi = int((b[2:].view(np.int8).astype(np.int32) * q8).sum())
-        sumf += F32(sumi) * (f16(b, 0) * yd)
+    for b, (yd, q8, ys) in zip(w.reshape(-1, 24 if five else 20), y, strict=True):
+        qs = b[8 if five else 4:].astype(np.int32)
+        codes = np.concatenate([qs & 0x0F, qs >> 4])
+        if five:
+            qh = int(b[4:8].view(np.uint32)[0])
+            codes = codes | (((qh >> np.arange(32)) & 1) << 4)
+        sumf += F32(int((codes * q8).sum())) * (f16(b, 0) * yd) + f16(b, 2) * ys
+    return sumf
+
+
+def vec_dot_32_q8_0(qtype: str, w: np.ndarray, y: list[tuple]) -> np.float32:
+    """ggml_vec_dot_<type>_q8_0_generic on one row (Q8_0, Q4_0, Q5_0, IQ4_NL, MXFP4): sumi times d_w d_x per block."""
+    sumf = F32(0)
+    for b, (yd, q8) in zip(w.reshape(-1, w.size // len(y)), y, strict=True):
+        codes, d = codes_32(qtype, b)
+        sumf += F32(int((codes * q8).sum())) * (d * yd)
     return sumf
 
 
 def test_q8_k_rounding_is_llama_cpps():
-    """Q8_K and Q8_0 of random rows (with a zero block, a tied peak and exact halves): the reference and the C
-    kernel's rounding give llama.cpp's d, quants and sums."""
+    """Q8_K, Q8_0 and Q8_1 of random rows (with a zero block, a tied peak and exact halves): the reference and the
+    C kernel's rounding give llama.cpp's d, quants and sums."""
     x = activations(3, 512)
     mine = ref.quantize_q8_k(x)
     raw = kernels.q8_quantize(x, "Q2_K").reshape(3, 2, 320)
@@ -168,28 +304,60 @@ def test_q8_k_rounding_is_llama_cpps():
             assert mine0.d[m, b].item() == d and np.array_equal(mine0.q[m, b].numpy(), qs)
             assert raw0[m, b, :4].view(torch.float32).item() == d
             assert np.array_equal(raw0[m, b, 4:].view(torch.int8).numpy(), qs)
+    mine1 = ref.quantize_q8_1(x)
+    raw1 = kernels.q8_quantize(x, "Q4_1").reshape(3, 16, 40)
+    for m in range(3):
+        for b, (d, qs, s) in enumerate(quantize_row_q8_1_ref(x[m].numpy())):
+            assert mine1.d[m, b].item() == d and mine1.s[m, b].item() == s
+            assert np.array_equal(mine1.q[m, b].numpy(), qs)
+            assert raw1[m, b, :8].view(torch.float32).tolist() == [d, s]
+            assert np.array_equal(raw1[m, b, 8:].view(torch.int8).numpy(), qs)
+
+
+def test_f16_rounding():
+    """F16 weights' activations: the reference and the C kernel (SIMD and scalar tail alike) round each value to
+    the nearest f16 as numpy does: ties to even, f16 subnormals, overflow to infinity."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)) * torch.logspace(-9, 4, 64)
+    x[0, :8] = torch.tensor([65519.0, 65520.0, -65520.0, 2**-25, 3 * 2**-25, -(2**-24), 1e-30, 1 + 2**-11])
+    with np.errstate(over="ignore"):         # 65520 rounds to infinity: that is the point
+        expected = x.numpy().astype(np.float16).astype(np.float32)
+    assert np.array_equal(ref.round_f16(x).numpy(), expected)
+    assert np.array_equal(kernels.q8_quantize(x, "F16").view(torch.float32).reshape(3, 64).numpy(), expected)
 
 
 @pytest.mark.parametrize("qtype", ref.TYPES)
 def test_reference_dot_is_llama_cpps(qtype):
     """Each output of the reference equals llama.cpp's generic dot product of the same blocks (IQ2_XXS, Q2_K:
-    the same float steps, bit for bit; Q4_K: llama.cpp adds its float terms in 8 lanes, so its per-block integer
-    sums give the reference's float result; Q8_0: ours adds 8 lanes, the generic one a scalar: within rounding)."""
+    the same float steps, bit for bit; Q3_K..Q6_K: llama.cpp adds its float terms in 8 lanes, so its per-block
+    integer sums give the reference's float result; Q8_0: ours adds 8 lanes, the generic one a scalar; F16: ours
+    32 float lanes, the generic one a double: within rounding)."""
     w, x = weight(qtype, 4, 512), activations(2, 512)
     out = ref.qdot8(x, w)
     for m in range(2):
-        xq = quantize_row_q8_0_ref(x[m].numpy()) if qtype == "Q8_0" else quantize_row_q8_k_ref(x[m].numpy())
+        q8_0 = qtype in ref.Q8_0_TYPES
+        xq = quantize_row_q8_0_ref(x[m].numpy()) if q8_0 else quantize_row_q8_k_ref(x[m].numpy())
+        if qtype in ref.Q8_1_TYPES:
+            xq = quantize_row_q8_1_ref(x[m].numpy())
         for n in range(4):
             row = w.data[n].numpy()
-            if qtype == "Q4_K":
-                isums, msums = vec_dot_q4_k_q8_k(row, xq)
-                d = torch.tensor([f16(b, 0) * xd for b, (xd, _, _) in zip(row.reshape(-1, 144), xq, strict=True)])
-                dmin = torch.tensor([f16(b, 2) * xd for b, (xd, _, _) in zip(row.reshape(-1, 144), xq, strict=True)])
-                terms = d * torch.tensor(isums, dtype=torch.float32) - dmin * torch.tensor(msums, dtype=torch.float32)
-                assert out[m, n].item() == (terms[0] + terms[1]).item()
+            if qtype in K_LANES:
+                sums, size, at_d, at_dmin = K_LANES[qtype]
+                isums, msums = sums(row, xq)
+                blocks = list(zip(row.reshape(-1, size), xq, strict=True))
+                terms = torch.tensor([f16(b, at_d) * xd for b, (xd, _, _) in blocks]) * torch.tensor(isums).float()
+                if at_dmin is not None:
+                    dmin = torch.tensor([f16(b, at_dmin) * xd for b, (xd, _, _) in blocks])
+                    terms = terms - dmin * torch.tensor(msums, dtype=torch.float32)
+                assert out[m, n].item() == (terms[0] + terms[1]).item(), (qtype, m, n)
                 continue
-            if qtype == "Q8_0":     # 8 lanes (as llama.cpp's AVX2 kernel) against the generic scalar sum
-                assert out[m, n].item() == pytest.approx(vec_dot_q8_0_q8_0(row, xq), rel=1e-5, abs=1e-6)
+            if qtype == "F16":
+                assert out[m, n].item() == pytest.approx(vec_dot_f16(row, x[m].numpy()), rel=1e-5, abs=1e-6)
+                continue
+            if qtype in ref.Q8_1_TYPES:
+                assert out[m, n].item() == pytest.approx(vec_dot_32_q8_1(row, xq, qtype == "Q5_1"), rel=1e-5, abs=1e-6)
+                continue
+            if q8_0:     # 8 lanes (as llama.cpp's AVX2 kernel) against the generic scalar sum
+                assert out[m, n].item() == pytest.approx(vec_dot_32_q8_0(qtype, row, xq), rel=1e-5, abs=1e-6)
                 continue
             llama = {"IQ2_XXS": vec_dot_iq2_xxs_q8_k, "Q2_K": vec_dot_q2_k_q8_k}[qtype]
             assert out[m, n].item() == llama(row, xq), (qtype, m, n)
@@ -365,19 +533,26 @@ def ggml_harness(tmp_path_factory) -> Path:
 def test_against_ggml_itself(qtype, ggml_harness):
     """llama.cpp's from_float and vec_dot on the same weight and rows: Q8_K activations identical to the
     reference's (d, quants, sums), Q8_0 quants within one step where its AVX rounding differs from its own
-    reference quantizer, and every output within float32 rounding of the reference (llama.cpp adds the same
-    block terms in SIMD lanes)."""
+    reference quantizer, F16 rows the reference's f16 values, and every output within float32 rounding of the
+    reference (llama.cpp adds the same block terms in SIMD lanes)."""
     w, x = weight(qtype, 24, 512), activations(4, 512)
     header = np.array([w.qtype.ggml_type], np.int32).tobytes() + np.array([4, 24, 512], np.int64).tobytes()
     done = subprocess.run([str(ggml_harness)], input=header + w.data.numpy().tobytes() + x.numpy().tobytes(),
                           capture_output=True, check=True)
+    if qtype == "F16":
+        rows = np.frombuffer(done.stdout[:4 * 512 * 2], np.float16).reshape(4, 512).astype(np.float32)
+        assert np.array_equal(rows, ref.round_f16(x).numpy())
+        y = np.frombuffer(done.stdout[4 * 512 * 2:], np.float32).reshape(4, 24)
+        assert np.allclose(y, ref.qdot8(x, w).numpy(), rtol=1e-5, atol=1e-6 * np.abs(y).max())
+        return
     mine = ref.quantize_activations(x, qtype)
-    if qtype == "Q8_0":
-        blocks = np.frombuffer(done.stdout[:4 * 16 * 34], np.uint8).reshape(4, 16, 34)
+    if qtype in ref.Q8_0_TYPES + ref.Q8_1_TYPES:
+        size = 34 if qtype in ref.Q8_0_TYPES else 36       # Q8_1: f16 d, f16 s, 32 quants
+        blocks = np.frombuffer(done.stdout[:4 * 16 * size], np.uint8).reshape(4, 16, size)
         d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
         assert np.array_equal(d, mine.d.numpy())
-        assert np.abs(blocks[..., 2:].view(np.int8) - mine.q.numpy()).max() <= 1
-        y = np.frombuffer(done.stdout[4 * 16 * 34:], np.float32).reshape(4, 24)
+        assert np.abs(blocks[..., size - 32:].view(np.int8) - mine.q.numpy()).max() <= 1
+        y = np.frombuffer(done.stdout[4 * 16 * size:], np.float32).reshape(4, 24)
     else:
         blocks = np.frombuffer(done.stdout[:4 * 2 * 292], np.uint8).reshape(4, 2, 292)
         assert np.array_equal(blocks[..., :4].copy().view(np.float32)[..., 0], mine.d.numpy())

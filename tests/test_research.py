@@ -3,6 +3,7 @@ quantizers, perplexity and KL divergence, the scripts and the quants bench at sm
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import struct
@@ -163,6 +164,15 @@ def test_scripts(tmp_path, capsys):
     assert '"mean_kld": 0.0' in out and '"same_top": 1.0' in out
     assert perplexity_main([TINY, str(text), "--ctx", "4096"]) == 2
     assert "too few for one chunk" in capsys.readouterr().err
+    # fed 16 tokens at a time: the same scores within float rounding; with q8's rounded activations, others
+    assert perplexity_main([TINY, str(text), "--ctx", "32", "--batch", "16", "--kl-logits", str(tmp_path / "b.npz"),
+                            "--json"]) == 0
+    batched = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kl"]
+    assert batched["mean_kld"] < 1e-6 and batched["same_top"] == 1.0
+    assert perplexity_main([TINY, str(text), "--ctx", "32", "--batch", "16", "--cpu-dot", "q8", "--kl-base", TINY,
+                            "--json"]) == 0
+    q8 = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kl"]
+    assert 0 < q8["mean_kld"] < 0.05
 
 
 def test_bench_quants_smoke(tmp_path):

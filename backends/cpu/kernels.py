@@ -319,8 +319,11 @@ def _(p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 # The opt-in 8-bit-activation dot product (`--cpu-dot q8`, qdot8.c; numerics and reference: ops/q8_activations.py).
-Q8_TYPES = {"IQ2_XXS": 0, "Q2_K": 0, "Q4_K": 0, "Q8_0": 1}    # the types qdot8.c reads -> activation kind
-Q8_ACTIVATION = ((256, 320), (32, 36))   # per kind (0 Q8_K, 1 Q8_0): values and bytes of one activation block
+Q8_TYPES = {"IQ2_XXS": 0, "Q2_K": 0, "Q4_K": 0, "Q8_0": 1,    # the types qdot8.c reads -> activation kind
+            "Q3_K": 0, "Q5_K": 0, "Q6_K": 0, "IQ4_XS": 0, "Q4_0": 1, "Q5_0": 1, "IQ4_NL": 1, "MXFP4": 1, "F16": 2,
+            "Q4_1": 3, "Q5_1": 3}
+# Per activation kind (0 Q8_K, 1 Q8_0, 2 the f16-rounded floats of F16 weights, 3 Q8_1): values and bytes of a block.
+Q8_ACTIVATION = ((256, 320), (32, 36), (32, 128), (32, 40))
 
 
 def _bind_q8(k: ctypes.CDLL) -> None:
@@ -348,7 +351,8 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
 
 def q8_quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
     """Rows of float32 `x` [M, K] rounded by qdot8.c for weights of `qtype`, as raw bytes per block: Q8_K the
-    256 int8 quants, float32 d, 16 int16 sums of 16 quants and padding to 320 bytes; Q8_0 float32 d, 32 int8."""
+    256 int8 quants, float32 d, 16 int16 sums of 16 quants and padding to 320 bytes; Q8_0 float32 d, 32 int8; Q8_1
+    float32 d and s, 32 int8; for F16 weights each value rounded to the nearest f16, as float32."""
     kind = Q8_TYPES[qtype]
     block, block_bytes = Q8_ACTIVATION[kind]
     M, K = x.shape

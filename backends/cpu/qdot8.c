@@ -1,7 +1,8 @@
 /* The opt-in 8-bit-activation dot product (`--cpu-dot q8`): y[m, n] = sum_k W[n, k] * x[m, k] with x rounded
  * to 8 bits per block, as llama.cpp's CPU kernels do (the numerics and their PyTorch reference:
  * ops/q8_activations.py). `q8_quantize` rounds the activations once per call (Q8_K: 256 values, a float
- * scale, the sums of each 16 quants; Q8_0: 32 values, an f16 scale); `qdot8` multiplies every weight block
+ * scale, the sums of each 16 quants; Q8_0: 32 values, an f16 scale; Q8_1: Q8_0 and an f16 scaled sum; for F16
+ * weights each value to the nearest f16); `qdot8` multiplies every weight block
  * with its activation block in integers (maddubs/madd on AVX2; IQ2_XXS a block per vector on AVX-512 with
  * VBMI/BITALG/VNNI; a plain C loop elsewhere: the same exact integers everywhere) and adds the blocks' float
  * terms in block order (Q8_0: in 8 lanes, then the lanes in order). Each output's arithmetic depends only on
@@ -20,6 +21,7 @@
 
 typedef struct { int8_t qs[256]; float d; int16_t bsums[16]; int8_t pad[28]; } q8k_block; /* 320: whole lines */
 typedef struct { float d; int8_t qs[32]; } q8_0_block;                       /* 36 bytes */
+typedef struct { float d, s; int8_t qs[32]; } q8_1_block;                    /* 40 bytes */
 
 static float q8_bits_float(uint32_t bits) {
     float f;
@@ -64,7 +66,8 @@ static inline int q8_nearest(float v) {     /* round to nearest, ties to even (|
 }
 
 /* Rows of x [M, K] rounded to Q8_K (kind 0, K % 256 == 0) or Q8_0 (kind 1, K % 32 == 0) blocks into `out`
- * (M * K/256 q8k_block or M * K/32 q8_0_block). Returns -1 for a kind or K it cannot serve. */
+ * (M * K/256 q8k_block or M * K/32 q8_0_block), Q8_1 (kind 3: M * K/32 q8_1_block) or (kind 2, K % 32 == 0)
+ * each value to the nearest f16, as M * K floats. Returns -1 for a kind or K it cannot serve. */
 int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
     if (kind == 0) {
         if (K % 256) return -1;
@@ -100,6 +103,32 @@ int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
             y[b].d = q8_round_half(d);
             for (int j = 0; j < 32; j++) y[b].qs[j] = (int8_t)roundf(x[j] * id);
         }
+        return 0;
+    }
+    if (kind == 3) {                /* Q8_1: Q8_0's d and quants, s = f16(d * sum of the quants), d unrounded */
+        if (K % 32) return -1;
+        q8_1_block *y = out;
+        for (int64_t b = 0; b < M * (K / 32); b++, x += 32) {
+            float amax = 0.0f;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) { y[b].qs[j] = (int8_t)roundf(x[j] * id); sum += y[b].qs[j]; }
+            float s = (float)sum * d;
+            y[b].d = q8_round_half(d);
+            y[b].s = copysignf(q8_round_half(fabsf(s)), s);
+        }
+        return 0;
+    }
+    if (kind == 2) {
+        if (K % 32) return -1;
+        float *y = out;
+        int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+        for (; i + 8 <= M * K; i += 8)              /* the same rounding (to nearest, ties to even) 8 at a time */
+            _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+        for (; i < M * K; i++) y[i] = copysignf(q8_round_half(fabsf(x[i])), x[i]);
         return 0;
     }
     return -1;
@@ -282,6 +311,149 @@ static inline float dot_q4_k(const uint8_t *b, const void *act) {
     return (y->d * q8_half(b)) * (float)isum - (y->d * q8_half(b + 2)) * (float)msum;
 }
 
+static inline int q3_k_scale(const uint8_t *s, int j) {      /* Q3_K's signed 6-bit scale j (-32..31) */
+    return (((s[j % 8] >> (4 * (j / 8))) & 15) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4)) - 32;
+}
+
+#if defined(__AVX2__)
+static const uint8_t signed_pair_shuffle[8][32] = {  /* int16 lanes 0-7 <- byte 2i << 8, lanes 8-15 <- byte 2i+1 << 8 */
+#define PAIR_HIGH(i) {128, i, 128, i, 128, i, 128, i, 128, i, 128, i, 128, i, 128, i, \
+                      128, i + 1, 128, i + 1, 128, i + 1, 128, i + 1, 128, i + 1, 128, i + 1, 128, i + 1, 128, i + 1}
+    PAIR_HIGH(0), PAIR_HIGH(2), PAIR_HIGH(4), PAIR_HIGH(6), PAIR_HIGH(8), PAIR_HIGH(10), PAIR_HIGH(12), PAIR_HIGH(14)
+#undef PAIR_HIGH
+};
+
+static inline __m256i scale_pair(int lo, int hi) {     /* int16 lanes 0-7 = lo, 8-15 = hi */
+    return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo));
+}
+#endif
+
+/* Q3_K (110 bytes: hmask, qs, scales, d) against a Q8_K block: (d_x d) isum, the codes q - 4 (1 - h). */
+static inline float dot_q3_k(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+    int isum = 0;
+#if defined(__AVX2__)
+    uint32_t aux[4];                                /* the 16 scales + 32 as bytes (llama.cpp's unpacking) */
+    memcpy(aux, s, 12);
+    uint32_t tmp = aux[2];
+    aux[2] = ((aux[0] >> 4) & 0x0f0f0f0f) | (((tmp >> 4) & 0x03030303) << 4);
+    aux[3] = ((aux[1] >> 4) & 0x0f0f0f0f) | (((tmp >> 6) & 0x03030303) << 4);
+    aux[0] = (aux[0] & 0x0f0f0f0f) | ((tmp & 0x03030303) << 4);
+    aux[1] = (aux[1] & 0x0f0f0f0f) | (((tmp >> 2) & 0x03030303) << 4);
+    const uint8_t *biased = (const uint8_t *)aux;
+    __m256i missing = _mm256_andnot_si256(load256(hm), _mm256_set1_epi8(-1));    /* high bits cleared: -4 */
+    __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), acc = _mm256_setzero_si256();
+    for (int c = 0; c < 2; c++) {
+        __m256i q3 = load256(qs + 32 * c);
+        for (int i = 0; i < 4; i++) {               /* elements 128c + 32i + (0..31): scales 8c+2i, 8c+2i+1 */
+            __m256i q = _mm256_and_si256(_mm256_srli_epi16(q3, 2 * i), three);
+            __m256i four = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(missing, 4 * c + i), one), 2);
+            __m256i q8 = load256(y->qs + 128 * c + 32 * i);
+            __m256i prod = _mm256_sub_epi16(_mm256_maddubs_epi16(q, q8), _mm256_maddubs_epi16(four, q8));
+            __m256i scale = scale_pair(biased[8 * c + 2 * i] - 32, biased[8 * c + 2 * i + 1] - 32);
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, scale));
+        }
+    }
+    isum = hsum_i32(acc);
+#else
+    int scale[16];
+    for (int j = 0; j < 16; j++) scale[j] = q3_k_scale(s, j);
+    for (int e = 0; e < 256; e += 16) {
+        int sumi = 0;
+        for (int l = e; l < e + 16; l++) {
+            int q = ((qs[32 * (l / 128) + l % 32] >> (2 * ((l / 32) % 4))) & 3) - ((hm[l % 32] >> (l / 32)) & 1 ? 0 : 4);
+            sumi += q * y->qs[l];
+        }
+        isum += scale[e / 16] * sumi;
+    }
+#endif
+    return (q8_half(b + 108) * y->d) * (float)isum;
+}
+
+static inline void k_scale_min(const uint8_t *s, uint32_t u[4]) {  /* Q5_K's 6-bit pairs: 8 scale bytes, 8 mins */
+    memcpy(u, s, 12);                               /* llama.cpp's unpacking */
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    uint32_t mins_low = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = mins_low;
+    u[0] &= 0x3f3f3f3f;
+}
+
+/* Q5_K (176 bytes: d, dmin, scales, qh, qs) against a Q8_K block: (d_x d) isum - (d_x dmin) msum. */
+static inline float dot_q5_k(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    uint32_t u[4];
+    k_scale_min(b + 4, u);
+    const uint8_t *scale = (const uint8_t *)u, *low = scale + 8;
+    int isum = 0, msum = 0;
+    for (int j = 0; j < 8; j++) msum += low[j] * (y->bsums[2 * j] + y->bsums[2 * j + 1]);
+#if defined(__AVX2__)
+    __m256i nibble = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), high = load256(qh);
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        __m256i q4 = load256(qs + 32 * c);
+        __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c), one), 4);
+        __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c + 1), one), 4);
+        __m256i lo = _mm256_or_si256(_mm256_and_si256(q4, nibble), h0);
+        __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), nibble), h1);
+        lo = _mm256_maddubs_epi16(lo, load256(y->qs + 64 * c));
+        hi = _mm256_maddubs_epi16(hi, load256(y->qs + 64 * c + 32));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(lo, _mm256_set1_epi16((short)scale[2 * c])));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(hi, _mm256_set1_epi16((short)scale[2 * c + 1])));
+    }
+    isum = hsum_i32(acc);
+#else
+    for (int c = 0; c < 4; c++) {
+        int lo = 0, hi = 0;
+        for (int l = 0; l < 32; l++) {
+            lo += ((qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4)) * y->qs[64 * c + l];
+            hi += ((qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4)) * y->qs[64 * c + 32 + l];
+        }
+        isum += scale[2 * c] * lo + scale[2 * c + 1] * hi;
+    }
+#endif
+    return (y->d * q8_half(b)) * (float)isum - (y->d * q8_half(b + 2)) * (float)msum;
+}
+
+/* Q6_K (210 bytes: ql, qh, int8 scales, d) against a Q8_K block: (d_x d) isum, the codes q - 32. */
+static inline float dot_q6_k(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    int isum = 0;
+#if defined(__AVX2__)
+    __m256i nibble = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
+    __m256i scales = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)sc)), acc = _mm256_setzero_si256();
+    for (int c = 0; c < 2; c++) {
+        __m256i l0 = load256(ql + 64 * c), l1 = load256(ql + 64 * c + 32), h = load256(qh + 32 * c);
+        __m256i lows[4] = {_mm256_and_si256(l0, nibble), _mm256_and_si256(l1, nibble),
+                           _mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble),
+                           _mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble)};
+        for (int i = 0; i < 4; i++) {               /* elements 128c + 32i + (0..31): scales 8c+2i, 8c+2i+1 */
+            __m256i q = _mm256_or_si256(lows[i], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * i), three), 4));
+            __m256i q8 = load256(y->qs + 128 * c + 32 * i);
+            __m256i prod = _mm256_sub_epi16(_mm256_maddubs_epi16(q, q8), _mm256_maddubs_epi16(offset, q8));
+            __m256i scale = _mm256_srai_epi16(_mm256_shuffle_epi8(scales, load256(signed_pair_shuffle[4 * c + i])), 8);
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, scale));
+        }
+    }
+    isum = hsum_i32(acc);
+#else
+    for (int e = 0; e < 256; e += 16) {
+        int sumi = 0;
+        for (int l = e; l < e + 16; l++) {
+            int c = l / 128, i = (l / 32) % 4, k = l % 32;
+            int low = (ql[64 * c + 32 * (i % 2) + k] >> (4 * (i / 2))) & 15;
+            sumi += ((low | (((qh[32 * c + k] >> (2 * i)) & 3) << 4)) - 32) * y->qs[l];
+        }
+        isum += sc[e / 16] * sumi;
+    }
+#endif
+    return (q8_half(b + 208) * y->d) * (float)isum;
+}
+
 typedef float (*dot8_fn)(const uint8_t *, const void *);
 typedef float (*row8_fn)(const uint8_t *, const uint8_t *, int64_t);
 
@@ -375,6 +547,257 @@ static float row_q8_0(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return sum;
 }
 
+static float row_q3_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_blocks(dot_q3_k, 110, sizeof(q8k_block), row, act, nb);
+}
+
+static float row_q5_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_blocks(dot_q5_k, 176, sizeof(q8k_block), row, act, nb);
+}
+
+static float row_q6_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_blocks(dot_q6_k, 210, sizeof(q8k_block), row, act, nb);
+}
+
+/* A row of F16 weights against f16-rounded float activations (q8_quantize kind 2) in 32 float lanes: lane l
+ * adds the products of values l, l + 32, l + 64, ... (exact: two f16 values multiply exactly in float), then the
+ * lanes are added in order. `nb` blocks of 32 values. */
+static float row_f16(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    const float *x = (const float *)act;
+    float lanes[32] = {0};
+#if defined(__AVX512F__)
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, row += 64, x += 32) {
+        prefetch_ahead(row, 64);
+        acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)row)),
+                                                 _mm512_loadu_ps(x)));
+        acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 32))),
+                                                 _mm512_loadu_ps(x + 16)));
+    }
+    _mm512_storeu_ps(lanes, acc0);
+    _mm512_storeu_ps(lanes + 16, acc1);
+#elif defined(__AVX2__) && defined(__F16C__)
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++, row += 64, x += 32) {
+        prefetch_ahead(row, 64);
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 16 * j))),
+                                                         _mm256_loadu_ps(x + 8 * j)));
+    }
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(lanes + 8 * j, acc[j]);
+#else
+    for (int64_t b = 0; b < nb; b++, row += 64, x += 32)
+        for (int l = 0; l < 32; l++) lanes[l] += q8_half(row + 2 * l) * x[l];
+#endif
+    float sum = 0.0f;
+    for (int l = 0; l < 32; l++) sum += lanes[l];
+    return sum;
+}
+
+static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};   /* 2 x E2M1 */
+
+static inline float e8m0_half(uint8_t e) {     /* 2^(e - 128), exact (subnormal for e < 2) */
+    return q8_bits_float(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
+
+/* The 32 integer codes of a 32-value block (Q4_0 q - 8, Q5_0 q - 16, IQ4_NL and MXFP4 their tables) and its
+ * scale: each type's `codes32_<type>` writes them as int8 (an __m256i on AVX2) and returns the scale. */
+#if defined(__AVX2__)
+typedef __m256i codes32;
+static inline __m256i nibbles32(const uint8_t *qs) {   /* bytes 0-15 the low nibbles of qs[16], 16-31 the high */
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    __m128i lo = _mm_and_si128(q, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15));
+    return _mm256_set_m128i(hi, lo);
+}
+static inline __m256i table16(const int8_t *table, __m256i idx) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table)), idx);
+}
+static inline float codes32_q4_0(const uint8_t *b, codes32 *c) {
+    *c = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+    return q8_half(b);
+}
+static inline __m256i fifth_bits(const uint8_t *qh_bytes) {    /* byte j: 16 where bit j of the u32 is set */
+    uint32_t qh;
+    memcpy(&qh, qh_bytes, 4);
+    /* byte j <- byte j / 8 of qh, tested against bit j % 8 */
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                         _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                           0x0101010101010101, 0x0000000000000000));
+    __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+static inline float codes32_q5_0(const uint8_t *b, codes32 *c) {
+    *c = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)), _mm256_set1_epi8(16));
+    return q8_half(b);
+}
+static inline float codes32_q4_1(const uint8_t *b, codes32 *c) {
+    *c = nibbles32(b + 4);
+    return q8_half(b);
+}
+static inline float codes32_q5_1(const uint8_t *b, codes32 *c) {
+    *c = _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4));
+    return q8_half(b);
+}
+static inline float codes32_iq4_nl(const uint8_t *b, codes32 *c) {
+    *c = table16(iq4_values, nibbles32(b + 2));
+    return q8_half(b);
+}
+static inline float codes32_mxfp4(const uint8_t *b, codes32 *c) {
+    *c = table16(mxfp4_values, nibbles32(b + 1));
+    return e8m0_half(b[0]);
+}
+#else
+typedef int8_t codes32[32];
+static inline float codes32_q4_0(const uint8_t *b, codes32 *c) {
+    for (int j = 0; j < 16; j++) { (*c)[j] = (int8_t)((b[2 + j] & 15) - 8); (*c)[j + 16] = (int8_t)((b[2 + j] >> 4) - 8); }
+    return q8_half(b);
+}
+static inline float codes32_q5_0(const uint8_t *b, codes32 *c) {
+    uint32_t qh = (uint32_t)b[2] | ((uint32_t)b[3] << 8) | ((uint32_t)b[4] << 16) | ((uint32_t)b[5] << 24);
+    for (int j = 0; j < 16; j++) {
+        (*c)[j] = (int8_t)(((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+        (*c)[j + 16] = (int8_t)(((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+    return q8_half(b);
+}
+static inline float codes32_q4_1(const uint8_t *b, codes32 *c) {
+    for (int j = 0; j < 16; j++) { (*c)[j] = (int8_t)(b[4 + j] & 15); (*c)[j + 16] = (int8_t)(b[4 + j] >> 4); }
+    return q8_half(b);
+}
+static inline float codes32_q5_1(const uint8_t *b, codes32 *c) {
+    uint32_t qh = (uint32_t)b[4] | ((uint32_t)b[5] << 8) | ((uint32_t)b[6] << 16) | ((uint32_t)b[7] << 24);
+    for (int j = 0; j < 16; j++) {
+        (*c)[j] = (int8_t)((b[8 + j] & 15) | (((qh >> j) & 1) << 4));
+        (*c)[j + 16] = (int8_t)((b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+    }
+    return q8_half(b);
+}
+static inline float codes32_iq4_nl(const uint8_t *b, codes32 *c) {
+    for (int j = 0; j < 16; j++) { (*c)[j] = iq4_values[b[2 + j] & 15]; (*c)[j + 16] = iq4_values[b[2 + j] >> 4]; }
+    return q8_half(b);
+}
+static inline float codes32_mxfp4(const uint8_t *b, codes32 *c) {
+    for (int j = 0; j < 16; j++) { (*c)[j] = mxfp4_values[b[1 + j] & 15]; (*c)[j + 16] = mxfp4_values[b[1 + j] >> 4]; }
+    return e8m0_half(b[0]);
+}
+#endif
+
+/* A row of 32-value blocks of `bb` bytes given as codes times a scale against Q8_0 activations in 8 float lanes,
+ * as row_q8_0: lane l adds (d_w d_x) times the integer dot of values 4l..4l+3 of each block, then the lanes. */
+static inline __attribute__((always_inline)) float row_codes(float (*codes)(const uint8_t *, codes32 *), const int bb,
+                                                             const uint8_t *row, const uint8_t *act, int64_t nb) {
+    const q8_0_block *y = (const q8_0_block *)act;
+    float lanes[8] = {0};
+    codes32 w;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, row += bb) {
+        prefetch_ahead(row, bb);
+        float d = codes(row, &w);
+        __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256(y[b].qs), w));
+        __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(d * y[b].d), dots));
+    }
+    _mm256_storeu_ps(lanes, acc);
+#else
+    for (int64_t b = 0; b < nb; b++, row += bb) {
+        float d = codes(row, &w) * y[b].d;
+        for (int l = 0; l < 8; l++) {
+            int s = 0;
+            for (int i = 4 * l; i < 4 * l + 4; i++) s += w[i] * y[b].qs[i];
+            lanes[l] += d * (float)s;
+        }
+    }
+#endif
+    float sum = 0.0f;
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    return sum;
+}
+
+/* Q4_1 / Q5_1 rows (unsigned codes, f16 d and m first) against Q8_1 activations: row_codes' 8 lanes, then
+ * `+ summs`, summs adding m_w s_x block after block. */
+static inline __attribute__((always_inline)) float row_codes_min(float (*codes)(const uint8_t *, codes32 *),
+                                                                 const int bb, const uint8_t *row, const uint8_t *act,
+                                                                 int64_t nb) {
+    const q8_1_block *y = (const q8_1_block *)act;
+    float lanes[8] = {0}, summs = 0.0f;
+    codes32 w;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++, row += bb) {
+        prefetch_ahead(row, bb);
+        float d = codes(row, &w);
+        summs += q8_half(row + 2) * y[b].s;
+        __m256i prod = _mm256_maddubs_epi16(w, load256(y[b].qs));
+        __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(d * y[b].d), dots));
+    }
+    _mm256_storeu_ps(lanes, acc);
+#else
+    for (int64_t b = 0; b < nb; b++, row += bb) {
+        float d = codes(row, &w) * y[b].d;
+        summs += q8_half(row + 2) * y[b].s;
+        for (int l = 0; l < 8; l++) {
+            int s = 0;
+            for (int i = 4 * l; i < 4 * l + 4; i++) s += w[i] * y[b].qs[i];
+            lanes[l] += d * (float)s;
+        }
+    }
+#endif
+    float sum = 0.0f;
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    return sum + summs;
+}
+
+static float row_q4_1(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_codes_min(codes32_q4_1, 20, row, act, nb);
+}
+static float row_q5_1(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_codes_min(codes32_q5_1, 24, row, act, nb);
+}
+
+static float row_q4_0(const uint8_t *row, const uint8_t *act, int64_t nb) { return row_codes(codes32_q4_0, 18, row, act, nb); }
+static float row_q5_0(const uint8_t *row, const uint8_t *act, int64_t nb) { return row_codes(codes32_q5_0, 22, row, act, nb); }
+static float row_iq4_nl(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_codes(codes32_iq4_nl, 18, row, act, nb);
+}
+static float row_mxfp4(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_codes(codes32_mxfp4, 17, row, act, nb);
+}
+
+/* IQ4_XS (136 bytes: d, scales_h, scales_l, qs) against a Q8_K block: (d_w d_x) isum, isum = sum over the 8
+ * sub-blocks of (ls - 32) times the integer dot of IQ4_NL's table values. */
+static inline float dot_iq4_xs(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *qs = b + 8;
+    int h = b[2] | (b[3] << 8), isum = 0, ls[8];
+    for (int j = 0; j < 8; j++) ls[j] = (((b[4 + j / 2] >> (4 * (j % 2))) & 15) | (((h >> (2 * j)) & 3) << 4)) - 32;
+#if defined(__AVX2__)
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        __m256i w = table16(iq4_values, nibbles32(qs + 16 * j));
+        __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256(y->qs + 32 * j), w));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(prod, _mm256_set1_epi16((short)ls[j])));
+    }
+    isum = hsum_i32(acc);
+#else
+    for (int j = 0; j < 8; j++) {
+        int sumi = 0;
+        for (int l = 0; l < 16; l++)
+            sumi += iq4_values[qs[16 * j + l] & 15] * y->qs[32 * j + l] + iq4_values[qs[16 * j + l] >> 4] * y->qs[32 * j + 16 + l];
+        isum += ls[j] * sumi;
+    }
+#endif
+    return (q8_half(b) * y->d) * (float)isum;
+}
+
+static float row_iq4_xs(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_blocks(dot_iq4_xs, 136, sizeof(q8k_block), row, act, nb);
+}
+
 /* Output rows [n0, n1) of y [M, N]: each (row, output) through `row_dot` (bs values in bb bytes per weight
  * block, ab bytes per activation block). */
 static inline __attribute__((always_inline)) void rows_q8(
@@ -390,7 +813,9 @@ static inline __attribute__((always_inline)) void rows_q8(
 }
 
 /* y [M, N] rows [n0, n1) = x @ W.T for a weight of GGUF type `type` (16 IQ2_XXS after qdot8_set_iq2_xxs,
- * 10 Q2_K, 12 Q4_K: `xq` from q8_quantize kind 0; 8 Q8_0: kind 1), M <= 16; experts as in qgemv.c (row m
+ * 10 Q2_K, 12 Q4_K, 11 Q3_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS: `xq` from q8_quantize kind 0; 8 Q8_0, 2 Q4_0, 6 Q5_0,
+ * 20 IQ4_NL, 39 MXFP4: kind 1; 3 Q4_1, 7 Q5_1: kind 3; 1 F16: kind 2),
+ * M <= 16; experts as in qgemv.c (row m
  * uses the weight at w + experts[m] * expert_bytes; experts[m] < 0 gives 0). Returns -1 for a call it cannot
  * serve. */
 int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
@@ -407,6 +832,26 @@ int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         rows_q8(row_q4_k, 256, 144, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 8: if (K % 32) return -1;
         rows_q8(row_q8_0, 32, 34, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+        return 0;
+    case 11: if (K % 256) return -1;
+        rows_q8(row_q3_k, 256, 110, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 13: if (K % 256) return -1;
+        rows_q8(row_q5_k, 256, 176, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 14: if (K % 256) return -1;
+        rows_q8(row_q6_k, 256, 210, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 1: if (K % 32) return -1;
+        rows_q8(row_f16, 32, 64, 32 * (int)sizeof(float), w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 23: if (K % 256) return -1;
+        rows_q8(row_iq4_xs, 256, 136, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 2: case 6: case 20: case 39: {
+        if (K % 32) return -1;
+        row8_fn row = type == 2 ? row_q4_0 : type == 6 ? row_q5_0 : type == 20 ? row_iq4_nl : row_mxfp4;
+        int bb = type == 2 || type == 20 ? 18 : type == 6 ? 22 : 17;
+        rows_q8(row, 32, bb, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    }
+    case 3: case 7: if (K % 32) return -1;
+        rows_q8(type == 3 ? row_q4_1 : row_q5_1, 32, type == 3 ? 20 : 24, (int)sizeof(q8_1_block), w, expert_bytes,
+                experts, N, K, x, M, y, n0, n1);
         return 0;
     default: return -1;
     }

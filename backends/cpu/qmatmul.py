@@ -16,9 +16,10 @@
   serves the type (the same values as the reference's, several times faster), the tiles split across the
   kernel pool's threads (`kernels.split`). Measured against the fused kernel on chunks of 16 rows at M = 32,
   the tiles were as fast or faster at every V4 Flash shape (docs/cpu.md, "Prefill").
-- `dot="q8"` (`--cpu-dot q8`, OpSet(cpu_dot="q8")): for M <= SMALL_M the types qdot8.c reads (IQ2_XXS, Q2_K,
-  Q4_K, Q8_0) round the activations to 8 bits per block and multiply in integers, as llama.cpp does
-  (backends/cpu/qdot8.c, reference ops/q8_activations.py); everything else as above.
+- `dot="q8"` (`--cpu-dot q8`, OpSet(cpu_dot="q8")): for M <= SMALL_M the types qdot8.c reads
+  (`kernels.Q8_TYPES`: IQ2_XXS, the K-quants, IQ4_XS, the legacy types, IQ4_NL, MXFP4) round the activations to
+  8 bits per block and multiply in integers, F16 rounds them to f16, as llama.cpp does (backends/cpu/qdot8.c,
+  reference ops/q8_activations.py); everything else as above.
 - For M <= SMALL_M every path is batch-invariant without a loop over rows: the kernel does the same
   arithmetic for each row whatever M is, and dense products run in fixed groups of rows
   (`rows.grouped_product`), so row r of an M-row call equals the 1-row call bit for bit.

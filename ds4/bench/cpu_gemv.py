@@ -28,6 +28,10 @@ SHAPES = {  # type: (N, K) of the matrix V4 Flash stores in it (6 routed experts
     **dict.fromkeys(("IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4"),
                     (6 * 2048, 4096)),  # routed gate/up in llama.cpp's IQ, TQ and MXFP4_MOE mixes
     "BF16": (4096, 4096),           # as F16
+    "Q3_K": (6 * 2048, 4096),       # routed gate/up (llama.cpp's Q3_K_M)
+    "Q5_K": (6 * 2048, 4096),       # routed gate/up (Q5_K_M)
+    "Q6_K": (6 * 4096, 2048),       # routed down (Q4_K_M / Q5_K_M, half the layers)
+    **dict.fromkeys(("IQ4_XS", "Q4_0", "Q5_0", "IQ4_NL", "Q4_1", "Q5_1"), (6 * 2048, 4096)),   # gate/up in those mixes
 }
 ROWS = (1, 2, 4, 8, 16)
 

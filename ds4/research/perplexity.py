@@ -39,18 +39,27 @@ class Scores:
         return ppl, ppl * err
 
 
-def score(engine: Engine, ids: Sequence[int], ctx: int, on_chunk: Callable[[int], None] = lambda i: None) -> Scores:
-    """Log-probabilities of the second half of every full chunk of `ctx` tokens of `ids`."""
+def score(engine: Engine, ids: Sequence[int], ctx: int, on_chunk: Callable[[int], None] = lambda i: None,
+          batch: int = 0) -> Scores:
+    """Log-probabilities of the second half of every full chunk of `ctx` tokens of `ids`, each chunk fed in
+    forwards of `batch` tokens (0: the whole chunk at once)."""
     n_chunks = len(ids) // ctx
     if ctx < 4 or n_chunks < 1:
         raise UsageError(f"the text has {len(ids)} tokens: too few for one chunk of {ctx} (lower --ctx)")
-    first = ctx // 2
+    if batch < 0:
+        raise UsageError(f"the batch must be 0 (the whole chunk) or a number of tokens, got {batch}")
+    first, step = ctx // 2, batch or ctx
     targets, logprobs = [], []
     for i in range(n_chunks):
         chunk = list(ids[i * ctx:(i + 1) * ctx])
-        session = engine.session(ctx=ctx, prefill_chunk=ctx)
-        logits = session.forward(chunk, logit_rows=list(range(first, ctx - 1)), eager=True)
-        logprobs.append(torch.log_softmax(logits.to(torch.float32), -1))
+        session = engine.session(ctx=ctx, prefill_chunk=step)
+        parts = []
+        for start in range(0, ctx, step):
+            rows = [r - start for r in range(max(first, start), min(ctx - 1, start + step))]
+            logits = session.forward(chunk[start:start + step], logit_rows=rows or None, eager=True)
+            if rows:
+                parts.append(logits)
+        logprobs.append(torch.log_softmax(torch.cat(parts).to(torch.float32), -1))
         targets.append(torch.tensor(chunk[first + 1:], dtype=torch.int64))
         on_chunk(i)
     return Scores(ctx, torch.cat(targets), torch.cat(logprobs))
