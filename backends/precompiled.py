@@ -63,6 +63,14 @@ class PrecompiledStep:
         self.steps: dict[tuple, Callable] = {}
         self.loaded = self.compiled = 0               # steps read from disk / compiled in this process
 
+    def __getstate__(self) -> dict:
+        """Pickled without its steps (dynamo pickles the objects a step reaches, e.g. an MTP head's trunk, whose
+        compiled step holds unpicklable guards)."""
+        return {"fn": self.fn, "directory": self.directory}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["fn"], state["directory"])
+
     def __call__(self, *args):
         sig = signature(args)
         step = self.steps.get(sig)
