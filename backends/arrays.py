@@ -100,8 +100,8 @@ class TorchArrays:
         """`fn` compiled by torch.compile (inductor) with static shapes: one graph per distinct input shape
         (a step per verify width), traced on first use and replayed after. CPU only: on CUDA, steps are
         recorded in CUDA graphs instead (ds4/cuda_graphs.py). Across ranks the step holds its all_reduces. The
-        compiled steps are saved on disk (`compile_cache_dir`), so a later process with the same model shapes and
-        code loads them without tracing or compiling."""
+        compiled steps of a single process are saved on disk (`compile_cache_dir`), so a later process with the
+        same model shapes and code loads them without tracing or compiling (ranks compile their own)."""
         if self.device.type != "cpu":
             raise BackendUnavailable(f"compiled steps run on the CPU only for now, not on {self.device}; "
                                      "use --no-compile")
@@ -109,6 +109,9 @@ class TorchArrays:
         # kept where a later process finds them, and each compiled step saved whole beside them: a warm start
         # loads the step without tracing it (backends/precompiled.py); a graph break is an error, not a slow path
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+        if self.world > 1:   # a step holding collectives is compiled in each process (its process group unsaved)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # a graph per width
+            return torch.compile(fn, dynamic=False, fullgraph=True)
         return PrecompiledStep(fn, compile_cache_dir() / "steps")
 
 
