@@ -112,6 +112,9 @@ class TorchArrays:
         if self.world > 1:   # a step holding collectives is compiled in each process (its process group unsaved)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # a graph per width
             return torch.compile(fn, dynamic=False, fullgraph=True)
+        if not hasattr(torch.compiler, "load_compiled_function"):
+            raise BackendUnavailable(f"--compile saves its steps with torch.compile's aot_compile, which torch "
+                                     f"{torch.__version__} lacks (torch >= 2.10); upgrade torch or use --no-compile")
         return PrecompiledStep(fn, compile_cache_dir() / "steps")
 
 

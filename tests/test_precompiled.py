@@ -50,3 +50,11 @@ def test_an_edit_of_the_traced_sources_changes_the_file(tmp_path, monkeypatch):
     before = step.path(sig)
     monkeypatch.setattr(precompiled, "source_hash", lambda: "edited")
     assert step.path(sig) != before
+
+
+def test_a_torch_without_aot_compile_is_refused_by_name(monkeypatch):
+    from backends.arrays import TorchArrays
+    from ds4.errors import BackendUnavailable
+    monkeypatch.delattr(torch.compiler, "load_compiled_function")
+    with pytest.raises(BackendUnavailable, match="aot_compile"):
+        TorchArrays("cpu").compile(double_plus_one)
