@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from backends.precompiled import PrecompiledStep
 from ds4.errors import BackendUnavailable
 from ops.quants import QTensor
 
@@ -99,17 +100,22 @@ class TorchArrays:
         """`fn` compiled by torch.compile (inductor) with static shapes: one graph per distinct input shape
         (a step per verify width), traced on first use and replayed after. CPU only: on CUDA, steps are
         recorded in CUDA graphs instead (ds4/cuda_graphs.py). Across ranks the step holds its all_reduces. The
-        compiled code is cached on disk (`compile_cache_dir`), so a later process with the same model shapes and
-        code skips inductor's compile."""
+        compiled steps of a single process are saved on disk (`compile_cache_dir`), so a later process with the
+        same model shapes and code loads them without tracing or compiling (ranks compile their own)."""
         if self.device.type != "cpu":
             raise BackendUnavailable(f"compiled steps run on the CPU only for now, not on {self.device}; "
                                      "use --no-compile")
-        # one recompile per verify width (1..16) and per MTP row count; dynamo's default limit is 8
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # inductor's FX-graph and AOTAutograd caches (keyed by the traced graph, its shapes and torch's version)
-        # kept where a later process finds them: a warm start retraces the step but compiles nothing
+        # kept where a later process finds them, and each compiled step saved whole beside them: a warm start
+        # loads the step without tracing it (backends/precompiled.py); a graph break is an error, not a slow path
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
-        return torch.compile(fn, dynamic=False, fullgraph=True)  # a graph break is an error, not a slow path
+        if self.world > 1:   # a step holding collectives is compiled in each process (its process group unsaved)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # a graph per width
+            return torch.compile(fn, dynamic=False, fullgraph=True)
+        if not hasattr(torch.compiler, "load_compiled_function"):
+            raise BackendUnavailable(f"--compile saves its steps with torch.compile's aot_compile, which torch "
+                                     f"{torch.__version__} lacks (torch >= 2.10); upgrade torch or use --no-compile")
+        return PrecompiledStep(fn, compile_cache_dir() / "steps")
 
 
 def best_device() -> str:

@@ -7,14 +7,19 @@ tokens/s and ratios (`--compile` adds each mix with the compiled decode step). `
 ds4/bench/full_width.py instead: V4 Flash at full width, N layers, ds4py against llama-bench; `--gemv`
 ds4/bench/cpu_gemv.py: the fused kernel's GB/s per type. The tiny default model
 adds ds4py's 1-row decode against a 2-row verify, on the cpu backend and on the reference (torch)
-backend (and compiled, with `--compile`).
+backend (and compiled, with `--compile`). With `LLAMA_BENCH=/path/to/llama-bench`, llama-bench runs on each mix's
+GGUF in the same rounds and the ds4py rows get their ratio to it (`--size small-llama`: the 89M model with the head
+sizes and compression ratios llama.cpp's deepseek4 graph accepts).
 """
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,31 +28,54 @@ from backends.registry import OpSet
 from ds4.bench import cpu_gemv, full_width
 from ds4.bench.common import machine
 from ds4.engine import open_model
+from ds4.errors import UsageError
 from ds4.formats.convert import convert
+from ds4.formats.vocab import real_v4_tokenizer_json
 from ds4.session import Session
 from ds4.tiny.build import tiny_model_weights
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
 
+SMALL = {"head_dim": 80, "hidden_size": 256, "vocab_size": 129280, "n_routed_experts": 16, "num_experts_per_tok": 4,
+         "moe_intermediate_size": 256, "sliding_window": 128}
+# llama.cpp's deepseek4 graph loads compression ratios 0, 4 and 128 only, and its Hadamard rotation of the
+# compressed and indexer rows cuts them into rows of 64: head sizes must be multiples of 64 (V4 Flash: 512, 128)
+LLAMACPP_SHAPES = {"head_dim": 128, "qk_rope_head_dim": 64, "index_head_dim": 128,
+                   "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}}
 SIZES = {  # keyword overrides of ds4.tiny.hf.tiny_config
     "smoke": {"head_dim": 80},
-    "small": {"head_dim": 80, "hidden_size": 256, "vocab_size": 129280, "n_routed_experts": 16,
-              "num_experts_per_tok": 4, "moe_intermediate_size": 256, "sliding_window": 128},
+    "small": SMALL,
+    "small-llama": SMALL | LLAMACPP_SHAPES,
 }
+REAL_VOCAB = 129280   # the real V4 tokenizer goes into these GGUFs (llama.cpp loads no file without one)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One timed engine: transformers ("hf"), a ds4py model ("ds4"; compiled decode if `compile`) or llama-bench
+    ("llama", `model` the GGUF path), on the file of `mix` ("" for transformers and the reference)."""
+
+    kind: str
+    model: object
+    compile: bool
+    mix: str
 
 
 def checkpoint(size: str, tmp: Path, mixes: tuple[str, ...]):
     """The transformers model and its GGUF paths per mix (files already in `tmp` are reused)."""
     from ds4.tiny.hf import tiny_config, tiny_model  # transformers: a test extra
     model = tiny_model(tiny_config(**SIZES[size]), seed=0)
+    real_vocab = model.config.vocab_size == REAL_VOCAB
     if not (tmp / "hf" / "config.json").exists():
         model.save_pretrained(tmp / "hf")
+        if real_vocab:
+            shutil.copy(real_v4_tokenizer_json(), tmp / "hf" / "tokenizer.json")
     paths = {}
     for mix in mixes:
         paths[mix] = str(tmp / f"{mix}.gguf")
         if not Path(paths[mix]).exists():
-            convert(tmp / "hf", paths[mix], outtype=mix, tokenizer=False)
+            convert(tmp / "hf", paths[mix], outtype=mix, tokenizer=real_vocab)
     return model, paths
 
 
@@ -104,15 +132,23 @@ def rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
     if a.full_layers:
         return full_width.rows(a)
     mixes = tuple(a.mixes)
+    binary = os.environ.get("LLAMA_BENCH")
+    if binary and not Path(binary).is_file():
+        raise UsageError(f"LLAMA_BENCH={binary} is not a file")
     with tempfile.TemporaryDirectory() as d:
         hf, paths = checkpoint(a.size, Path(a.workdir or d), mixes)
-        engines = {"transformers f32": ("hf", hf, False)}
+        engines = {"transformers f32": Engine("hf", hf, False, "")}
         for mix in mixes:
-            engines[f"ds4py {mix}"] = ("ds4", open_model(paths[mix], OpSet(a.backend)), False)
+            engines[f"ds4py {mix}"] = Engine("ds4", open_model(paths[mix], OpSet(a.backend)), False, mix)
+            for dot in set(a.cpu_dot) - {"exact"}:
+                engines[f"ds4py {mix} --cpu-dot {dot}"] = Engine(
+                    "ds4", open_model(paths[mix], OpSet(a.backend, cpu_dot=dot)), False, mix)
             if a.compile:
-                engines[f"ds4py {mix} compiled"] = ("ds4", engines[f"ds4py {mix}"][1], True)
+                engines[f"ds4py {mix} compiled"] = Engine("ds4", engines[f"ds4py {mix}"].model, True, mix)
+            if binary:
+                engines[f"llama.cpp {mix}"] = Engine("llama", Path(paths[mix]), False, mix)
         if a.reference:
-            engines["ds4py f32 (torch ref)"] = ("ds4", open_model(paths[mixes[0]], OpSet("torch")), False)
+            engines["ds4py f32 (torch ref)"] = Engine("ds4", open_model(paths[mixes[0]], OpSet("torch")), False, "")
         vocab = hf.config.vocab_size
         prompt = torch.randint(0, vocab, (a.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
         times: dict[tuple[str, int], list[tuple[float, float]]] = {}
@@ -123,11 +159,14 @@ def rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
             for r in range(a.rounds + 1):          # round 0 warms up and is not counted
                 for threads in a.threads:
                     torch.set_num_threads(threads)
-                    for name, (kind, model, compile) in engines.items():
-                        if kind == "hf":
-                            t = run_hf(model, prompt, a.tokens)
+                    for name, e in engines.items():
+                        if e.kind == "hf":
+                            t = run_hf(e.model, prompt, a.tokens)
+                        elif e.kind == "llama":
+                            rate = full_width.run_llama(binary, e.model, a.prompt, a.tokens, threads, [])
+                            t = (a.prompt / rate.prefill_tok_s, a.tokens / rate.decode_tok_s)
                         else:
-                            t = run_ds4(model, prompt, a.tokens, compile)
+                            t = run_ds4(e.model, prompt, a.tokens, e.compile)
                         if r:
                             times.setdefault((name, threads), []).append(t)
         finally:
@@ -136,13 +175,20 @@ def rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
     for threads in a.threads:
         base = statistics.median(a.tokens / t[1] for t in times[("transformers f32", threads)])
         f32 = statistics.median(a.tokens / t[1] for t in times[(f"ds4py {mixes[0]}", threads)])
-        for name in engines:
+        for name, e in engines.items():
             ts = times[(name, threads)]
             prefill = statistics.median(a.prompt / t[0] for t in ts)
             decode = statistics.median(a.tokens / t[1] for t in ts)
-            rows.append({"engine": name, "threads": threads, "prefill_tok_s": f"{prefill:.1f}",
-                         "decode_tok_s": f"{decode:.1f}", "decode_x_transformers": f"{decode / base:.2f}",
-                         f"decode_x_ds4py_{mixes[0]}": f"{decode / f32:.2f}"})
+            row = {"engine": name, "threads": threads, "prefill_tok_s": f"{prefill:.1f}",
+                   "decode_tok_s": f"{decode:.1f}", "decode_x_transformers": f"{decode / base:.2f}",
+                   f"decode_x_ds4py_{mixes[0]}": f"{decode / f32:.2f}"}
+            if binary:
+                llama = times.get((f"llama.cpp {e.mix}", threads))
+                row["prefill_x_llama"] = f"{prefill / statistics.median(a.prompt / t[0] for t in llama):.2f}" \
+                    if llama else "-"
+                row["decode_x_llama"] = f"{decode / statistics.median(a.tokens / t[1] for t in llama):.2f}" \
+                    if llama else "-"
+            rows.append(row)
     if a.tiny_steps:
         torch.set_num_threads(1)
         for backend, compile in [(a.backend, False), ("torch", False)] + [(a.backend, True)] * a.compile:
@@ -150,7 +196,8 @@ def rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
             label = f"{backend}{' compiled' if compile else ''}"
             rows.append({"engine": f"tiny default, {label}: 1-row decode / 2-row verify", "threads": 1,
                          "prefill_tok_s": "-", "decode_tok_s": f"{1 / one:.1f} / {2 / two:.1f} (rows/s)",
-                         "decode_x_transformers": "-", f"decode_x_ds4py_{mixes[0]}": f"verify/decode {two / one:.2f}"})
+                         "decode_x_transformers": "-", f"decode_x_ds4py_{mixes[0]}": f"verify/decode {two / one:.2f}",
+                         **dict.fromkeys(("prefill_x_llama", "decode_x_llama") if binary else (), "-")})
         torch.set_num_threads(before)
     return rows
 
@@ -158,7 +205,9 @@ def rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
 def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     """Options of the CPU end-to-end benchmark."""
     p.add_argument("--size", choices=sorted(SIZES), default="small",
-                   help="small: hidden 256, 16 experts top-4, 129,280 vocabulary (the issue's model); smoke: tiny")
+                   help="small: hidden 256, 16 experts top-4, 129,280 vocabulary (the issue's model); small-llama: "
+                        "the same with the head sizes and ratios llama.cpp loads (LLAMA_BENCH=path adds llama-bench "
+                        "on each mix's file); smoke: tiny")
     p.add_argument("--mixes", nargs="+", default=["f32", "q4", "q2"])
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--prompt", type=int, default=100, help="prompt tokens")
@@ -176,7 +225,7 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--full-mixes", nargs="+", choices=("q2", "q4"), default=["q2", "q4"], help="mixes of --full-layers")
     p.add_argument("--llama-args", default="", help="--full-layers: extra llama-bench arguments, e.g. '-ub 1'")
     p.add_argument("--cpu-dot", nargs="+", choices=("exact", "q8"), default=["exact"],
-                   help="--full-layers: ds4py's cpu dot products to time, interleaved (e.g. exact q8; docs/cpu.md)")
+                   help="ds4py's cpu dot products to time, interleaved (e.g. exact q8; docs/cpu.md)")
     p.add_argument("--full-tiny", action="store_true", help="--full-layers at the tiny model's sizes (smoke test)")
     p.add_argument("--png", help="--full-layers: also plot tok/s against threads into this PNG")
     p.add_argument("--op-times", action="store_true",

@@ -1,0 +1,111 @@
+"""Compiled steps saved whole across processes (`--compile`'s warm start, docs/cpu.md "The compiled step").
+
+torch.compile's ahead-of-time path (`aot_compile`, torch >= 2.10) captures a step once per input signature
+(the shapes, dtypes and host values of its arguments) as dynamo's guards and bytecode plus inductor's code,
+and `save_compiled_function` writes that to one file: a later process loads it with
+`torch.compiler.load_compiled_function` and runs it without tracing the step again (the warm start that
+inductor's caches alone leave to a ~10 s dynamo trace). A file is keyed by the function, its argument
+signature, torch's version and a hash of the sources a step traces (ops/, backends/, models/), so an edit to
+any of them compiles afresh instead of loading a stale step; a loaded step whose guards still reject the
+arguments (another model of the same signature) is compiled again and its file replaced.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACED_SOURCES = ("ops", "backends", "models")   # what a compiled step's code depends on
+
+
+@functools.cache
+def source_hash() -> str:
+    """sha256 of every Python and C source under TRACED_SOURCES (read once per process)."""
+    h = hashlib.sha256(torch.__version__.encode())
+    for top in TRACED_SOURCES:
+        for path in sorted((ROOT / top).rglob("*")):
+            if path.suffix in (".py", ".c"):
+                h.update(str(path.relative_to(ROOT)).encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def signature(value: Any) -> tuple:
+    """What a compiled graph specializes on: every tensor's shape and dtype and every host value inside
+    `value` (dataclasses, objects, dicts, lists and tuples walked in order)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype), value.device.type)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(signature(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, signature(v)) for k, v in value.items()))
+    if dataclasses.is_dataclass(value):
+        return (type(value).__name__, *(signature(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    if hasattr(value, "__dict__"):
+        return (type(value).__name__, signature(vars(value)))
+    return (repr(value),)
+
+
+class PrecompiledStep:
+    """`fn` compiled ahead of time once per argument signature, each compiled step saved under `directory` and
+    loaded from there by later processes (see the module docstring)."""
+
+    def __init__(self, fn: Callable, directory: Path):
+        self.fn, self.directory = fn, directory
+        self.owner = getattr(fn, "__self__", None)    # a bound method's object: the compiled step's first argument
+        self.steps: dict[tuple, Callable] = {}
+        self.loaded = self.compiled = 0               # steps read from disk / compiled in this process
+
+    def __getstate__(self) -> dict:
+        """Pickled without its steps (dynamo pickles the objects a step reaches, e.g. an MTP head's trunk, whose
+        compiled step holds unpicklable guards)."""
+        return {"fn": self.fn, "directory": self.directory}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["fn"], state["directory"])
+
+    def __call__(self, *args):
+        sig = signature(args)
+        step = self.steps.get(sig)
+        if step is None:
+            step = self.steps[sig] = self.load_or_compile(sig, args)
+        return step(*self.bound(args))
+
+    def bound(self, args: tuple) -> tuple:
+        """The compiled step's arguments: the bound method's object first."""
+        return args if self.owner is None else (self.owner, *args)
+
+    def path(self, sig: tuple) -> Path:
+        """The file of the step of signature `sig`."""
+        owner = self.owner.args if hasattr(self.owner, "args") else None     # a model's sizes
+        key = repr((getattr(self.fn, "__qualname__", repr(self.fn)), sig, signature(owner), source_hash()))
+        return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.step"
+
+    def load_or_compile(self, sig: tuple, args: tuple) -> Callable:
+        """The step of signature `sig`: loaded from its file when one is there and its guards accept `args`,
+        else compiled (aot_compile) and saved."""
+        path = self.path(sig)
+        if path.exists():
+            try:
+                with path.open("rb") as f:
+                    step = torch.compiler.load_compiled_function(f)
+                accepted = step.guard_check(*self.bound(args))
+            except Exception as e:     # an unreadable file (another torch, a truncated write): compile afresh
+                warnings.warn(f"compiled step {path} not reused ({type(e).__name__}: {str(e)[:200]}); "
+                              "compiling it again", RuntimeWarning, stacklevel=3)
+            else:
+                if accepted:
+                    self.loaded += 1
+                    return step
+        step = torch.compile(self.fn, dynamic=False, fullgraph=True).aot_compile((args, {}))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        step.save_compiled_function(str(path))
+        self.compiled += 1
+        return step

@@ -1,0 +1,60 @@
+"""Compiled steps saved whole (backends/precompiled.py): one file per argument signature, reused by a later
+step object, replaced with a warning when unreadable; the key follows the traced sources."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends import precompiled
+from backends.precompiled import PrecompiledStep, signature
+
+
+def double_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """A step small enough to compile in seconds."""
+    return torch.sigmoid(x) * 2 + 1
+
+
+def test_signature_sees_shapes_dtypes_and_host_values():
+    x = torch.zeros(2, 3)
+    assert signature((x, [1, 2])) == signature((torch.ones(2, 3), [1, 2]))
+    assert signature((x, [1, 2])) != signature((torch.zeros(3, 3), [1, 2]))
+    assert signature((x, [1, 2])) != signature((x.double(), [1, 2]))
+    assert signature((x, [1, 2])) != signature((x, [1, 3]))
+
+
+def test_a_saved_step_is_loaded_by_the_next_step_object_and_a_bad_file_replaced(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    x = torch.randn(4, 8)
+    first = PrecompiledStep(double_plus_one, tmp_path / "steps")
+    assert torch.allclose(first(x), double_plus_one(x))
+    assert (first.compiled, first.loaded) == (1, 0)
+    files = list((tmp_path / "steps").glob("*.step"))
+    assert len(files) == 1
+
+    second = PrecompiledStep(double_plus_one, tmp_path / "steps")
+    assert torch.allclose(second(x), double_plus_one(x))
+    assert (second.compiled, second.loaded) == (0, 1)
+    second(torch.randn(2, 8))                      # another shape: its own step and file
+    assert second.compiled == 1 and len(list((tmp_path / "steps").glob("*.step"))) == 2
+
+    files[0].write_bytes(b"not a step")
+    third = PrecompiledStep(double_plus_one, tmp_path / "steps")
+    with pytest.warns(RuntimeWarning, match="not reused"):
+        assert torch.allclose(third(x), double_plus_one(x))
+    assert third.compiled == 1 and files[0].read_bytes() != b"not a step"
+
+
+def test_an_edit_of_the_traced_sources_changes_the_file(tmp_path, monkeypatch):
+    step = PrecompiledStep(double_plus_one, tmp_path)
+    sig = signature((torch.zeros(1),))
+    before = step.path(sig)
+    monkeypatch.setattr(precompiled, "source_hash", lambda: "edited")
+    assert step.path(sig) != before
+
+
+def test_a_torch_without_aot_compile_is_refused_by_name(monkeypatch):
+    from backends.arrays import TorchArrays
+    from ds4.errors import BackendUnavailable
+    monkeypatch.delattr(torch.compiler, "load_compiled_function")
+    with pytest.raises(BackendUnavailable, match="aot_compile"):
+        TorchArrays("cpu").compile(double_plus_one)
