@@ -208,6 +208,7 @@ def split(fn: Callable[[int, int], int | None], n: int, parts: int) -> int:
     if parts == 1 or threads() == 1 or threading.current_thread().name.startswith("ds4-cpu"):  # no nesting
         return fn(0, n) or 0
     if _pool is None or _pool_size != threads() - 1:
+        lib()   # built first: its threads' initializer needs to know (a tile's BLAS call started an OpenMP team)
         _pool_size = threads() - 1
         _pool = ThreadPoolExecutor(max_workers=_pool_size, thread_name_prefix="ds4-cpu", initializer=_one_torch_thread)
     chunks = Chunks(fn, [n * i // parts for i in range(parts + 1)])

@@ -1,8 +1,14 @@
-"""Prefill's 8-bit GEMM for Q8_0 weights (`--cpu-dot q8`, M > 16): the reference (ops/q8_activations.qgemm8)
-bit for bit against llama.cpp's generic ggml_vec_dot_q8_0_q8_0 written out as a loop, and the C kernel
-(backends/cpu/qgemm8.c) bit for bit against the reference on its AMX path (where the CPU has it), its AVX2 and
-plain C paths, for any M, any thread split and output rows that are not whole tiles; qmatmul takes it."""
+"""Prefill on the CPU: the 8-bit GEMM for Q8_0 weights (`--cpu-dot q8`, M > 16), its reference
+(ops/q8_activations.qgemm8) bit for bit against llama.cpp's generic ggml_vec_dot_q8_0_q8_0 written out as a loop,
+and the C kernel (backends/cpu/qgemm8.c) bit for bit against the reference on its AMX path (where the CPU has it),
+its AVX2 and plain C paths, for any M, any thread split and output rows that are not whole tiles; qmatmul takes it;
+and the kernel pool's threads run torch's products on one OpenMP thread."""
 from __future__ import annotations
+
+import ctypes
+import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,3 +87,31 @@ def test_qmatmul_takes_it_for_prefill_rows_only():
     assert not torch.equal(qmatmul(x, w), ref.qgemm8(x, w))
     f16 = weight("F16", 48, 256)
     assert torch.equal(qmatmul(x, f16, "q8"), qmatmul(x, f16))
+
+
+def openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (from /proc/self/maps), or None."""
+    maps = Path("/proc/self/maps")
+    paths = {line.split()[-1] for line in maps.read_text().splitlines() if "omp" in line} if maps.exists() else set()
+    path = next((p for p in paths if re.search(r"lib(g|i)omp[^/]*\.so", p)), None)
+    return ctypes.CDLL(path) if path else None
+
+
+def test_pool_threads_take_one_openmp_thread_before_the_build(monkeypatch):
+    """A split call made before the library was built (prefill's first product on the tiles) still gives its pool
+    threads one OpenMP thread: a tile's BLAS product there started a team of its own (twice the CPU time)."""
+    runtime = openmp_runtime()
+    if runtime is None or (os.cpu_count() or 1) < 2:
+        pytest.skip("needs torch's OpenMP runtime and two CPUs")
+    monkeypatch.setattr(kernels, "_lib", False)
+    monkeypatch.setattr(kernels, "_pool", None)
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
+    before = torch.get_num_threads()
+    seen = []
+    try:
+        kernels.set_threads(2)
+        kernels.split(lambda start, stop: seen.append(runtime.omp_get_max_threads()) and None, 8, 8)
+    finally:
+        kernels.set_threads(before)
+        kernels._pool_threads = 0
+    assert seen and set(seen) == {1}
