@@ -15,7 +15,9 @@ import torch
 
 from backends.cpu import kernels
 from backends.cpu.qmatmul import qmatmul
+from backends.registry import implementations, reference
 from ops import q8_activations as ref
+from tests.test_batch_invariance import CASES
 from tests.test_cpu_q8 import activations, quantize_row_q8_0_ref, vec_dot_q8_0_q8_0, weight
 
 
@@ -115,3 +117,23 @@ def test_pool_threads_take_one_openmp_thread_before_the_build(monkeypatch):
         kernels.set_threads(before)
         kernels._pool_threads = 0
     assert seen and set(seen) == {1}
+
+
+@pytest.mark.parametrize("op", ("sparse_attention", "index_scores"))
+def test_prefill_attention_chunks_are_the_decode_rows(op, monkeypatch):
+    """Above SMALL_M queries the cpu attention and indexer scores run chunks of SMALL_M across the pool: close to the
+    reference, every row its 1-row call's bits, the same bits on 1, 2 and 3 threads."""
+    monkeypatch.setattr(kernels, "_pool_threads", 0)     # the pool follows torch's thread count
+    (args, one_row_args), before = CASES[op](40, 3), torch.get_num_threads()
+    fn = implementations(op)["cpu"].fn
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(fn(*args))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    torch.testing.assert_close(outs[0], reference(op).fn(*args), rtol=1e-5, atol=1e-5)
+    for m, row_args in enumerate(one_row_args):
+        assert torch.equal(outs[0][m:m + 1], fn(*row_args)), m
