@@ -9,32 +9,17 @@ result is the 1-row call's bit for bit. The indexer scores every query against t
 with a per-query batched product (`bmm`: each entry alone), masked to its own visible count.
 
 Prefill (M > SMALL_M) runs both on chunks of SMALL_M queries, the chunks taken in turn by the kernel pool's
-threads (`kernels.split`): each query's result is its 1-row call's bits, so the output is the same for any
+threads (`rows.row_chunks`): each query's result is its 1-row call's bits, so the output is the same for any
 thread count and equals a token-by-token decode's.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from backends.cpu import kernels
-from backends.cpu.rows import VEC
+from backends.cpu.rows import VEC, row_chunks
 from backends.registry import register
 from ops.qmatmul import SMALL_M
 from ops.sparse_attention import AttnRows
-
-
-def by_chunks(run: Callable[[int, int], torch.Tensor], M: int, out: torch.Tensor) -> torch.Tensor:
-    """`out[start:stop] = run(start, stop)` over chunks of SMALL_M of the M queries, across the kernel pool."""
-    chunks = -(-M // SMALL_M)
-
-    def part(first: int, last: int) -> None:
-        for start in range(first * SMALL_M, min(M, last * SMALL_M), SMALL_M):
-            out[start:start + SMALL_M] = run(start, min(M, start + SMALL_M))
-
-    kernels.split(part, chunks, chunks)
-    return out
 
 
 def query_rows(rows: AttnRows, start: int, stop: int) -> AttnRows:
@@ -49,8 +34,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: t
     """Attention output of each query head over its listed rows plus the sink."""
     M, H, D = q.shape
     if M > SMALL_M:
-        return by_chunks(lambda a, b: sparse_attention(q[a:b], kv, query_rows(rows, a, b), sinks, scale), M,
-                         torch.empty((M, H, D), dtype=torch.float32))
+        return row_chunks(lambda a, b: sparse_attention(q[a:b], kv, query_rows(rows, a, b), sinks, scale), M)
     listed = rows.padded()
     n = listed.shape[1]
     if n % VEC:
@@ -78,8 +62,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: 
     if len(visible) != M:
         raise ValueError(f"index_scores: {len(visible)} visible counts for {M} queries")
     if M > SMALL_M:
-        return by_chunks(lambda a, b: index_scores(q[a:b], keys, w[a:b], visible[a:b]), M,
-                         torch.empty((M, keys.shape[0]), dtype=torch.float32))
+        return row_chunks(lambda a, b: index_scores(q[a:b], keys, w[a:b], visible[a:b]), M)
     n = max(visible)
     scores = torch.full((M, keys.shape[0]), float("-inf"))
     if n == 0:

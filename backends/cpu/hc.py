@@ -3,14 +3,16 @@ padded to whole vectors (`rows.rowwise`) instead of one row at a time, an eager 
 one call into the kernel library (backends/cpu/sinkhorn.c; a compiled step, which fuses them, and machines
 where the library cannot be built keep in-place torch ops), the stream sums of hc_pre/hc_head and hc_post's
 mix are one batched product each (`bmm`, the same kernel for every row whatever M is), and the HC head uses the
-CPU qmatmul. Row-wise, so batch-invariant."""
+CPU qmatmul. Row-wise, so batch-invariant; a large prefill call runs in chunks of rows across the kernel pool
+(`rows.row_chunks`)."""
 from __future__ import annotations
 
 import torch
 
 from backends.cpu.qmatmul import qmatmul
-from backends.cpu.rows import rowwise
+from backends.cpu.rows import CHUNKED, row_chunks, rowwise
 from backends.registry import register
+from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 from ops.rms_norm import rms_norm
 
@@ -38,6 +40,8 @@ def streams(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sub-layer input, post weights and Sinkhorn combination matrix from the HC state `X`."""
+    if X.shape[0] > SMALL_M and X.numel() >= CHUNKED:
+        return row_chunks(lambda a, b: hc_pre(X[a:b], mixes[a:b], scale, base, iters, eps), X.shape[0])
     S = X.shape[1]
     pre = rowwise(torch.sigmoid, mixes[:, :S] * scale[0] + base[:S]) + eps
     post = 2 * rowwise(torch.sigmoid, mixes[:, S:2 * S] * scale[1] + base[S:2 * S])
@@ -48,6 +52,8 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
 @register("hc_post", "cpu", batch_invariant=True)
 def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New HC state `post ⊗ y + combᵀ · X` per row: one batched product instead of 2S + 1 small ops."""
+    if X.shape[0] > SMALL_M and X.numel() >= CHUNKED:
+        return row_chunks(lambda a, b: hc_post(X[a:b], y[a:b], post[a:b], comb[a:b]), X.shape[0])
     return torch.baddbmm(post[:, :, None] * y[:, None, :], comb.transpose(1, 2), X)
 
 

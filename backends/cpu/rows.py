@@ -2,7 +2,8 @@
 
 torch's CPU kernels round differently in their vectorized body and their scalar tail (transcendentals:
 exp, sigmoid, silu, softplus) and BLAS picks its kernel by the row count, so a row's result may depend
-on the other rows. These helpers make the work each row sees identical for any M <= SMALL_M.
+on the other rows. These helpers make the work each row sees identical for any M <= SMALL_M, and
+`row_chunks` runs a prefill's rows through that regime in chunks across the kernel pool's threads.
 """
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from backends.cpu import kernels
+from ops.qmatmul import SMALL_M
+
 VEC = 64     # elements: a multiple of every SIMD width x unroll torch uses, so no element hits a scalar tail
 GROUP = 2    # rows per dense product in the verify regime (a 2-row product costs about a 1-row one)
+CHUNKED = 1 << 18   # values of a prefill call's input from which row_chunks splits it across the pool
+Rows = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -34,3 +40,20 @@ def grouped_product(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == GROUP:
         return (x @ wt)[:M]
     return torch.cat([x[i:i + GROUP] @ wt for i in range(0, x.shape[0], GROUP)])[:M]
+
+
+def row_chunks(run: Callable[[int, int], Rows], M: int) -> Rows:
+    """`run(start, stop)` on chunks of SMALL_M of M rows, taken in turn by the kernel pool's threads, the outputs
+    (a tensor or a tuple of them) concatenated by row: for a batch-invariant `run` every row is its 1-row call's
+    bits, whatever the thread count."""
+    starts = range(0, M, SMALL_M)
+    out: list[Rows | None] = [None] * len(starts)
+
+    def part(first: int, last: int) -> None:
+        for i in range(first, last):
+            out[i] = run(starts[i], min(M, starts[i] + SMALL_M))
+
+    kernels.split(part, len(starts), len(starts))
+    if isinstance(out[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*out, strict=True))
+    return torch.cat(out)
