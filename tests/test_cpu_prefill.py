@@ -150,3 +150,17 @@ def test_prefill_row_chunks_are_the_decode_rows(op, monkeypatch):
         row = fn(*row_args)
         assert all(torch.equal(a[m:m + 1], b) for a, b in zip(tensors[0], row if isinstance(row, tuple) else (row,),
                                                               strict=True)), m
+
+
+def test_quantizer_is_qdot8s():
+    """qgemm8.c's activation rounding (vectorized on AVX-512) gives qdot8.c's Q8_0 blocks byte for byte, on exact
+    halves (scale 1: every x.5 rounds away from zero), zeros and random rows."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat([torch.randint(-254, 255, (3, 256), generator=g) / 2, torch.randn(3, 256, generator=g),
+                   torch.zeros(1, 256)])
+    x[:3, ::32] = 127.0     # each block's largest magnitude: d = 1
+    k = kernels.lib()
+    xq = torch.empty(7 * 8 * kernels.Q8_ACTIVATION[1][1], dtype=torch.uint8)
+    packed = torch.empty(k.qgemm8_packed_bytes(7, 256), dtype=torch.uint8)
+    assert k.qgemm8_quantize(x.data_ptr(), 7, 256, xq.data_ptr(), packed.data_ptr()) == 0
+    assert torch.equal(xq, kernels.q8_quantize(x, "Q8_0"))

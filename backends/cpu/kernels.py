@@ -395,8 +395,8 @@ def _bind_gemm8(k: ctypes.CDLL) -> None:
     k.qgemm8_amx.argtypes = [ctypes.c_int]
     k.qgemm8_packed_bytes.restype = i64
     k.qgemm8_packed_bytes.argtypes = [i64, i64]
-    k.qgemm8_pack.restype = ctypes.c_int
-    k.qgemm8_pack.argtypes = [ptr, i64, i64, ptr]
+    k.qgemm8_quantize.restype = ctypes.c_int
+    k.qgemm8_quantize.argtypes = [ptr, i64, i64, ptr, ptr]
     k.qgemm8.restype = ctypes.c_int
     k.qgemm8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64]
     k.qgemm8_amx(-1)
@@ -419,9 +419,11 @@ def qgemm8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     x = x.to(torch.float32).contiguous()
     (M, K), (N, _) = x.shape, w.shape
     k = lib()
-    xq = q8_quantize(x, "Q8_0")
+    if K % 32:
+        raise ValueError(f"qgemm8: rows of {K} values are not whole Q8_0 blocks")
+    xq = torch.empty(M * K // 32 * Q8_ACTIVATION[1][1], dtype=torch.uint8)
     packed = torch.empty(k.qgemm8_packed_bytes(M, K), dtype=torch.uint8)
-    k.qgemm8_pack(xq.data_ptr(), M, K, packed.data_ptr())
+    k.qgemm8_quantize(x.data_ptr(), M, K, xq.data_ptr(), packed.data_ptr())
     data = w.data.contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
     tiles = -(-N // GEMM8_TILE)
@@ -432,5 +434,5 @@ def qgemm8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
                         first * GEMM8_TILE, min(N, last * GEMM8_TILE))
 
     if split(run, tiles, parts):
-        raise ValueError(f"qgemm8: rows of {K} values are not whole Q8_0 blocks")
+        raise ValueError(f"qgemm8: unsupported call (M={M}, K={K})")
     return y

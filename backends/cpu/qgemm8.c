@@ -1,12 +1,12 @@
 /* Prefill's 8-bit GEMM for Q8_0 weights (`--cpu-dot q8`, more than 16 rows): y[m, n] = sum_k W[n, k] x[m, k] with
- * x rounded to Q8_0 blocks by qdot8.c's q8_quantize (kind 1). Each 32-value block gives an exact integer sum,
- * and the blocks are added in order as floats: acc += (d_w d_x) * isum, as llama.cpp's generic
- * ggml_vec_dot_q8_0_q8_0 and its AMX mmq (the reference: ops/q8_activations.py, `qgemm8`). With AMX-INT8
- * (Sapphire Rapids) 16 weight rows (read in place from their stored blocks) against 16 activation rows are one
- * `tdpbssd` per block, the activations packed once per call into tiles (`qgemm8_pack`); elsewhere each
- * (row, block) is an AVX2 maddubs/madd dot or a plain C loop. All paths compute the same integers and the same
- * float steps, so the output is the same bits on every build, for any thread split (each output depends only
- * on its two rows). Built with qgemv.c by backends/cpu/kernels.py.
+ * x rounded to Q8_0 blocks as qdot8.c's q8_quantize (kind 1) does (`qgemm8_quantize`, 16 values a vector on
+ * AVX-512). Each 32-value block gives an exact integer sum, and the blocks are added in order as floats:
+ * acc += (d_w d_x) * isum, as llama.cpp's generic ggml_vec_dot_q8_0_q8_0 and its AMX mmq (the reference:
+ * ops/q8_activations.py, `qgemm8`). With AMX-INT8 (Sapphire Rapids) 16 weight rows (read in place from their
+ * stored blocks) against 16 activation rows are one `tdpbssd` per block, the activations packed once per call
+ * into tiles (`qgemm8_quantize`); elsewhere each (row, block) is an AVX2 maddubs/madd dot or a plain C loop. All
+ * paths compute the same integers and the same float steps, so the output is the same bits on every build, for
+ * any thread split (each output depends only on its two rows). Built with qgemv.c by backends/cpu/kernels.py.
  */
 #include <stdint.h>
 #include <string.h>
@@ -140,19 +140,47 @@ int qgemm8_amx(int on) {
 #endif
 }
 
-/* Bytes of the packed activations of M rows of K values (qgemm8_pack's `out`). */
+/* Bytes of the packed activations of M rows of K values (qgemm8_quantize's `packed`). */
 int64_t qgemm8_packed_bytes(int64_t M, int64_t K) {
     return ((M + 15) / 16) * (K / 32) * (int64_t)sizeof(g8_tile);
 }
 
-/* Q8_0 activation rows `x` (M rows of K/32 blocks) into tiles of 16 rows per block (missing rows zero): row j's
- * values 4i..4i+3 of a block go to b[i][4j..4j+3], its d to d[j]. */
-int qgemm8_pack(const void *x, int64_t M, int64_t K, void *out) {
+int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out);     /* qdot8.c */
+
+#if defined(__AVX512F__) && defined(__F16C__)
+/* One block of 32 values as q8_quantize's Q8_0 rule: d = amax / 127 kept as f16, q = roundf(x * (1 / d)) (the
+ * halves away from zero: the integer part plus one where the exact fraction is >= 0.5). */
+static void g8_quantize_block(const float *x, g8_act *out) {
+    __m512 a0 = _mm512_loadu_ps(x), a1 = _mm512_loadu_ps(x + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    out->d = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+    for (int h = 0; h < 2; h++) {
+        __m512 p = _mm512_mul_ps(h ? a1 : a0, _mm512_set1_ps(id)), a = _mm512_abs_ps(p);
+        __m512 t = _mm512_roundscale_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(a, t), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+        __m512i r = _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, _mm512_set1_ps(1.0f)));
+        __m512i q = _mm512_mask_sub_epi32(r, _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_LT_OQ),
+                                          _mm512_setzero_si512(), r);
+        _mm_storeu_si128((__m128i *)(out->qs + 16 * h), _mm512_cvtepi32_epi8(q));
+    }
+}
+#endif
+
+/* Rows of x [M, K] rounded to Q8_0 blocks (q8_quantize's kind 1, the same values) into `xq` (M * K/32 blocks) and
+ * into tiles of 16 rows per block (`packed`, missing rows zero): row j's values 4i..4i+3 of a block go to
+ * b[i][4j..4j+3], its d to d[j]. Returns -1 for a K that is not whole blocks. */
+int qgemm8_quantize(const float *x, int64_t M, int64_t K, void *xq, void *packed) {
     if (K % 32) return -1;
     int64_t nb = K / 32;
-    const g8_act *a = x;
-    g8_tile *t = out;
-    memset(out, 0, (size_t)qgemm8_packed_bytes(M, K));
+    g8_act *a = xq;
+    g8_tile *t = packed;
+#if defined(__AVX512F__) && defined(__F16C__)
+    for (int64_t b = 0; b < M * nb; b++) g8_quantize_block(x + 32 * b, &a[b]);
+#else
+    q8_quantize(1, x, M, K, xq);
+#endif
+    memset(packed, 0, (size_t)qgemm8_packed_bytes(M, K));
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
             g8_tile *tile = &t[(m / 16) * nb + b];
@@ -164,7 +192,7 @@ int qgemm8_pack(const void *x, int64_t M, int64_t K, void *out) {
 }
 
 /* y [M, N] (output rows n0..n1 only) = Q8_0 weight `w` [N, K] against activations `x` (q8_quantize kind 1) and
- * `packed` (qgemm8_pack of the same). Returns -1 for a K that is not whole blocks. */
+ * `packed` (both from qgemm8_quantize). Returns -1 for a K that is not whole blocks. */
 int qgemm8(const uint8_t *w, int64_t N, int64_t K, const void *x, const void *packed, int64_t M, float *y,
            int64_t n0, int64_t n1) {
     if (K % 32) return -1;
