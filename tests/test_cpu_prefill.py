@@ -129,11 +129,10 @@ def rms_norm_case(M: int, seed: int) -> tuple[tuple, list[tuple]]:
 @pytest.mark.parametrize("op", ("sparse_attention", "index_scores", "rms_norm", "rope_tail", "hc_pre", "hc_post"))
 def test_prefill_row_chunks_are_the_decode_rows(op, monkeypatch):
     """Above SMALL_M rows these ops run chunks of SMALL_M across the pool (the norms, RoPE and HC steps from
-    CHUNKED values, here from any size): close to the reference, every row its 1-row call's bits, the same bits
-    on 1, 2 and 3 threads."""
+    CHUNKED values, here from any size, on more than one thread): close to the reference, every row its 1-row
+    call's bits, the same bits on 1, 2 and 3 threads."""
     monkeypatch.setattr(kernels, "_pool_threads", 0)     # the pool follows torch's thread count
-    monkeypatch.setattr("backends.cpu.rowops.CHUNKED", 0)
-    monkeypatch.setattr("backends.cpu.hc.CHUNKED", 0)
+    monkeypatch.setattr("backends.cpu.rows.CHUNKED", 0)
     (args, one_row_args), before = (rms_norm_case if op == "rms_norm" else CASES[op])(40, 3), torch.get_num_threads()
     fn = implementations(op)["cpu"].fn
     try:

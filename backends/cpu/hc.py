@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 
 from backends.cpu.qmatmul import qmatmul
-from backends.cpu.rows import CHUNKED, row_chunks, rowwise
+from backends.cpu.rows import row_chunks, rowwise, split_rows
 from backends.registry import register
-from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 from ops.rms_norm import rms_norm
 
@@ -40,7 +39,7 @@ def streams(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sub-layer input, post weights and Sinkhorn combination matrix from the HC state `X`."""
-    if X.shape[0] > SMALL_M and X.numel() >= CHUNKED:
+    if split_rows(X):
         return row_chunks(lambda a, b: hc_pre(X[a:b], mixes[a:b], scale, base, iters, eps), X.shape[0])
     S = X.shape[1]
     pre = rowwise(torch.sigmoid, mixes[:, :S] * scale[0] + base[:S]) + eps
@@ -52,7 +51,7 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
 @register("hc_post", "cpu", batch_invariant=True)
 def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New HC state `post ⊗ y + combᵀ · X` per row: one batched product instead of 2S + 1 small ops."""
-    if X.shape[0] > SMALL_M and X.numel() >= CHUNKED:
+    if split_rows(X):
         return row_chunks(lambda a, b: hc_post(X[a:b], y[a:b], post[a:b], comb[a:b]), X.shape[0])
     return torch.baddbmm(post[:, :, None] * y[:, None, :], comb.transpose(1, 2), X)
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.cpu.rows import CHUNKED, row_chunks
+from backends.cpu.rows import row_chunks, split_rows
 from backends.registry import register
-from ops.qmatmul import SMALL_M
 
 
 @register("rms_norm", "cpu", batch_invariant=True)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """`x / sqrt(mean(x²) + eps) (* weight)` over the last dim, through torch's fused rms_norm."""
-    if x.shape[0] > SMALL_M and x.numel() >= CHUNKED:
+    if split_rows(x):
         return row_chunks(lambda a, b: rms_norm(x[a:b], weight, eps), x.shape[0])
     return F.rms_norm(x.to(torch.float32), (x.shape[-1],), weight, eps)
 
@@ -23,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
 @register("rope_tail", "cpu", batch_invariant=True)
 def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last 2·len(freqs) dims of `x` in adjacent pairs, written into one copy of `x`."""
-    if x.shape[0] > SMALL_M and x.numel() >= CHUNKED:
+    if split_rows(x):
         return row_chunks(lambda a, b: rope_tail(x[a:b], positions[a:b], freqs, inverse), x.shape[0])
     r = 2 * freqs.shape[0]
     angle = torch.outer(positions.to(torch.float32), freqs).reshape(x.shape[0], *([1] * (x.dim() - 2)), r // 2)

@@ -17,7 +17,7 @@ from ops.qmatmul import SMALL_M
 
 VEC = 64     # elements: a multiple of every SIMD width x unroll torch uses, so no element hits a scalar tail
 GROUP = 2    # rows per dense product in the verify regime (a 2-row product costs about a 1-row one)
-CHUNKED = 1 << 18   # values of a prefill call's input from which row_chunks splits it across the pool
+CHUNKED = 1 << 18   # values of a prefill call's input from which the row-wise ops split it across the pool
 Rows = torch.Tensor | tuple[torch.Tensor, ...]
 
 
@@ -40,6 +40,12 @@ def grouped_product(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == GROUP:
         return (x @ wt)[:M]
     return torch.cat([x[i:i + GROUP] @ wt for i in range(0, x.shape[0], GROUP)])[:M]
+
+
+def split_rows(x: torch.Tensor) -> bool:
+    """Whether a row-wise op runs `x` in row_chunks: a prefill call of CHUNKED values or more, on more than one
+    thread (on one the whole call is the same bits, in fewer torch calls)."""
+    return x.shape[0] > SMALL_M and x.numel() >= CHUNKED and kernels.threads() > 1
 
 
 def row_chunks(run: Callable[[int, int], Rows], M: int) -> Rows:
