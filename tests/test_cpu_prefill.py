@@ -79,11 +79,14 @@ def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
     assert torch.equal(kernels.qgemm8(x, w), ref.qgemm8(x, w)), flags
 
 
-def test_qmatmul_takes_it_for_prefill_rows_only():
-    """qmatmul's q8 takes the GEMM for a Q8_0 weight above SMALL_M rows, qdot8's lanes at or below, and stays
-    exact for other types and without q8."""
+def test_qmatmul_takes_it_for_prefill_rows_only(monkeypatch):
+    """qmatmul's q8 takes the GEMM for a Q8_0 weight above SMALL_M rows where the CPU has AMX (the exact tiles
+    without), qdot8's lanes at or below, and stays exact for other types and without q8."""
     w, x = weight("Q8_0", 48, 256), activations(24, 256)
-    assert torch.equal(qmatmul(x, w, "q8"), ref.qgemm8(x, w))
+    assert torch.equal(qmatmul(x, w, "q8"), ref.qgemm8(x, w) if kernels.amx() else qmatmul(x, w))
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "amx", lambda: False)
+        assert torch.equal(qmatmul(x, w, "q8"), qmatmul(x, w))
     assert torch.equal(qmatmul(x[:16], w, "q8"), ref.qdot8(x[:16], w))
     assert torch.equal(qmatmul(x, w), qmatmul(x, w, "exact"))
     assert not torch.equal(qmatmul(x, w), ref.qgemm8(x, w))

@@ -403,14 +403,16 @@ def _bind_gemm8(k: ctypes.CDLL) -> None:
 
 
 def gemm8_available(qtype: str, k: int = 0) -> bool:
-    """Whether the 8-bit GEMM serves 2-D weights of `qtype` with rows of `k` values (Q8_0 only)."""
-    return qtype == "Q8_0" and k % 32 == 0 and built()
+    """Whether prefill's q8 products of 2-D weights of `qtype` with rows of `k` values take the 8-bit GEMM: Q8_0,
+    on a CPU with AMX (its AVX2 and plain C paths, the same bits, measured slower than the exact tiles)."""
+    return qtype == "Q8_0" and k % 32 == 0 and amx()
 
 
 def amx(on: bool | None = None) -> bool:
-    """Whether qgemm8 takes the AMX tiles (the CPU has AMX-INT8 and the build targets it); `on` False/True turns
-    them off and back on (the other paths give the same bits: tests compare them)."""
-    return bool(lib().qgemm8_amx(-1 if on is None else int(on)))
+    """Whether qgemm8 takes the AMX tiles (the library is built, the CPU has AMX-INT8 and the build targets it);
+    `on` False/True turns them off and back on (the other paths give the same bits: tests compare them)."""
+    k = lib()
+    return k is not None and bool(k.qgemm8_amx(-1 if on is None else int(on)))
 
 
 def qgemm8(x: torch.Tensor, w: QTensor) -> torch.Tensor:

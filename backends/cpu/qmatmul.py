@@ -18,8 +18,8 @@
   the tiles were as fast or faster at every V4 Flash shape (docs/cpu.md, "Prefill").
 - `dot="q8"` (`--cpu-dot q8`, OpSet(cpu_dot="q8")): for M <= SMALL_M the types qdot8.c reads (IQ2_XXS, Q2_K,
   Q4_K, Q8_0) round the activations to 8 bits per block and multiply in integers, as llama.cpp does
-  (backends/cpu/qdot8.c, reference ops/q8_activations.py); for larger M, Q8_0 weights take the 8-bit GEMM
-  (backends/cpu/qgemm8.c: AMX tiles where the CPU has them); everything else as above.
+  (backends/cpu/qdot8.c, reference ops/q8_activations.py); for larger M on a CPU with AMX, Q8_0 weights take the
+  8-bit GEMM (backends/cpu/qgemm8.c; without AMX its paths are slower than the tiles); everything else as above.
 - For M <= SMALL_M every path is batch-invariant without a loop over rows: the kernel does the same
   arithmetic for each row whatever M is, and dense products run in fixed groups of rows
   (`rows.grouped_product`), so row r of an M-row call equals the 1-row call bit for bit.
@@ -66,8 +66,8 @@ def tile(w: QTensor, start: int, stop: int) -> torch.Tensor:
 
 @register("qmatmul", "cpu", batch_invariant=True)
 def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
-    """`x @ W.T` in float32; `dot="q8"`: the types qdot8.c (M <= SMALL_M) or qgemm8.c (larger M) reads, with
-    activations rounded to 8 bits."""
+    """`x @ W.T` in float32; `dot="q8"`: the types qdot8.c (M <= SMALL_M) or qgemm8.c (larger M, with AMX) reads,
+    with activations rounded to 8 bits."""
     check_args(x, w)
     x = x.to(torch.float32)
     if dot == "q8" and x.shape[0] <= SMALL_M and kernels.q8_available(w.qtype.name, w.shape[1]):
