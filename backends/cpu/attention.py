@@ -34,7 +34,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: t
     """Attention output of each query head over its listed rows plus the sink."""
     M, H, D = q.shape
     if M > SMALL_M:
-        return row_chunks(lambda a, b: sparse_attention(q[a:b], kv, query_rows(rows, a, b), sinks, scale), M)
+        return row_chunks(lambda a, b: sparse_attention(q[a:b], kv, query_rows(rows, a, b), sinks, scale), M,
+                          torch.empty((M, H, D), dtype=torch.float32))
     listed = rows.padded()
     n = listed.shape[1]
     if n % VEC:
@@ -62,7 +63,8 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: 
     if len(visible) != M:
         raise ValueError(f"index_scores: {len(visible)} visible counts for {M} queries")
     if M > SMALL_M:
-        return row_chunks(lambda a, b: index_scores(q[a:b], keys, w[a:b], visible[a:b]), M)
+        return row_chunks(lambda a, b: index_scores(q[a:b], keys, w[a:b], visible[a:b]), M,
+                          torch.empty((M, keys.shape[0]), dtype=torch.float32))
     n = max(visible)
     scores = torch.full((M, keys.shape[0]), float("-inf"))
     if n == 0:

@@ -48,18 +48,24 @@ def split_rows(x: torch.Tensor) -> bool:
     return x.shape[0] > SMALL_M and x.numel() >= CHUNKED and kernels.threads() > 1
 
 
-def row_chunks(run: Callable[[int, int], Rows], M: int) -> Rows:
+def row_chunks(run: Callable[[int, int], Rows], M: int, out: torch.Tensor | None = None) -> Rows:
     """`run(start, stop)` on chunks of SMALL_M of M rows, taken in turn by the kernel pool's threads, the outputs
-    (a tensor or a tuple of them) concatenated by row: for a batch-invariant `run` every row is its 1-row call's
-    bits, whatever the thread count."""
+    (a tensor or a tuple of them) written into `out` or concatenated by row: for a batch-invariant `run` every row
+    is its 1-row call's bits, whatever the thread count."""
     starts = range(0, M, SMALL_M)
-    out: list[Rows | None] = [None] * len(starts)
+    parts: list[Rows | None] = [None] * len(starts)
 
     def part(first: int, last: int) -> None:
         for i in range(first, last):
-            out[i] = run(starts[i], min(M, starts[i] + SMALL_M))
+            start, stop = starts[i], min(M, starts[i] + SMALL_M)
+            if out is None:
+                parts[i] = run(start, stop)
+            else:
+                out[start:stop] = run(start, stop)
 
     kernels.split(part, len(starts), len(starts))
-    if isinstance(out[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*out, strict=True))
-    return torch.cat(out)
+    if out is not None:
+        return out
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(rows) for rows in zip(*parts, strict=True))
+    return torch.cat(parts)
