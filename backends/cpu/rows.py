@@ -12,8 +12,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from backends.cpu import kernels
 from ops.qmatmul import SMALL_M
+
+from . import kernels
 
 VEC = 64     # elements: a multiple of every SIMD width x unroll torch uses, so no element hits a scalar tail
 GROUP = 2    # rows per dense product in the verify regime (a 2-row product costs about a 1-row one)
