@@ -122,21 +122,12 @@ def test_pool_threads_take_one_openmp_thread_before_the_build(monkeypatch):
     assert seen and set(seen) == {1}
 
 
-def rms_norm_case(M: int, seed: int) -> tuple[tuple, list[tuple]]:
-    """Rows of 256 values with a weight, and each row's own call."""
-    g = torch.Generator().manual_seed(seed)
-    x, w = torch.randn(M, 256, generator=g) * 3, torch.rand(256, generator=g) + 0.5
-    return (x, w, 1e-6), [(x[m:m + 1], w, 1e-6) for m in range(M)]
-
-
-@pytest.mark.parametrize("op", ("sparse_attention", "index_scores", "rms_norm", "rope_tail", "hc_pre", "hc_post"))
+@pytest.mark.parametrize("op", ("sparse_attention", "index_scores"))
 def test_prefill_row_chunks_are_the_decode_rows(op, monkeypatch):
-    """Above SMALL_M rows these ops run chunks of SMALL_M across the pool (the norms, RoPE and HC steps from
-    CHUNKED values, here from any size, on more than one thread): close to the reference, every row its 1-row
-    call's bits, the same bits on 1, 2 and 3 threads."""
+    """Above SMALL_M queries these ops run chunks of SMALL_M across the pool: close to the reference, every row its
+    1-row call's bits, the same bits on 1, 2 and 3 threads."""
     monkeypatch.setattr(kernels, "_pool_threads", 0)     # the pool follows torch's thread count
-    monkeypatch.setattr("backends.cpu.rows.CHUNKED", 0)
-    (args, one_row_args), before = (rms_norm_case if op == "rms_norm" else CASES[op])(40, 3), torch.get_num_threads()
+    (args, one_row_args), before = CASES[op](40, 3), torch.get_num_threads()
     fn = implementations(op)["cpu"].fn
     try:
         outs = []
@@ -145,13 +136,10 @@ def test_prefill_row_chunks_are_the_decode_rows(op, monkeypatch):
             outs.append(fn(*args))
     finally:
         torch.set_num_threads(before)
-    tensors = [o if isinstance(o, tuple) else (o,) for o in outs]
-    assert all(torch.equal(a, b) for t in tensors[1:] for a, b in zip(t, tensors[0], strict=True))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
     torch.testing.assert_close(outs[0], reference(op).fn(*args), rtol=1e-5, atol=1e-5)
     for m, row_args in enumerate(one_row_args):
-        row = fn(*row_args)
-        assert all(torch.equal(a[m:m + 1], b) for a, b in zip(tensors[0], row if isinstance(row, tuple) else (row,),
-                                                              strict=True)), m
+        assert torch.equal(outs[0][m:m + 1], fn(*row_args)), m
 
 
 def test_quantizer_is_qdot8s():

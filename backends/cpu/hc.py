@@ -3,14 +3,13 @@ padded to whole vectors (`rows.rowwise`) instead of one row at a time, an eager 
 one call into the kernel library (backends/cpu/sinkhorn.c; a compiled step, which fuses them, and machines
 where the library cannot be built keep in-place torch ops), the stream sums of hc_pre/hc_head and hc_post's
 mix are one batched product each (`bmm`, the same kernel for every row whatever M is), and the HC head uses the
-CPU qmatmul. Row-wise, so batch-invariant; a large prefill call runs in chunks of rows across the kernel pool
-(`rows.row_chunks`)."""
+CPU qmatmul. Row-wise, so batch-invariant."""
 from __future__ import annotations
 
 import torch
 
 from backends.cpu.qmatmul import qmatmul
-from backends.cpu.rows import row_chunks, rowwise, split_rows
+from backends.cpu.rows import rowwise
 from backends.registry import register
 from ops.quants import QTensor
 from ops.rms_norm import rms_norm
@@ -39,8 +38,6 @@ def streams(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sub-layer input, post weights and Sinkhorn combination matrix from the HC state `X`."""
-    if split_rows(X):
-        return row_chunks(lambda a, b: hc_pre(X[a:b], mixes[a:b], scale, base, iters, eps), X.shape[0])
     S = X.shape[1]
     pre = rowwise(torch.sigmoid, mixes[:, :S] * scale[0] + base[:S]) + eps
     post = 2 * rowwise(torch.sigmoid, mixes[:, S:2 * S] * scale[1] + base[S:2 * S])
@@ -51,8 +48,6 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
 @register("hc_post", "cpu", batch_invariant=True)
 def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New HC state `post ⊗ y + combᵀ · X` per row: one batched product instead of 2S + 1 small ops."""
-    if split_rows(X):
-        return row_chunks(lambda a, b: hc_post(X[a:b], y[a:b], post[a:b], comb[a:b]), X.shape[0])
     return torch.baddbmm(post[:, :, None] * y[:, None, :], comb.transpose(1, 2), X)
 
 

@@ -1,29 +1,23 @@
 """rms_norm and rope_tail on the CPU (contracts: ops/rms_norm.py, ops/rope_tail.py) in fewer torch calls than
 the references: a decode step makes ~45 norms and ~20 rotations of a few hundred values each, where every
-torch call costs microseconds of dispatch. Same math, row-wise, so batch-invariant; a large prefill call runs in
-chunks of rows across the kernel pool (`rows.row_chunks`)."""
+torch call costs microseconds of dispatch. Same math, row-wise, so batch-invariant."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from backends.cpu.rows import row_chunks, split_rows
 from backends.registry import register
 
 
 @register("rms_norm", "cpu", batch_invariant=True)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """`x / sqrt(mean(x²) + eps) (* weight)` over the last dim, through torch's fused rms_norm."""
-    if split_rows(x):
-        return row_chunks(lambda a, b: rms_norm(x[a:b], weight, eps), x.shape[0])
     return F.rms_norm(x.to(torch.float32), (x.shape[-1],), weight, eps)
 
 
 @register("rope_tail", "cpu", batch_invariant=True)
 def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the last 2·len(freqs) dims of `x` in adjacent pairs, written into one copy of `x`."""
-    if split_rows(x):
-        return row_chunks(lambda a, b: rope_tail(x[a:b], positions[a:b], freqs, inverse), x.shape[0])
     r = 2 * freqs.shape[0]
     angle = torch.outer(positions.to(torch.float32), freqs).reshape(x.shape[0], *([1] * (x.dim() - 2)), r // 2)
     cos, sin = torch.cos(angle), torch.sin(angle)
