@@ -84,41 +84,32 @@ static void g8_tiles_on(void) {
     memset(&c, 0, sizeof c);
     c.palette = 1;
     c.rows[0] = 16; c.colsb[0] = 32;        /* tmm0: 16 weight rows x one block of 32 bytes */
-    c.rows[1] = 8;  c.colsb[1] = 64;        /* tmm1, tmm2: one block of 16 activation rows (B layout) */
-    c.rows[2] = 8;  c.colsb[2] = 64;
-    c.rows[4] = 16; c.colsb[4] = 64;        /* tmm4, tmm5: 16 x 16 int32 sums */
-    c.rows[5] = 16; c.colsb[5] = 64;
+    c.rows[1] = 8;  c.colsb[1] = 64;        /* tmm1: one block of 16 activation rows (B layout) */
+    c.rows[4] = 16; c.colsb[4] = 64;        /* tmm4: 16 x 16 int32 sums */
     asm volatile("" : : "r"(&c) : "memory");       /* GCC 12 drops the stores above before ldtilecfg otherwise */
     _tile_loadconfig(&c);
 }
 
-/* 16 weight rows from `w` (stride `ldw` bytes) against one or two 16-row activation tiles `t0`, `t1` (t1 NULL:
- * one), every block in order; the sums go to acc[tile][weight row][activation row]. */
-static void g8_amx_rows(const uint8_t *w, int64_t ldw, const g8_tile *t0, const g8_tile *t1, int64_t nb,
-                        float acc[2][16][16]) {
-    int32_t sums[2][16][16] __attribute__((aligned(64)));
-    memset(acc, 0, 2 * 16 * 16 * sizeof(float));
+/* 16 weight rows from `w` (stride `ldw` bytes) against one 16-row activation tile `t`, every block in order, the
+ * 16 x 16 float sums (weight row, activation row) kept in registers and stored to `out`. */
+static void g8_amx_rows(const uint8_t *w, int64_t ldw, const g8_tile *t, int64_t nb, float out[16][16]) {
+    int32_t sums[16][16] __attribute__((aligned(64)));
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += G8_BLOCK_BYTES) {
         _tile_loadd(0, w + 2, ldw);
+        _tile_loadd(1, t[b].b, 64);
         _tile_zero(4);
-        _tile_loadd(1, t0[b].b, 64);
         _tile_dpbssd(4, 0, 1);
-        _tile_stored(4, sums[0], 64);
-        if (t1) {
-            _tile_zero(5);
-            _tile_loadd(2, t1[b].b, 64);
-            _tile_dpbssd(5, 0, 2);
-            _tile_stored(5, sums[1], 64);
-        }
-        for (int t = 0; t < (t1 ? 2 : 1); t++) {
-            __m512 dx = _mm512_loadu_ps((t ? t1 : t0)[b].d);
-            for (int r = 0; r < 16; r++) {
-                __m512 d = _mm512_mul_ps(_mm512_set1_ps(g8_half(w + r * ldw)), dx);
-                __m512 term = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_load_si512(sums[t][r])));
-                _mm512_storeu_ps(acc[t][r], _mm512_add_ps(_mm512_loadu_ps(acc[t][r]), term));
-            }
+        _tile_stored(4, sums, 64);
+        __m512 dx = _mm512_loadu_ps(t[b].d);
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++) {
+            __m512 d = _mm512_mul_ps(_mm512_set1_ps(g8_half(w + r * ldw)), dx);
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]))));
         }
     }
+    for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 #endif
 
@@ -202,14 +193,13 @@ int qgemm8(const uint8_t *w, int64_t N, int64_t K, const void *x, const void *pa
 #ifdef G8_AMX
     if (g8_amx == 1) {
         const g8_tile *t = packed;
-        float acc[2][16][16] __attribute__((aligned(64)));
+        float acc[16][16] __attribute__((aligned(64)));
         g8_tiles_on();
         for (; n + 16 <= n1; n += 16)
-            for (int64_t m = 0; m < M; m += 32) {
-                const g8_tile *t1 = m + 16 < M ? t + (m / 16 + 1) * nb : NULL;
-                g8_amx_rows(w + n * ldw, ldw, t + (m / 16) * nb, t1, nb, acc);
-                for (int64_t j = m; j < M && j < m + 32; j++)
-                    for (int r = 0; r < 16; r++) y[j * N + n + r] = acc[(j - m) / 16][r][(j - m) % 16];
+            for (int64_t m = 0; m < M; m += 16) {
+                g8_amx_rows(w + n * ldw, ldw, t + (m / 16) * nb, nb, acc);
+                for (int64_t j = m; j < M && j < m + 16; j++)
+                    for (int r = 0; r < 16; r++) y[j * N + n + r] = acc[r][j - m];
             }
         _tile_release();
     }
