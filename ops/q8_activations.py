@@ -320,3 +320,23 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
         acc = 0.125 * acc
     out = acc.reshape(M, N)
     return out if experts is None else torch.where(experts[:, None] >= 0, out, 0)
+
+
+def qgemm8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """`x [M, K] @ W.T` for a Q8_0 weight with Q8_0 activations in prefill's block order (the GEMM of more than
+    SMALL_M rows): each block's integer dot whole, `acc += (d_w d_x) isum` block after block, as llama.cpp's generic
+    `ggml_vec_dot_q8_0_q8_0` and its AMX kernel (not `qdot8`'s 8 lanes). Float32 [M, N]."""
+    if not isinstance(w, QTensor) or w.qtype.name != "Q8_0" or len(w.shape) != 2:
+        raise TypeError(f"qgemm8 serves 2-D Q8_0 weights, got {getattr(w, 'qtype', type(w).__name__)}")
+    N, K = w.shape
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"activations must be [M, {K}], got {tuple(x.shape)}")
+    xq = quantize_q8_0(x)
+    blocks = w.data.reshape(N, K // 32, 34)
+    dw = f16_field(blocks.reshape(-1, 34), 0).reshape(N, K // 32)
+    qw = blocks[..., 2:].contiguous().view(torch.int8).to(torch.int32)
+    acc = torch.zeros(x.shape[0], N, dtype=torch.float32)
+    for b in range(K // 32):                          # in block order, as the kernel adds them
+        isum = xq.q[:, b] @ qw[:, b].T                # exact: at most 32 * 128 * 127 in magnitude
+        acc = acc + (dw[None, :, b] * xq.d[:, b, None]) * isum.to(torch.float32)
+    return acc

@@ -7,17 +7,25 @@ products over (query, chunk) with fixed shapes, and the chunks are summed one af
 query's longer list only appends all-zero chunks, and adding an exact zero changes nothing, so each query's
 result is the 1-row call's bit for bit. The indexer scores every query against the keys any of them sees
 with a per-query batched product (`bmm`: each entry alone), masked to its own visible count.
+
+Prefill (M > SMALL_M) runs both on chunks of SMALL_M queries, the chunks taken in turn by the kernel pool's
+threads (`rows.row_chunks`): each query's result is its 1-row call's bits, so the output is the same for any
+thread count and equals a token-by-token decode's.
 """
 from __future__ import annotations
 
 import torch
 
-from backends.cpu.rows import VEC
+from backends.cpu.rows import VEC, row_chunks
 from backends.registry import register
-from ops import index_scores as index_reference
-from ops import sparse_attention as attention_reference
 from ops.qmatmul import SMALL_M
 from ops.sparse_attention import AttnRows
+
+
+def query_rows(rows: AttnRows, start: int, stop: int) -> AttnRows:
+    """The lists of queries start..stop-1."""
+    comp = None if rows.comp is None else rows.comp[start:stop]
+    return AttnRows(rows.raw[start:stop], rows.n_raw[start:stop], comp, rows.n_comp[start:stop])
 
 
 @register("sparse_attention", "cpu", batch_invariant=True)
@@ -26,7 +34,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: t
     """Attention output of each query head over its listed rows plus the sink."""
     M, H, D = q.shape
     if M > SMALL_M:
-        return attention_reference.sparse_attention(q, kv, rows, sinks, scale)
+        return row_chunks(lambda a, b: sparse_attention(q[a:b], kv, query_rows(rows, a, b), sinks, scale), M,
+                          torch.empty((M, H, D), dtype=torch.float32))
     listed = rows.padded()
     n = listed.shape[1]
     if n % VEC:
@@ -54,7 +63,8 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: 
     if len(visible) != M:
         raise ValueError(f"index_scores: {len(visible)} visible counts for {M} queries")
     if M > SMALL_M:
-        return index_reference.index_scores(q, keys, w, visible)
+        return row_chunks(lambda a, b: index_scores(q[a:b], keys, w[a:b], visible[a:b]), M,
+                          torch.empty((M, keys.shape[0]), dtype=torch.float32))
     n = max(visible)
     scores = torch.full((M, keys.shape[0]), float("-inf"))
     if n == 0:

@@ -30,7 +30,7 @@ import torch
 from backends.registry import add_note
 from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
              "IQ3_XXS": 18, "IQ3_S": 21, "IQ2_XS": 17, "IQ2_S": 22, "IQ1_S": 19, "IQ1_M": 29, "TQ1_0": 34, "TQ2_0": 35,
@@ -94,6 +94,7 @@ def _build() -> ctypes.CDLL:
     lib.qgemv_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
     _set_codebooks(lib, ksigns)
     _bind_q8(lib)
+    _bind_gemm8(lib)
     return lib
 
 
@@ -207,6 +208,7 @@ def split(fn: Callable[[int, int], int | None], n: int, parts: int) -> int:
     if parts == 1 or threads() == 1 or threading.current_thread().name.startswith("ds4-cpu"):  # no nesting
         return fn(0, n) or 0
     if _pool is None or _pool_size != threads() - 1:
+        lib()   # built first: its threads' initializer needs to know (a tile's BLAS call started an OpenMP team)
         _pool_size = threads() - 1
         _pool = ThreadPoolExecutor(max_workers=_pool_size, thread_name_prefix="ds4-cpu", initializer=_one_torch_thread)
     chunks = Chunks(fn, [n * i // parts for i in range(parts + 1)])
@@ -384,3 +386,59 @@ _ops.impl("qdot8", qdot8_op, "CPU")
 @torch.library.register_fake("ds4::qdot8")
 def _(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
+# Prefill's 8-bit GEMM for Q8_0 weights (`--cpu-dot q8`, M > SMALL_M; qgemm8.c, reference ops/q8_activations.qgemm8).
+GEMM8_TILE = 16     # qgemm8.c takes output rows 16 at a time (one AMX tile); the pool's chunks are whole tiles
+
+
+def _bind_gemm8(k: ctypes.CDLL) -> None:
+    """Declare qgemm8.c's entry points and ask once for the AMX tile state (where the CPU has it)."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    k.qgemm8_amx.restype = ctypes.c_int
+    k.qgemm8_amx.argtypes = [ctypes.c_int]
+    k.qgemm8_packed_bytes.restype = i64
+    k.qgemm8_packed_bytes.argtypes = [i64, i64]
+    k.qgemm8_quantize.restype = ctypes.c_int
+    k.qgemm8_quantize.argtypes = [ptr, i64, i64, ptr, ptr]
+    k.qgemm8.restype = ctypes.c_int
+    k.qgemm8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64]
+    k.qgemm8_amx(-1)
+
+
+def gemm8_available(qtype: str, k: int = 0) -> bool:
+    """Whether prefill's q8 products of 2-D weights of `qtype` with rows of `k` values take the 8-bit GEMM: Q8_0,
+    on a CPU with AMX (its AVX2 and plain C paths, the same bits, measured slower than the exact tiles)."""
+    return qtype == "Q8_0" and k % 32 == 0 and amx()
+
+
+def amx(on: bool | None = None) -> bool:
+    """Whether qgemm8 takes the AMX tiles (the library is built, the CPU has AMX-INT8 and the build targets it);
+    `on` False/True turns them off and back on (the other paths give the same bits: tests compare them)."""
+    k = lib()
+    return k is not None and bool(k.qgemm8_amx(-1 if on is None else int(on)))
+
+
+def qgemm8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """`x [M, K] @ W.T` for a 2-D Q8_0 weight with x rounded to Q8_0 blocks, blocks added in order
+    (ops/q8_activations.qgemm8); any M. Float32 [M, N]; output rows split across the pool in whole tiles."""
+    x = x.to(torch.float32).contiguous()
+    (M, K), (N, _) = x.shape, w.shape
+    k = lib()
+    if K % 32:
+        raise ValueError(f"qgemm8: rows of {K} values are not whole Q8_0 blocks")
+    xq = torch.empty(M * K // 32 * Q8_ACTIVATION[1][1], dtype=torch.uint8)
+    packed = torch.empty(k.qgemm8_packed_bytes(M, K), dtype=torch.uint8)
+    k.qgemm8_quantize(x.data_ptr(), M, K, xq.data_ptr(), packed.data_ptr())
+    data = w.data.contiguous()
+    y = torch.empty((M, N), dtype=torch.float32)
+    tiles = -(-N // GEMM8_TILE)
+    parts = min(CHUNKS_PER_THREAD * threads(), data.numel() // SPLIT_BYTES)
+
+    def run(first: int, last: int) -> int:
+        return k.qgemm8(data.data_ptr(), N, K, xq.data_ptr(), packed.data_ptr(), M, y.data_ptr(),
+                        first * GEMM8_TILE, min(N, last * GEMM8_TILE))
+
+    if split(run, tiles, parts):
+        raise ValueError(f"qgemm8: unsupported call (M={M}, K={K})")
+    return y

@@ -19,7 +19,8 @@
 - `dot="q8"` (`--cpu-dot q8`, OpSet(cpu_dot="q8")): for M <= SMALL_M the types qdot8.c reads
   (`kernels.Q8_TYPES`: IQ2_XXS, the K-quants, IQ4_XS, the legacy types, IQ4_NL, MXFP4) round the activations to
   8 bits per block and multiply in integers, F16 rounds them to f16, as llama.cpp does (backends/cpu/qdot8.c,
-  reference ops/q8_activations.py); everything else as above.
+  reference ops/q8_activations.py); for larger M on a CPU with AMX, Q8_0 weights take the 8-bit GEMM
+  (backends/cpu/qgemm8.c; without AMX its paths are slower than the tiles); everything else as above.
 - For M <= SMALL_M every path is batch-invariant without a loop over rows: the kernel does the same
   arithmetic for each row whatever M is, and dense products run in fixed groups of rows
   (`rows.grouped_product`), so row r of an M-row call equals the 1-row call bit for bit.
@@ -66,11 +67,14 @@ def tile(w: QTensor, start: int, stop: int) -> torch.Tensor:
 
 @register("qmatmul", "cpu", batch_invariant=True)
 def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
-    """`x @ W.T` in float32; `dot="q8"`: the types qdot8.c reads with activations rounded to 8 bits (M <= SMALL_M)."""
+    """`x @ W.T` in float32; `dot="q8"`: the types qdot8.c (M <= SMALL_M) or qgemm8.c (larger M, with AMX) reads,
+    with activations rounded to 8 bits."""
     check_args(x, w)
     x = x.to(torch.float32)
     if dot == "q8" and x.shape[0] <= SMALL_M and kernels.q8_available(w.qtype.name, w.shape[1]):
         return kernels.qdot8(x, w)
+    if dot == "q8" and x.shape[0] > SMALL_M and kernels.gemm8_available(w.qtype.name, w.shape[1]):
+        return kernels.qgemm8(x, w)
     product = grouped_product if x.shape[0] <= SMALL_M else torch.matmul
     weight = dense(w)
     streamed = weight is None or w.data.numel() >= STREAM_BYTES

@@ -2,7 +2,8 @@
 
 torch's CPU kernels round differently in their vectorized body and their scalar tail (transcendentals:
 exp, sigmoid, silu, softplus) and BLAS picks its kernel by the row count, so a row's result may depend
-on the other rows. These helpers make the work each row sees identical for any M <= SMALL_M.
+on the other rows. These helpers make the work each row sees identical for any M <= SMALL_M, and
+`row_chunks` runs a prefill's rows (attention's queries) through that regime in chunks across the kernel pool.
 """
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from ops.qmatmul import SMALL_M
+
+from . import kernels
 
 VEC = 64     # elements: a multiple of every SIMD width x unroll torch uses, so no element hits a scalar tail
 GROUP = 2    # rows per dense product in the verify regime (a 2-row product costs about a 1-row one)
@@ -34,3 +39,16 @@ def grouped_product(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == GROUP:
         return (x @ wt)[:M]
     return torch.cat([x[i:i + GROUP] @ wt for i in range(0, x.shape[0], GROUP)])[:M]
+
+
+def row_chunks(run: Callable[[int, int], torch.Tensor], M: int, out: torch.Tensor) -> torch.Tensor:
+    """`out[start:stop] = run(start, stop)` over chunks of SMALL_M of M rows, taken in turn by the kernel pool's
+    threads: for a batch-invariant `run` every row is its 1-row call's bits, whatever the thread count."""
+    starts = range(0, M, SMALL_M)
+
+    def part(first: int, last: int) -> None:
+        for start in starts[first:last]:
+            out[start:start + SMALL_M] = run(start, min(M, start + SMALL_M))
+
+    kernels.split(part, len(starts), len(starts))
+    return out

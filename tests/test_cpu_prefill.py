@@ -1,0 +1,156 @@
+"""Prefill on the CPU: the 8-bit GEMM for Q8_0 weights (`--cpu-dot q8`, M > 16), its reference
+(ops/q8_activations.qgemm8) bit for bit against llama.cpp's generic ggml_vec_dot_q8_0_q8_0 written out as a loop,
+and the C kernel (backends/cpu/qgemm8.c) bit for bit against the reference on its AMX path (where the CPU has it),
+its AVX2 and plain C paths, for any M, any thread split and output rows that are not whole tiles; qmatmul takes it;
+and the kernel pool's threads run torch's products on one OpenMP thread."""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.cpu import kernels
+from backends.cpu.qmatmul import qmatmul
+from backends.registry import implementations, reference
+from ops import q8_activations as ref
+from tests.test_batch_invariance import CASES
+from tests.test_cpu_q8 import activations, quantize_row_q8_0_ref, vec_dot_q8_0_q8_0, weight
+
+
+def test_reference_is_llama_cpps_generic_dot():
+    """Every output of the reference equals the generic loop's float32 result exactly (block order)."""
+    w, x = weight("Q8_0", 6, 256), activations(3, 256)
+    out = ref.qgemm8(x, w)
+    rows = w.data.reshape(6, -1).numpy()
+    for m in range(3):
+        xq = quantize_row_q8_0_ref(x[m].numpy())
+        for n in range(6):
+            assert out[m, n].item() == vec_dot_q8_0_q8_0(rows[n], xq), (m, n)
+
+
+def test_reference_refuses_bad_input():
+    """Other types, stacked weights and mismatched activations are refused with a clear error."""
+    with pytest.raises(TypeError, match="2-D Q8_0"):
+        ref.qgemm8(activations(2, 256), weight("Q4_K", 4, 256))
+    with pytest.raises(TypeError, match="2-D Q8_0"):
+        ref.qgemm8(activations(2, 256), weight("Q8_0", 2, 4, 256))
+    with pytest.raises(ValueError, match=r"\[M, 256\]"):
+        ref.qgemm8(activations(2, 512), weight("Q8_0", 4, 256))
+
+
+@pytest.mark.parametrize("amx", (True, False))
+def test_kernel_equals_reference_rows_threads(amx, monkeypatch):
+    """AMX on (where the CPU has it) and off give the reference's bits for M = 1..40 (rows not whole tiles of 16,
+    72 output rows: 4 tiles and 8 more) split across 1, 2 or 3 threads."""
+    if amx and not kernels.amx():
+        pytest.skip("no AMX-INT8 on this CPU (or the build does not target it)")
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
+    before, was = torch.get_num_threads(), kernels.amx()
+    w, x = weight("Q8_0", 72, 512), activations(40, 512)
+    expected = ref.qgemm8(x, w)
+    try:
+        kernels.amx(amx)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for M in (1, 15, 16, 17, 33, 40) if threads == 1 else (17, 40):
+                assert torch.equal(kernels.qgemm8(x[:M], w), expected[:M]), (amx, threads, M)
+    finally:
+        torch.set_num_threads(before)
+        kernels.amx(was)
+
+
+@pytest.mark.parametrize("flags", ("-mno-avx512f", "-mno-avx512f -mno-avx2"))
+def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
+    """The AVX2 build (an AVX2-only machine's, no AMX) and the plain C build give the same bits."""
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\nexec gcc "$@" {flags}\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("DS4_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "_lib", False)
+    monkeypatch.setattr(kernels, "_failure", None)
+    w, x = weight("Q8_0", 40, 512), activations(20, 512)
+    assert not kernels.amx()
+    assert torch.equal(kernels.qgemm8(x, w), ref.qgemm8(x, w)), flags
+
+
+def test_qmatmul_takes_it_for_prefill_rows_only(monkeypatch):
+    """qmatmul's q8 takes the GEMM for a Q8_0 weight above SMALL_M rows where the CPU has AMX (the exact tiles
+    without), qdot8's lanes at or below, and stays exact for other types and without q8."""
+    w, x = weight("Q8_0", 48, 256), activations(24, 256)
+    assert torch.equal(qmatmul(x, w, "q8"), ref.qgemm8(x, w) if kernels.amx() else qmatmul(x, w))
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "amx", lambda: False)
+        assert torch.equal(qmatmul(x, w, "q8"), qmatmul(x, w))
+    assert torch.equal(qmatmul(x[:16], w, "q8"), ref.qdot8(x[:16], w))
+    assert torch.equal(qmatmul(x, w), qmatmul(x, w, "exact"))
+    assert not torch.equal(qmatmul(x, w), ref.qgemm8(x, w))
+    f16 = weight("F16", 48, 256)
+    assert torch.equal(qmatmul(x, f16, "q8"), qmatmul(x, f16))
+
+
+def openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (from /proc/self/maps), or None."""
+    maps = Path("/proc/self/maps")
+    paths = {line.split()[-1] for line in maps.read_text().splitlines() if "omp" in line} if maps.exists() else set()
+    path = next((p for p in paths if re.search(r"lib(g|i)omp[^/]*\.so", p)), None)
+    return ctypes.CDLL(path) if path else None
+
+
+def test_pool_threads_take_one_openmp_thread_before_the_build(monkeypatch):
+    """A split call made before the library was built (prefill's first product on the tiles) still gives its pool
+    threads one OpenMP thread: a tile's BLAS product there started a team of its own (twice the CPU time)."""
+    runtime = openmp_runtime()
+    if runtime is None or (os.cpu_count() or 1) < 2:
+        pytest.skip("needs torch's OpenMP runtime and two CPUs")
+    monkeypatch.setattr(kernels, "_lib", False)
+    monkeypatch.setattr(kernels, "_pool", None)
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
+    before = torch.get_num_threads()
+    seen = []
+    try:
+        kernels.set_threads(2)
+        kernels.split(lambda start, stop: seen.append(runtime.omp_get_max_threads()) and None, 8, 8)
+    finally:
+        kernels.set_threads(before)
+        kernels._pool_threads = 0
+    assert seen and set(seen) == {1}
+
+
+@pytest.mark.parametrize("op", ("sparse_attention", "index_scores"))
+def test_prefill_row_chunks_are_the_decode_rows(op, monkeypatch):
+    """Above SMALL_M queries these ops run chunks of SMALL_M across the pool: close to the reference, every row its
+    1-row call's bits, the same bits on 1, 2 and 3 threads."""
+    monkeypatch.setattr(kernels, "_pool_threads", 0)     # the pool follows torch's thread count
+    (args, one_row_args), before = CASES[op](40, 3), torch.get_num_threads()
+    fn = implementations(op)["cpu"].fn
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(fn(*args))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    torch.testing.assert_close(outs[0], reference(op).fn(*args), rtol=1e-5, atol=1e-5)
+    for m, row_args in enumerate(one_row_args):
+        assert torch.equal(outs[0][m:m + 1], fn(*row_args)), m
+
+
+def test_quantizer_is_qdot8s():
+    """qgemm8.c's activation rounding (vectorized on AVX-512) gives qdot8.c's Q8_0 blocks byte for byte, on exact
+    halves (scale 1: every x.5 rounds away from zero), zeros and random rows."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat([torch.randint(-254, 255, (3, 256), generator=g) / 2, torch.randn(3, 256, generator=g),
+                   torch.zeros(1, 256)])
+    x[:3, ::32] = 127.0     # each block's largest magnitude: d = 1
+    k = kernels.lib()
+    xq = torch.empty(7 * 8 * kernels.Q8_ACTIVATION[1][1], dtype=torch.uint8)
+    packed = torch.empty(k.qgemm8_packed_bytes(7, 256), dtype=torch.uint8)
+    assert k.qgemm8_quantize(x.data_ptr(), 7, 256, xq.data_ptr(), packed.data_ptr()) == 0
+    assert torch.equal(xq, kernels.q8_quantize(x, "Q8_0"))
