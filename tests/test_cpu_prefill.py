@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,16 @@ from backends.cpu.qmatmul import qmatmul
 from backends.registry import implementations, reference
 from ops import q8_activations as ref
 from tests.test_batch_invariance import CASES
-from tests.test_cpu_q8 import activations, quantize_row_q8_0_ref, vec_dot_q8_0_q8_0, weight
+from tests.test_cpu_q8 import F32, activations, f16, quantize_row_q8_0_ref, weight
+
+
+def vec_dot_q8_0_q8_0(w: np.ndarray, y: list[tuple]) -> np.float32:
+    """ggml_vec_dot_q8_0_q8_0_generic on one row: the block sums added in block order."""
+    sumf = F32(0)
+    for b, (yd, q8) in zip(w.reshape(-1, 34), y, strict=True):
+        sumi = int((b[2:].view(np.int8).astype(np.int32) * q8).sum())
+        sumf += F32(sumi) * (f16(b, 0) * yd)
+    return sumf
 
 
 def test_reference_is_llama_cpps_generic_dot():
