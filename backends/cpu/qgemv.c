@@ -668,6 +668,33 @@ static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
     }
 }
 
+static inline v16 int8_floats16(const uint8_t *p) {    /* 16 int8 as floats */
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return float16((widen16(p) ^ 128) - 128);
+#endif
+}
+
+/* Four Q8_0 blocks (136 bytes) of a row of its own, in registers: unpack_q8_0x4 then add_block (the same bits),
+ * the four scales converted at once (measured 3-7% faster at M = 1 on the 563 MB LM head, ~15% from cache). */
+static inline void dot_q8_0x4(acc_t *a, const uint8_t *b, const float *x) {
+    float d[4];
+#if defined(__AVX512F__)
+    uint16_t h[4];
+    for (int t = 0; t < 4; t++) memcpy(&h[t], b + 34 * t, 2);
+    _mm_storeu_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)));     /* exact, as half_to_float */
+#else
+    for (int t = 0; t < 4; t++) d[t] = half_to_float(b + 34 * t);
+#endif
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; t++) {
+        const uint8_t *q = b + 34 * t + 2;
+        v16 s = int8_floats16(q) * load16(x + 32 * t);
+        a->part[t] = fma16(splat16(d[t]), fma16(int8_floats16(q + 16), load16(x + 32 * t + 16), s), a->part[t]);
+    }
+}
+
 /* One row's share of one unpacked block: ng groups of G values starting at group number j0 of the row. */
 static inline __attribute__((always_inline)) void add_block(acc_t *a, const float *q, const float *scale,
         const float *low, int ng, int G, const float *x, const float *xsum) {
@@ -843,7 +870,7 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 8:
         if (K % 32) return -1;
         if (GROUPED && K % 128 == 0) {
-            rows_grouped(unpack_q8_0x4, NULL, 128, 136, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
+            rows_grouped(unpack_q8_0x4, dot_q8_0x4, 128, 136, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
             return 0;
         }
         if (M == 1 && experts == NULL) n0 = q8_0_row_pairs(w, K, x, y, n0, n1);
