@@ -6,8 +6,9 @@ reference's dequantization one tile at a time, the Sinkhorn as torch ops) when t
 or `DS4_CPU_KERNELS=0` (the only silent way off).
 
 The shared library is cached under $DS4_CACHE (default ~/.cache/ds4py) keyed by the sources' hash.
-ctypes releases the GIL during a call, so large weights are split by output rows into chunks that
-`threads()` Python threads of a pool take in turn (each output's arithmetic does not depend on the split).
+Large weights are split by output rows into chunks that `threads()` threads take in turn (each output's
+arithmetic does not depend on the split): the library's own pool (pool.c) for the kernels, a Python pool
+for prefill's tiles (ctypes releases the GIL during a call).
 `set_threads(N)` gives the pool N threads and torch's own ops one (`--threads N`).
 """
 from __future__ import annotations
