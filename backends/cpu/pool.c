@@ -5,7 +5,10 @@
  * is the same bits for any thread count and any split. Workers are started on first use and, between calls,
  * spin for SPIN_NS before they sleep on a condition variable: a decode step makes ~40 calls a few hundred
  * microseconds apart, and waking a sleeping thread costs tens of microseconds. A second caller while a call is
- * in flight (two Python threads) runs its rows alone. Built with qgemv.c by backends/cpu/kernels.py.
+ * in flight (two Python threads) runs its rows alone. The caller polls for the workers' last chunks for WAIT_SPIN_NS,
+ * then sleeps until the last one ends: on a machine with more runnable threads than cores, a worker descheduled
+ * in its chunk then gets the caller's core instead of waiting for the caller's time slice to end. Built with
+ * qgemv.c by backends/cpu/kernels.py.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -16,7 +19,9 @@
 #endif
 
 #define POOL_MAX_WORKERS 63
+#define MAX_PARTS 65535
 #define SPIN_NS 300000L      /* how long an idle worker polls for the next call before it sleeps */
+#define WAIT_SPIN_NS 30000L  /* how long the caller polls for the workers' last chunks before it sleeps */
 
 typedef int (*rows_fn)(int, const uint8_t *, int64_t, const int64_t *, int64_t, int64_t, const void *, int64_t,
                        float *, int64_t, int64_t);
@@ -25,19 +30,19 @@ typedef struct {        /* the call in flight; written by the caller before it p
     rows_fn fn;
     int type, helpers;  /* helpers: how many workers take part */
     const uint8_t *w;
-    int64_t expert_bytes, N, K, M, n, parts;
+    int64_t expert_bytes, N, K, M, n;
     const int64_t *experts;
     const void *x;
     float *y;
 } job_t;
 
 static job_t job;
-static _Atomic uint64_t state;          /* generation << 32 | next chunk to claim */
+static _Atomic uint64_t state;          /* generation << 32 | chunks << 16 | next chunk to claim */
 static atomic_int chunks_done, job_rc;
-static atomic_int sleepers;
+static atomic_int sleepers, caller_sleeps;
 static int workers;                     /* started so far */
 static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER, sleep_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER, finished = PTHREAD_COND_INITIALIZER;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -55,13 +60,17 @@ static inline void relax(void) {
 static void take(uint32_t gen) {
     for (;;) {
         uint64_t s = atomic_load(&state);
-        if ((uint32_t)(s >> 32) != gen || (int64_t)(uint32_t)s >= job.parts) return;
-        if (!atomic_compare_exchange_weak(&state, &s, s + 1)) continue;
-        int64_t c = (int64_t)(uint32_t)s;       /* claimed: the job stays in place until this chunk is done */
+        int64_t c = (int64_t)(s & 0xffff), parts = (int64_t)((s >> 16) & 0xffff);
+        if ((uint32_t)(s >> 32) != gen || c >= parts) return;
+        if (!atomic_compare_exchange_weak(&state, &s, s + 1)) continue;     /* claimed: the job stays in place */
         int rc = job.fn(job.type, job.w, job.expert_bytes, job.experts, job.N, job.K, job.x, job.M, job.y,
-                        job.n * c / job.parts, job.n * (c + 1) / job.parts);
+                        job.n * c / parts, job.n * (c + 1) / parts);
         for (int old = atomic_load(&job_rc); rc < old && !atomic_compare_exchange_weak(&job_rc, &old, rc);) {}
-        atomic_fetch_add(&chunks_done, 1);
+        if (atomic_fetch_add(&chunks_done, 1) + 1 == parts && atomic_load(&caller_sleeps)) {
+            pthread_mutex_lock(&sleep_lock);        /* the last chunk: wake the caller if it gave up polling */
+            pthread_cond_broadcast(&finished);
+            pthread_mutex_unlock(&sleep_lock);
+        }
     }
 }
 
@@ -95,6 +104,7 @@ static void *worker(void *arg) {
 int pool_rows(rows_fn fn, int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N,
               int64_t K, const void *x, int64_t M, float *y, int64_t n, int64_t parts, int threads) {
     if (parts > n) parts = n;
+    if (parts > MAX_PARTS) parts = MAX_PARTS;
     if (threads > POOL_MAX_WORKERS + 1) threads = POOL_MAX_WORKERS + 1;
     if (parts <= 1 || threads <= 1 || pthread_mutex_trylock(&caller_lock) != 0)
         return fn(type, w, expert_bytes, experts, N, K, x, M, y, 0, n);
@@ -104,19 +114,29 @@ int pool_rows(rows_fn fn, int type, const uint8_t *w, int64_t expert_bytes, cons
         pthread_detach(t);
         workers++;
     }
-    job = (job_t){fn, type, workers < threads - 1 ? workers : threads - 1, w, expert_bytes, N, K, M, n, parts,
-                  experts, x, y};
+    job = (job_t){fn, type, workers < threads - 1 ? workers : threads - 1, w, expert_bytes, N, K, M, n, experts,
+                  x, y};
     atomic_store(&chunks_done, 0);
     atomic_store(&job_rc, 0);
     uint32_t gen = (uint32_t)(atomic_load(&state) >> 32) + 1;
-    atomic_store(&state, (uint64_t)gen << 32);
+    atomic_store(&state, (uint64_t)gen << 32 | (uint64_t)parts << 16);
     if (atomic_load(&sleepers) > 0) {
         pthread_mutex_lock(&sleep_lock);
         pthread_cond_broadcast(&wake);
         pthread_mutex_unlock(&sleep_lock);
     }
     take(gen);
-    while (atomic_load(&chunks_done) < parts) relax();
+    int64_t until = now_ns() + WAIT_SPIN_NS;     /* chunks still running on workers: poll, then sleep (a */
+    for (int i = 1; atomic_load(&chunks_done) < parts; i++) {     /* descheduled worker gets this core) */
+        relax();
+        if (i % 64 == 0 && now_ns() > until) {
+            pthread_mutex_lock(&sleep_lock);
+            atomic_store(&caller_sleeps, 1);
+            while (atomic_load(&chunks_done) < parts) pthread_cond_wait(&finished, &sleep_lock);
+            atomic_store(&caller_sleeps, 0);
+            pthread_mutex_unlock(&sleep_lock);
+        }
+    }
     int rc = atomic_load(&job_rc);
     pthread_mutex_unlock(&caller_lock);
     return rc;
