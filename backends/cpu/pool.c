@@ -3,14 +3,16 @@
  * claim in turn (one atomic add per chunk). The caller waits only for chunks already claimed, never for a worker
  * the OS has not scheduled yet. Each output is computed by exactly one thread with the same code, so the result
  * is the same bits for any thread count and any split. Workers are started on first use and, between calls,
- * spin for SPIN_NS before they sleep on a condition variable: a decode step makes ~40 calls a few hundred
- * microseconds apart, and waking a sleeping thread costs tens of microseconds. A second caller while a call is
+ * poll for SPIN_NS (yielding their core between polls after YIELD_NS, so that on a busy machine other threads
+ * run) before they sleep on a condition variable: a decode step makes ~40 calls a few hundred microseconds apart,
+ * and waking a sleeping thread costs tens of microseconds. A second caller while a call is
  * in flight (two Python threads) runs its rows alone. The caller polls for the workers' last chunks for WAIT_SPIN_NS,
  * then sleeps until the last one ends: on a machine with more runnable threads than cores, a worker descheduled
  * in its chunk then gets the caller's core instead of waiting for the caller's time slice to end. Built with
  * qgemv.c by backends/cpu/kernels.py.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
@@ -21,6 +23,7 @@
 #define POOL_MAX_WORKERS 63
 #define MAX_PARTS 65535
 #define SPIN_NS 300000L      /* how long an idle worker polls for the next call before it sleeps */
+#define YIELD_NS 20000L      /* after polling this long, a worker yields its core between polls */
 #define WAIT_SPIN_NS 30000L  /* how long the caller polls for the workers' last chunks before it sleeps */
 
 typedef int (*rows_fn)(int, const uint8_t *, int64_t, const int64_t *, int64_t, int64_t, const void *, int64_t,
@@ -84,10 +87,13 @@ static void *worker(void *arg) {
             if (id < job.helpers) take(gen);
             continue;
         }
-        int64_t until = now_ns() + SPIN_NS;
+        int64_t start = now_ns();
         for (int i = 1; (uint32_t)(atomic_load(&state) >> 32) == seen; i++) {
             relax();
-            if (i % 64 == 0 && now_ns() > until) {
+            if (i % 64 != 0) continue;
+            int64_t waited = now_ns() - start;
+            if (waited > YIELD_NS && waited <= SPIN_NS) sched_yield();     /* let other runnable threads in */
+            if (waited > SPIN_NS) {
                 pthread_mutex_lock(&sleep_lock);
                 atomic_fetch_add(&sleepers, 1);
                 while ((uint32_t)(atomic_load(&state) >> 32) == seen) pthread_cond_wait(&wake, &sleep_lock);
