@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import stat
+import threading
 
 import pytest
 import torch
@@ -89,6 +90,33 @@ def test_split_runs_every_chunk_once_and_raises_a_chunks_error(threads):
 
     with pytest.raises(MemoryError, match="chunk failed"):
         kernels.split(failing, 100, 12)
+
+
+def test_pool_serves_concurrent_callers_and_returns_a_kernels_error(threads, monkeypatch):
+    """pool.c: callers on several Python threads at once (one at a time in the pool, the others alone) all get the
+    1-thread bits; a kernel's error code in its chunks reaches the caller."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
+    g = torch.Generator().manual_seed(7)
+    w = QTensor.quantize(torch.randn(64, 512, generator=g) / 16, "Q8_0", "w")
+    xs = [torch.randn(1 + i % 4, 512, generator=g) for i in range(8)]
+    torch.set_num_threads(1)
+    expected = [kernels.qgemv(x, w) for x in xs]
+    torch.set_num_threads(3)
+    results: dict[int, list[torch.Tensor]] = {}
+
+    def call(i: int) -> None:
+        results[i] = [kernels.qgemv(xs[i], w) for _ in range(20)]
+
+    workers = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert all(torch.equal(out, expected[i]) for i, outs in results.items() for out in outs) and len(results) == 8
+    y = torch.empty(1, 64)
+    rc = kernels.lib().pool_rows(ctypes.cast(kernels.lib().qgemv, ctypes.c_void_p), kernels.GGML_TYPE["Q8_0"],
+                                 w.data.data_ptr(), 0, None, 64, 500, xs[0].data_ptr(), 1, y.data_ptr(), 64, 12, 3)
+    assert rc == -1     # 500 values are not whole Q8_0 blocks: every chunk refuses
 
 
 def test_unbuildable_library_warns_with_the_compiler_error(tmp_path, monkeypatch):

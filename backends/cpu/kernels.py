@@ -6,8 +6,9 @@ reference's dequantization one tile at a time, the Sinkhorn as torch ops) when t
 or `DS4_CPU_KERNELS=0` (the only silent way off).
 
 The shared library is cached under $DS4_CACHE (default ~/.cache/ds4py) keyed by the sources' hash.
-ctypes releases the GIL during a call, so large weights are split by output rows into chunks that
-`threads()` Python threads of a pool take in turn (each output's arithmetic does not depend on the split).
+Large weights are split by output rows into chunks that `threads()` threads take in turn (each output's
+arithmetic does not depend on the split): the library's own pool (pool.c) for the kernels, a Python pool
+for prefill's tiles (ctypes releases the GIL during a call).
 `set_threads(N)` gives the pool N threads and torch's own ops one (`--threads N`).
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from backends.registry import add_note
 from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "pool.c"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
              "IQ3_XXS": 18, "IQ3_S": 21, "IQ2_XS": 17, "IQ2_S": 22, "IQ1_S": 19, "IQ1_M": 29, "TQ1_0": 34, "TQ2_0": 35,
@@ -59,7 +60,7 @@ def _compile(cc: str, target: Path) -> None:
     for flags in FLAGS:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(out), *map(str, SOURCES)],
+            done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-pthread", "-o", str(out), *map(str, SOURCES)],
                                   capture_output=True, text=True, check=False)
             if done.returncode == 0:
                 os.replace(out, target)     # atomic: concurrent builders race harmlessly
@@ -89,6 +90,8 @@ def _build() -> ctypes.CDLL:
     lib.dequantize.restype = ctypes.c_int
     lib.dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
     lib.sinkhorn.restype = None
+    lib.pool_rows.restype = ctypes.c_int
+    lib.pool_rows.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, ctypes.c_int]
     lib.sinkhorn.argtypes = [ptr, ptr, i64, i64, i64, ctypes.c_float]
     grid, ksigns = iq2_xxs.GRID.contiguous(), iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     lib.qgemv_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
@@ -251,20 +254,21 @@ _ops.define("dequantize(Tensor data, int ggml_type, int n, int k) -> Tensor")
 _ops.define("sinkhorn(Tensor p, int iters, float eps) -> Tensor")
 
 
-def split_rows(kernel: Callable[..., int], ggml_type: int, data: torch.Tensor, n: int, experts: torch.Tensor | None,
+def split_rows(kernel: ctypes._CFuncPtr, ggml_type: int, data: torch.Tensor, n: int, experts: torch.Tensor | None,
                x: torch.Tensor, m: int, k: int) -> tuple[int, torch.Tensor]:
     """Run `kernel` (the library's qgemv or qdot8) on the `n` output rows of raw blocks `data` with the prepared
     contiguous activations `x` (`m` rows of `k` values, float32 or qdot8's rounded blocks), the rows split across
-    the kernel pool in chunks of SPLIT_BYTES or more of weight; its return code and float32 y [m, n]."""
+    `threads()` threads by the library's own pool (pool.c) in chunks of SPLIT_BYTES or more of weight; its return
+    code and float32 y [m, n]."""
     data = data.contiguous()
     expert_bytes = data[0].numel() if experts is not None else 0
     ids = experts.to(torch.int64).contiguous() if experts is not None else None
     y = torch.empty((m, n), dtype=torch.float32)
-    args = (ggml_type, data.data_ptr(), expert_bytes, 0 if ids is None else ids.data_ptr(), n, k,
-            x.data_ptr(), m, y.data_ptr())
     weight_bytes = expert_bytes if experts is not None else data.numel()
     parts = min(CHUNKS_PER_THREAD * threads(), weight_bytes // SPLIT_BYTES)
-    return split(lambda start, stop: kernel(*args, start, stop), n, parts), y
+    rc = lib().pool_rows(ctypes.cast(kernel, ctypes.c_void_p), ggml_type, data.data_ptr(), expert_bytes,
+                         0 if ids is None else ids.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr(), n, parts, threads())
+    return rc, y
 
 
 def qgemv_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, experts: torch.Tensor | None) -> torch.Tensor:

@@ -280,7 +280,40 @@ static inline float dot_q2_k(const uint8_t *b, const void *act) {
 static inline float dot_q4_k(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
     const uint8_t *s = b + 4, *qs = b + 16;
-    int scale[8], low[8], isum = 0, msum = 0;
+    int isum = 0, msum = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* A whole block in two vectors: int16 lanes 0-7 of `six` the scales, 8-15 the mins (the 6-bit unpack done on
+     * 32-bit words); each 512-bit product covers two 32-byte chunks (four groups), scaled per group by vpdpwssd. */
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    __m128i packed = _mm_set_epi32((int)(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)),
+                                   (int)(u[1] & 0x3f3f3f3fu),
+                                   (int)((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)),
+                                   (int)(u[0] & 0x3f3f3f3fu));
+    __m512i six = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(packed));
+    __m256i mins = _mm512_castsi512_si256(_mm512_permutexvar_epi16(
+        _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                         15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), six));
+    msum = hsum_i32(_mm256_madd_epi16(mins, load256(y->bsums)));
+    const __m512i nibble = _mm512_set1_epi8(15);
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {      /* chunks 2h and 2h + 1: groups 4h..4h+3 */
+        __m512i q4 = _mm512_loadu_si512(qs + 64 * h);
+        const int8_t *a = y->qs + 128 * h;
+        __m512i x_lo = _mm512_inserti64x4(_mm512_castsi256_si512(load256(a)), load256(a + 64), 1);
+        __m512i x_hi = _mm512_inserti64x4(_mm512_castsi256_si512(load256(a + 32)), load256(a + 96), 1);
+        __m512i lo = _mm512_maddubs_epi16(_mm512_and_si512(q4, nibble), x_lo);
+        __m512i hi = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q4, 4), nibble), x_hi);
+        __m512i s_lo = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(4 * h)),
+                                                                   _mm256_set1_epi16((short)(4 * h + 2)), 1), six);
+        __m512i s_hi = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(4 * h + 1)),
+                                                                   _mm256_set1_epi16((short)(4 * h + 3)), 1), six);
+        acc = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc, lo, s_lo), hi, s_hi);
+    }
+    isum = _mm512_reduce_add_epi32(acc);
+#else
+    int scale[8], low[8];
     for (int j = 0; j < 4; j++) {
         scale[j] = s[j] & 63;
         low[j] = s[4 + j] & 63;
@@ -307,6 +340,7 @@ static inline float dot_q4_k(const uint8_t *b, const void *act) {
         }
         isum += scale[2 * c] * lo + scale[2 * c + 1] * hi;
     }
+#endif
 #endif
     return (y->d * q8_half(b)) * (float)isum - (y->d * q8_half(b + 2)) * (float)msum;
 }

@@ -597,8 +597,36 @@ static inline void unpack_q8_0x4(const uint8_t *b, float *q, float *scale, float
     }
 }
 
+#if defined(__AVX512F__)
+/* Q4_K's eight scales (lanes 0-7, times d) and mins (lanes 8-15, times dmin): k_scales' values, in one vector. */
+static inline __m512 q4_k_scales16(const uint8_t *b) {
+    uint32_t u[3], dd;
+    memcpy(u, b + 4, 12);
+    memcpy(&dd, b, 4);
+    __m128i six_bits = _mm_set_epi32((int)(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)),
+                                     (int)(u[1] & 0x3f3f3f3fu),
+                                     (int)((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)),
+                                     (int)(u[0] & 0x3f3f3f3fu));
+    __m512 d_dmin = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)));     /* exact */
+    __m512 factor = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), d_dmin);
+    return _mm512_mul_ps(factor, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(six_bits)));
+}
+#endif
+
 static inline void unpack_q4_k(const uint8_t *b, float *q, float *scale, float *low) {    /* 144 bytes, G 32 */
     const uint8_t *qs = b + 16;
+#if defined(__AVX512F__)    /* the same values as below: the scales in one vector, the nibbles by vpermps (dot_q4_k) */
+    __m512 sv = q4_k_scales16(b);
+    _mm512_mask_storeu_ps(scale, 0x00ff, sv);
+    _mm512_mask_storeu_ps(low, 0x00ff, _mm512_shuffle_f32x4(sv, sv, 0x0e));     /* lanes 8-15 */
+    const __m512 nibble = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l += 16) {
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * c + l)));
+            _mm512_storeu_ps(q + 64 * c + l, _mm512_permutexvar_ps(v, nibble));
+            _mm512_storeu_ps(q + 64 * c + 32 + l, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), nibble));
+        }
+#else
     k_scales(b, scale, low);
     for (int c = 0; c < 4; c++)
         for (int l = 0; l < 32; l += 16) {
@@ -606,6 +634,7 @@ static inline void unpack_q4_k(const uint8_t *b, float *q, float *scale, float *
             store16(q + 64 * c + l, float16(v & 15));
             store16(q + 64 * c + 32 + l, float16(v >> 4));
         }
+#endif
 }
 
 static inline void unpack_q2_k(const uint8_t *b, float *q, float *scale, float *low) {    /* 84 bytes, G 16 */
@@ -710,6 +739,33 @@ static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
     }
 }
 #endif
+
+static inline v16 int8_floats16(const uint8_t *p) {    /* 16 int8 as floats */
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    return float16((widen16(p) ^ 128) - 128);
+#endif
+}
+
+/* Four Q8_0 blocks (136 bytes) of a row of its own, in registers: unpack_q8_0x4 then add_block (the same bits),
+ * the four scales converted at once (measured 3-7% faster at M = 1 on the 563 MB LM head, ~15% from cache). */
+static inline void dot_q8_0x4(acc_t *a, const uint8_t *b, const float *x) {
+    float d[4];
+#if defined(__AVX512F__)
+    uint16_t h[4];
+    for (int t = 0; t < 4; t++) memcpy(&h[t], b + 34 * t, 2);
+    _mm_storeu_ps(d, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)));     /* exact, as half_to_float */
+#else
+    for (int t = 0; t < 4; t++) d[t] = half_to_float(b + 34 * t);
+#endif
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; t++) {
+        const uint8_t *q = b + 34 * t + 2;
+        v16 s = int8_floats16(q) * load16(x + 32 * t);
+        a->part[t] = fma16(splat16(d[t]), fma16(int8_floats16(q + 16), load16(x + 32 * t + 16), s), a->part[t]);
+    }
+}
 
 /* One row's share of one unpacked block: ng groups of G values starting at group number j0 of the row. */
 static inline __attribute__((always_inline)) void add_block(acc_t *a, const float *q, const float *scale,
@@ -858,6 +914,54 @@ static inline __attribute__((always_inline)) int k_quant_rows(
     return 0;
 }
 
+#if GROUPED
+/* One row's share of one Q4_K block in registers: unpack_q4_k then add_block's arithmetic (the same bits),
+ * without storing the values; the scales unpacked in one vector and each nibble turned into its float by one vpermps
+ * from a table of 0..15 (measured ~1.3x faster at M = 1 than unpack + add_block). */
+static inline void dot_q4_k(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {
+    const uint8_t *qs = b + 16;
+    __m512 sv = q4_k_scales16(b);
+    /* each nibble's float by one vpermps (which reads 4 bits of each index) from the table 0..15 */
+    const __m512 nibble = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * c)));
+        __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * c + 16)));
+        v16 t0 = (v16)_mm512_permutexvar_ps(v0, nibble) * load16(x + 64 * c);
+        t0 = fma16((v16)_mm512_permutexvar_ps(v1, nibble), load16(x + 64 * c + 16), t0);
+        v16 t1 = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), nibble) * load16(x + 64 * c + 32);
+        t1 = fma16((v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibble), load16(x + 64 * c + 48), t1);
+        a->part[(2 * c) % ACCS] = fma16((v16)_mm512_permutexvar_ps(_mm512_set1_epi32(2 * c), sv), t0,
+                                        a->part[(2 * c) % ACCS]);
+        a->part[(2 * c + 1) % ACCS] = fma16((v16)_mm512_permutexvar_ps(_mm512_set1_epi32(2 * c + 1), sv), t1,
+                                            a->part[(2 * c + 1) % ACCS]);
+    }
+    a->low = fma16((v16)_mm512_maskz_shuffle_f32x4(0x00ff, sv, sv, 0x0e), load16(xsum), a->low);
+}
+
+/* Q4_K rows [n0, n1) where each row has a weight of its own (M == 1, or by expert): dot_q4_k per block. Returns
+ * 0, or -2 out of memory. */
+static int q4_k_own_rows(const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+                         const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
+    int64_t nb = K / 256, row_bytes = nb * 144;
+    float *xsum = group_sums(x, M, K, 256, 32);
+    if (xsum == NULL) return -2;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = n0; n < n1; n++) {
+            if (experts != NULL && experts[m] < 0) { y[m * N + n] = 0.0f; continue; }   /* another rank's */
+            const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
+            acc_t a = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                prefetch_block(row + b * 144, 144);
+                dot_q4_k(&a, row + b * 144, x + m * K + b * 256, xsum + (m * nb + b) * 16);
+            }
+            y[m * N + n] = finish(&a, 1);
+        }
+    free(xsum);
+    return 0;
+}
+#endif
+
 /* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 1 F16, 8 Q8_0,
  * 12 Q4_K, 10 Q2_K, 16 IQ2_XXS after qgemv_set_iq2_xxs, 14 Q6_K, 13 Q5_K, 11 Q3_K, 2 Q4_0, 3 Q4_1,
  * 6 Q5_0, 7 Q5_1, 20 IQ4_NL, 23 IQ4_XS), M <= MAX_ROWS. experts == NULL: every row uses
@@ -872,7 +976,7 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 8:
         if (K % 32) return -1;
         if (GROUPED && K % 128 == 0) {
-            rows_grouped(unpack_q8_0x4, NULL, 128, 136, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
+            rows_grouped(unpack_q8_0x4, dot_q8_0x4, 128, 136, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
             return 0;
         }
         if (M == 1 && experts == NULL) n0 = q8_0_row_pairs(w, K, x, y, n0, n1);
@@ -885,7 +989,11 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
                          n0, n1);
         else rows_of(deq_iq2_xxs, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
-    case 12: return K % 256 ? -1 : k_quant_rows(deq_q4_k, unpack_q4_k, 144, 32, w, expert_bytes, experts, N, K,
+    case 12:
+#if GROUPED
+        if (K % 256 == 0 && (experts != NULL || M == 1)) return q4_k_own_rows(w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        return K % 256 ? -1 : k_quant_rows(deq_q4_k, unpack_q4_k, 144, 32, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
     case 10:
 #if defined(__AVX512F__)
