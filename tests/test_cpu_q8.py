@@ -397,3 +397,24 @@ def test_prefill_routed_experts_take_q8(qtype):
     tol = 1e-5 * prefill.abs().max().item()
     torch.testing.assert_close(prefill, rows, rtol=0, atol=tol)
     assert (prefill - ffn.moe(x, ids, ex)).abs().max() > 100 * tol     # the exact kernel's differ
+
+
+@pytest.mark.parametrize("dot", ("exact", "q8"))
+def test_prefill_routed_experts_in_one_call_equal_the_per_expert_loop(dot):
+    """ffn.grouped (every expert of the layer in one kernel call per projection) gives the bits of the loop over
+    experts (ffn.grouped_loop) where no expert gets more than 16 rows, with all experts and with a rank's share."""
+    from backends.cpu import ffn
+    from ops.moe import Experts
+    E, D, inter, g = 8, 256, 256, torch.Generator().manual_seed(12)
+
+    def stack(n, *shape):
+        return QTensor.quantize(torch.randn(n, *shape, generator=g) * 0.3, "Q4_K", "stack")
+    x, ids = torch.randn(24, D, generator=g), torch.zeros(24, dtype=torch.int64)
+    for first, n in ((0, E), (3, 4)):
+        ex = Experts(router=QTensor.quantize(torch.randn(E, D, generator=g), "F32", "router"),
+                     bias=torch.randn(E, generator=g) * 0.1, tid2eid=None, gate=stack(n, inter, D),
+                     up=stack(n, inter, D), down=stack(n, D, inter), top_k=2, route_scale=1.5, normalize=True,
+                     clamp=10.0, first=first)
+        chosen, w = ffn.route(x, ids, ex, dot)
+        assert torch.bincount(chosen.reshape(-1)).max() <= 16
+        assert torch.equal(ffn.grouped(x, chosen, w, ex, dot), ffn.grouped_loop(x, chosen, w, ex, dot)), (dot, first)
