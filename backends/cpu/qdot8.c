@@ -485,28 +485,37 @@ static void rows8_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_bloc
 
 static void rows8_q8_0(const uint8_t *w, int64_t N, int64_t K, const q8_0_block *x, int64_t M, float *y,
                        int64_t n0, int64_t n1) {
+    /* rows 4 at a time over the whole weight row (which stays in L1), their 8-lane sums in registers */
     int64_t nb = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t n = n0; n < n1; n++) {
-        __m256 acc[Q8_MAX_ROWS];
-        for (int64_t m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        const uint8_t *b = w + n * nb * 34;
-        for (int64_t k = 0; k < nb; k++, b += 34) {
-            prefetch_ahead(b, 34);
-            __m256i v = load256(b + 2), magnitude = _mm256_sign_epi8(v, v);
-            float d = q8_half(b);
-            for (int64_t m = 0; m < M; m++) {
-                const q8_0_block *a = x + m * nb + k;
-                __m256i prod = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(load256(a->qs), v));
-                __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-                acc[m] = _mm256_add_ps(acc[m], _mm256_mul_ps(_mm256_set1_ps(d * a->d), dots));
+        const uint8_t *row = w + n * nb * 34;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            const uint8_t *b = row;
+            for (int64_t k = 0; k < nb; k++, b += 34) {
+                if (m0 == 0) prefetch_ahead(b, 34);
+                __m256i v = load256(b + 2), magnitude = _mm256_sign_epi8(v, v);
+                float d = q8_half(b);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    if (m0 + j >= M) continue;
+                    const q8_0_block *a = x + (m0 + j) * nb + k;
+                    __m256i signed_x = _mm256_sign_epi8(load256(a->qs), v);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    __m256i dots = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
+#else
+                    __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
+#endif
+                    acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(dots)));
+                }
             }
-        }
-        for (int64_t m = 0; m < M; m++) {
-            float lanes[8], sum = 0.0f;
-            _mm256_storeu_ps(lanes, acc[m]);
-            for (int l = 0; l < 8; l++) sum += lanes[l];
-            y[m * N + n] = sum;
+            for (int j = 0; j < 4 && m0 + j < M; j++) {
+                float lanes[8], sum = 0.0f;
+                _mm256_storeu_ps(lanes, acc[j]);
+                for (int l = 0; l < 8; l++) sum += lanes[l];
+                y[(m0 + j) * N + n] = sum;
+            }
         }
     }
 }
