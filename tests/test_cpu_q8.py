@@ -220,7 +220,8 @@ def test_kernel_equals_reference_rows_threads_experts(qtype, monkeypatch):
 
 @pytest.mark.parametrize("flags", ("-mno-avx512f", "-mno-avx512f -mno-avx2"))
 def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
-    """The AVX2 build (what an AVX2-only machine compiles) and the plain C build give the same bits."""
+    """The AVX2 build (what an AVX2-only machine compiles) and the plain C build give the same bits, for every
+    M in 1..16 (qdot8_rows' shared-block paths of AVX2 and the plain per-row loop)."""
     cc = tmp_path / "cc"
     cc.write_text(f'#!/bin/sh\nexec gcc "$@" {flags}\n')
     cc.chmod(0o755)
@@ -228,10 +229,12 @@ def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
     monkeypatch.setenv("DS4_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "_lib", False)
     monkeypatch.setattr(kernels, "_failure", None)
-    x = activations(3, 512)
+    x = activations(16, 512)
     for qtype in ref.TYPES:
         w = weight(qtype, 8, 512)
-        assert torch.equal(kernels.qdot8(x, w), ref.qdot8(x, w)), (flags, qtype)
+        expected = ref.qdot8(x, w)
+        for M in range(1, 17):
+            assert torch.equal(kernels.qdot8(x[:M], w), expected[:M]), (flags, qtype, M)
 
 
 def test_switch_refusals_and_report(monkeypatch):
