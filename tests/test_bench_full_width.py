@@ -34,7 +34,9 @@ def test_bench_full_width_op_times_smoke(tmp_path, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         bench.main(["cpu", "--full-layers", "2", "--full-tiny", "--full-mixes", "q2", "--threads", "1", "2",
-                    "--prompt", "6", "--tokens", "2", "--workdir", str(tmp_path), "--op-times"])
+                    "--prompt", "6", "--tokens", "2", "--workdir", str(tmp_path), "--op-times",
+                    "--cpu-dot", "exact", "q8"])
     out = capsys.readouterr().out
     assert "decode_ms" in out and "moe" in out and "qmatmul" in out and "(outside op calls)" in out
+    assert " exact " in out and " q8 " in out        # one block per cpu dot product
     assert "llama.cpp" not in out

@@ -160,3 +160,22 @@ def test_library_that_does_not_load_says_why(tmp_path, monkeypatch):
     monkeypatch.setattr(ctypes, "CDLL", not_a_library)
     with pytest.warns(RuntimeWarning, match="invalid ELF header"):
         assert kernels.lib() is None
+
+
+@pytest.mark.parametrize("dot", ("exact", "q8"))
+@pytest.mark.parametrize("qtype", ("Q4_K", "Q2_K", "IQ2_XXS", "Q8_0", "F16"))
+def test_experts_product_equals_each_experts_calls(qtype, dot, threads):
+    """Prefill's routed experts in one call (qgemm.c): each expert's rows (here 1, 3, 17 and 2: 17 is 16 + 1)
+    the same bits as that expert's own qgemv / qdot8 calls of at most 16 rows, for 1, 2 or 3 threads."""
+    g = torch.Generator().manual_seed(6)
+    w = QTensor.quantize(torch.randn(5, 40, 512, generator=g) / 16, qtype, "w")
+    ids, sizes = torch.tensor([0, 2, 3, 4]), [1, 3, 17, 2]
+    first = torch.tensor([0, 1, 4, 21, 23])
+    x = torch.randn(sum(sizes), 512, generator=g)
+    call = kernels.qdot8 if dot == "q8" and kernels.q8_available(qtype, 512) else kernels.qgemv
+    expected = torch.cat([call(x[r:min(r + 16, stop)], QTensor(w.qtype, (40, 512), w.data[e]))
+                          for e, start, stop in zip(ids.tolist(), first[:-1].tolist(), first[1:].tolist(), strict=True)
+                          for r in range(start, stop, 16)])
+    for n in (1, 2, 3):
+        torch.set_num_threads(n)
+        assert torch.equal(kernels.experts_product(x, w, ids, first, dot), expected), (qtype, dot, n)

@@ -397,7 +397,8 @@ def test_iq2_xxs_rows_of_many_blocks_equal_reference():
 
 @pytest.mark.parametrize("flags", ("-mno-avx512f", "-mno-avx512f -mno-avx2"))
 def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
-    """The AVX2 build (what an AVX2-only machine compiles) and the plain C build give the same bits."""
+    """The AVX2 build (what an AVX2-only machine compiles) and the plain C build give the same bits, for every
+    M in 1..16 (qdot8_rows' shared-block paths of AVX2 and the plain per-row loop)."""
     cc = tmp_path / "cc"
     cc.write_text(f'#!/bin/sh\nexec gcc "$@" {flags}\n')
     cc.chmod(0o755)
@@ -405,10 +406,12 @@ def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
     monkeypatch.setenv("DS4_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "_lib", False)
     monkeypatch.setattr(kernels, "_failure", None)
-    x = activations(3, 512)
+    x = activations(16, 512)
     for qtype in ref.TYPES:
         w = weight(qtype, 8, 512)
-        assert torch.equal(kernels.qdot8(x, w), ref.qdot8(x, w)), (flags, qtype)
+        expected = ref.qdot8(x, w)
+        for M in range(1, 17):
+            assert torch.equal(kernels.qdot8(x[:M], w), expected[:M]), (flags, qtype, M)
 
 
 def test_switch_refusals_and_report(monkeypatch):
@@ -581,3 +584,24 @@ def test_prefill_routed_experts_take_q8(qtype):
     tol = 1e-5 * prefill.abs().max().item()
     torch.testing.assert_close(prefill, rows, rtol=0, atol=tol)
     assert (prefill - ffn.moe(x, ids, ex)).abs().max() > 100 * tol     # the exact kernel's differ
+
+
+@pytest.mark.parametrize("dot", ("exact", "q8"))
+def test_prefill_routed_experts_in_one_call_equal_the_per_expert_loop(dot):
+    """ffn.grouped (every expert of the layer in one kernel call per projection) gives the bits of the loop over
+    experts (ffn.grouped_loop) where no expert gets more than 16 rows, with all experts and with a rank's share."""
+    from backends.cpu import ffn
+    from ops.moe import Experts
+    E, D, inter, g = 8, 256, 256, torch.Generator().manual_seed(12)
+
+    def stack(n, *shape):
+        return QTensor.quantize(torch.randn(n, *shape, generator=g) * 0.3, "Q4_K", "stack")
+    x, ids = torch.randn(24, D, generator=g), torch.zeros(24, dtype=torch.int64)
+    for first, n in ((0, E), (3, 4)):
+        ex = Experts(router=QTensor.quantize(torch.randn(E, D, generator=g), "F32", "router"),
+                     bias=torch.randn(E, generator=g) * 0.1, tid2eid=None, gate=stack(n, inter, D),
+                     up=stack(n, inter, D), down=stack(n, D, inter), top_k=2, route_scale=1.5, normalize=True,
+                     clamp=10.0, first=first)
+        chosen, w = ffn.route(x, ids, ex, dot)
+        assert torch.bincount(chosen.reshape(-1)).max() <= 16
+        assert torch.equal(ffn.grouped(x, chosen, w, ex, dot), ffn.grouped_loop(x, chosen, w, ex, dot)), (dot, first)

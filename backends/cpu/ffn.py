@@ -6,7 +6,7 @@ the chosen experts' blocks are gathered (only those are dequantized) and `bmm` m
 own (each entry goes through the same kernel whatever the batch count); the transcendental elementwise
 ops run on rows padded to whole vectors (`rows.rowwise`), and each row sums its experts in increasing
 expert id order. So row r equals the 1-row call bit for bit with no loop over rows. Prefill (larger M)
-groups each expert's rows into one product, as the reference does.
+groups each expert's rows, all the experts of a layer in one kernel call per projection (qgemm.c).
 """
 from __future__ import annotations
 
@@ -76,9 +76,34 @@ def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts, dot: str = "exact"
 
 
 def grouped(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts, dot: str = "exact") -> torch.Tensor:
-    """Prefill: each chosen expert's rows in one product (reads the chosen ids back; rounding may depend on M);
-    `dot="q8"`: experts with at most SMALL_M rows (most of them at prefill) take the 8-bit activation kernel."""
+    """Prefill: the (row, expert) pairs sorted by expert, every expert of the layer in one kernel call per
+    projection (`kernels.experts_product`: each expert's weight read once per 16 of its rows, whole experts
+    split across the kernel pool); each row adds its experts in increasing id order. Types the library does
+    not read take `grouped_loop`. Rounding may depend on M; `dot="q8"`: 8-bit activations where qdot8.c reads
+    the type."""
     check_owned(ex)
+    if not all(kernels.available(t.qtype.name, t.shape[-1]) for t in (ex.gate, ex.up, ex.down)):
+        return grouped_loop(x, chosen, w, ex, dot)
+    k = chosen.shape[1]
+    local = chosen.reshape(-1) - ex.first
+    order = torch.argsort(local, stable=True)      # pairs by expert; a row's pairs stay in expert id order
+    order = order[(local[order] >= 0) & (local[order] < ex.gate.shape[0])]    # expert parallelism: owned only
+    ids, counts = torch.unique_consecutive(local[order], return_counts=True)
+    first = torch.zeros(ids.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=first[1:])
+    rows = order // k
+    xs = x[rows]
+    g = kernels.experts_product(xs, ex.gate, ids, first, dot).clamp(max=ex.clamp)
+    u = kernels.experts_product(xs, ex.up, ids, first, dot).clamp(-ex.clamp, ex.clamp)
+    h = F.silu(g) * u * w.reshape(-1)[order, None]
+    return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, rows, kernels.experts_product(h, ex.down, ids,
+                                                                                                first, dot))
+
+
+def grouped_loop(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts,
+                 dot: str = "exact") -> torch.Tensor:
+    """Prefill of types the kernel library does not read (or without it): each chosen expert's rows in one qmatmul
+    (reads the chosen ids back)."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     for e in torch.unique(chosen).tolist():
         if e not in ex.owned:  # expert parallelism: another rank adds it

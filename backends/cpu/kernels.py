@@ -1,6 +1,7 @@
-"""The CPU kernel library: the fused dequantize-and-multiply kernel and its block dequantizer (qgemv.c) and
-the hyper-connection Sinkhorn (sinkhorn.c), compiled once per machine with the system C compiler and
-loaded with ctypes. `built()` and `available()` are False (and the callers take their torch paths: the
+"""The CPU kernel library: the fused dequantize-and-multiply kernel and its block dequantizer (qgemv.c), the
+8-bit-activation kernel (qdot8.c), prefill's routed experts in one call (qgemm.c) and the hyper-connection
+Sinkhorn (sinkhorn.c), compiled once per machine with the system C compiler and loaded with ctypes.
+`built()` and `available()` are False (and the callers take their torch paths: the
 reference's dequantization one tile at a time, the Sinkhorn as torch ops) when the library cannot be built
 (the first use warns with the compiler's error, and the op report says `cpu kernels unavailable: <reason>`)
 or `DS4_CPU_KERNELS=0` (the only silent way off).
@@ -31,7 +32,8 @@ import torch
 from backends.registry import add_note
 from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "pool.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
+                                                             "pool.c"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
              "IQ3_XXS": 18, "IQ3_S": 21, "IQ2_XS": 17, "IQ2_S": 22, "IQ1_S": 19, "IQ1_M": 29, "TQ1_0": 34, "TQ2_0": 35,
@@ -339,6 +341,10 @@ def _bind_q8(k: ctypes.CDLL) -> None:
     k.q8_quantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
     k.qdot8.restype = ctypes.c_int
     k.qdot8.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64]
+    k.qdot8_rows.restype = ctypes.c_int
+    k.qdot8_rows.argtypes = k.qdot8.argtypes
+    k.experts_gemm.restype = ctypes.c_int
+    k.experts_gemm.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64]
     grid = iq2_xxs.GRID.to(torch.uint8).contiguous()
     ksigns = iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     k.qdot8_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
@@ -378,7 +384,7 @@ def qdot8_op(x: torch.Tensor, data: torch.Tensor, ggml_type: int, n: int, expert
     if M > MAX_ROWS:
         raise ValueError(f"qdot8: at most {MAX_ROWS} rows, got {M}")
     xq = q8_quantize(x, type_name(ggml_type))
-    rc, y = split_rows(lib().qdot8, ggml_type, data, n, experts, xq, M, K)
+    rc, y = split_rows(lib().qdot8_rows, ggml_type, data, n, experts, xq, M, K)
     if rc:
         raise ValueError(f"qdot8: unsupported call ({type_name(ggml_type)}, M={M}, K={K})")
     return y
@@ -445,4 +451,24 @@ def qgemm8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
 
     if split(run, tiles, parts):
         raise ValueError(f"qgemm8: unsupported call (M={M}, K={K})")
+    return y
+
+
+def experts_product(x: torch.Tensor, w: QTensor, ids: torch.Tensor, first: torch.Tensor,
+                    dot: str = "exact") -> torch.Tensor:
+    """Prefill's routed experts in one library call (qgemm.c): float32 [P, N] products of rows x [P, K], sorted by
+    expert, rows first[g]:first[g + 1] with expert ids[g] of the stacked [E, N, K] weight `w` (ids [G] and first
+    [G + 1] int64); `dot="q8"` rounds the rows to 8 bits (qdot8.c; where `q8_available`). Whole experts are split
+    across the kernel pool, so the result is the same bits for any thread count."""
+    q8 = dot == "q8" and q8_available(w.qtype.name, w.shape[-1])
+    x = x.to(torch.float32).contiguous()
+    P, K = x.shape
+    rows = q8_quantize(x, w.qtype.name) if q8 else x
+    data, ids, first = w.data.contiguous(), ids.to(torch.int64).contiguous(), first.to(torch.int64).contiguous()
+    y = torch.empty((P, w.shape[-2]), dtype=torch.float32)
+    args = (int(q8), GGML_TYPE[w.qtype.name], data.data_ptr(), data[0].numel(), ids.data_ptr(), first.data_ptr(),
+            w.shape[-2], K, rows.data_ptr(), rows.numel() * rows.element_size() // max(P, 1), y.data_ptr())
+    groups = ids.shape[0]
+    if split(lambda g0, g1: lib().experts_gemm(*args, g0, g1), groups, groups):
+        raise ValueError(f"experts_product: unsupported call ({w.qtype.name}, K={K}, dot={dot})")
     return y

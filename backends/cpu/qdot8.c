@@ -890,3 +890,354 @@ int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     default: return -1;
     }
 }
+
+/* Several rows against one weight (M = 2..16 of a plain weight: verify, and each routed expert's rows at
+ * prefill): each weight block is read and unpacked once (nibbles, 2-bit fields, grid rows, scale vectors)
+ * and dotted with every row's activation block; each row keeps its own float sum, adding the same block terms
+ * in the same order as the 1-row functions above, so every output has the same bits as the 1-row call. */
+#if defined(__AVX2__)
+static void rows8_q4_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
+                       int64_t n0, int64_t n1) {
+    int64_t nb = K / 256;
+    const __m256i nibble = _mm256_set1_epi8(15);
+    for (int64_t n = n0; n < n1; n++) {
+        float acc[Q8_MAX_ROWS] = {0};
+        const uint8_t *b = w + n * nb * 144;
+        for (int64_t k = 0; k < nb; k++, b += 144) {
+            prefetch_ahead(b, 144);
+            const uint8_t *s = b + 4, *qs = b + 16;
+            int16_t low[16];        /* each group's min twice: the pairs of 16-value sums bsums holds */
+            __m256i q[8], scale[8];
+            for (int j = 0; j < 4; j++) {
+                scale[j] = _mm256_set1_epi16((short)(s[j] & 63));
+                low[2 * j] = low[2 * j + 1] = (int16_t)(s[4 + j] & 63);
+                scale[4 + j] = _mm256_set1_epi16((short)((s[8 + j] & 15) | ((s[j] >> 6) << 4)));
+                low[8 + 2 * j] = low[9 + 2 * j] = (int16_t)((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
+            }
+            __m256i lows = load256(low);
+            for (int c = 0; c < 4; c++) {
+                __m256i q4 = load256(qs + 32 * c);
+                q[2 * c] = _mm256_and_si256(q4, nibble);
+                q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q4, 4), nibble);
+            }
+            float d = q8_half(b), dmin = q8_half(b + 2);
+            for (int64_t m = 0; m < M; m++) {
+                const q8k_block *a = x + m * nb + k;
+                __m256i sum = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++)
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load256(a->qs + 32 * j)),
+                                                                  scale[j]));
+                int isum = hsum_i32(sum), msum = hsum_i32(_mm256_madd_epi16(lows, load256(a->bsums)));
+                acc[m] += (a->d * d) * (float)isum - (a->d * dmin) * (float)msum;
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
+    }
+}
+
+static void rows8_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
+                       int64_t n0, int64_t n1) {
+    int64_t nb = K / 256;
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int64_t n = n0; n < n1; n++) {
+        float acc[Q8_MAX_ROWS] = {0};
+        const uint8_t *b = w + n * nb * 84;
+        for (int64_t k = 0; k < nb; k++, b += 84) {
+            prefetch_ahead(b, 84);
+            __m128i scales = _mm_loadu_si128((const __m128i *)b);
+            __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(scales, 4), _mm_set1_epi8(15)));
+            __m256i low = _mm256_broadcastsi128_si256(_mm_and_si128(scales, _mm_set1_epi8(15)));
+            __m256i q[8], scale[8];
+            for (int h = 0; h < 2; h++) {
+                __m256i q2 = load256(b + 16 + 32 * h);
+                for (int i = 0; i < 4; i++) {       /* elements 128h + 32i + (0..31) */
+                    q[4 * h + i] = _mm256_and_si256(_mm256_srli_epi16(q2, 2 * i), three);
+                    scale[4 * h + i] = _mm256_shuffle_epi8(low, load256(pair_shuffle[4 * h + i]));
+                }
+            }
+            float d = q8_half(b + 80), dmin = q8_half(b + 82);
+            for (int64_t m = 0; m < M; m++) {
+                const q8k_block *a = x + m * nb + k;
+                __m256i sum = _mm256_setzero_si256();
+                for (int j = 0; j < 8; j++)
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load256(a->qs + 32 * j)),
+                                                                  scale[j]));
+                int isum = hsum_i32(sum), msum = hsum_i32(_mm256_madd_epi16(mins, load256(a->bsums)));
+                acc[m] += (a->d * d) * (float)isum - (a->d * dmin) * (float)msum;
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
+    }
+}
+
+static void rows8_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
+                          int64_t n0, int64_t n1) {
+    int64_t nb = K / 256;
+    for (int64_t n = n0; n < n1; n++) {
+        float acc[Q8_MAX_ROWS] = {0};
+        const uint8_t *b = w + n * nb * 66;
+        for (int64_t k = 0; k < nb; k++, b += 66) {
+            prefetch_ahead(b, 66);
+            const uint8_t *p = b + 2;
+            __m256i grid[8], sign[8], scale[8];
+            for (int g = 0; g < 8; g++, p += 8) {
+                uint32_t bits;
+                memcpy(&bits, p + 4, 4);
+                grid[g] = _mm256_set_epi64x((long long)iq2_grid_bytes[p[3]], (long long)iq2_grid_bytes[p[2]],
+                                            (long long)iq2_grid_bytes[p[1]], (long long)iq2_grid_bytes[p[0]]);
+                sign[g] = _mm256_set_epi64x((long long)iq2_sign_bytes[(bits >> 21) & 127],
+                                            (long long)iq2_sign_bytes[(bits >> 14) & 127],
+                                            (long long)iq2_sign_bytes[(bits >> 7) & 127],
+                                            (long long)iq2_sign_bytes[bits & 127]);
+                scale[g] = _mm256_set1_epi16((short)(2 * (bits >> 28) + 1));
+            }
+            float d = q8_half(b);
+            for (int64_t m = 0; m < M; m++) {
+                const q8k_block *a = x + m * nb + k;
+                __m256i sum = _mm256_setzero_si256();
+                for (int g = 0; g < 8; g++) {
+                    __m256i prod = _mm256_maddubs_epi16(grid[g], _mm256_sign_epi8(load256(a->qs + 32 * g), sign[g]));
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(prod, scale[g]));
+                }
+                acc[m] += (d * a->d) * (float)hsum_i32(sum);
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = 0.125f * acc[m];
+    }
+}
+
+static void rows8_q8_0(const uint8_t *w, int64_t N, int64_t K, const q8_0_block *x, int64_t M, float *y,
+                       int64_t n0, int64_t n1) {
+    /* rows 4 at a time over the whole weight row (which stays in L1), their 8-lane sums in registers */
+    int64_t nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * nb * 34;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            const uint8_t *b = row;
+            for (int64_t k = 0; k < nb; k++, b += 34) {
+                if (m0 == 0) prefetch_ahead(b, 34);
+                __m256i v = load256(b + 2), magnitude = _mm256_sign_epi8(v, v);
+                float d = q8_half(b);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    if (m0 + j >= M) continue;
+                    const q8_0_block *a = x + (m0 + j) * nb + k;
+                    __m256i signed_x = _mm256_sign_epi8(load256(a->qs), v);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                    __m256i dots = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
+#else
+                    __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
+#endif
+                    acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(dots)));
+                }
+            }
+            for (int j = 0; j < 4 && m0 + j < M; j++) {
+                float lanes[8], sum = 0.0f;
+                _mm256_storeu_ps(lanes, acc[j]);
+                for (int l = 0; l < 8; l++) sum += lanes[l];
+                y[(m0 + j) * N + n] = sum;
+            }
+        }
+    }
+}
+#endif
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define WIDE_ROWS 1
+/* With AVX-512 (BW, VNNI): 64 values per instruction (`vpmaddubsw`, then `vpdpwssd` with the group scales), and
+ * rows taken 4 at a time, whose integer sums are reduced together (one vector holds the 4 rows' sums) and whose
+ * float terms are computed lane by lane: each lane does exactly the scalar steps of the 1-row function. */
+static inline __m128i fold4(const __m256i *s) {       /* lane m = the sum of s[m]'s 8 lanes (exact) */
+    __m256i ab = _mm256_hadd_epi32(s[0], s[1]), cd = _mm256_hadd_epi32(s[2], s[3]);
+    __m256i abcd = _mm256_hadd_epi32(ab, cd);
+    return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+
+static inline __m512i halves512(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+static inline __m128 row_scales(const q8k_block *x, int64_t nb, int64_t k, int64_t m0, int64_t M) {
+    float d[4];     /* each of the 4 rows' activation scale for block k (0 past M) */
+    for (int j = 0; j < 4; j++) d[j] = m0 + j < M ? x[(m0 + j) * nb + k].d : 0.0f;
+    return _mm_set_ps(d[3], d[2], d[1], d[0]);
+}
+
+/* The block terms of rows [m0, m0 + 4) (those below M) of a 256-value K-quant: (dx d) isum - (dx dmin) msum per
+ * row, isum from the 4 64-value products against q[c] scaled by scale[c], msum = lows . bsums. */
+static inline __attribute__((always_inline)) __m128 terms4_k(const __m512i *q, const __m512i *scale, __m256i lows,
+        float d, float dmin, const q8k_block *x, int64_t nb, int64_t k, int64_t m0, int64_t M) {
+    __m256i is[4], ms[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        if (m0 + j >= M) { is[j] = ms[j] = _mm256_setzero_si256(); continue; }
+        const q8k_block *a = x + (m0 + j) * nb + k;
+        __m512i sum = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++)
+            sum = _mm512_dpwssd_epi32(sum, _mm512_maddubs_epi16(q[c], _mm512_loadu_si512(a->qs + 64 * c)), scale[c]);
+        is[j] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+        ms[j] = _mm256_madd_epi16(lows, load256(a->bsums));
+    }
+    __m128 vd = row_scales(x, nb, k, m0, M);
+    return _mm_sub_ps(_mm_mul_ps(_mm_mul_ps(vd, _mm_set1_ps(d)), _mm_cvtepi32_ps(fold4(is))),
+                      _mm_mul_ps(_mm_mul_ps(vd, _mm_set1_ps(dmin)), _mm_cvtepi32_ps(fold4(ms))));
+}
+
+static void store_rows(const __m128 *acc, int64_t M, float *y, int64_t N, int64_t n, float factor) {
+    float out[Q8_MAX_ROWS];
+    for (int64_t m0 = 0; m0 < M; m0 += 4) _mm_storeu_ps(out + m0, acc[m0 / 4]);
+    for (int64_t m = 0; m < M; m++) y[m * N + n] = factor * out[m];
+}
+
+static void wide_q4_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
+                      int64_t n0, int64_t n1) {
+    int64_t nb = K / 256;
+    __m512i pick[4];        /* int16 lanes 0-15 <- scale 2c, 16-31 <- scale 2c + 1 */
+    for (int c = 0; c < 4; c++)
+        pick[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+    const __m256i twice = _mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i nibble = _mm512_set1_epi8(15);
+    for (int64_t n = n0; n < n1; n++) {
+        __m128 acc[Q8_MAX_ROWS / 4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+        const uint8_t *b = w + n * nb * 144;
+        for (int64_t k = 0; k < nb; k++, b += 144) {
+            prefetch_ahead(b, 144);
+            uint32_t u[3];          /* the 6-bit scales and mins, 8 bytes each (dot_q4_k's unpacking, per word) */
+            memcpy(u, b + 4, 12);
+            uint64_t sc = (u[0] & 0x3f3f3f3fu) | (uint64_t)((u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u)) << 32;
+            uint64_t mn = (u[1] & 0x3f3f3f3fu) | (uint64_t)(((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)) << 32;
+            __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+            __m256i lows = _mm256_permutexvar_epi16(twice, _mm256_castsi128_si256(
+                _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn))));      /* each min twice: bsums' pairs */
+            __m512i q[4], scale[4];
+            for (int c = 0; c < 4; c++) {     /* values 64c..64c+63: chunk c's low nibbles, then its high ones */
+                __m256i q4 = load256(b + 16 + 32 * c);
+                q[c] = _mm512_and_si512(halves512(q4, _mm256_srli_epi16(q4, 4)), nibble);
+                scale[c] = _mm512_permutexvar_epi16(pick[c], scales);
+            }
+            float d = q8_half(b), dmin = q8_half(b + 2);
+            for (int64_t m0 = 0; m0 < M; m0 += 4)
+                acc[m0 / 4] = _mm_add_ps(acc[m0 / 4], terms4_k(q, scale, lows, d, dmin, x, nb, k, m0, M));
+        }
+        store_rows(acc, M, y, N, n, 1.0f);
+    }
+}
+
+static void wide_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
+                      int64_t n0, int64_t n1) {
+    int64_t nb = K / 256;
+    const __m256i three = _mm256_set1_epi8(3);
+    __m512i group[4];       /* int16 lane t of vector c: the scale of values 64c + 2t, 2t + 1 (group 4c + t / 8) */
+    for (int c = 0; c < 4; c++) {
+        int16_t idx[32];
+        for (int t = 0; t < 32; t++) idx[t] = (int16_t)(4 * c + t / 8);
+        group[c] = _mm512_loadu_si512(idx);
+    }
+    for (int64_t n = n0; n < n1; n++) {
+        __m128 acc[Q8_MAX_ROWS / 4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+        const uint8_t *b = w + n * nb * 84;
+        for (int64_t k = 0; k < nb; k++, b += 84) {
+            prefetch_ahead(b, 84);
+            __m128i scales = _mm_loadu_si128((const __m128i *)b);
+            __m256i lows = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(scales, 4), _mm_set1_epi8(15)));
+            __m512i low16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(scales, _mm_set1_epi8(15))));
+            __m512i q[4], scale[4];
+            for (int h = 0; h < 2; h++) {
+                __m256i q2 = load256(b + 16 + 32 * h);
+                for (int i = 0; i < 4; i += 2)      /* values 128h + 32i .. 128h + 32i + 63 */
+                    q[2 * h + i / 2] = halves512(_mm256_and_si256(_mm256_srli_epi16(q2, 2 * i), three),
+                                                 _mm256_and_si256(_mm256_srli_epi16(q2, 2 * i + 2), three));
+            }
+            for (int c = 0; c < 4; c++) scale[c] = _mm512_permutexvar_epi16(group[c], low16);
+            float d = q8_half(b + 80), dmin = q8_half(b + 82);
+            for (int64_t m0 = 0; m0 < M; m0 += 4)
+                acc[m0 / 4] = _mm_add_ps(acc[m0 / 4], terms4_k(q, scale, lows, d, dmin, x, nb, k, m0, M));
+        }
+        store_rows(acc, M, y, N, n, 1.0f);
+    }
+}
+#if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
+static void wide_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
+                         int64_t n0, int64_t n1) {
+    int64_t nb = K / 256;
+    const __m512i pack = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x3b3a3938, 0x33323130, 0x2b2a2928,
+                                          0x23222120, 0x1b1a1918, 0x13121110, 0x0b0a0908, 0x03020100);
+    for (int64_t n = n0; n < n1; n++) {
+        __m128 acc[Q8_MAX_ROWS / 4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+        const uint8_t *b = w + n * nb * 66;
+        for (int64_t k = 0; k < nb; k++, b += 66) {
+            prefetch_ahead(b, 66);
+            /* dot_iq2_xxs's unpacking, once per block: grid rows, sign masks and scales of the 4 group pairs */
+            __m512i v = _mm512_loadu_si512(b + 2);
+            __m512i t = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720), v),
+                                         _mm512_set1_epi8(0x7f));
+            __m512i parity = _mm512_and_si512(_mm512_popcnt_epi8(t), _mm512_set1_epi8(1));
+            __m512i signs = _mm512_or_si512(t, _mm512_slli_epi16(parity, 7));
+            uint64_t negative[4];
+            _mm256_storeu_si256((__m256i *)negative, _mm512_castsi512_si256(_mm512_permutexvar_epi8(pack, signs)));
+            __m512i index = _mm512_permutexvar_epi8(pack, v);
+            __m512i pairs01 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(index));
+            __m512i pairs23 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(index, 1));
+            __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
+            __m512i grid[4], ls[4];
+            for (int i = 0; i < 4; i++) {
+                __m512i pair = i < 2 ? pairs01 : pairs23;
+                __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
+                grid[i] = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
+                ls[i] = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(8 * i)),
+                                                                    _mm256_set1_epi16((short)(8 * i + 4)), 1), scales);
+            }
+            __m128 d = _mm_set1_ps(q8_half(b));
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                __m256i is[4];
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    if (m0 + j >= M) { is[j] = _mm256_setzero_si256(); continue; }
+                    const q8k_block *a = x + (m0 + j) * nb + k;
+                    __m512i sum = _mm512_setzero_si512();
+                    for (int i = 0; i < 4; i++) {
+                        __m512i q8 = _mm512_loadu_si512(a->qs + 64 * i);
+                        __m512i prod = _mm512_maddubs_epi16(grid[i], _mm512_mask_sub_epi8(q8, negative[i],
+                                                                                          _mm512_setzero_si512(), q8));
+                        sum = _mm512_dpwssd_epi32(sum, prod, ls[i]);
+                    }
+                    is[j] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+                }
+                __m128 terms = _mm_mul_ps(_mm_mul_ps(d, row_scales(x, nb, k, m0, M)), _mm_cvtepi32_ps(fold4(is)));
+                acc[m0 / 4] = _mm_add_ps(acc[m0 / 4], terms);
+            }
+        }
+        store_rows(acc, M, y, N, n, 0.125f);
+    }
+}
+#endif
+#endif
+
+/* qdot8 (same arguments and results, bit for bit) with the rows of a plain weight (experts == NULL, M >= 2)
+ * sharing each block's unpacking where the target has AVX2; every other call is qdot8's. */
+int qdot8_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+               const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
+#if defined(__AVX2__)
+    if (experts == NULL && M >= 2 && M <= Q8_MAX_ROWS) {
+        switch (type) {
+#if defined(WIDE_ROWS) && defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
+        case 16: if (K % 256) return -1; wide_iq2_xxs(w, N, K, xq, M, y, n0, n1); return 0;
+#else
+        case 16: if (K % 256) return -1; rows8_iq2_xxs(w, N, K, xq, M, y, n0, n1); return 0;
+#endif
+#if defined(WIDE_ROWS)
+        case 10: if (K % 256) return -1; wide_q2_k(w, N, K, xq, M, y, n0, n1); return 0;
+        case 12: if (K % 256) return -1; wide_q4_k(w, N, K, xq, M, y, n0, n1); return 0;
+#else
+        case 10: if (K % 256) return -1; rows8_q2_k(w, N, K, xq, M, y, n0, n1); return 0;
+        case 12: if (K % 256) return -1; rows8_q4_k(w, N, K, xq, M, y, n0, n1); return 0;
+#endif
+        case 8: if (K % 32) return -1; rows8_q8_0(w, N, K, xq, M, y, n0, n1); return 0;
+        default: break;
+        }
+    }
+#endif
+    return qdot8(type, w, expert_bytes, experts, N, K, xq, M, y, n0, n1);
+}

@@ -4,10 +4,11 @@ and beside it the 8-bit-activation kernel of `--cpu-dot q8` (backends/cpu/qdot8.
 For each type a V4 mix stores large matrices in, a weight of distinct bytes (seed rows repeated, as
 ds4/tiny/random_model.py) is multiplied by M = 1..16 rows; the table gives the weight bytes read per second
 and that as a share of the one-thread copy bandwidth (bytes read + written per second of a large copy), and
-the M-row time against the 1-row time; at M = 1 also the reference's way, the weight dequantized one ~1 MB tile
-at a time by ops/quants and multiplied (`ref_ms`: how the cpu backend serves a type without a kernel), and
-that against the kernel (`x_ref`). Times are the minimum over `--rounds` calls of the calling thread's
-CPU time (time.thread_time), so a busy shared machine inflates them less than wall time would.
+the M-row time against the 1-row time (`x_M1`; `q8_x_M1` for the 8-bit kernel); at M = 1 also the reference's
+way, the weight dequantized one ~1 MB tile at a time by ops/quants and multiplied (`ref_ms`: how the cpu backend
+serves a type without a kernel), and that against the kernel (`x_ref`). Times are the minimum over `--rounds`
+calls of the calling thread's CPU time (time.thread_time), so a busy shared machine inflates them less than wall
+time would.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def rows(rounds: int, smoke: bool = False) -> list[dict]:
         for qtype, (n, k) in SHAPES.items():
             n = 256 if smoke else n
             w = weight(qtype, n, k, 8 if smoke else 64)    # the IQ quantizers take seconds per 1000 blocks
-            one = None
+            one = one8 = None
             for m in ROWS:
                 x = torch.randn(m, k)
                 s = cpu_seconds(lambda: kernels.qgemv(x, w), rounds)     # noqa: B023 (called at once)
@@ -82,12 +83,15 @@ def rows(rounds: int, smoke: bool = False) -> list[dict]:
                 gb_s = w.data.numel() / s
                 row = {"type": qtype, "N": n, "K": k, "M": m, "ms": f"{1e3 * s:.2f}", "GB_s": f"{gb_s / 1e9:.2f}",
                        "pct_copy": f"{100 * gb_s / copy:.0f}", "x_M1": f"{s / one:.2f}",
-                       "q8_GB_s": "-", "q8_pct_copy": "-", "q8_x_exact": "-", "copy_GB_s": f"{copy / 1e9:.1f}",
+                       "q8_GB_s": "-", "q8_pct_copy": "-", "q8_x_exact": "-", "q8_x_M1": "-",
+                       "copy_GB_s": f"{copy / 1e9:.1f}",
                        "ref_ms": "", "x_ref": ""}
                 if kernels.q8_available(qtype, k):
                     s8 = cpu_seconds(lambda: kernels.qdot8(x, w), rounds)     # noqa: B023 (called at once)
+                    one8 = one8 or s8
                     row.update(q8_GB_s=f"{w.data.numel() / s8 / 1e9:.2f}",
-                               q8_pct_copy=f"{100 * w.data.numel() / s8 / copy:.0f}", q8_x_exact=f"{s / s8:.2f}")
+                               q8_pct_copy=f"{100 * w.data.numel() / s8 / copy:.0f}", q8_x_exact=f"{s / s8:.2f}",
+                               q8_x_M1=f"{s8 / one8:.2f}")
                 if m == 1:
                     ref = cpu_seconds(lambda: reference_tiles(x, w), rounds)     # noqa: B023
                     row.update(ref_ms=f"{1e3 * ref:.1f}", x_ref=f"{ref / s:.1f}")
