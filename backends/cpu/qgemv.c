@@ -875,12 +875,15 @@ static inline __attribute__((always_inline)) void dot_q2_k(acc_t *a, const uint8
     }
 }
 
-/* Q2_K rows [n0, n1) of y [M, N] where each row has a weight of its own (decode, routed experts) through
- * dot_q2_k; the same bits as rows_grouped. Returns 0, or -2 out of memory. */
-static int q2_k_own_rows(const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
-                         const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
-    int64_t nb = K / 256, row_bytes = nb * 84;
-    float *xsum = group_sums(x, M, K, 256, 16);
+/* K-quant rows [n0, n1) of y [M, N] where each row has a weight of its own (decode, routed experts), each block
+ * through `dot`, the type's one-row counterpart of unpack + add_block (256 values in bb bytes, groups of G), so the
+ * same bits as rows_grouped. Returns 0, or -2 out of memory. */
+typedef void (*dot_mins_fn)(acc_t *, const uint8_t *, const float *, const float *);   /* with group mins */
+static inline __attribute__((always_inline)) int own_rows_mins(
+        dot_mins_fn dot, const int bb, const int G, const uint8_t *w, int64_t expert_bytes, const int64_t *experts,
+        int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
+    int64_t nb = K / 256, row_bytes = nb * bb;
+    float *xsum = group_sums(x, M, K, 256, G);
     if (xsum == NULL) return -2;
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = n0; n < n1; n++) {
@@ -888,8 +891,8 @@ static int q2_k_own_rows(const uint8_t *w, int64_t expert_bytes, const int64_t *
             const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
             acc_t a = {0};
             for (int64_t b = 0; b < nb; b++) {
-                prefetch_block(row + b * 84, 84);
-                dot_q2_k(&a, row + b * 84, x + m * K + b * 256, xsum + (m * nb + b) * 16);
+                prefetch_block(row + b * bb, bb);
+                dot(&a, row + b * bb, x + m * K + b * 256, xsum + (m * nb + b) * 16);
             }
             y[m * N + n] = finish(&a, 1);
         }
@@ -938,28 +941,6 @@ static inline void dot_q4_k(acc_t *a, const uint8_t *b, const float *x, const fl
     }
     a->low = fma16((v16)_mm512_maskz_shuffle_f32x4(0x00ff, sv, sv, 0x0e), load16(xsum), a->low);
 }
-
-/* Q4_K rows [n0, n1) where each row has a weight of its own (M == 1, or by expert): dot_q4_k per block. Returns
- * 0, or -2 out of memory. */
-static int q4_k_own_rows(const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
-                         const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
-    int64_t nb = K / 256, row_bytes = nb * 144;
-    float *xsum = group_sums(x, M, K, 256, 32);
-    if (xsum == NULL) return -2;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = n0; n < n1; n++) {
-            if (experts != NULL && experts[m] < 0) { y[m * N + n] = 0.0f; continue; }   /* another rank's */
-            const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
-            acc_t a = {0};
-            for (int64_t b = 0; b < nb; b++) {
-                prefetch_block(row + b * 144, 144);
-                dot_q4_k(&a, row + b * 144, x + m * K + b * 256, xsum + (m * nb + b) * 16);
-            }
-            y[m * N + n] = finish(&a, 1);
-        }
-    free(xsum);
-    return 0;
-}
 #endif
 
 /* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 1 F16, 8 Q8_0,
@@ -991,14 +972,15 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         return 0;
     case 12:
 #if GROUPED
-        if (K % 256 == 0 && (experts != NULL || M == 1)) return q4_k_own_rows(w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+        if (K % 256 == 0 && (experts != NULL || M == 1))
+            return own_rows_mins(dot_q4_k, 144, 32, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
 #endif
         return K % 256 ? -1 : k_quant_rows(deq_q4_k, unpack_q4_k, 144, 32, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
     case 10:
 #if defined(__AVX512F__)
         if (K % 256 == 0 && (experts != NULL || M == 1))
-            return q2_k_own_rows(w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+            return own_rows_mins(dot_q2_k, 84, 16, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
 #endif
         return K % 256 ? -1 : k_quant_rows(deq_q2_k, unpack_q2_k, 84, 16, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
