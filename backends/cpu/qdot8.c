@@ -896,6 +896,21 @@ int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
  * and dotted with every row's activation block; each row keeps its own float sum, adding the same block terms
  * in the same order as the 1-row functions above, so every output has the same bits as the 1-row call. */
 #if defined(__AVX2__)
+/* One unpacked K-quant block (q: 8 x 32 values, scale: their scales as int16 pairs, mins: the 16 mins as int16)
+ * against every row's Q8_K block k: each row's integer sums and float step as the 1-row function's. */
+static inline __attribute__((always_inline)) void rows8_k_block(const __m256i *q, const __m256i *scale, __m256i mins,
+        float d, float dmin, const q8k_block *x, int64_t nb, int64_t k, int64_t M, float *acc) {
+    for (int64_t m = 0; m < M; m++) {
+        const q8k_block *a = x + m * nb + k;
+        __m256i sum = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++)
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load256(a->qs + 32 * j)),
+                                                          scale[j]));
+        int isum = hsum_i32(sum), msum = hsum_i32(_mm256_madd_epi16(mins, load256(a->bsums)));
+        acc[m] += (a->d * d) * (float)isum - (a->d * dmin) * (float)msum;
+    }
+}
+
 static void rows8_q4_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
                        int64_t n0, int64_t n1) {
     int64_t nb = K / 256;
@@ -920,16 +935,7 @@ static void rows8_q4_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *
                 q[2 * c] = _mm256_and_si256(q4, nibble);
                 q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q4, 4), nibble);
             }
-            float d = q8_half(b), dmin = q8_half(b + 2);
-            for (int64_t m = 0; m < M; m++) {
-                const q8k_block *a = x + m * nb + k;
-                __m256i sum = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j++)
-                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load256(a->qs + 32 * j)),
-                                                                  scale[j]));
-                int isum = hsum_i32(sum), msum = hsum_i32(_mm256_madd_epi16(lows, load256(a->bsums)));
-                acc[m] += (a->d * d) * (float)isum - (a->d * dmin) * (float)msum;
-            }
+            rows8_k_block(q, scale, lows, q8_half(b), q8_half(b + 2), x, nb, k, M, acc);
         }
         for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
     }
@@ -955,16 +961,7 @@ static void rows8_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *
                     scale[4 * h + i] = _mm256_shuffle_epi8(low, load256(pair_shuffle[4 * h + i]));
                 }
             }
-            float d = q8_half(b + 80), dmin = q8_half(b + 82);
-            for (int64_t m = 0; m < M; m++) {
-                const q8k_block *a = x + m * nb + k;
-                __m256i sum = _mm256_setzero_si256();
-                for (int j = 0; j < 8; j++)
-                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q[j], load256(a->qs + 32 * j)),
-                                                                  scale[j]));
-                int isum = hsum_i32(sum), msum = hsum_i32(_mm256_madd_epi16(mins, load256(a->bsums)));
-                acc[m] += (a->d * d) * (float)isum - (a->d * dmin) * (float)msum;
-            }
+            rows8_k_block(q, scale, mins, q8_half(b + 80), q8_half(b + 82), x, nb, k, M, acc);
         }
         for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
     }
@@ -1010,7 +1007,6 @@ static void rows8_q8_0(const uint8_t *w, int64_t N, int64_t K, const q8_0_block 
                        int64_t n0, int64_t n1) {
     /* rows 4 at a time over the whole weight row (which stays in L1), their 8-lane sums in registers */
     int64_t nb = K / 32;
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = w + n * nb * 34;
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -1028,7 +1024,8 @@ static void rows8_q8_0(const uint8_t *w, int64_t N, int64_t K, const q8_0_block 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
                     __m256i dots = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
 #else
-                    __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones);
+                    __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x),
+                                                     _mm256_set1_epi16(1));
 #endif
                     acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(dots)));
                 }
