@@ -19,7 +19,7 @@ from backends.cpu.qmatmul import qmatmul
 from backends.registry import implementations, reference
 from ops import q8_activations as ref
 from tests.test_batch_invariance import CASES
-from tests.test_cpu_q8 import F32, activations, f16, quantize_row_q8_0_ref, weight
+from tests.test_cpu_q8 import F32, activations, f16, quantize_row_q8_0_ref, rebuild_with, weight
 
 
 def vec_dot_q8_0_q8_0(w: np.ndarray, y: list[tuple]) -> np.float32:
@@ -77,13 +77,7 @@ def test_kernel_equals_reference_rows_threads(amx, monkeypatch):
 @pytest.mark.parametrize("flags", ("-mno-avx512f", "-mno-avx512f -mno-avx2"))
 def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
     """The AVX2 build (an AVX2-only machine's, no AMX) and the plain C build give the same bits."""
-    cc = tmp_path / "cc"
-    cc.write_text(f'#!/bin/sh\nexec gcc "$@" {flags}\n')
-    cc.chmod(0o755)
-    monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setenv("DS4_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernels, "_lib", False)
-    monkeypatch.setattr(kernels, "_failure", None)
+    rebuild_with(flags, tmp_path, monkeypatch)
     w, x = weight("Q8_0", 40, 512), activations(20, 512)
     assert not kernels.amx()
     assert torch.equal(kernels.qgemm8(x, w), ref.qgemm8(x, w)), flags

@@ -395,10 +395,8 @@ def test_iq2_xxs_rows_of_many_blocks_equal_reference():
     assert torch.equal(kernels.qdot8(x, stacked, ids), ref.qdot8(x, stacked, ids))
 
 
-@pytest.mark.parametrize("flags", ("-mno-avx512f", "-mno-avx512f -mno-avx2"))
-def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
-    """The AVX2 build (what an AVX2-only machine compiles) and the plain C build give the same bits, for every
-    M in 1..16 (qdot8_rows' shared-block paths of AVX2 and the plain per-row loop)."""
+def rebuild_with(flags: str, tmp_path, monkeypatch) -> None:
+    """Make the next kernel call build the library afresh with gcc and `flags` added, into a cache of its own."""
     cc = tmp_path / "cc"
     cc.write_text(f'#!/bin/sh\nexec gcc "$@" {flags}\n')
     cc.chmod(0o755)
@@ -406,6 +404,13 @@ def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
     monkeypatch.setenv("DS4_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "_lib", False)
     monkeypatch.setattr(kernels, "_failure", None)
+
+
+@pytest.mark.parametrize("flags", ("-mno-avx512f", "-mno-avx512f -mno-avx2"))
+def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
+    """The AVX2 build (what an AVX2-only machine compiles) and the plain C build give the same bits, for every
+    M in 1..16 (qdot8_rows' shared-block paths of AVX2 and the plain per-row loop)."""
+    rebuild_with(flags, tmp_path, monkeypatch)
     x = activations(16, 512)
     for qtype in ref.TYPES:
         w = weight(qtype, 8, 512)
