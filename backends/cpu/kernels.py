@@ -33,7 +33,7 @@ from backends.registry import add_note
 from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
-                                                             "pool.c"))
+                                                             "pool.c", "qdot8amx.c"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
              "IQ3_XXS": 18, "IQ3_S": 21, "IQ2_XS": 17, "IQ2_S": 22, "IQ1_S": 19, "IQ1_M": 29, "TQ1_0": 34, "TQ2_0": 35,
@@ -100,6 +100,7 @@ def _build() -> ctypes.CDLL:
     _set_codebooks(lib, ksigns)
     _bind_q8(lib)
     _bind_gemm8(lib)
+    _bind_amx_rows(lib)
     return lib
 
 
@@ -472,3 +473,24 @@ def experts_product(x: torch.Tensor, w: QTensor, ids: torch.Tensor, first: torch
     if split(lambda g0, g1: lib().experts_gemm(*args, g0, g1), groups, groups):
         raise ValueError(f"experts_product: unsupported call ({w.qtype.name}, K={K}, dot={dot})")
     return y
+
+
+# q8's several rows (M = 2..16) of Q8_0, Q4_K, Q2_K and IQ2_XXS weights on AMX tiles (qdot8amx.c, the same bits as
+# qdot8_rows' other paths). DS4_CPU_AMX=0 turns off every AMX path of the library (these and qgemm8's).
+def _bind_amx_rows(k: ctypes.CDLL) -> None:
+    """Declare qdot8amx.c's switch, hand it the IQ2_XXS grid, and apply DS4_CPU_AMX=0."""
+    k.qdot8amx_on.restype = ctypes.c_int
+    k.qdot8amx_on.argtypes = [ctypes.c_int]
+    grid = iq2_xxs.GRID.to(torch.uint8).contiguous()
+    k.qdot8amx_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()))
+    if os.environ.get("DS4_CPU_AMX") == "0":
+        k.qgemm8_amx(0)
+        k.qdot8amx_on(0)
+
+
+def amx_rows(on: bool | None = None) -> bool:
+    """Whether q8's products of 2..16 rows take the AMX tiles (the library is built, the CPU has AMX-INT8, the build
+    targets it and neither DS4_CPU_AMX=0 nor `amx(False)` turned the tiles off); `on` False/True turns them off and
+    back on."""
+    k = lib()
+    return k is not None and bool(k.qdot8amx_on(-1 if on is None else int(on)))

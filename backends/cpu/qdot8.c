@@ -1214,8 +1214,16 @@ static void wide_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_block
 
 /* qdot8 (same arguments and results, bit for bit) with the rows of a plain weight (experts == NULL, M >= 2)
  * sharing each block's unpacking where the target has AVX2; every other call is qdot8's. */
+int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
+                      int64_t n0, int64_t n1);      /* qdot8amx.c: whole tiles of 16 rows on AMX, the same bits */
+
 int qdot8_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
                const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
+    if (experts == NULL && n1 > n0) {
+        int64_t done = qdot8amx_rows(type, w, N, K, xq, M, y, n0, n1);
+        if (done < 0 || done == n1) return done < 0 ? (int)done : 0;
+        n0 = done;
+    }
 #if defined(__AVX2__)
     if (experts == NULL && M >= 2 && M <= Q8_MAX_ROWS) {
         switch (type) {
