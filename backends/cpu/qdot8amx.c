@@ -41,6 +41,8 @@ int qdot8amx_on(int on) {
 #define TILE 16
 #define Q8K_BYTES 320       /* q8_quantize's Q8_K block: int8 qs[256], float d, int16 bsums[16], padding */
 #define Q8_0_BYTES 36       /* its Q8_0 block: float d, int8 qs[32] */
+#define CHUNK 4             /* blocks of 16 weight rows unpacked at a time (Q4_K: half as many) */
+#define AHEAD 1024          /* bytes of the weight stream prefetched ahead (the row streams alone run slower) */
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
 
@@ -48,15 +50,16 @@ static uint64_t grid_bytes[256];    /* IQ2_XXS: the 8 grid values of each index,
 
 void qdot8amx_set_iq2_xxs(const uint8_t *grid) { memcpy(grid_bytes, grid, sizeof grid_bytes); }
 
-/* tmm0 and tmm2: A tiles of 16 rows x `a_cols` bytes; tmm1 and tmm3: B tiles of `b_rows` x 64; tmm4-7: 16 x 16
- * int32 sums. */
-static void tiles_on(int a_cols, int b_rows) {
+/* Tiles 0-3 as A tiles of 16 rows x `a_cols` bytes or (where bit t of `b_tiles` is set) B tiles of `b_rows` x 64;
+ * tmm4-7: 16 x 16 int32 sums. */
+static void tiles_on(int a_cols, int b_rows, int b_tiles) {
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c.rows[t] = (uint8_t)(t == 1 || t == 3 ? b_rows : 16);
-        c.colsb[t] = (uint16_t)(t == 0 || t == 2 ? a_cols : 64);
+        int b = t < 4 && (b_tiles >> t) & 1;
+        c.rows[t] = (uint8_t)(b ? b_rows : 16);
+        c.colsb[t] = (uint16_t)(t < 4 && !b ? a_cols : 64);
     }
     asm volatile("" : : "r"(&c) : "memory");       /* keep the stores above before ldtilecfg */
     _tile_loadconfig(&c);
@@ -92,12 +95,21 @@ static int k_rows_pack(const uint8_t *x, int64_t M, int64_t nb, k_rows *r) {
     return 0;
 }
 
-/* Row r's mins (16 int16, `mins`) against every activation row's bsums of block b: the 16 int32 msums. */
+static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {   /* the weight stream, AHEAD bytes on */
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch((const char *)p + off + AHEAD, _MM_HINT_T0);
+}
+
+static inline void copy_row(uint8_t *to, const uint8_t *from, int64_t bytes) {
+    prefetch_ahead(from, bytes);
+    memcpy(to, from, (size_t)bytes);
+}
+
+/* Row r's mins (16 int16, `mins`) against every activation row's bsums of one block: the 16 int32 msums. */
 static inline __m512i msums(__m256i mins, const int32_t (*bs)[16]) {
     int32_t pair[8];
     _mm256_storeu_si256((__m256i *)pair, mins);
     __m512i s = _mm512_setzero_si512();
-    for (int t = 0; t < 8; t++) s = _mm512_dpwssd_epi32(s, _mm512_set1_epi32(pair[t]), _mm512_load_si512(bs[t]));
+    for (int t = 0; t < 8; t++) s = _mm512_dpwssd_epi32(s, _mm512_load_si512(bs[t]), _mm512_set1_epi32(pair[t]));
     return s;
 }
 
@@ -109,201 +121,211 @@ static void store_tile(const __m512 *acc, int64_t M, float *y, int64_t N, int64_
         for (int r = 0; r < TILE && n + r < n1; r++) y[m * N + n + r] = factor * out[r][m];
 }
 
-/* Q2_K (84 bytes: scales, qs, d, dmin), tiles of 16 weight rows from n0. */
-static void amx_q2_k(const uint8_t *w, int64_t N, int64_t nb, const k_rows *x, int64_t M, float *y,
-                     int64_t n0, int64_t n1) {
-    int64_t ldw = nb * 84;
-    int8_t a[TILE][256] __attribute__((aligned(64)));
-    int32_t sums[TILE][TILE] __attribute__((aligned(64)));
-    __m512i group[4];       /* int16 lane t of vector c: the scale of values 64c + 2t, 2t + 1 (group 4c + t / 8) */
-    for (int c = 0; c < 4; c++) {
-        int16_t idx[32];
-        for (int t = 0; t < 32; t++) idx[t] = (int16_t)(4 * c + t / 8);
-        group[c] = _mm512_loadu_si512(idx);
-    }
-    const __m256i three = _mm256_set1_epi8(3);
-    tiles_on(64, 16);
-    for (int64_t n = n0; n < n1; n += TILE) {
-        __m512 acc[TILE];
-        for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < nb; k++) {
-            __m512i msum[TILE];
-            float d[TILE], dmin[TILE];
-            for (int r = 0; r < TILE; r++) {
-                const uint8_t *b = w + (n + r) * ldw + k * 84;
-                __m128i scales = _mm_loadu_si128((const __m128i *)b);
-                __m512i low16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(scales, _mm_set1_epi8(15))));
-                for (int h = 0; h < 2; h++) {
-                    __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h));
-                    for (int i = 0; i < 4; i += 2) {      /* values 128h + 32i .. 128h + 32i + 63, times their scale */
-                        int c = 2 * h + i / 2;
-                        __m512i q = halves512(_mm256_and_si256(_mm256_srli_epi16(q2, 2 * i), three),
-                                              _mm256_and_si256(_mm256_srli_epi16(q2, 2 * i + 2), three));
-                        _mm512_store_si512(a[r] + 64 * c, _mm512_mullo_epi16(q, _mm512_permutexvar_epi16(group[c], low16)));
-                    }
-                }
-                msum[r] = msums(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(scales, 4), _mm_set1_epi8(15))),
-                                x->bs[k]);
-                d[r] = half(b + 80);
-                dmin[r] = half(b + 82);
-            }
-            _tile_zero(4);
-            for (int c = 0; c < 4; c++) {
-                _tile_loadd(0, a[0] + 64 * c, 256);
-                _tile_loadd(1, x->bq[k][c], 64);
-                _tile_dpbusd(4, 0, 1);
-            }
-            _tile_stored(4, sums, 64);
-            __m512 dx = _mm512_load_ps(x->dx[k]);
-            for (int r = 0; r < TILE; r++) {
-                __m512 t = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(dx, _mm512_set1_ps(d[r])),
-                                                       _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]))),
-                                         _mm512_mul_ps(_mm512_mul_ps(dx, _mm512_set1_ps(dmin[r])),
-                                                       _mm512_cvtepi32_ps(msum[r])));
-                acc[r] = _mm512_add_ps(acc[r], t);
-            }
+/* 16 weight rows of nb blocks, unpacked: per block, the A rows (Q2_K q * scale; Q4_K q * sh, then q * sl; IQ2_XXS
+ * the signed grid values), each weight row's mins against every activation row's bsums (Q2_K, Q4_K), IQ2_XXS's
+ * 2 ls + 1 per group and the rows' scales. A tile is unpacked row after row (the weight read in order, as the
+ * one-row kernel reads it) while the tile before it takes its products. */
+typedef struct {
+    int8_t (*a)[2][TILE][256];
+    __m512i (*msum)[TILE];
+    int32_t (*scale)[TILE][8];
+    float (*d)[TILE], (*dmin)[TILE];
+} k_tile;
+
+static inline void unpack_q2_k(const uint8_t *b, const int32_t (*bs)[16], k_tile *t, int64_t k, int r) {
+    const __m256i three = _mm256_set1_epi8(3);       /* 84 bytes: scales, qs, d, dmin */
+    __m128i scales = _mm_loadu_si128((const __m128i *)b);
+    __m512i low16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(scales, _mm_set1_epi8(15))));
+    for (int h = 0; h < 2; h++) {
+        __m256i q2 = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * h));
+        for (int i = 0; i < 4; i += 2) {      /* values 128h + 32i .. 128h + 32i + 63, times their scale */
+            int c = 2 * h + i / 2;
+            __m512i q = halves512(_mm256_and_si256(_mm256_srli_epi16(q2, 2 * i), three),
+                                  _mm256_and_si256(_mm256_srli_epi16(q2, 2 * i + 2), three));
+            /* int16 lane j of vector c: the scale of values 64c + 2j, 2j + 1 (group 4c + j / 8) */
+            __m512i group = _mm512_add_epi16(_mm512_set1_epi16((short)(4 * c)), _mm512_srli_epi16(
+                _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
+            _mm512_store_si512(t->a[k][0][r] + 64 * c, _mm512_mullo_epi16(q, _mm512_permutexvar_epi16(group, low16)));
         }
-        store_tile(acc, M, y, N, n, n1, 1.0f);
     }
-    _tile_release();
+    t->msum[k][r] = msums(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(scales, 4), _mm_set1_epi8(15))), bs);
+    t->d[k][r] = half(b + 80);
+    t->dmin[k][r] = half(b + 82);
 }
 
-/* Q4_K (144 bytes: d, dmin, 12 bytes of 6-bit scales and mins, qs), tiles of 16 weight rows from n0. */
-static void amx_q4_k(const uint8_t *w, int64_t N, int64_t nb, const k_rows *x, int64_t M, float *y,
-                     int64_t n0, int64_t n1) {
-    int64_t ldw = nb * 144;
-    int8_t high[TILE][256] __attribute__((aligned(64))), low[TILE][256] __attribute__((aligned(64)));
-    int32_t sh[TILE][TILE] __attribute__((aligned(64))), sl[TILE][TILE] __attribute__((aligned(64)));
-    __m512i pick[4];        /* int16 lanes 0-15 <- scale 2c, 16-31 <- scale 2c + 1 */
-    for (int c = 0; c < 4; c++)
-        pick[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+static inline void unpack_q4_k(const uint8_t *b, const int32_t (*bs)[16], k_tile *t, int64_t k, int r) {
     const __m256i twice = _mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i nibble = _mm512_set1_epi8(15);
-    tiles_on(64, 16);
-    for (int64_t n = n0; n < n1; n += TILE) {
-        __m512 acc[TILE];
-        for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < nb; k++) {
-            __m512i msum[TILE];
-            float d[TILE], dmin[TILE];
-            for (int r = 0; r < TILE; r++) {
-                const uint8_t *b = w + (n + r) * ldw + k * 144;
-                uint32_t u[3];          /* the 6-bit scales and mins, 8 bytes each */
-                memcpy(u, b + 4, 12);
-                uint64_t sc = (u[0] & 0x3f3f3f3fu) | (uint64_t)((u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u)) << 32;
-                uint64_t mn = (u[1] & 0x3f3f3f3fu) | (uint64_t)(((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)) << 32;
-                __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
-                for (int c = 0; c < 4; c++) {     /* values 64c..64c+63: chunk c's low nibbles, then its high ones */
-                    __m256i q4 = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
-                    __m512i q = _mm512_and_si512(halves512(q4, _mm256_srli_epi16(q4, 4)), nibble);
-                    __m512i scale = _mm512_permutexvar_epi16(pick[c], scales);
-                    _mm512_store_si512(high[r] + 64 * c, _mm512_mullo_epi16(q, _mm512_srli_epi16(scale, 2)));
-                    _mm512_store_si512(low[r] + 64 * c, _mm512_mullo_epi16(q, _mm512_and_si512(scale, _mm512_set1_epi16(3))));
-                }
-                msum[r] = msums(_mm256_permutexvar_epi16(twice, _mm256_castsi128_si256(
-                                    _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn)))), x->bs[k]);
-                d[r] = half(b);
-                dmin[r] = half(b + 2);
-            }
-            _tile_zero(4);
-            _tile_zero(5);
-            for (int c = 0; c < 4; c++) {
-                _tile_loadd(1, x->bq[k][c], 64);
-                _tile_loadd(0, high[0] + 64 * c, 256);
-                _tile_loadd(2, low[0] + 64 * c, 256);
-                _tile_dpbusd(4, 0, 1);
-                _tile_dpbusd(5, 2, 1);
-            }
-            _tile_stored(4, sh, 64);
-            _tile_stored(5, sl, 64);
-            __m512 dx = _mm512_load_ps(x->dx[k]);
-            for (int r = 0; r < TILE; r++) {
-                __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sh[r]), 2), _mm512_load_si512(sl[r]));
-                __m512 t = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(dx, _mm512_set1_ps(d[r])), _mm512_cvtepi32_ps(isum)),
-                                         _mm512_mul_ps(_mm512_mul_ps(dx, _mm512_set1_ps(dmin[r])),
-                                                       _mm512_cvtepi32_ps(msum[r])));
-                acc[r] = _mm512_add_ps(acc[r], t);
-            }
-        }
-        store_tile(acc, M, y, N, n, n1, 1.0f);
+    uint32_t u[3];              /* 144 bytes: d, dmin, 6-bit scales and mins, qs */
+    memcpy(u, b + 4, 12);
+    uint64_t sc = (u[0] & 0x3f3f3f3fu) | (uint64_t)((u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u)) << 32;
+    uint64_t mn = (u[1] & 0x3f3f3f3fu) | (uint64_t)(((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)) << 32;
+    __m512i scales = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+    for (int c = 0; c < 4; c++) {     /* values 64c..64c+63: chunk c's low nibbles, then its high ones */
+        __m256i q4 = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
+        __m512i q = _mm512_and_si512(halves512(q4, _mm256_srli_epi16(q4, 4)), nibble);
+        __m512i pick = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+        __m512i scale = _mm512_permutexvar_epi16(pick, scales);
+        _mm512_store_si512(t->a[k][0][r] + 64 * c, _mm512_mullo_epi16(q, _mm512_srli_epi16(scale, 2)));
+        _mm512_store_si512(t->a[k][1][r] + 64 * c, _mm512_mullo_epi16(q, _mm512_and_si512(scale, _mm512_set1_epi16(3))));
     }
-    _tile_release();
+    t->msum[k][r] = msums(_mm256_permutexvar_epi16(twice, _mm256_castsi128_si256(
+                              _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn)))), bs);
+    t->d[k][r] = half(b);
+    t->dmin[k][r] = half(b + 2);
 }
 
-/* IQ2_XXS (66 bytes: d, 8 groups of 4 grid indices and 32 bits of signs and scale), tiles of 16 weight rows. */
-static void amx_iq2_xxs(const uint8_t *w, int64_t N, int64_t nb, const k_rows *x, int64_t M, float *y,
-                        int64_t n0, int64_t n1) {
-    int64_t ldw = nb * 66;
-    int8_t a[TILE][256] __attribute__((aligned(64)));
-    int32_t sums[8][TILE][TILE] __attribute__((aligned(64)));
+static inline void unpack_iq2_xxs(const uint8_t *b, k_tile *t, int64_t k, int r) {
     const __m512i pack = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x3b3a3938, 0x33323130, 0x2b2a2928,
                                           0x23222120, 0x1b1a1918, 0x13121110, 0x0b0a0908, 0x03020100);
-    tiles_on(32, 8);
-    for (int64_t n = n0; n < n1; n += TILE) {
-        __m512 acc[TILE];
-        for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < nb; k++) {
-            int32_t scale[TILE][8];
-            float d[TILE];
-            for (int r = 0; r < TILE; r++) {    /* qdot8.c's unpacking: grid rows and sign masks, 64 values a time */
-                const uint8_t *b = w + (n + r) * ldw + k * 66;
-                __m512i v = _mm512_loadu_si512(b + 2);
-                __m512i t = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720), v),
-                                             _mm512_set1_epi8(0x7f));
-                __m512i parity = _mm512_and_si512(_mm512_popcnt_epi8(t), _mm512_set1_epi8(1));
-                __m512i signs = _mm512_or_si512(t, _mm512_slli_epi16(parity, 7));
-                uint64_t negative[4];
-                _mm256_storeu_si256((__m256i *)negative, _mm512_castsi512_si256(_mm512_permutexvar_epi8(pack, signs)));
-                __m512i index = _mm512_permutexvar_epi8(pack, v);
-                __m512i pairs01 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(index));
-                __m512i pairs23 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(index, 1));
-                for (int i = 0; i < 4; i++) {
-                    __m512i pair = i < 2 ? pairs01 : pairs23;
-                    __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
-                    __m512i grid = _mm512_i32gather_epi64(idx, (const void *)grid_bytes, 8);
-                    _mm512_store_si512(a[r] + 64 * i, _mm512_mask_sub_epi8(grid, negative[i], _mm512_setzero_si512(), grid));
-                }
-                for (int g = 0; g < 8; g++) {
-                    uint32_t bits;
-                    memcpy(&bits, b + 2 + 8 * g + 4, 4);
-                    scale[r][g] = (int32_t)(2 * (bits >> 28) + 1);
-                }
-                d[r] = half(b);
-            }
-            for (int g = 0; g < 8; g++) {       /* group g: values 32g..32g+31, rows 8 (g % 2).. of chunk g / 2 */
-                _tile_loadd(0, a[0] + 32 * g, 256);
-                _tile_loadd(1, x->bq[k][g / 2][8 * (g % 2)], 64);
-                _tile_zero(4);
-                _tile_dpbssd(4, 0, 1);
-                _tile_stored(4, sums[g], 64);
-            }
-            __m512 dx = _mm512_load_ps(x->dx[k]);
-            for (int r = 0; r < TILE; r++) {
-                __m512i bsum = _mm512_setzero_si512();
-                for (int g = 0; g < 8; g++)
-                    bsum = _mm512_add_epi32(bsum, _mm512_mullo_epi32(_mm512_load_si512(sums[g][r]),
-                                                                     _mm512_set1_epi32(scale[r][g])));
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dx),
-                                                             _mm512_cvtepi32_ps(bsum)));
-            }
-        }
-        store_tile(acc, M, y, N, n, n1, 0.125f);
+    __m512i v = _mm512_loadu_si512(b + 2);      /* 66 bytes: d, then qdot8.c's groups: grid rows and sign masks */
+    __m512i s = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720), v), _mm512_set1_epi8(0x7f));
+    __m512i parity = _mm512_and_si512(_mm512_popcnt_epi8(s), _mm512_set1_epi8(1));
+    __m512i signs = _mm512_or_si512(s, _mm512_slli_epi16(parity, 7));
+    uint64_t negative[4];
+    _mm256_storeu_si256((__m256i *)negative, _mm512_castsi512_si256(_mm512_permutexvar_epi8(pack, signs)));
+    __m512i index = _mm512_permutexvar_epi8(pack, v);
+    __m512i pairs01 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(index));
+    __m512i pairs23 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(index, 1));
+    for (int i = 0; i < 4; i++) {
+        __m512i pair = i < 2 ? pairs01 : pairs23;
+        __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
+        __m512i grid = _mm512_i32gather_epi64(idx, (const void *)grid_bytes, 8);
+        _mm512_store_si512(t->a[k][0][r] + 64 * i, _mm512_mask_sub_epi8(grid, negative[i], _mm512_setzero_si512(), grid));
     }
-    _tile_release();
+    /* 2 ls + 1 of the 8 groups: the top 4 bits of each group's second word */
+    __m256i top = _mm256_srli_epi32(_mm512_cvtepi64_epi32(_mm512_srli_epi64(v, 32)), 28);
+    _mm256_storeu_si256((__m256i *)t->scale[k][r], _mm256_add_epi32(_mm256_slli_epi32(top, 1), _mm256_set1_epi32(1)));
+    t->d[k][r] = half(b);
 }
 
-/* Q8_0 (34 bytes: d, 32 int8) in decode's 8 lanes, tiles of 16 weight rows read in place as A. The activation
- * rows go in pairs: B tile (block b, pair p) row k holds values 4k..4k+3 of row 2p in column k and of row 2p + 1
- * in column 8 + k, zeros elsewhere, so column 8j + l of the product is lane l of row 2p + j. */
+/* Weight row r of a tile, `kn` blocks from `row` (activation bsums `bs` from the same block on), unpacked into t. */
+static void unpack_row(int type, const uint8_t *row, int64_t kn, const int32_t (*bs)[8][16], k_tile *t, int r) {
+    int bb = type == 12 ? 144 : type == 10 ? 84 : 66;
+    for (int64_t k = 0; k < kn; k++) {
+        prefetch_ahead(row + k * bb, bb);
+        if (type == 12) unpack_q4_k(row + k * 144, bs[k], t, k, r);
+        else if (type == 10) unpack_q2_k(row + k * 84, bs[k], t, k, r);
+        else unpack_iq2_xxs(row + k * 66, t, k, r);
+    }
+}
+
+static int k_tiles_alloc(int64_t nb, k_tile t[2], void **mem) {
+    size_t one = (size_t)nb * (sizeof *t->a + sizeof *t->msum + sizeof *t->scale + 2 * sizeof *t->d);
+    uint8_t *p = *mem = aligned_alloc(64, 2 * one);
+    if (p == NULL) return -2;
+    for (int i = 0; i < 2; i++, p += one) {
+        t[i].a = (void *)p;
+        t[i].msum = (void *)(p + nb * sizeof *t->a);
+        t[i].scale = (void *)(p + nb * (sizeof *t->a + sizeof *t->msum));
+        t[i].d = (void *)(p + nb * (sizeof *t->a + sizeof *t->msum + sizeof *t->scale));
+        t[i].dmin = t[i].d + nb;
+    }
+    return 0;
+}
+
+/* The 256-value K-quants (12 Q4_K, 10 Q2_K, 16 IQ2_XXS), tiles of 16 weight rows from n0, taken in units of up to
+ * `CHUNK` blocks (the unpacked unit stays in L1): while a unit's blocks take their tile products and float steps,
+ * the next unit's rows are unpacked, each row's blocks in order. */
+static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows *x, int64_t M, float *y,
+                 int64_t n0, int64_t n1) {
+    int bb = type == 12 ? 144 : type == 10 ? 84 : 66;
+    int64_t ldw = nb * bb, kc = nb < CHUNK / (type == 12 ? 2 : 1) ? nb : CHUNK / (type == 12 ? 2 : 1);
+    int64_t chunks = (nb + kc - 1) / kc, units = (n1 - n0 + TILE - 1) / TILE * chunks;
+    k_tile t[2];
+    void *mem;
+    if (k_tiles_alloc(kc, t, &mem)) return -2;
+    int32_t sums[8][TILE][TILE] __attribute__((aligned(64)));
+    __m512 acc[TILE];
+    tiles_on(type == 16 ? 32 : 64, type == 16 ? 8 : 16, 0xa);     /* A: tmm0, tmm2; B: tmm1, tmm3 */
+    for (int r = 0; r < TILE; r++) unpack_row(type, w + (n0 + r) * ldw, kc, x->bs, &t[0], r);
+    for (int64_t u = 0; u < units; u++) {
+        int64_t n = n0 + u / chunks * TILE, c0 = u % chunks * kc, kn = nb - c0 < kc ? nb - c0 : kc;
+        int64_t next_n = n0 + (u + 1) / chunks * TILE, next_c0 = (u + 1) % chunks * kc;
+        int64_t next_kn = nb - next_c0 < kc ? nb - next_c0 : kc;
+        k_tile *cur = &t[u % 2], *next = &t[(u + 1) % 2];
+        int has_next = u + 1 < units, unpacked = 0;
+        if (c0 == 0)
+            for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < kn; k++) {
+            const int8_t *a = cur->a[k][0][0];
+            if (type == 16) {       /* groups 0-3 (values 32g.., rows 8 (g % 2).. of chunk g / 2) */
+                _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+                _tile_loadd(0, a, 256); _tile_loadd(1, x->bq[c0 + k][0][0], 64); _tile_dpbssd(4, 0, 1);
+                _tile_loadd(2, a + 32, 256); _tile_loadd(3, x->bq[c0 + k][0][8], 64); _tile_dpbssd(5, 2, 3);
+                _tile_loadd(0, a + 64, 256); _tile_loadd(1, x->bq[c0 + k][1][0], 64); _tile_dpbssd(6, 0, 1);
+                _tile_loadd(2, a + 96, 256); _tile_loadd(3, x->bq[c0 + k][1][8], 64); _tile_dpbssd(7, 2, 3);
+            } else {
+                _tile_zero(4);
+                _tile_zero(5);
+                for (int c = 0; c < 4; c++) {
+                    _tile_loadd(1, x->bq[c0 + k][c], 64);
+                    _tile_loadd(0, a + 64 * c, 256);
+                    _tile_dpbusd(4, 0, 1);
+                    if (type == 12) {
+                        _tile_loadd(2, a + TILE * 256 + 64 * c, 256);
+                        _tile_dpbusd(5, 2, 1);
+                    }
+                }
+            }
+            for (; has_next && unpacked < TILE && unpacked * kn < (k + 1) * TILE; unpacked++)
+                unpack_row(type, w + (next_n + unpacked) * ldw + next_c0 * bb, next_kn, x->bs + next_c0, next, unpacked);
+            __m512 dx = _mm512_load_ps(x->dx[c0 + k]);
+            if (type == 16) {       /* groups 4-7, then bsum = sum of (2 ls + 1) times each group's sum */
+                _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
+                _tile_stored(6, sums[2], 64); _tile_stored(7, sums[3], 64);
+                _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+                _tile_loadd(0, a + 128, 256); _tile_loadd(1, x->bq[c0 + k][2][0], 64); _tile_dpbssd(4, 0, 1);
+                _tile_loadd(2, a + 160, 256); _tile_loadd(3, x->bq[c0 + k][2][8], 64); _tile_dpbssd(5, 2, 3);
+                _tile_loadd(0, a + 192, 256); _tile_loadd(1, x->bq[c0 + k][3][0], 64); _tile_dpbssd(6, 0, 1);
+                _tile_loadd(2, a + 224, 256); _tile_loadd(3, x->bq[c0 + k][3][8], 64); _tile_dpbssd(7, 2, 3);
+                _tile_stored(4, sums[4], 64); _tile_stored(5, sums[5], 64);
+                _tile_stored(6, sums[6], 64); _tile_stored(7, sums[7], 64);
+                for (int r = 0; r < TILE; r++) {
+                    __m512i bsum = _mm512_setzero_si512();
+                    for (int g = 0; g < 8; g++)
+                        bsum = _mm512_add_epi32(bsum, _mm512_mullo_epi32(_mm512_load_si512(sums[g][r]),
+                                                                         _mm512_set1_epi32(cur->scale[k][r][g])));
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(cur->d[k][r]), dx),
+                                                                 _mm512_cvtepi32_ps(bsum)));
+                }
+                continue;
+            }
+            _tile_stored(4, sums[0], 64);
+            if (type == 12) _tile_stored(5, sums[1], 64);
+            for (int r = 0; r < TILE; r++) {
+                __m512i isum = _mm512_load_si512(sums[0][r]);
+                if (type == 12) isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 2), _mm512_load_si512(sums[1][r]));
+                __m512 term = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(dx, _mm512_set1_ps(cur->d[k][r])),
+                                                          _mm512_cvtepi32_ps(isum)),
+                                            _mm512_mul_ps(_mm512_mul_ps(dx, _mm512_set1_ps(cur->dmin[k][r])),
+                                                          _mm512_cvtepi32_ps(cur->msum[k][r])));
+                acc[r] = _mm512_add_ps(acc[r], term);
+            }
+        }
+        if (c0 + kn == nb) store_tile(acc, M, y, N, n, n1, type == 16 ? 0.125f : 1.0f);
+    }
+    _tile_release();
+    free(mem);
+    return 0;
+}
+
+/* Q8_0 (34 bytes: d, 32 int8) in decode's 8 lanes, tiles of 16 weight rows as A (copied row after row into a
+ * buffer while the tile before takes its products: the weight read in order). The activation rows go in pairs:
+ * B tile (block b, pair p) row k holds values 4k..4k+3 of row 2p in column k and of row 2p + 1 in column 8 + k,
+ * zeros elsewhere, so column 8j + l of the product is lane l of row 2p + j. Up to 4 pairs' products run while the
+ * float steps of the 4 before them are taken. */
 static int amx_q8_0(const uint8_t *w, int64_t N, int64_t nb, const uint8_t *xq, int64_t M, float *y,
                     int64_t n0, int64_t n1) {
-    int64_t ldw = nb * 34, pairs = (M + 1) / 2;
-    size_t tiles = (size_t)(nb * pairs);
-    uint8_t *mem = aligned_alloc(64, tiles * (512 + 64) + (size_t)pairs * TILE * 64);
+    int64_t ldw = nb * 34, pairs = (M + 1) / 2, groups = (pairs + 3) / 4, items = nb * groups;
+    size_t tiles = (size_t)(nb * pairs), rows_bytes = (size_t)(TILE * ldw + 63) / 64 * 64;
+    uint8_t *mem = aligned_alloc(64, tiles * (512 + 64) + (size_t)pairs * TILE * 64 + 2 * rows_bytes);
     if (mem == NULL) return -2;
     int8_t (*bq)[8][64] = (void *)mem;                              /* [nb * pairs] B tiles */
     float (*dx)[16] = (void *)(mem + tiles * 512);                  /* lane 8j + l: row 2p + j's d */
     __m512 *acc = (__m512 *)(mem + tiles * 576);                    /* [pairs][16 weight rows][8 lanes, 2 rows] */
+    uint8_t *rows[2] = {mem + tiles * 576 + pairs * TILE * 64, mem + tiles * 576 + pairs * TILE * 64 + rows_bytes};
     memset(mem, 0, tiles * 576);
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
@@ -314,25 +336,46 @@ static int amx_q8_0(const uint8_t *w, int64_t N, int64_t nb, const uint8_t *xq, 
                 memcpy(&dx[t][8 * (m % 2) + l], blk, 4);
             }
         }
-    int32_t sums[TILE][TILE] __attribute__((aligned(64)));
-    tiles_on(32, 8);
-    for (int64_t n = n0; n < n1; n += TILE) {
+    int32_t sums[2][4][TILE][TILE] __attribute__((aligned(64)));
+    float d[2][TILE];
+    tiles_on(32, 8, 0xe);       /* A: tmm0; B: tmm1-3 */
+    memcpy(rows[0], w + n0 * ldw, (size_t)(TILE * ldw));
+    for (int64_t n = n0, tile = 0; n < n1; n += TILE, tile++) {
+        const uint8_t *cur = rows[tile % 2];
+        uint8_t *next = rows[(tile + 1) % 2];
+        int has_next = n + TILE < n1, copied = 0;
         for (int64_t i = 0; i < pairs * TILE; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = w + n * ldw + b * 34;
-            float d[TILE];
-            for (int r = 0; r < TILE; r++) d[r] = half(blk + r * ldw);
-            _tile_loadd(0, blk + 2, ldw);
-            for (int64_t p = 0; p < pairs; p++) {
-                _tile_loadd(1, bq[b * pairs + p], 64);
-                _tile_zero(4);
-                _tile_dpbssd(4, 0, 1);
-                _tile_stored(4, sums, 64);
-                __m512 dxp = _mm512_load_ps(dx[b * pairs + p]);
-                __m512 *a = acc + p * TILE;
-                for (int r = 0; r < TILE; r++)
-                    a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(d[r]), dxp),
-                                                             _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]))));
+        for (int64_t i = 0; i <= items; i++) {     /* item i: block i / groups, pairs 4 (i % groups).. */
+            int64_t b = i / groups, p0 = 4 * (i % groups), count = pairs - p0 < 4 ? pairs - p0 : 4;
+            if (i < items) {
+                const uint8_t *blk = cur + b * 34;
+                if (p0 == 0) {
+                    for (int r = 0; r < TILE; r++) d[b % 2][r] = half(blk + r * ldw);
+                    _tile_loadd(0, blk + 2, ldw);
+                }
+                const int8_t *bt = bq[b * pairs + p0][0];
+                _tile_loadd(1, bt, 64); _tile_zero(4); _tile_dpbssd(4, 0, 1);
+                if (count > 1) { _tile_loadd(2, bt + 512, 64); _tile_zero(5); _tile_dpbssd(5, 0, 2); }
+                if (count > 2) { _tile_loadd(3, bt + 1024, 64); _tile_zero(6); _tile_dpbssd(6, 0, 3); }
+                if (count > 3) { _tile_loadd(1, bt + 1536, 64); _tile_zero(7); _tile_dpbssd(7, 0, 1); }
+            }
+            for (; has_next && copied < TILE && copied * items < (i + 1) * TILE; copied++)
+                copy_row(next + copied * ldw, w + (n + TILE + copied) * ldw, ldw);
+            if (i > 0) {                            /* the float steps of item i - 1 */
+                int64_t pb = (i - 1) / groups, q0 = 4 * ((i - 1) % groups), qn = pairs - q0 < 4 ? pairs - q0 : 4;
+                for (int64_t j = 0; j < qn; j++) {
+                    __m512 dxp = _mm512_load_ps(dx[pb * pairs + q0 + j]);
+                    __m512 *a = acc + (q0 + j) * TILE;
+                    for (int r = 0; r < TILE; r++)
+                        a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(d[pb % 2][r]), dxp),
+                                                                 _mm512_cvtepi32_ps(_mm512_load_si512(sums[(i - 1) % 2][j][r]))));
+                }
+            }
+            if (i < items) {
+                _tile_stored(4, sums[i % 2][0], 64);
+                if (count > 1) _tile_stored(5, sums[i % 2][1], 64);
+                if (count > 2) _tile_stored(6, sums[i % 2][2], 64);
+                if (count > 3) _tile_stored(7, sums[i % 2][3], 64);
             }
         }
         for (int64_t m = 0; m < M; m++) {
@@ -363,11 +406,9 @@ int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const vo
     if (type == 8) return amx_q8_0(w, N, K / 32, xq, M, y, n0, end) ? -2 : end;
     k_rows x;
     if (k_rows_pack(xq, M, K / 256, &x)) return -2;
-    if (type == 12) amx_q4_k(w, N, K / 256, &x, M, y, n0, end);
-    else if (type == 10) amx_q2_k(w, N, K / 256, &x, M, y, n0, end);
-    else amx_iq2_xxs(w, N, K / 256, &x, M, y, n0, end);
+    int rc = amx_k(type, w, N, K / 256, &x, M, y, n0, end);
     free(x.bq);
-    return end;
+    return rc ? rc : end;
 }
 #else
 void qdot8amx_set_iq2_xxs(const uint8_t *grid) { (void)grid; }
