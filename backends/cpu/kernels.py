@@ -488,9 +488,10 @@ def _bind_amx_rows(k: ctypes.CDLL) -> None:
         k.qdot8amx_on(0)
 
 
-def amx_rows(on: bool | None = None) -> bool:
-    """Whether q8's products of 2..16 rows take the AMX tiles (the library is built, the CPU has AMX-INT8, the build
-    targets it and neither DS4_CPU_AMX=0 nor `amx(False)` turned the tiles off); `on` False/True turns them off and
-    back on."""
+def amx_rows(on: bool | None = None, every_m: bool = False) -> bool:
+    """Whether q8's products of several rows take the AMX tiles (the library is built, the CPU has AMX-INT8, the
+    build targets it and neither DS4_CPU_AMX=0 nor `amx(False)` turned the tiles off); `on` False/True turns them
+    off and back on, for the row counts where they are faster or (`every_m`, tests) for every M from 2."""
     k = lib()
-    return k is not None and bool(k.qdot8amx_on(-1 if on is None else int(on)))
+    mode = -1 if on is None else 2 if on and every_m else int(on)
+    return k is not None and bool(k.qdot8amx_on(mode))

@@ -14,11 +14,13 @@
  *   unsigned bytes), isum = 4 C_h + C_l.
  * - IQ2_XXS: the signed grid values as A, one tile product per 32-value group, the groups' sums times
  *   2 ls + 1 added as integers.
- * - the mins of Q2_K / Q4_K: `vpdpwssd` of the int16 mins against each row's 16-value sums (bsums).
+ * - the mins of Q2_K / Q4_K: the mins (unsigned bytes) against the low bytes (tdpbuud) and the high bytes
+ *   (tdpbusd) of the sums of 16 activations they multiply, msum = 256 C_high + C_low.
  *
- * `qdot8amx_rows` serves whole tiles of 16 output rows and returns the first row it left (qdot8_rows takes the
- * rest); it is off on a CPU without AMX (qgemm8.c asks Linux for the tile state), with `qdot8amx_on(0)`, or in
- * a build without AMX. Built with qgemv.c by backends/cpu/kernels.py.
+ * `qdot8amx_rows` serves whole tiles of 16 output rows from the row count where it is faster (`amx_from`) and
+ * returns the first row it left (qdot8_rows takes the rest); it is off on a CPU without AMX (qgemm8.c asks Linux
+ * for the tile state), with `qdot8amx_on(0)`, or in a build without AMX. Built with qgemv.c by
+ * backends/cpu/kernels.py.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,10 +30,11 @@ int qgemm8_amx(int on);     /* qgemm8.c: whether the CPU has AMX and the process
 
 static int amx_rows_on = 1;         /* qdot8amx_on's switch */
 
-/* Whether qdot8_rows takes the AMX tiles: `on` 0 turns them off, 1 back on (where the CPU has them), -1 asks. */
+/* Whether qdot8_rows takes the AMX tiles: `on` 0 turns them off, 1 back on (where the CPU has them, from the row
+ * count where they are faster), 2 on for every M from 2 (tests); -1 asks. Returns the mode, 0 where they are off. */
 int qdot8amx_on(int on) {
     if (on >= 0) amx_rows_on = on;
-    return amx_rows_on && qgemm8_amx(-1);
+    return qgemm8_amx(-1) ? amx_rows_on : 0;
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
@@ -72,24 +75,31 @@ static inline __m512i halves512(__m256i lo, __m256i hi) {
 }
 
 /* The M rows of Q8_K blocks `x` [M, nb] as B tiles: bq[b][c] (16 x 64 bytes) holds values 64c..64c+63 of block
- * b, row k bytes 4n..4n+3 = values 64c + 4k..4k+3 of activation row n; bs[b][t] lane n = row n's bsums 2t, 2t+1
- * (int16 pairs); dx[b] lane n = row n's d. Rows past M are zero. */
-typedef struct { int8_t (*bq)[4][16][64]; int32_t (*bs)[8][16]; float (*dx)[16]; } k_rows;
+ * b, row k bytes 4n..4n+3 = values 64c + 4k..4k+3 of activation row n; bm[b][0] and bm[b][1] the low bytes
+ * (unsigned) and high bytes (signed) of the sums the mins multiply (Q4_K: bsums 2j + 2j + 1, j < 8; Q2_K: bsums j,
+ * j < 16), value j of row n at row j / 4, byte 4n + j % 4; dx[b] lane n = row n's d. Rows past M are zero. */
+typedef struct { int8_t (*bq)[4][16][64]; int8_t (*bm)[2][16][64]; float (*dx)[16]; } k_rows;
 
-static int k_rows_pack(const uint8_t *x, int64_t M, int64_t nb, k_rows *r) {
-    size_t bytes = (size_t)nb * (sizeof *r->bq + sizeof *r->bs + sizeof *r->dx);
-    uint8_t *mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
+static int k_rows_pack(int type, const uint8_t *x, int64_t M, int64_t nb, k_rows *r) {
+    size_t bytes = (size_t)nb * (sizeof *r->bq + sizeof *r->bm + sizeof *r->dx);
+    uint8_t *mem = aligned_alloc(64, bytes);
     if (mem == NULL) return -2;
     memset(mem, 0, bytes);
     r->bq = (void *)mem;
-    r->bs = (void *)(mem + nb * sizeof *r->bq);
-    r->dx = (void *)(mem + nb * (sizeof *r->bq + sizeof *r->bs));
+    r->bm = (void *)(mem + nb * sizeof *r->bq);
+    r->dx = (void *)(mem + nb * (sizeof *r->bq + sizeof *r->bm));
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = x + (m * nb + b) * Q8K_BYTES;
             for (int c = 0; c < 4; c++)
                 for (int k = 0; k < 16; k++) memcpy(&r->bq[b][c][k][4 * m], blk + 64 * c + 4 * k, 4);
-            for (int t = 0; t < 8; t++) memcpy(&r->bs[b][t][m], blk + 256 + 4 + 4 * t, 4);
+            int16_t bsums[16];
+            memcpy(bsums, blk + 260, sizeof bsums);
+            for (int j = 0; j < (type == 12 ? 8 : 16); j++) {
+                int v = type == 12 ? bsums[2 * j] + bsums[2 * j + 1] : bsums[j];
+                r->bm[b][0][j / 4][4 * m + j % 4] = (int8_t)(v & 255);
+                r->bm[b][1][j / 4][4 * m + j % 4] = (int8_t)((v - (v & 255)) / 256);
+            }
             memcpy(&r->dx[b][m], blk + 256, 4);
         }
     return 0;
@@ -102,15 +112,6 @@ static inline void prefetch_ahead(const uint8_t *p, int64_t bytes) {   /* the we
 static inline void copy_row(uint8_t *to, const uint8_t *from, int64_t bytes) {
     prefetch_ahead(from, bytes);
     memcpy(to, from, (size_t)bytes);
-}
-
-/* Row r's mins (16 int16, `mins`) against every activation row's bsums of one block: the 16 int32 msums. */
-static inline __m512i msums(__m256i mins, const int32_t (*bs)[16]) {
-    int32_t pair[8];
-    _mm256_storeu_si256((__m256i *)pair, mins);
-    __m512i s = _mm512_setzero_si512();
-    for (int t = 0; t < 8; t++) s = _mm512_dpwssd_epi32(s, _mm512_load_si512(bs[t]), _mm512_set1_epi32(pair[t]));
-    return s;
 }
 
 /* Output columns n..n+15 of y [M, N] from acc[r] (lane m: activation row m), only rows m < M and columns < n1. */
@@ -127,12 +128,12 @@ static void store_tile(const __m512 *acc, int64_t M, float *y, int64_t N, int64_
  * one-row kernel reads it) while the tile before it takes its products. */
 typedef struct {
     int8_t (*a)[2][TILE][256];
-    __m512i (*msum)[TILE];
+    uint8_t (*mins)[TILE][64];
     int32_t (*scale)[TILE][8];
     float (*d)[TILE], (*dmin)[TILE];
 } k_tile;
 
-static inline void unpack_q2_k(const uint8_t *b, const int32_t (*bs)[16], k_tile *t, int64_t k, int r) {
+static inline void unpack_q2_k(const uint8_t *b, k_tile *t, int64_t k, int r) {
     const __m256i three = _mm256_set1_epi8(3);       /* 84 bytes: scales, qs, d, dmin */
     __m128i scales = _mm_loadu_si128((const __m128i *)b);
     __m512i low16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(scales, _mm_set1_epi8(15))));
@@ -149,13 +150,12 @@ static inline void unpack_q2_k(const uint8_t *b, const int32_t (*bs)[16], k_tile
             _mm512_store_si512(t->a[k][0][r] + 64 * c, _mm512_mullo_epi16(q, _mm512_permutexvar_epi16(group, low16)));
         }
     }
-    t->msum[k][r] = msums(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(scales, 4), _mm_set1_epi8(15))), bs);
+    _mm_storeu_si128((__m128i *)t->mins[k][r], _mm_and_si128(_mm_srli_epi16(scales, 4), _mm_set1_epi8(15)));
     t->d[k][r] = half(b + 80);
     t->dmin[k][r] = half(b + 82);
 }
 
-static inline void unpack_q4_k(const uint8_t *b, const int32_t (*bs)[16], k_tile *t, int64_t k, int r) {
-    const __m256i twice = _mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+static inline void unpack_q4_k(const uint8_t *b, k_tile *t, int64_t k, int r) {
     const __m512i nibble = _mm512_set1_epi8(15);
     uint32_t u[3];              /* 144 bytes: d, dmin, 6-bit scales and mins, qs */
     memcpy(u, b + 4, 12);
@@ -170,8 +170,7 @@ static inline void unpack_q4_k(const uint8_t *b, const int32_t (*bs)[16], k_tile
         _mm512_store_si512(t->a[k][0][r] + 64 * c, _mm512_mullo_epi16(q, _mm512_srli_epi16(scale, 2)));
         _mm512_store_si512(t->a[k][1][r] + 64 * c, _mm512_mullo_epi16(q, _mm512_and_si512(scale, _mm512_set1_epi16(3))));
     }
-    t->msum[k][r] = msums(_mm256_permutexvar_epi16(twice, _mm256_castsi128_si256(
-                              _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn)))), bs);
+    memcpy(t->mins[k][r], &mn, 8);
     t->d[k][r] = half(b);
     t->dmin[k][r] = half(b + 2);
 }
@@ -200,26 +199,27 @@ static inline void unpack_iq2_xxs(const uint8_t *b, k_tile *t, int64_t k, int r)
     t->d[k][r] = half(b);
 }
 
-/* Weight row r of a tile, `kn` blocks from `row` (activation bsums `bs` from the same block on), unpacked into t. */
-static void unpack_row(int type, const uint8_t *row, int64_t kn, const int32_t (*bs)[8][16], k_tile *t, int r) {
+/* Weight row r of a tile, `kn` blocks from `row`, unpacked into t. */
+static void unpack_row(int type, const uint8_t *row, int64_t kn, k_tile *t, int r) {
     int bb = type == 12 ? 144 : type == 10 ? 84 : 66;
     for (int64_t k = 0; k < kn; k++) {
         prefetch_ahead(row + k * bb, bb);
-        if (type == 12) unpack_q4_k(row + k * 144, bs[k], t, k, r);
-        else if (type == 10) unpack_q2_k(row + k * 84, bs[k], t, k, r);
+        if (type == 12) unpack_q4_k(row + k * 144, t, k, r);
+        else if (type == 10) unpack_q2_k(row + k * 84, t, k, r);
         else unpack_iq2_xxs(row + k * 66, t, k, r);
     }
 }
 
 static int k_tiles_alloc(int64_t nb, k_tile t[2], void **mem) {
-    size_t one = (size_t)nb * (sizeof *t->a + sizeof *t->msum + sizeof *t->scale + 2 * sizeof *t->d);
+    size_t one = (size_t)nb * (sizeof *t->a + sizeof *t->mins + sizeof *t->scale + 2 * sizeof *t->d);
     uint8_t *p = *mem = aligned_alloc(64, 2 * one);
     if (p == NULL) return -2;
+    memset(p, 0, 2 * one);      /* the mins' bytes past 8 (Q4_K) or 16 (Q2_K) stay zero */
     for (int i = 0; i < 2; i++, p += one) {
         t[i].a = (void *)p;
-        t[i].msum = (void *)(p + nb * sizeof *t->a);
-        t[i].scale = (void *)(p + nb * (sizeof *t->a + sizeof *t->msum));
-        t[i].d = (void *)(p + nb * (sizeof *t->a + sizeof *t->msum + sizeof *t->scale));
+        t[i].mins = (void *)(p + nb * sizeof *t->a);
+        t[i].scale = (void *)(p + nb * (sizeof *t->a + sizeof *t->mins));
+        t[i].d = (void *)(p + nb * (sizeof *t->a + sizeof *t->mins + sizeof *t->scale));
         t[i].dmin = t[i].d + nb;
     }
     return 0;
@@ -239,7 +239,7 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
     int32_t sums[8][TILE][TILE] __attribute__((aligned(64)));
     __m512 acc[TILE];
     tiles_on(type == 16 ? 32 : 64, type == 16 ? 8 : 16, 0xa);     /* A: tmm0, tmm2; B: tmm1, tmm3 */
-    for (int r = 0; r < TILE; r++) unpack_row(type, w + (n0 + r) * ldw, kc, x->bs, &t[0], r);
+    for (int r = 0; r < TILE; r++) unpack_row(type, w + (n0 + r) * ldw, kc, &t[0], r);
     for (int64_t u = 0; u < units; u++) {
         int64_t n = n0 + u / chunks * TILE, c0 = u % chunks * kc, kn = nb - c0 < kc ? nb - c0 : kc;
         int64_t next_n = n0 + (u + 1) / chunks * TILE, next_c0 = (u + 1) % chunks * kc;
@@ -268,9 +268,17 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
                         _tile_dpbusd(5, 2, 1);
                     }
                 }
+                /* msum = sum of min times bsums: 256 (mins . high bytes) + (mins . low bytes) */
+                _tile_zero(6);
+                _tile_zero(7);
+                _tile_loadd(0, cur->mins[k], 64);
+                _tile_loadd(3, x->bm[c0 + k][0], 64);
+                _tile_dpbuud(6, 0, 3);
+                _tile_loadd(1, x->bm[c0 + k][1], 64);
+                _tile_dpbusd(7, 0, 1);
             }
             for (; has_next && unpacked < TILE && unpacked * kn < (k + 1) * TILE; unpacked++)
-                unpack_row(type, w + (next_n + unpacked) * ldw + next_c0 * bb, next_kn, x->bs + next_c0, next, unpacked);
+                unpack_row(type, w + (next_n + unpacked) * ldw + next_c0 * bb, next_kn, next, unpacked);
             __m512 dx = _mm512_load_ps(x->dx[c0 + k]);
             if (type == 16) {       /* groups 4-7, then bsum = sum of (2 ls + 1) times each group's sum */
                 _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
@@ -294,13 +302,17 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
             }
             _tile_stored(4, sums[0], 64);
             if (type == 12) _tile_stored(5, sums[1], 64);
+            _tile_stored(6, sums[2], 64);
+            _tile_stored(7, sums[3], 64);
             for (int r = 0; r < TILE; r++) {
                 __m512i isum = _mm512_load_si512(sums[0][r]);
                 if (type == 12) isum = _mm512_add_epi32(_mm512_slli_epi32(isum, 2), _mm512_load_si512(sums[1][r]));
+                __m512i msum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[3][r]), 8),
+                                                _mm512_load_si512(sums[2][r]));
                 __m512 term = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(dx, _mm512_set1_ps(cur->d[k][r])),
                                                           _mm512_cvtepi32_ps(isum)),
                                             _mm512_mul_ps(_mm512_mul_ps(dx, _mm512_set1_ps(cur->dmin[k][r])),
-                                                          _mm512_cvtepi32_ps(cur->msum[k][r])));
+                                                          _mm512_cvtepi32_ps(msum)));
                 acc[r] = _mm512_add_ps(acc[r], term);
             }
         }
@@ -392,20 +404,36 @@ static int amx_q8_0(const uint8_t *w, int64_t N, int64_t nb, const uint8_t *xq, 
     return 0;
 }
 
+/* The fewest rows for which the tiles beat qdot8_rows' AVX-512 path on this machine (one thread, `bench.py cpu
+ * --gemv`'s shapes: docs/cpu.md, "Several rows"); below it a tile's fixed cost (the unpacked A rows written and
+ * read back as tiles, the B tiles reloaded per block) outweighs the rows it saves. 17 for a type it does not serve. */
+static int amx_from(int type) {
+    switch (type) {
+    case 8: return 12;      /* Q8_0 */
+    case 12: return 12;     /* Q4_K */
+    case 10: return 5;      /* Q2_K */
+    case 16: return 7;      /* IQ2_XXS */
+    default: return TILE + 1;
+    }
+}
+
 /* Output rows from n0 of y [M, N] for a plain weight of GGUF type `type` (8 Q8_0, 12 Q4_K, 10 Q2_K, 16 IQ2_XXS)
- * against q8_quantize's rows `xq`, M = 2..16, in whole tiles of 16 rows (the last tile may end past n1 where the
- * weight has the rows: they are read, not stored). Returns the first output row it did not compute (n0 when it
+ * against q8_quantize's rows `xq`, M = amx_from(type)..16 (2..16 in mode 2), in whole tiles of 16 rows (the last
+ * tile may end past n1 where the weight has the rows: they are read, not stored). Returns the first output row it did not compute (n0 when it
  * serves nothing: another type or M, K not whole blocks, AMX off), or -2 when out of memory. */
 int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
                       int64_t n0, int64_t n1) {
     int k_type = type == 12 || type == 10 || type == 16;
-    if (M < 2 || M > TILE || !(k_type || type == 8) || K % (k_type ? 256 : 32) || !qdot8amx_on(-1)) return n0;
+    int mode = qdot8amx_on(-1);
+    if (mode == 0 || M < (mode == 2 && amx_from(type) <= TILE ? 2 : amx_from(type)) || M > TILE ||
+        K % (k_type ? 256 : 32))
+        return n0;
     int64_t end = n0 + (n1 - n0) / TILE * TILE;
     if (end < n1 && n1 - (n1 - n0) % TILE + TILE <= N) end = n1;      /* a last partial tile inside the weight */
     if (end == n0) return n0;
     if (type == 8) return amx_q8_0(w, N, K / 32, xq, M, y, n0, end) ? -2 : end;
     k_rows x;
-    if (k_rows_pack(xq, M, K / 256, &x)) return -2;
+    if (k_rows_pack(type, xq, M, K / 256, &x)) return -2;
     int rc = amx_k(type, w, N, K / 256, &x, M, y, n0, end);
     free(x.bq);
     return rc ? rc : end;
