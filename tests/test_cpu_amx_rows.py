@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from backends.cpu import kernels
+from backends.registry import OpSet
 from ops import q8_activations as ref
 from ops.quants import QTensor
 
@@ -74,8 +75,8 @@ def test_routed_experts_take_the_tiles(qtype, every_m):
     w = QTensor.quantize(torch.randn(5, 48, 512, generator=g) / 16, qtype, "w")
     ids, first = torch.tensor([0, 2, 3, 4]), torch.tensor([0, 1, 4, 21, 23])
     x = torch.randn(23, 512, generator=g)
-    expected = torch.cat([ref.qdot8(x[start:stop], QTensor(w.qtype, (48, 512), w.data[e]))
-                          for e, start, stop in zip(ids.tolist(), first[:-1].tolist(), first[1:].tolist(), strict=True)])
+    bounds = zip(ids.tolist(), first[:-1].tolist(), first[1:].tolist(), strict=True)
+    expected = torch.cat([ref.qdot8(x[a:b], QTensor(w.qtype, (48, 512), w.data[e])) for e, a, b in bounds])
     assert torch.equal(kernels.experts_product(x, w, ids, first, "q8"), expected)
 
 
@@ -92,7 +93,6 @@ def test_speculative_verify_on_tiles_commits_plain_decoding_tokens(every_m):
     from ds4.sampling import Sampler, SamplingParams
     from ds4.session import Session
     from ds4.speculative import generate_ids
-    from backends.registry import OpSet
     path, mtp_path = default_model_paths()
     prompt = torch.randint(3, 500, (24,), generator=torch.Generator().manual_seed(2)).tolist()
     runs = []

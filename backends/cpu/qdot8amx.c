@@ -88,11 +88,18 @@ static int k_rows_pack(int type, const uint8_t *x, int64_t M, int64_t nb, k_rows
     r->bq = (void *)mem;
     r->bm = (void *)(mem + nb * sizeof *r->bq);
     r->dx = (void *)(mem + nb * (sizeof *r->bq + sizeof *r->bm));
+    /* B row k of chunk c: 4 bytes of each activation row, gathered (lane n: row n's block, rows past M zero) */
+    __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                      _mm512_set1_epi32((int)(nb * Q8K_BYTES)));
+    __mmask16 present = (__mmask16)((1u << M) - 1);
+    for (int64_t b = 0; b < nb; b++)
+        for (int c = 0; c < 4; c++)
+            for (int k = 0; k < 16; k++)
+                _mm512_store_si512(r->bq[b][c][k], _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, rows,
+                                                                               x + b * Q8K_BYTES + 64 * c + 4 * k, 1));
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = x + (m * nb + b) * Q8K_BYTES;
-            for (int c = 0; c < 4; c++)
-                for (int k = 0; k < 16; k++) memcpy(&r->bq[b][c][k][4 * m], blk + 64 * c + 4 * k, 4);
             int16_t bsums[16];
             memcpy(bsums, blk + 260, sizeof bsums);
             for (int j = 0; j < (type == 12 ? 8 : 16); j++) {
