@@ -4,9 +4,13 @@
  * acc += (d_w d_x) * isum, as llama.cpp's generic ggml_vec_dot_q8_0_q8_0 and its AMX mmq (the reference:
  * ops/q8_activations.py, `qgemm8`). With AMX-INT8 (Sapphire Rapids) 16 weight rows (read in place from their
  * stored blocks) against 16 activation rows are one `tdpbssd` per block, the activations packed once per call
- * into tiles (`qgemm8_quantize`); elsewhere each (row, block) is an AVX2 maddubs/madd dot or a plain C loop. All
- * paths compute the same integers and the same float steps, so the output is the same bits on every build, for
- * any thread split (each output depends only on its two rows). Built with qgemv.c by backends/cpu/kernels.py.
+ * into tiles (`qgemm8_quantize`). Without AMX the same packed tiles feed a register-blocked GEMM: 4 weight rows
+ * against 32 activation rows, each 4-byte group of a weight block broadcast against one 32-bit lane per activation
+ * row (AVX-512 VNNI `vpdpbusd` on the activations + 128, less 128 * the block's weight sum; or AVX2 maddubs/madd
+ * with the weight's sign moved onto the activations), so no horizontal sums. Rows past the last group of 4 and
+ * plain C builds take a per-(row, block) loop. All paths compute the same integers and the same float steps, so
+ * the output is the same bits on every build, for any thread split (each output depends only on its two rows);
+ * pool.c splits output rows in whole tiles of 16 (`qgemm8_tiles`). Built with qgemv.c by backends/cpu/kernels.py.
  */
 #include <stdint.h>
 #include <string.h>
@@ -173,19 +177,21 @@ static inline __attribute__((always_inline)) void g8_avx2_rows(const uint8_t *w,
 #define G8_BLOCKED 1
 #ifdef G8_VNNI
 #define G8_ROWS g8_vnni_rows
+#define G8_TILES 2
 #else
 #define G8_ROWS g8_avx2_rows
+#define G8_TILES 1      /* two tiles' 16 sums and 16 accumulators do not fit AVX2's 16 registers */
 #endif
-/* Output rows [n0, n1) (whole groups of G8_NR) of y [M, N] through G8_ROWS, activation tiles two at a time. */
+/* Output rows [n0, n1) (whole groups of G8_NR) of y [M, N] through G8_ROWS, activation tiles G8_TILES at a time. */
 static void g8_blocked(const uint8_t *w, int64_t N, int64_t ldw, int64_t nb, const g8_tile *t, int64_t M, float *y,
                        int64_t n0, int64_t n1) {
     float out[G8_NR * 32];
     for (int64_t n = n0; n < n1; n += G8_NR)
-        for (int64_t m = 0; m < M; m += 32) {
+        for (int64_t m = 0; m < M; m += 16 * G8_TILES) {
             const g8_tile *tile = t + (m / 16) * nb;
-            if (M - m > 16) G8_ROWS(w + n * ldw, ldw, tile, nb, 2, out);
+            if (M - m > 16 && G8_TILES == 2) G8_ROWS(w + n * ldw, ldw, tile, nb, 2, out);
             else G8_ROWS(w + n * ldw, ldw, tile, nb, 1, out);
-            for (int64_t j = m; j < M && j < m + 32; j++)
+            for (int64_t j = m; j < M && j < m + 16 * G8_TILES; j++)
                 for (int r = 0; r < G8_NR; r++) y[j * N + n + r] = out[r * 32 + j - m];
         }
 }
