@@ -348,9 +348,10 @@ class OpSet:
                 rows.append(note)
         if self.cpu_dot != "exact":
             from backends.cpu import kernels
+            prefill = (f", and Q8_0 at prefill (the 8-bit GEMM, {kernels.gemm8_path()})"
+                       if kernels.gemm8_available("Q8_0") else "")
             rows.append(f"cpu dot {self.cpu_dot}: activations rounded to 8 bits per block (llama.cpp's Q8_K/Q8_0) "
-                        f"for {' '.join(kernels.Q8_TYPES)} weights, M <= 16"
-                        f"{', and Q8_0 at prefill (the AMX 8-bit GEMM)' if kernels.amx() else ''}; other types exact")
+                        f"for {' '.join(kernels.Q8_TYPES)} weights, M <= 16{prefill}; other types exact")
         weight_backends = {r["backend"] for op, r in report.items() if op in WEIGHT_OPS} - {"torch"}
         rows += [format_quant_support(b) for b in sorted(weight_backends)]
         return "\n".join(rows)

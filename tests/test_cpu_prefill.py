@@ -1,8 +1,9 @@
 """Prefill on the CPU: the 8-bit GEMM for Q8_0 weights (`--cpu-dot q8`, M > 16), its reference
 (ops/q8_activations.qgemm8) bit for bit against llama.cpp's generic ggml_vec_dot_q8_0_q8_0 written out as a loop,
 and the C kernel (backends/cpu/qgemm8.c) bit for bit against the reference on its AMX path (where the CPU has it),
-its AVX2 and plain C paths, for any M, any thread split and output rows that are not whole tiles; qmatmul takes it;
-and the kernel pool's threads run torch's products on one OpenMP thread."""
+its AVX-512 VNNI (AMX off, where the build targets it), AVX2 and plain C paths, for any M, any split across the
+library's pool and output rows that are not whole tiles, on the integer extremes; qmatmul takes it where it is
+fast; and the kernel pool's threads run torch's products on one OpenMP thread."""
 from __future__ import annotations
 
 import ctypes
@@ -16,8 +17,9 @@ import torch
 
 from backends.cpu import kernels
 from backends.cpu.qmatmul import qmatmul
-from backends.registry import implementations, reference
+from backends.registry import OpSet, implementations, reference
 from ops import q8_activations as ref
+from ops.quants import QTensor, get
 from tests.test_batch_invariance import CASES
 from tests.test_cpu_q8 import F32, activations, f16, quantize_row_q8_0_ref, rebuild_with, weight
 
@@ -52,23 +54,48 @@ def test_reference_refuses_bad_input():
         ref.qgemm8(activations(2, 512), weight("Q8_0", 4, 256))
 
 
+def extreme_weight(N: int, K: int) -> QTensor:
+    """A Q8_0 weight whose quants reach -128 and 127 (llama.cpp's quantizer stops at -127; a file may not), with
+    rows of -128 only and of 127 only, and f16 scales of both signs."""
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (N, K // 32, 34), generator=g, dtype=torch.int32).to(torch.uint8)
+    blocks[0, :, 2:], blocks[1, :, 2:] = 128, 127      # int8 -128 and 127
+    scales = (torch.randn(N, K // 32, 1, generator=g) / 64).to(torch.float16)
+    blocks[..., :2] = scales.view(torch.uint8)
+    return QTensor(get("Q8_0"), (N, K), blocks.reshape(N, -1))
+
+
+def extreme_activations(M: int, K: int) -> torch.Tensor:
+    """Rows whose quants reach +-127 everywhere (every value a block's largest magnitude), mixed with random rows."""
+    x = activations(M, K)
+    x[::2] = torch.where(torch.arange(K) % 3 == 0, -1.0, 1.0)
+    return x
+
+
+def check_paths(w: QTensor, x: torch.Tensor, rows: tuple[int, ...]) -> None:
+    """qgemm8 gives the reference's bits for the first M rows of x, M in `rows`, split across 1, 2 and 3 threads
+    of the library's pool (every tile its own chunk)."""
+    expected = ref.qgemm8(x, w)
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        for M in rows if threads == 1 else rows[-2:]:
+            assert torch.equal(kernels.qgemm8(x[:M], w), expected[:M]), (kernels.gemm8_path(), threads, M)
+
+
 @pytest.mark.parametrize("amx", (True, False))
 def test_kernel_equals_reference_rows_threads(amx, monkeypatch):
-    """AMX on (where the CPU has it) and off give the reference's bits for M = 1..40 (rows not whole tiles of 16,
-    72 output rows: 4 tiles and 8 more) split across 1, 2 or 3 threads."""
+    """AMX on (where the CPU has it) and off (AVX-512 VNNI where the build targets it) give the reference's bits for
+    M = 1..40 (rows not whole tiles of 16; 75 output rows: 4 tiles, two groups of 4 and 3 more), on random and
+    extreme quants, split across 1, 2 or 3 threads."""
     if amx and not kernels.amx():
         pytest.skip("no AMX-INT8 on this CPU (or the build does not target it)")
     monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
     monkeypatch.setattr(kernels, "_pool_threads", 0)
     before, was = torch.get_num_threads(), kernels.amx()
-    w, x = weight("Q8_0", 72, 512), activations(40, 512)
-    expected = ref.qgemm8(x, w)
     try:
         kernels.amx(amx)
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            for M in (1, 15, 16, 17, 33, 40) if threads == 1 else (17, 40):
-                assert torch.equal(kernels.qgemm8(x[:M], w), expected[:M]), (amx, threads, M)
+        check_paths(weight("Q8_0", 75, 512), activations(40, 512), (1, 15, 16, 17, 32, 33, 40))
+        check_paths(extreme_weight(75, 256), extreme_activations(40, 256), (17, 40))
     finally:
         torch.set_num_threads(before)
         kernels.amx(was)
@@ -76,21 +103,32 @@ def test_kernel_equals_reference_rows_threads(amx, monkeypatch):
 
 @pytest.mark.parametrize("flags", ("-mno-avx512f", "-mno-avx512f -mno-avx2"))
 def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
-    """The AVX2 build (an AVX2-only machine's, no AMX) and the plain C build give the same bits."""
+    """The AVX2 build (an AVX2-only machine's, no AMX) and the plain C build give the same bits, the same cases."""
     rebuild_with(flags, tmp_path, monkeypatch)
-    w, x = weight("Q8_0", 40, 512), activations(20, 512)
-    assert not kernels.amx()
-    assert torch.equal(kernels.qgemm8(x, w), ref.qgemm8(x, w)), flags
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
+    assert not kernels.amx() and kernels.gemm8_path() == ("AVX2" if "avx2" not in flags else "plain C")
+    before = torch.get_num_threads()
+    try:
+        check_paths(weight("Q8_0", 75, 512), activations(40, 512), (1, 16, 17, 32, 33, 40))
+        check_paths(extreme_weight(75, 256), extreme_activations(40, 256), (17, 40))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_qmatmul_takes_it_for_prefill_rows_only(monkeypatch):
-    """qmatmul's q8 takes the GEMM for a Q8_0 weight above SMALL_M rows where the CPU has AMX (the exact tiles
-    without), qdot8's lanes at or below, and stays exact for other types and without q8."""
+    """qmatmul's q8 takes the GEMM for a Q8_0 weight above SMALL_M rows where its path is fast (AMX, AVX-512 VNNI,
+    AVX2; the exact tiles on the plain C one), qdot8's lanes at or below, and stays exact for other types and
+    without q8; the op report names the path."""
     w, x = weight("Q8_0", 48, 256), activations(24, 256)
-    assert torch.equal(qmatmul(x, w, "q8"), ref.qgemm8(x, w) if kernels.amx() else qmatmul(x, w))
+    fast = kernels.gemm8_path() in kernels.GEMM8_FAST
+    assert torch.equal(qmatmul(x, w, "q8"), ref.qgemm8(x, w) if fast else qmatmul(x, w))
+    report = OpSet("cpu", cpu_dot="q8").format_report()
+    assert (f"Q8_0 at prefill (the 8-bit GEMM, {kernels.gemm8_path()})" in report) == fast, report
     with monkeypatch.context() as m:
-        m.setattr(kernels, "amx", lambda: False)
+        m.setattr(kernels, "gemm8_path", lambda: "plain C")
         assert torch.equal(qmatmul(x, w, "q8"), qmatmul(x, w))
+        assert "8-bit GEMM" not in OpSet("cpu", cpu_dot="q8").format_report()
     assert torch.equal(qmatmul(x[:16], w, "q8"), ref.qdot8(x[:16], w))
     assert torch.equal(qmatmul(x, w), qmatmul(x, w, "exact"))
     assert not torch.equal(qmatmul(x, w), ref.qgemm8(x, w))

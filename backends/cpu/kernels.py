@@ -414,13 +414,25 @@ def _bind_gemm8(k: ctypes.CDLL) -> None:
     k.qgemm8_quantize.argtypes = [ptr, i64, i64, ptr, ptr]
     k.qgemm8.restype = ctypes.c_int
     k.qgemm8.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64]
+    k.qgemm8_path.restype = ctypes.c_int
     k.qgemm8_amx(-1)
+
+
+# qgemm8.c's paths (`qgemm8_path`), all the same bits; the plain C one measured slower than the exact tiles.
+GEMM8_PATHS = ("plain C", "AVX2", "AVX-512 VNNI", "AMX")
+GEMM8_FAST = frozenset({"AVX2", "AVX-512 VNNI", "AMX"})     # faster than the exact tiles at prefill (docs/cpu.md)
+
+
+def gemm8_path() -> str | None:
+    """The path qgemm8 takes here (one of GEMM8_PATHS), None without the library."""
+    k = lib()
+    return None if k is None else GEMM8_PATHS[k.qgemm8_path()]
 
 
 def gemm8_available(qtype: str, k: int = 0) -> bool:
     """Whether prefill's q8 products of 2-D weights of `qtype` with rows of `k` values take the 8-bit GEMM: Q8_0,
-    on a CPU with AMX (its AVX2 and plain C paths, the same bits, measured slower than the exact tiles)."""
-    return qtype == "Q8_0" and k % 32 == 0 and amx()
+    where its path is one of GEMM8_FAST (AMX tiles, AVX-512 VNNI or AVX2; not the plain C one)."""
+    return qtype == "Q8_0" and k % 32 == 0 and gemm8_path() in GEMM8_FAST
 
 
 def amx(on: bool | None = None) -> bool:
@@ -432,7 +444,8 @@ def amx(on: bool | None = None) -> bool:
 
 def qgemm8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """`x [M, K] @ W.T` for a 2-D Q8_0 weight with x rounded to Q8_0 blocks, blocks added in order
-    (ops/q8_activations.qgemm8); any M. Float32 [M, N]; output rows split across the pool in whole tiles."""
+    (ops/q8_activations.qgemm8); any M. Float32 [M, N]; output rows split across the library's pool (pool.c) in
+    whole tiles."""
     x = x.to(torch.float32).contiguous()
     (M, K), (N, _) = x.shape, w.shape
     k = lib()
@@ -443,14 +456,10 @@ def qgemm8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     k.qgemm8_quantize(x.data_ptr(), M, K, xq.data_ptr(), packed.data_ptr())
     data = w.data.contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
-    tiles = -(-N // GEMM8_TILE)
+    acts = (ctypes.c_void_p * 2)(xq.data_ptr(), packed.data_ptr())
     parts = min(CHUNKS_PER_THREAD * threads(), data.numel() // SPLIT_BYTES)
-
-    def run(first: int, last: int) -> int:
-        return k.qgemm8(data.data_ptr(), N, K, xq.data_ptr(), packed.data_ptr(), M, y.data_ptr(),
-                        first * GEMM8_TILE, min(N, last * GEMM8_TILE))
-
-    if split(run, tiles, parts):
+    if k.pool_rows(ctypes.cast(k.qgemm8_tiles, ctypes.c_void_p), 0, data.data_ptr(), 0, None, N, K,
+                   ctypes.addressof(acts), M, y.data_ptr(), -(-N // GEMM8_TILE), parts, threads()):
         raise ValueError(f"qgemm8: unsupported call (M={M}, K={K})")
     return y
 

@@ -4,9 +4,13 @@
  * acc += (d_w d_x) * isum, as llama.cpp's generic ggml_vec_dot_q8_0_q8_0 and its AMX mmq (the reference:
  * ops/q8_activations.py, `qgemm8`). With AMX-INT8 (Sapphire Rapids) 16 weight rows (read in place from their
  * stored blocks) against 16 activation rows are one `tdpbssd` per block, the activations packed once per call
- * into tiles (`qgemm8_quantize`); elsewhere each (row, block) is an AVX2 maddubs/madd dot or a plain C loop. All
- * paths compute the same integers and the same float steps, so the output is the same bits on every build, for
- * any thread split (each output depends only on its two rows). Built with qgemv.c by backends/cpu/kernels.py.
+ * into tiles (`qgemm8_quantize`). Without AMX the same packed tiles feed a register-blocked GEMM: 4 weight rows
+ * against 32 activation rows, each 4-byte group of a weight block broadcast against one 32-bit lane per activation
+ * row (AVX-512 VNNI `vpdpbusd` on the activations + 128, less 128 * the block's weight sum; or AVX2 maddubs/madd
+ * with the weight's sign moved onto the activations), so no horizontal sums. Rows past the last group of 4 and
+ * plain C builds take a per-(row, block) loop. All paths compute the same integers and the same float steps, so
+ * the output is the same bits on every build, for any thread split (each output depends only on its two rows);
+ * pool.c splits output rows in whole tiles of 16 (`qgemm8_tiles`). Built with qgemv.c by backends/cpu/kernels.py.
  */
 #include <stdint.h>
 #include <string.h>
@@ -71,6 +75,128 @@ static float g8_row(const uint8_t *row, const g8_act *x, int64_t nb) {
     return acc;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define G8_VNNI 1
+#endif
+
+/* The register-blocked paths without AMX: NR weight rows against T activation tiles (the packed layout below: one
+ * 32-bit lane per activation row holding 4 of its values), so each loaded activation vector serves NR weight rows
+ * and each weight dword, broadcast, serves every activation row of the T tiles; no horizontal sums. */
+#define G8_NR 4
+
+#ifdef G8_VNNI
+/* -128 * (the sum of each block's 32 weights) for G8_NR rows: vpdpbusd takes unsigned activations (x + 128),
+ * so its sums carry 128 * sum(w) more than the signed dot. */
+static inline __m128i g8_minus_128_sums(const uint8_t *w, int64_t ldw) {
+    __m256i s[G8_NR], k = _mm256_set1_epi8((char)0x80);
+    for (int r = 0; r < G8_NR; r++)
+        s[r] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), k, _mm256_loadu_si256((const __m256i *)(w + r * ldw + 2)));
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    return _mm_sub_epi32(_mm_setzero_si128(), _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+/* G8_NR weight rows from `w` (stride `ldw`) against T 16-row activation tiles `t` (tile j's blocks at t + j * nb),
+ * every block in order (AVX-512 VNNI): out[r][16 j + i] = y for weight row r, activation row 16 j + i. */
+static inline __attribute__((always_inline)) void g8_vnni_rows(const uint8_t *w, int64_t ldw, const g8_tile *t,
+                                                               int64_t nb, int T, float *out) {
+    __m512 acc[G8_NR][2];
+    __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int r = 0; r < G8_NR; r++)
+        for (int j = 0; j < T; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += G8_BLOCK_BYTES) {
+        __m128i minus = g8_minus_128_sums(w, ldw);
+        __m512i sum[G8_NR][2];
+        for (int r = 0; r < G8_NR; r++) {
+            __m512i c = _mm512_permutexvar_epi32(_mm512_set1_epi32(r), _mm512_castsi128_si512(minus));
+            for (int j = 0; j < T; j++) sum[r][j] = c;
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            __m512i x[2];
+            for (int j = 0; j < T; j++) x[j] = _mm512_xor_si512(_mm512_loadu_si512(t[j * nb + b].b[i]), flip);
+            for (int r = 0; r < G8_NR; r++) {
+                int32_t q;
+                memcpy(&q, w + r * ldw + 2 + 4 * i, 4);
+                __m512i wq = _mm512_set1_epi32(q);
+                for (int j = 0; j < T; j++) sum[r][j] = _mm512_dpbusd_epi32(sum[r][j], x[j], wq);
+            }
+        }
+        for (int j = 0; j < T; j++) {
+            __m512 dx = _mm512_loadu_ps(t[j * nb + b].d);
+            for (int r = 0; r < G8_NR; r++) {
+                __m512 d = _mm512_mul_ps(_mm512_set1_ps(g8_half(w + r * ldw)), dx);
+                acc[r][j] = _mm512_add_ps(acc[r][j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum[r][j])));
+            }
+        }
+    }
+    for (int r = 0; r < G8_NR; r++)
+        for (int j = 0; j < T; j++) _mm512_storeu_ps(out + r * 32 + 16 * j, acc[r][j]);
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+/* As above on AVX2 (8 activation rows a vector): |w| times x with w's sign (maddubs pairs reach at most
+ * 2 * 128 * 127, no saturation), pairs added by madd; T tiles are 2T vectors. */
+static inline __attribute__((always_inline)) void g8_avx2_rows(const uint8_t *w, int64_t ldw, const g8_tile *t,
+                                                               int64_t nb, int T, float *out) {
+    __m256 acc[G8_NR][4];
+    __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < G8_NR; r++)
+        for (int h = 0; h < 2 * T; h++) acc[r][h] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += G8_BLOCK_BYTES) {
+        __m256i sum[G8_NR][4];
+        for (int r = 0; r < G8_NR; r++)
+            for (int h = 0; h < 2 * T; h++) sum[r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            __m256i x[4];
+            for (int h = 0; h < 2 * T; h++)
+                x[h] = _mm256_loadu_si256((const __m256i *)(t[(h / 2) * nb + b].b[i] + 32 * (h % 2)));
+            for (int r = 0; r < G8_NR; r++) {
+                int32_t q;
+                memcpy(&q, w + r * ldw + 2 + 4 * i, 4);
+                __m256i wq = _mm256_set1_epi32(q), aw = _mm256_abs_epi8(wq);
+                for (int h = 0; h < 2 * T; h++) {
+                    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x[h], wq)), ones);
+                    sum[r][h] = _mm256_add_epi32(sum[r][h], p);
+                }
+            }
+        }
+        for (int h = 0; h < 2 * T; h++) {
+            __m256 dx = _mm256_loadu_ps(t[(h / 2) * nb + b].d + 8 * (h % 2));
+            for (int r = 0; r < G8_NR; r++) {
+                __m256 d = _mm256_mul_ps(_mm256_set1_ps(g8_half(w + r * ldw)), dx);
+                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sum[r][h])));
+            }
+        }
+    }
+    for (int r = 0; r < G8_NR; r++)
+        for (int h = 0; h < 2 * T; h++) _mm256_storeu_ps(out + r * 32 + 8 * h, acc[r][h]);
+}
+#endif
+
+#if defined(G8_VNNI) || (defined(__AVX2__) && defined(__F16C__))
+#define G8_BLOCKED 1
+#ifdef G8_VNNI
+#define G8_ROWS g8_vnni_rows
+#define G8_TILES 2
+#else
+#define G8_ROWS g8_avx2_rows
+#define G8_TILES 1      /* two tiles' 16 sums and 16 accumulators do not fit AVX2's 16 registers */
+#endif
+/* Output rows [n0, n1) (whole groups of G8_NR) of y [M, N] through G8_ROWS, activation tiles G8_TILES at a time. */
+static void g8_blocked(const uint8_t *w, int64_t N, int64_t ldw, int64_t nb, const g8_tile *t, int64_t M, float *y,
+                       int64_t n0, int64_t n1) {
+    float out[G8_NR * 32];
+    for (int64_t n = n0; n < n1; n += G8_NR)
+        for (int64_t m = 0; m < M; m += 16 * G8_TILES) {
+            const g8_tile *tile = t + (m / 16) * nb;
+            if (M - m > 16 && G8_TILES == 2) G8_ROWS(w + n * ldw, ldw, tile, nb, 2, out);
+            else G8_ROWS(w + n * ldw, ldw, tile, nb, 1, out);
+            for (int64_t j = m; j < M && j < m + 16 * G8_TILES; j++)
+                for (int r = 0; r < G8_NR; r++) y[j * N + n + r] = out[r * 32 + j - m];
+        }
+}
+#endif
+
 #ifdef G8_AMX
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -127,6 +253,18 @@ int qgemm8_amx(int on) {
     return g8_amx == 1;
 #else
     (void)on;
+    return 0;
+#endif
+}
+
+/* Which path qgemm8 takes: 3 AMX tiles, 2 AVX-512 VNNI, 1 AVX2, 0 plain C (the same bits on each). */
+int qgemm8_path(void) {
+    if (qgemm8_amx(-1)) return 3;
+#if defined(G8_VNNI)
+    return 2;
+#elif defined(G8_BLOCKED)
+    return 1;
+#else
     return 0;
 #endif
 }
@@ -203,10 +341,24 @@ int qgemm8(const uint8_t *w, int64_t N, int64_t K, const void *x, const void *pa
             }
         _tile_release();
     }
+#endif
+#ifdef G8_BLOCKED
+    int64_t whole = n + (n1 - n) / G8_NR * G8_NR;
+    g8_blocked(w, N, ldw, nb, packed, M, y, n, whole);
+    n = whole;
 #else
     (void)packed;
 #endif
     for (; n < n1; n++)
         for (int64_t m = 0; m < M; m++) y[m * N + n] = g8_row(w + n * ldw, a + m * nb, nb);
     return 0;
+}
+
+/* qgemm8 as pool.c's row kernel (qgemv's signature; `type`, `expert_bytes` and `experts` unused): output tiles
+ * [t0, t1) of 16 rows, `x` the two pointers {activations, packed} from qgemm8_quantize. */
+int qgemm8_tiles(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+                 const void *x, int64_t M, float *y, int64_t t0, int64_t t1) {
+    const void *const *acts = x;
+    (void)type, (void)expert_bytes, (void)experts;
+    return qgemm8(w, N, K, acts[0], acts[1], M, y, t0 * 16, t1 * 16 < N ? t1 * 16 : N);
 }

@@ -19,8 +19,8 @@
 - `dot="q8"` (`--cpu-dot q8`, OpSet(cpu_dot="q8")): for M <= SMALL_M the types qdot8.c reads
   (`kernels.Q8_TYPES`: IQ2_XXS, the K-quants, IQ4_XS, the legacy types, IQ4_NL, MXFP4) round the activations to
   8 bits per block and multiply in integers, F16 rounds them to f16, as llama.cpp does (backends/cpu/qdot8.c,
-  reference ops/q8_activations.py); for larger M on a CPU with AMX, Q8_0 weights take the 8-bit GEMM
-  (backends/cpu/qgemm8.c; without AMX its paths are slower than the tiles); everything else as above.
+  reference ops/q8_activations.py); for larger M, Q8_0 weights take the 8-bit GEMM (backends/cpu/qgemm8.c) on
+  AMX, AVX-512 VNNI or AVX2 (its plain C path is slower than the tiles); everything else as above.
 - For M <= SMALL_M every path is batch-invariant without a loop over rows: the kernel does the same
   arithmetic for each row whatever M is, and dense products run in fixed groups of rows
   (`rows.grouped_product`), so row r of an M-row call equals the 1-row call bit for bit.
@@ -67,7 +67,7 @@ def tile(w: QTensor, start: int, stop: int) -> torch.Tensor:
 
 @register("qmatmul", "cpu", batch_invariant=True)
 def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
-    """`x @ W.T` in float32; `dot="q8"`: the types qdot8.c (M <= SMALL_M) or qgemm8.c (larger M, with AMX) reads,
+    """`x @ W.T` in float32; `dot="q8"`: the types qdot8.c (M <= SMALL_M) or qgemm8.c (larger M, not plain C) reads,
     with activations rounded to 8 bits."""
     check_args(x, w)
     x = x.to(torch.float32)
