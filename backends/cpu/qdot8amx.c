@@ -140,6 +140,17 @@ typedef struct {
     float (*d)[TILE], (*dmin)[TILE];
 } k_tile;
 
+/* int16 lane j of vector c: the scale index of values 64c + 2j, 2j + 1 (Q2_K: group 4c + j / 8; Q4_K: sub-block
+ * 2c + j / 16) */
+#define R8(v) v, v, v, v, v, v, v, v
+static const int16_t q2_k_group[4][32] __attribute__((aligned(64))) = {
+    {R8(0), R8(1), R8(2), R8(3)}, {R8(4), R8(5), R8(6), R8(7)},
+    {R8(8), R8(9), R8(10), R8(11)}, {R8(12), R8(13), R8(14), R8(15)}};
+static const int16_t q4_k_pick[4][32] __attribute__((aligned(64))) = {
+    {R8(0), R8(0), R8(1), R8(1)}, {R8(2), R8(2), R8(3), R8(3)},
+    {R8(4), R8(4), R8(5), R8(5)}, {R8(6), R8(6), R8(7), R8(7)}};
+#undef R8
+
 static inline void unpack_q2_k(const uint8_t *b, k_tile *t, int64_t k, int r) {
     const __m256i three = _mm256_set1_epi8(3);       /* 84 bytes: scales, qs, d, dmin */
     __m128i scales = _mm_loadu_si128((const __m128i *)b);
@@ -150,11 +161,8 @@ static inline void unpack_q2_k(const uint8_t *b, k_tile *t, int64_t k, int r) {
             int c = 2 * h + i / 2;
             __m512i q = halves512(_mm256_and_si256(_mm256_srli_epi16(q2, 2 * i), three),
                                   _mm256_and_si256(_mm256_srli_epi16(q2, 2 * i + 2), three));
-            /* int16 lane j of vector c: the scale of values 64c + 2j, 2j + 1 (group 4c + j / 8) */
-            __m512i group = _mm512_add_epi16(_mm512_set1_epi16((short)(4 * c)), _mm512_srli_epi16(
-                _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
-                                 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
-            _mm512_store_si512(t->a[k][0][r] + 64 * c, _mm512_mullo_epi16(q, _mm512_permutexvar_epi16(group, low16)));
+            _mm512_store_si512(t->a[k][0][r] + 64 * c,
+                               _mm512_mullo_epi16(q, _mm512_permutexvar_epi16(_mm512_load_si512(q2_k_group[c]), low16)));
         }
     }
     _mm_storeu_si128((__m128i *)t->mins[k][r], _mm_and_si128(_mm_srli_epi16(scales, 4), _mm_set1_epi8(15)));
@@ -172,8 +180,7 @@ static inline void unpack_q4_k(const uint8_t *b, k_tile *t, int64_t k, int r) {
     for (int c = 0; c < 4; c++) {     /* values 64c..64c+63: chunk c's low nibbles, then its high ones */
         __m256i q4 = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * c));
         __m512i q = _mm512_and_si512(halves512(q4, _mm256_srli_epi16(q4, 4)), nibble);
-        __m512i pick = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
-        __m512i scale = _mm512_permutexvar_epi16(pick, scales);
+        __m512i scale = _mm512_permutexvar_epi16(_mm512_load_si512(q4_k_pick[c]), scales);
         _mm512_store_si512(t->a[k][0][r] + 64 * c, _mm512_mullo_epi16(q, _mm512_srli_epi16(scale, 2)));
         _mm512_store_si512(t->a[k][1][r] + 64 * c, _mm512_mullo_epi16(q, _mm512_and_si512(scale, _mm512_set1_epi16(3))));
     }
