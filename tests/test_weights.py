@@ -3,9 +3,11 @@ computes what the mapped one does, its tensors live in the copy (not the file), 
 file cut short while it is read."""
 from __future__ import annotations
 
+import errno
 import io
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,6 +138,25 @@ def test_a_file_cut_short_while_loading_names_file_and_offset(tmp_path, monkeypa
     with Shrinking(path) as fh, pytest.raises(ModelFileError) as e:
         gguf._read_into_memory(fh, size, path)
     assert str(e.value).startswith(f"{path}: the file ends at offset 8192, but it had {size} bytes")
+
+
+class Failing(io.FileIO):
+    """A file whose third read fails (a disk error)."""
+
+    reads = 0
+
+    def readinto(self, buffer) -> int:
+        self.reads += 1
+        if self.reads == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return super().readinto(buffer)
+
+
+def test_a_read_error_names_file_and_offset(tmp_path, monkeypatch):
+    path = default_model_paths()[0]
+    monkeypatch.setattr(gguf, "_READ_CHUNK", 4096)
+    with Failing(path) as fh, pytest.raises(ModelFileError, match=r"tiny.gguf: cannot read at offset 8192: .*I/O"):
+        gguf._read_into_memory(fh, os.path.getsize(path), Path(path))
 
 
 def test_only_the_pages_the_read_brought_in_are_dropped(monkeypatch):

@@ -254,10 +254,13 @@ def _read_into_memory(fh: Any, size: int, path: Path) -> tuple[mmap.mmap, bool]:
             for start in range(0, size, _READ_CHUNK):
                 end = min(start + _READ_CHUNK, size)
                 while pos < end:
+                    part = view[pos:end]
                     try:
-                        n = fh.readinto(view[pos:end])
+                        n = fh.readinto(part)
                     except OSError as e:
                         raise ModelFileError(f"{path}: cannot read at offset {pos}: {e}") from None
+                    finally:
+                        part.release()  # so that the mapping can be closed whatever the reader kept
                     if not n:
                         raise ModelFileError(f"{path}: the file ends at offset {pos}, but it had {size} bytes "
                                              "when loading began (truncated or changed while loading)")
