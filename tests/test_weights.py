@@ -152,7 +152,7 @@ class Failing(io.FileIO):
         return super().readinto(buffer)
 
 
-def test_a_read_error_names_file_and_offset(tmp_path, monkeypatch):
+def test_a_read_error_names_file_and_offset(monkeypatch):
     path = default_model_paths()[0]
     monkeypatch.setattr(gguf, "_READ_CHUNK", 4096)
     with Failing(path) as fh, pytest.raises(ModelFileError, match=r"tiny.gguf: cannot read at offset 8192: .*output"):
