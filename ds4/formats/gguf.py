@@ -276,16 +276,18 @@ def _read_into_memory(fh: Any, size: int, path: Path) -> tuple[mmap.mmap, bool]:
     return buf, huge
 
 
-def _advise_huge_pages(buf: mmap.mmap) -> bool:
-    """Ask for transparent huge pages on `buf` (Linux); whether the kernel took the advice."""
+def _advise_huge_pages(buf: mmap.mmap, setting: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> bool:
+    """Ask for transparent huge pages on `buf` (Linux); whether the kernel takes the advice (THP built in and not
+    set to "never")."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:
         return False
     try:
         buf.madvise(advice)
-    except OSError:  # THP disabled ("never") or not built in
+        with builtins.open(setting) as f:
+            return "[never]" not in f.read()
+    except OSError:
         return False
-    return True
 
 
 def _cached_pages(fd: int, size: int) -> np.ndarray | None:
@@ -293,15 +295,19 @@ def _cached_pages(fd: int, size: int) -> np.ndarray | None:
     asked or the cache cannot be dropped (posix_fadvise missing)."""
     if not sys.platform.startswith("linux") or not hasattr(os, "posix_fadvise"):
         return None
-    page = mmap.PAGESIZE
-    vec = (ctypes.c_ubyte * (-(-size // page)))()
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
     probe = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     try:
-        anchor = ctypes.c_char.from_buffer(probe)
-        mincore = ctypes.CDLL(None, use_errno=True).mincore
-        mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-        failed = mincore(ctypes.addressof(anchor), size, vec)
-        del anchor
+        anchor = ctypes.c_char.from_buffer(probe)   # the mapping's address; released before it is closed
+        try:
+            failed = mincore(ctypes.addressof(anchor), size, vec)
+        finally:
+            del anchor
     finally:
         probe.close()
     return None if failed else np.frombuffer(vec, np.uint8) & 1 == 1
