@@ -5,6 +5,7 @@ import functools
 import hashlib
 import numbers
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from ds4.session import Session, check_cuda_graphs, check_size, step_graphs
 from ds4.speculative import SpecMetrics, check_draft, generate_ids
 from ds4.tiny import DEFAULT_MODEL_DIR
 from ds4.tokenizer import StreamDecoder, Tokenizer
+from ds4.weights import WeightsReport, mem_available, plan
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
@@ -119,8 +121,9 @@ class Engine:
 
     def __init__(self, model: DeepseekV4, tokenizer: Tokenizer, mtp: MTPHead | None, *, ctx: int,
                  prefill_chunk: int, paths: tuple[str, str | None], compile: bool = False, cuda_graphs: bool = False,
-                 world: distributed.World | None = None):
+                 world: distributed.World | None = None, weights: WeightsReport | None = None):
         self.model, self.tokenizer, self.mtp, self.world = model, tokenizer, mtp, world
+        self.weights = weights  # how load held the files (mapped or read into memory), or None
         self.ctx, self.prefill_chunk, self.paths, self.compile = ctx, prefill_chunk, paths, compile
         self.cuda_graphs = cuda_graphs
         self.stats = RunStats()
@@ -279,22 +282,23 @@ def open_model(path: str | gguf.GGUFFile, ops: OpSet | None = None, **switches: 
         raise ModelFileError(e if str(e).startswith(str(f.path)) else f"{f.path}: {e}") from None
 
 
-def open_mtp(trunk: DeepseekV4, path: str) -> MTPHead:
-    """The MTP head in an MTP GGUF of ds4's layout (`mtp.0.*`) or llama.cpp's (`blk.L.nextn.*`, also a
-    llama.cpp base GGUF that carries its nextn block), bound to `trunk` without copying its tensors."""
-    f = gguf.open(path)
+def open_mtp(trunk: DeepseekV4, path: str | gguf.GGUFFile) -> MTPHead:
+    """The MTP head in an MTP GGUF (a path or an opened file) of ds4's layout (`mtp.0.*`) or llama.cpp's
+    (`blk.L.nextn.*`, also a llama.cpp base GGUF that carries its nextn block), bound to `trunk` without copying
+    its tensors."""
+    f = path if isinstance(path, gguf.GGUFFile) else gguf.open(path)
     gguf.check_architecture(f, keys=())
     try:
         weights, _ = layouts.mtp_weights(f, trunk.args.dim)
         return MTPHead(trunk, weights)
     except ModelFileError as e:
-        raise ModelFileError(e if str(e).startswith(str(f.path)) else f"{path}: {e}") from None
+        raise ModelFileError(e if str(e).startswith(str(f.path)) else f"{f.path}: {e}") from None
 
 
 def load(model_path: str | None = None, mtp_path: str | None = None, backend: str = "auto", *,
          ops: dict[str, str] | None = None, strict_backend: bool = False, ctx: int = 4096,
          prefill_chunk: int = 2048, device: str | None = None, compile: bool = False, cuda_graphs: bool = False,
-         parallel: str | None = None, cpu_dot: str = "exact",
+         parallel: str | None = None, cpu_dot: str = "exact", weights: str = "auto",
          **switches: Any) -> Engine:
     """Load a ds4-layout GGUF (default: the embedded tiny model) and optionally its MTP GGUF.
 
@@ -309,6 +313,10 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     and indexer heads and the shared expert; None runs in this process alone;
     `cpu_dot`: "exact" (default) or "q8": the cpu backend rounds activations to 8 bits per block for its
     quantized products, as llama.cpp does (faster, not the reference's numbers; docs/cpu.md);
+    `weights`: "mmap" maps the files, "memory" reads them into anonymous memory with huge pages (faster CPU
+    kernels; llama.cpp's --no-mmap), "auto" (default) reads them in on the CPU when they fit in the available
+    memory with a margin, else maps them (ds4/weights.py, docs/cpu.md "Weights in memory"); the choice and its
+    reason are `engine.weights`, printed on stderr when asked for or when the files are large;
     `switches`: model switches such as indexer_fp4_sim, kv_fp8_sim, shared_swiglu_clamp, mtp_pairing.
     """
     for label, path in (("model_path", model_path), ("mtp_path", mtp_path)):
@@ -339,8 +347,15 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     if cpu_dot != "exact" and strict_backend:
         raise UsageError(f"--cpu-dot {cpu_dot} changes the reference's numbers: it cannot run with --strict-backend")
     opset = OpSet(backend, ops, strict=strict_backend, device=device, parallel=parallel, cpu_dot=cpu_dot)
+    nbytes = sum(Path(p).stat().st_size for p in (model_path, mtp_path) if p)
+    how = plan(weights, nbytes, opset.device, parallel, mem_available())
     with tqdm(total=3, desc="loading", unit="step", leave=False, disable=None) as bar:
-        f = gguf.open(model_path)
+        t0 = time.perf_counter()
+        f = gguf.open(model_path, how.mode)
+        fm = gguf.open(mtp_path, how.mode) if mtp_path else None
+        report = WeightsReport(how, nbytes, time.perf_counter() - t0, f.huge_pages and (fm is None or fm.huge_pages))
+        if weights != "auto" or nbytes >= gguf.LARGE_FILE:
+            tqdm.write(report.line(), file=sys.stderr)
         gguf.check_architecture(f, keys=())
         model = open_model(f, opset, **switches)
         bar.update()
@@ -352,11 +367,11 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
             raise ModelFileError(f"{model_path}: the tokenizer has {tokenizer.vocab_size} tokens but the model's "
                                  f"vocabulary (deepseek4.vocab_size) is {model.args.vocab_size}")
         bar.update()
-        mtp = open_mtp(model, mtp_path) if mtp_path else None
+        mtp = open_mtp(model, fm) if fm else None
         bar.update()
     if compile:  # an unsupported device fails here, before any generation
         model.compiled_step()
     if cuda_graphs:
         check_cuda_graphs(opset.device, compile)
     return Engine(model, tokenizer, mtp, ctx=ctx, prefill_chunk=prefill_chunk, paths=(model_path, mtp_path),
-                  compile=compile, cuda_graphs=cuda_graphs, world=world)
+                  compile=compile, cuda_graphs=cuda_graphs, world=world, weights=report)

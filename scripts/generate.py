@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ds4  # noqa: E402
-from ds4 import distributed  # noqa: E402
+from ds4 import distributed, weights  # noqa: E402
 from ds4.errors import Ds4Error, UsageError  # noqa: E402
 from ds4.sampling import SamplingParams  # noqa: E402
 
@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-dot", choices=("exact", "q8"), default="exact",
                    help="cpu backend's quantized products: exact float (default) or q8, activations rounded to 8 bits "
                         "per block as llama.cpp does (faster on 2-bit types, other numbers; not with --strict)")
+    p.add_argument("--weights", choices=weights.CHOICES, default="auto", help=weights.HELP)
     p.add_argument("--parallel", choices=("ep", "tp"),
                    help="split the model over the ranks torchrun starts: ep = routed experts by index; tp = also "
                         "vocabulary, attention and indexer heads and the shared expert "
@@ -145,7 +146,8 @@ def run(a: argparse.Namespace) -> int:
     from backends.registry import parse_overrides
     engine = ds4.load(a.model, a.mtp, a.backend, ops=parse_overrides(a.ops), ctx=a.ctx,
                       prefill_chunk=a.prefill_chunk, device=a.device, compile=a.compile,
-                      cuda_graphs=a.cuda_graphs, parallel=a.parallel, cpu_dot=a.cpu_dot, **switches)
+                      cuda_graphs=a.cuda_graphs, parallel=a.parallel, cpu_dot=a.cpu_dot, weights=a.weights,
+                      **switches)
     quiet = engine.world is not None and not engine.world.is_main   # across ranks only rank 0 prints
     logits = []
     spec_log = (lambda cycle: print(json.dumps(cycle), file=sys.stderr)) if a.spec_log else None
@@ -174,7 +176,8 @@ def run(a: argparse.Namespace) -> int:
             raise UsageError(f"--dump-logits {a.dump_logits}: {e.strerror or e}") from None
     stats = engine.stats
     if a.json:
-        out = {"model": engine.paths[0], "mtp": engine.paths[1], "generated_ids": ids, "text": "".join(text),
+        out = {"model": engine.paths[0], "mtp": engine.paths[1], "weights": engine.weights.line(),
+               "generated_ids": ids, "text": "".join(text),
                **stats.as_dict(), "backends": engine.ops.report()}
         print(json.dumps(out, ensure_ascii=False))
     print(f"[ds4py] {stats.prompt_tokens} prompt tokens in {stats.prefill_s:.2f}s, {stats.generated_tokens} "

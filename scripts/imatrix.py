@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 import ds4
+from ds4 import weights
 from ds4.errors import Ds4Error
 from ds4.formats import imatrix as imatrix_file
 from ds4.research.imatrix import collect
@@ -32,11 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--process-output", action="store_true", help="also collect output.weight (as llama-imatrix)")
     ap.add_argument("--backend", default="auto", help="backend running the model (default auto)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--weights", choices=weights.CHOICES, default="auto", help=weights.HELP)
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     try:
-        engine = ds4.load(args.model, backend=args.backend, ctx=args.ctx, prefill_chunk=args.ctx)
+        engine = ds4.load(args.model, backend=args.backend, ctx=args.ctx, prefill_chunk=args.ctx,
+                          weights=args.weights)
         ids = engine.tokenizer.encode(Path(args.text).read_text(encoding="utf-8"))
         if args.chunks > 0:
             ids = ids[:args.chunks * args.ctx]

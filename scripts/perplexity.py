@@ -22,12 +22,14 @@ import torch
 from tqdm import tqdm
 
 import ds4
+from ds4 import weights
 from ds4.errors import Ds4Error
 from ds4.research import perplexity
 
 
 def _load(path: str, args: argparse.Namespace, cpu_dot: str = "exact") -> ds4.Engine:
-    return ds4.load(path, backend=args.backend, ctx=args.ctx, prefill_chunk=args.ctx, cpu_dot=cpu_dot)
+    return ds4.load(path, backend=args.backend, ctx=args.ctx, prefill_chunk=args.ctx, cpu_dot=cpu_dot,
+                    weights=args.weights)
 
 
 def _score(engine: ds4.Engine, ids: list[int], args: argparse.Namespace, what: str) -> perplexity.Scores:
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--cpu-dot", choices=("exact", "q8"), default="exact",
                     help="the model's cpu dot products (the base always exact; docs/cpu.md)")
+    ap.add_argument("--weights", choices=weights.CHOICES, default="auto", help=weights.HELP)
     ap.add_argument("--batch", type=int, default=0, help="tokens per forward within a chunk (default: the whole chunk)")
     args = ap.parse_args(argv)
     if args.threads > 0:

@@ -1,6 +1,7 @@
 """`scripts/bench.py cpu --full-layers N` at smoke size (the tiny sizes, `--full-tiny`): it writes the truncated
-GGUF, runs ds4py and a stand-in llama-bench (a script printing llama-bench's JSON) and prints the table with
-the ratios and the PNG, and `--op-times`' per-op table (timings are not checked; tests never time)."""
+GGUF, runs ds4py (the file mapped and read into memory) and a stand-in llama-bench (a script printing llama-bench's
+JSON) and prints the table with the ratios and the PNG, and `--op-times`' per-op table (timings are not checked;
+tests never time)."""
 from __future__ import annotations
 
 import stat
@@ -24,9 +25,11 @@ def test_bench_full_width_smoke(tmp_path, capsys, monkeypatch):
         warnings.simplefilter("ignore", UserWarning)     # tiny rows fall back to F16 with a warning each
         bench.main(["cpu", "--full-layers", "4", "--full-tiny", "--full-mixes", "q2", "--threads", "1",
                     "--rounds", "1", "--prompt", "6", "--tokens", "2", "--workdir", str(tmp_path),
-                    "--png", str(tmp_path / "threads.png")])
+                    "--png", str(tmp_path / "threads.png"), "--weights", "mmap", "memory"])
     out = capsys.readouterr().out
     assert "ds4py" in out and "llama.cpp" in out and "decode_x_llama" in out and "pct_copy_1thread" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["q2"]]
+    assert sorted(r[3] for r in rows if r[2] == "ds4py") == ["memory", "mmap"]   # one row per --weights
     assert (tmp_path / "v4flash-tiny-4L-q2.gguf").exists() and (tmp_path / "threads.png").stat().st_size > 0
 
 
@@ -39,4 +42,5 @@ def test_bench_full_width_op_times_smoke(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "decode_ms" in out and "moe" in out and "qmatmul" in out and "(outside op calls)" in out
     assert " exact " in out and " q8 " in out        # one block per cpu dot product
+    assert " mmap " in out and " memory " not in out    # --weights defaults to mmap
     assert "llama.cpp" not in out

@@ -180,7 +180,8 @@ def test_bench_quants_smoke(tmp_path):
     text.write_text(TEXT)
     args = argparse.Namespace(model=TINY, mixes=["Q8_0", "blk.0.ffn_down_exps=IQ2_XXS"], text=str(text), imatrix=None,
                               imatrix_text=str(text), imatrix_chunks=1, no_imatrix=False, ctx=32, chunks=1, tokens=2,
-                              runs=1, threads=1, workdir=str(tmp_path / "w"), png=str(tmp_path / "q.png"))
+                              runs=1, threads=1, workdir=str(tmp_path / "w"), png=str(tmp_path / "q.png"),
+                              weights="memory")
     rows = bench_quants.rows(args, torch.device("cpu"))
     iq2 = "blk.0.ffn_down_exps=IQ2_XXS"
     assert [(r["mix"], r["imatrix"]) for r in rows] == [("(as given)", "-"), ("Q8_0", "no"), ("Q8_0", "yes"),

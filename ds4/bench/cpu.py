@@ -226,6 +226,9 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--llama-args", default="", help="--full-layers: extra llama-bench arguments, e.g. '-ub 1'")
     p.add_argument("--cpu-dot", nargs="+", choices=("exact", "q8"), default=["exact"],
                    help="ds4py's cpu dot products to time, interleaved (e.g. exact q8; docs/cpu.md)")
+    p.add_argument("--weights", nargs="+", choices=("mmap", "memory"), default=["mmap"],
+                   help="--full-layers: how ds4py holds the file, interleaved (e.g. mmap memory: mapped, or read into "
+                        "memory with huge pages; docs/cpu.md)")
     p.add_argument("--full-tiny", action="store_true", help="--full-layers at the tiny model's sizes (smoke test)")
     p.add_argument("--png", help="--full-layers: also plot tok/s against threads into this PNG")
     p.add_argument("--op-times", action="store_true",

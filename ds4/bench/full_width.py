@@ -2,7 +2,8 @@
 to its first N layers (real vocabulary and tokenizer, random weights in the ds4 q2 or q4 mix).
 
 The file is written once per (mix, N) with the seed-rows trick of ds4/tiny/random_model.py (every byte at its
-own address, generated in seconds). ds4py prefills a prompt and decodes greedily (once per `--cpu-dot` given);
+own address, generated in seconds). ds4py prefills a prompt and decodes greedily (once per `--cpu-dot` given, and
+per `--weights` given: the file mapped or read into memory, opened once per round; `load_s` is that opening);
 when `LLAMA_BENCH` names a llama-bench binary, it runs on the same file (`-p` prompt, `-n` tokens) right after,
 for each thread count, in interleaved rounds. The table gives the median tok/s, the weight bytes a decode token
 reads per second and that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp.
@@ -12,6 +13,7 @@ outside op calls), per thread count and `--cpu-dot`.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import statistics
@@ -42,10 +44,11 @@ LLAMACPP_RATIOS = (0, 0) + (4, 128) * 21     # llama.cpp loads ratios 0, 4 and 1
 
 @dataclass(frozen=True)
 class Timing:
-    """One run: prefill and decode tokens per second."""
+    """One run: prefill and decode tokens per second, and the seconds opening the file took (0: not measured)."""
 
     prefill_tok_s: float
     decode_tok_s: float
+    load_s: float = 0.0
 
 
 def metadata(layers: int, tiny: bool) -> dict:
@@ -85,11 +88,19 @@ def decode_bytes(path: Path) -> int:
     return total
 
 
-def run_ds4(path: Path, prompt: list[int], tokens: int, cpu_dot: str = "exact") -> Timing:
-    """ds4py on the file: after an untimed prefill of `prompt`, prefill it again in one chunk, then `tokens` greedy
-    decode steps (`cpu_dot`: the cpu backend's dot product, docs/cpu.md)."""
+def open_timed(path: Path, weights: str) -> tuple[gguf.GGUFFile, float]:
+    """The file opened with `weights` (mmap | memory) and the seconds that took."""
+    gc.collect()   # the previous copy in memory goes before the next is read: never two at once
+    t0 = time.perf_counter()
+    f = gguf.open(path, weights)
+    return f, time.perf_counter() - t0
+
+
+def run_ds4(f: gguf.GGUFFile, prompt: list[int], tokens: int, cpu_dot: str = "exact") -> Timing:
+    """ds4py on the opened file: after an untimed prefill of `prompt`, prefill it again in one chunk, then `tokens`
+    greedy decode steps (`cpu_dot`: the cpu backend's dot product, docs/cpu.md)."""
     from ds4.engine import open_model
-    model = open_model(str(path), OpSet("auto", cpu_dot=cpu_dot))
+    model = open_model(f, OpSet("auto", cpu_dot=cpu_dot))
     Session(model, len(prompt) + 1, len(prompt)).prefill(prompt)     # warm-up, as llama-bench's (see op_times)
     s = Session(model, len(prompt) + tokens + 1, len(prompt))
     t0 = time.perf_counter()
@@ -155,15 +166,16 @@ def timed_phase(ops: TimedOps, run: Callable[[], None], steps: int = 1) -> Phase
     return PhaseTimes(wall, cpu, {op: n / steps for op, n in ops.calls.items()})
 
 
-def op_times(path: Path, prompt: list[int], tokens: int, threads: int, cpu_dot: str = "exact") -> list[dict]:
+def op_times(f: gguf.GGUFFile, prompt: list[int], tokens: int, threads: int, cpu_dot: str = "exact") -> list[dict]:
     """Per op: wall and CPU ms (the process's, all threads) and calls of a prefill of `prompt` and of a decode
-    step (the mean of `tokens` greedy steps), after one untimed warm-up run, with the cpu dot product `cpu_dot`.
+    step (the mean of `tokens` greedy steps) on the opened file `f`, after one untimed warm-up run, with the cpu
+    dot product `cpu_dot`.
     The warm-up matters: a freshly opened model's first prefill also pays a page fault per newly touched range
     of the mapped file (~60,000 on the 2-layer q4 file at 32 tokens, ~0.12 s of a ~1.1 s prefill), which
     run_ds4's warm-up prefill takes too, so the totals here match its figures."""
     from ds4.engine import open_model
     ops = TimedOps("auto", cpu_dot=cpu_dot)
-    model = open_model(str(path), ops)
+    model = open_model(f, ops)
     for _ in range(2):         # the first run warms the page cache and the kernels up
         s = Session(model, len(prompt) + tokens + 1, len(prompt))
         last: list[int] = []
@@ -178,7 +190,7 @@ def op_times(path: Path, prompt: list[int], tokens: int, threads: int, cpu_dot: 
     last_rows = {OUTSIDE: 1, TOTAL: 2}
     names = prefill.wall.keys() | decode.wall.keys()
     for op in sorted(names, key=lambda o: (last_rows.get(o, 0), -prefill.wall.get(o, 0) - decode.wall.get(o, 0))):
-        out.append({"threads": threads, "dot": cpu_dot, "op": op,
+        out.append({"weights": f.weights, "threads": threads, "dot": cpu_dot, "op": op,
                     "prefill_ms": f"{1e3 * prefill.wall.get(op, 0):.1f}",
                     "prefill_cpu_ms": f"{1e3 * prefill.cpu.get(op, 0):.1f}",
                     "prefill_pct": f"{100 * prefill.wall.get(op, 0) / prefill.wall[TOTAL]:.1f}",
@@ -228,36 +240,47 @@ def rows(a) -> list[dict]:
         prompt = torch.randint(0, vocab, (a.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
         if a.op_times:
             try:
-                for threads in a.threads:
-                    kernels.set_threads(threads)
-                    for dot in a.cpu_dot:
-                        out += [{"mix": mix, **r} for r in op_times(path, prompt, a.tokens, threads, dot)]
+                for weights in a.weights:
+                    f, _ = open_timed(path, weights)
+                    for threads in a.threads:
+                        kernels.set_threads(threads)
+                        for dot in a.cpu_dot:
+                            out += [{"mix": mix, **r} for r in op_times(f, prompt, a.tokens, threads, dot)]
+                    del f
+                    gc.collect()
             finally:
                 torch.set_num_threads(before)
             continue
-        times: dict[tuple[str, int], list[Timing]] = {}
+        times: dict[tuple[str, str, int], list[Timing]] = {}
         try:
             for r in range(a.rounds + 1):          # round 0 warms up (page cache, kernels) and is not counted
-                for threads in a.threads:
-                    kernels.set_threads(threads)
-                    runs = [(engine_name(dot), run_ds4(path, prompt, a.tokens, dot)) for dot in a.cpu_dot]
-                    if binary:
-                        llama = run_llama(binary, path, a.prompt, a.tokens, threads, a.llama_args.split())
-                        runs.append(("llama.cpp", llama))
-                    for engine, t in runs:
-                        if r:
-                            times.setdefault((engine, threads), []).append(t)
+                for weights in a.weights:
+                    f, load_s = open_timed(path, weights)
+                    for threads in a.threads:
+                        kernels.set_threads(threads)
+                        for dot in a.cpu_dot:
+                            t = run_ds4(f, prompt, a.tokens, dot)
+                            if r:
+                                times.setdefault((engine_name(dot), weights, threads), []).append(
+                                    Timing(t.prefill_tok_s, t.decode_tok_s, load_s))
+                    del f
+                    gc.collect()
+                for threads in a.threads if binary else ():
+                    llama = run_llama(binary, path, a.prompt, a.tokens, threads, a.llama_args.split())
+                    if r:
+                        times.setdefault(("llama.cpp", "-", threads), []).append(llama)
         finally:
             torch.set_num_threads(before)
-        for (engine, threads), ts in times.items():
+        for (engine, weights, threads), ts in times.items():
             decode = statistics.median(t.decode_tok_s for t in ts)
             prefill = statistics.median(t.prefill_tok_s for t in ts)
-            row = {"mix": mix, "layers": a.full_layers, "engine": engine, "threads": threads,
-                   "prefill_tok_s": f"{prefill:.2f}", "decode_tok_s": f"{decode:.2f}",
+            load = f"{statistics.median(t.load_s for t in ts):.2f}" if weights != "-" else "-"
+            row = {"mix": mix, "layers": a.full_layers, "engine": engine, "weights": weights, "load_s": load,
+                   "threads": threads, "prefill_tok_s": f"{prefill:.2f}", "decode_tok_s": f"{decode:.2f}",
                    "decode_GB_s": f"{decode * step / 1e9:.2f}",
                    "pct_copy_1thread": f"{100 * decode * step / copy:.0f}"}
             if binary:
-                ref = times[("llama.cpp", threads)]
+                ref = times[("llama.cpp", "-", threads)]
                 row["decode_x_llama"] = f"{decode / statistics.median(t.decode_tok_s for t in ref):.2f}"
                 row["prefill_x_llama"] = f"{prefill / statistics.median(t.prefill_tok_s for t in ref):.2f}"
             out.append(row)
@@ -267,16 +290,17 @@ def rows(a) -> list[dict]:
 
 
 def plot(table: list[dict], path: str) -> None:
-    """Decode and prefill tok/s against threads, one line per (mix, engine)."""
+    """Decode and prefill tok/s against threads, one line per (mix, engine, weights)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    for key in sorted({(r["mix"], r["engine"]) for r in table}):
-        rs = sorted((r for r in table if (r["mix"], r["engine"]) == key), key=lambda r: r["threads"])
+    for key in sorted({(r["mix"], r["engine"], r["weights"]) for r in table}):
+        rs = sorted((r for r in table if (r["mix"], r["engine"], r["weights"]) == key), key=lambda r: r["threads"])
         for ax, field in zip(axes, ("decode_tok_s", "prefill_tok_s"), strict=True):
-            ax.plot([r["threads"] for r in rs], [float(r[field]) for r in rs], marker="o", label=" ".join(key))
+            ax.plot([r["threads"] for r in rs], [float(r[field]) for r in rs], marker="o",
+                    label=" ".join(k for k in key if k != "-"))
     for ax, title in zip(axes, ("decode", "prefill"), strict=True):
         ax.set_xlabel("threads")
         ax.set_ylabel("tokens/s")

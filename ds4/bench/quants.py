@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ds4 import weights
 from ds4.bench.common import fmt, machine
 from ds4.engine import Engine, load
 from ds4.errors import UsageError
@@ -34,7 +35,7 @@ class Measured:
 
 def measure(path: str, ids: list[int], args: argparse.Namespace) -> Measured:
     """Score `ids` in chunks of --ctx and time a greedy decode of --tokens tokens (no MTP)."""
-    engine = load(path, ctx=max(args.ctx, 256), prefill_chunk=args.ctx)
+    engine = load(path, ctx=max(args.ctx, 256), prefill_chunk=args.ctx, weights=args.weights)
     scores = perplexity.score(engine, ids, args.ctx)
     return Measured(scores, decode_tok_s(engine, args.tokens, args.runs))
 
@@ -152,5 +153,6 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--tokens", type=int, default=64, help="tokens decoded for tok/s")
     p.add_argument("--runs", type=int, default=3, help="decode runs per file; tok/s is the fastest")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--weights", choices=weights.CHOICES, default="auto", help=weights.HELP)
     p.add_argument("--workdir", help="keep the requantized files here (default: a temporary folder)")
     p.add_argument("--png", help="also write the KLD / bits-per-weight plot here")

@@ -9,6 +9,7 @@ import argparse
 
 import torch
 
+from ds4 import weights
 from ds4.bench.common import machine
 from ds4.cost import PassCost
 from ds4.engine import load
@@ -55,7 +56,7 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     if args.tokens < 1 or args.threads < 1:
         raise UsageError(f"--tokens and --threads must be >= 1 (got {args.tokens}, {args.threads})")
     torch.set_num_threads(args.threads)
-    engine = load(args.model, args.mtp, ctx=1024)
+    engine = load(args.model, args.mtp, ctx=1024, weights=args.weights)
     print(f"# {machine(device)}; model {engine.paths[0]}", flush=True)
     rows = [spec_row(engine, SPEC_PROMPTS[kind], kind, mode, args.tokens, **options)
             for kind in SPEC_PROMPTS for mode, options in SPEC_MODES.items()]
@@ -92,4 +93,5 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--mtp", help="MTP GGUF (default: the embedded model's)")
     p.add_argument("--tokens", type=int, default=96, help="tokens generated per run")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--weights", choices=weights.CHOICES, default="auto", help=weights.HELP)
     p.add_argument("--png", help="also write a bar chart of passes per token here")

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 
 from backends.cpu import kernels
 from backends.registry import PARALLEL
-from ds4 import distributed
+from ds4 import distributed, weights
 from ds4.engine import Engine, load
 from ds4.errors import Ds4Error, UsageError
 from ds4.server.anthropic_routes import ANTHROPIC_PREFIX, anthropic_router
@@ -115,6 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpu-dot", choices=("exact", "q8"), default="exact",
                    help="cpu backend's quantized products: exact float (default) or q8, activations rounded to 8 bits "
                         "per block as llama.cpp does (faster on 2-bit types, other numbers)")
+    p.add_argument("--weights", choices=weights.CHOICES, default="auto", help=weights.HELP)
     p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
                    help="require this key on every request (Authorization: Bearer KEY); default $DS4_API_KEY")
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.parallel and a.kv_disk_dir:
             raise UsageError("--kv-disk-dir does not run across ranks yet: drop it with --parallel")
         engine = load(a.model, a.mtp, a.backend, ctx=a.ctx, prefill_chunk=a.prefill_chunk, compile=a.compile,
-                      cuda_graphs=a.cuda_graphs, cpu_dot=a.cpu_dot, parallel=a.parallel)
+                      cuda_graphs=a.cuda_graphs, cpu_dot=a.cpu_dot, parallel=a.parallel, weights=a.weights)
         draft = int(a.mtp_draft) if a.mtp_draft not in (None, "auto") else a.mtp_draft
         cache = PrefixCache(engine, a.kv_disk_dir, a.kv_disk_space_mb) if a.kv_disk_dir else None
         worker = Worker(engine, draft, cache, Link(engine.world) if engine.world else None)
