@@ -59,7 +59,7 @@ def test_kernel_is_identical_across_threads_and_row_counts(qtype, experts, threa
             assert torch.equal(out, single[:M]), (qtype, experts, n, M)
 
 
-@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K", "F16", "IQ3_S"))
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K", "F16", "Q2_K"))
 def test_prefill_tiles_are_identical_across_threads_and_row_counts(qtype, threads, monkeypatch):
     """A prefill product (M > 16: qgemm.c's dequantized tiles, here two of 64 and 6 rows of 4096 values) split across
     1, 2 or 3 threads: the same bits, row m the same bits as a 1-row call of the same product (any M), and within
