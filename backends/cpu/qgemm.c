@@ -3,10 +3,16 @@
  * group is multiplied by its expert through qgemv (float rows) or qdot8_rows (rows rounded to 8 bits by
  * q8_quantize), 16 rows at a time, so each expert's weight is read once per 16 of its rows and no Python runs
  * per expert. A call computes groups [g0, g1): the kernel pool splits a layer by whole experts, and an output's
- * arithmetic depends only on its row and its expert (the same bits for any thread count or split). Built with
- * qgemv.c and qdot8.c by backends/cpu/kernels.py. */
+ * arithmetic depends only on its row and its expert (the same bits for any thread count or split). Further down:
+ * prefill's exact dense products (dense_gemm), and both split across the kernel pool (pool.c's pool_range). Built
+ * with qgemv.c, qdot8.c and pool.c by backends/cpu/kernels.py. */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
           const float *x, int64_t M, float *y, int64_t n0, int64_t n1);
@@ -39,12 +45,6 @@ int experts_gemm(int q8, int type, const uint8_t *w, int64_t expert_bytes, const
  * bits for any M, tile, block or thread split, and on the AVX-512, AVX2 and plain C builds. Register blocks of
  * MR rows x NR outputs share each load (AVX-512: 24 accumulators); the rows are taken GROUP_BYTES of them at a
  * time so that they stay in L2 while a tile is multiplied. */
-#include <math.h>
-#include <stdlib.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 int dequantize(int type, const uint8_t *w, int64_t rows, int64_t K, float *out);
 
 #define TILE_FLOATS (256 * 1024)    /* one dequantized tile: 1 MB of float32 */
