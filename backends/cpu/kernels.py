@@ -9,8 +9,8 @@ or `DS4_CPU_KERNELS=0` (the only silent way off).
 The shared library is cached under $DS4_CACHE (default ~/.cache/ds4py) keyed by the sources' hash.
 Large weights are split by output rows into chunks that `threads()` threads take in turn (each output's
 arithmetic does not depend on the split): the library's own pool (pool.c) for the kernels and prefill's dense
-products and routed experts, a Python pool (`split`) for the 8-bit GEMM's tiles and prefill attention's chunks
-(ctypes releases the GIL during a call).
+products and routed experts, a Python pool (`split`) for the 8-bit GEMM's tiles, prefill attention's chunks and the
+FP8/I32 tiles (ctypes releases the GIL during a call).
 `set_threads(N)` gives the pool N threads and torch's own ops one (`--threads N`).
 """
 from __future__ import annotations

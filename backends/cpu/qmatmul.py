@@ -14,7 +14,8 @@
   a time (about TILE_BYTES of float32, so the tile stays in cache while it is multiplied). A prefill batch of a
   type the kernel library reads takes `kernels.dense_product` (qgemm.c's dense_gemm): each tile dequantized once
   (the reference's values) and multiplied by every row in C, the output rows split across the kernel pool, each
-  output the same bits for any M and thread count (1.2-2.2x BLAS on the tiles at M = 32, docs/cpu.md, "Prefill").
+  output the same bits for any M and thread count (1.2-2.2x BLAS on the tiles at M = 32, docs/cpu.md, "Prefill");
+  the other types' tiles are split across the Python pool (`kernels.split`).
 - `dot="q8"` (`--cpu-dot q8`, OpSet(cpu_dot="q8")): for M <= SMALL_M the types qdot8.c reads
   (`kernels.Q8_TYPES`: IQ2_XXS, the K-quants, IQ4_XS, the legacy types, IQ4_NL, MXFP4) round the activations to
   8 bits per block and multiply in integers, F16 rounds them to f16, as llama.cpp does (backends/cpu/qdot8.c,
@@ -84,6 +85,12 @@ def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
     if x.shape[0] > SMALL_M and kernels.available(w.qtype.name, w.shape[1]) and w.shape[1] % 16 == 0:
         return kernels.dense_product(x, w)
     out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
-    for start, stop in tile_bounds(w):
-        out[:, start:stop] = product(x, tile(w, start, stop).T)
+    bounds = list(tile_bounds(w))
+
+    def run(first: int, last: int) -> None:
+        for start, stop in bounds[first:last]:
+            out[:, start:stop] = product(x, tile(w, start, stop).T)
+
+    prefill = x.shape[0] > SMALL_M      # verify rows stay on one thread: BLAS's kernel is the same for any split
+    kernels.split(run, len(bounds), kernels.CHUNKS_PER_THREAD * kernels.threads() if prefill else 1)
     return out
