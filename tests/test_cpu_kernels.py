@@ -59,19 +59,22 @@ def test_kernel_is_identical_across_threads_and_row_counts(qtype, experts, threa
             assert torch.equal(out, single[:M]), (qtype, experts, n, M)
 
 
-@pytest.mark.parametrize("qtype", ("Q8_0", "Q2_K", "F16", "IQ3_S"))
-def test_prefill_tiles_are_identical_across_threads(qtype, threads, monkeypatch):
-    """A prefill product (M > 16; IQ3_S through the reference's dequantizer) split into tiles across 1, 2 or 3
-    threads: the same bits, each row within float rounding of the dequantized weight's product."""
-    monkeypatch.setattr(qmatmul, "TILE_BYTES", 4 * 512 * 3)     # 3-row tiles: 14 tiles of 40 rows
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K", "F16", "Q2_K"))
+def test_prefill_tiles_are_identical_across_threads_and_row_counts(qtype, threads, monkeypatch):
+    """A prefill product (M > 16: qgemm.c's dequantized tiles, here two of 64 and 6 rows of 4096 values) split across
+    1, 2 or 3 threads: the same bits, row m the same bits as a 1-row call of the same product (any M), and within
+    float rounding of the dequantized weight's product."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)     # the most chunks: uneven row ranges across the tiles
     g = torch.Generator().manual_seed(5)
-    w = QTensor.quantize(torch.randn(40, 512, generator=g) / 16, qtype, "w")
-    x = torch.randn(20, 512, generator=g)
+    w = QTensor.quantize(torch.randn(70, 4096, generator=g) / 16, qtype, "w")
+    x = torch.randn(23, 4096, generator=g)
     outs = []
     for n in (1, 2, 3):
         kernels.set_threads(n)
         outs.append(qmatmul.qmatmul(x, w))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0][:17], qmatmul.qmatmul(x[:17], w))
+    assert torch.equal(outs[0], torch.cat([kernels.dense_product(x[m:m + 1], w) for m in range(23)]))
     torch.testing.assert_close(outs[0], x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
 
 

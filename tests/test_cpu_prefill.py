@@ -103,7 +103,11 @@ def test_kernel_equals_reference_rows_threads(amx, monkeypatch):
 
 @pytest.mark.parametrize("flags", ("-mno-avx512f", "-mno-avx512f -mno-avx2"))
 def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
-    """The AVX2 build (an AVX2-only machine's, no AMX) and the plain C build give the same bits, the same cases."""
+    """The AVX2 build (an AVX2-only machine's, no AMX) and the plain C build give the same bits, the same cases, for
+    the 8-bit GEMM and the exact dense products (qgemm.c's fused multiply-add lanes: the native build's bits)."""
+    x = activations(20, 512)
+    dense = [weight(qtype, 13, 512) for qtype in ("Q8_0", "F16")]
+    native = [kernels.dense_product(x, d) for d in dense]
     rebuild_with(flags, tmp_path, monkeypatch)
     monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
     monkeypatch.setattr(kernels, "_pool_threads", 0)
@@ -114,6 +118,8 @@ def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
         check_paths(extreme_weight(75, 256), extreme_activations(40, 256), (17, 40))
     finally:
         torch.set_num_threads(before)
+    for d, expected in zip(dense, native, strict=True):
+        assert torch.equal(kernels.dense_product(x, d), expected), (flags, d.qtype.name)
 
 
 def test_qmatmul_takes_it_for_prefill_rows_only(monkeypatch):

@@ -8,8 +8,9 @@ or `DS4_CPU_KERNELS=0` (the only silent way off).
 
 The shared library is cached under $DS4_CACHE (default ~/.cache/ds4py) keyed by the sources' hash.
 Large weights are split by output rows into chunks that `threads()` threads take in turn (each output's
-arithmetic does not depend on the split): the library's own pool (pool.c) for the kernels, a Python pool
-for prefill's tiles (ctypes releases the GIL during a call).
+arithmetic does not depend on the split): the library's own pool (pool.c) for the kernels and prefill's dense
+products and routed experts, a Python pool (`split`) for the 8-bit GEMM's tiles, prefill attention's chunks and the
+FP8/I32 tiles (ctypes releases the GIL during a call).
 `set_threads(N)` gives the pool N threads and torch's own ops one (`--threads N`).
 """
 from __future__ import annotations
@@ -101,6 +102,7 @@ def _build() -> ctypes.CDLL:
     _bind_q8(lib)
     _bind_gemm8(lib)
     _bind_amx_rows(lib)
+    _bind_prefill(lib)
     return lib
 
 
@@ -344,8 +346,6 @@ def _bind_q8(k: ctypes.CDLL) -> None:
     k.qdot8.argtypes = [ctypes.c_int, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64]
     k.qdot8_rows.restype = ctypes.c_int
     k.qdot8_rows.argtypes = k.qdot8.argtypes
-    k.experts_gemm.restype = ctypes.c_int
-    k.experts_gemm.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, i64, i64]
     grid = iq2_xxs.GRID.to(torch.uint8).contiguous()
     ksigns = iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     k.qdot8_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
@@ -476,10 +476,10 @@ def experts_product(x: torch.Tensor, w: QTensor, ids: torch.Tensor, first: torch
     rows = q8_quantize(x, w.qtype.name) if q8 else x
     data, ids, first = w.data.contiguous(), ids.to(torch.int64).contiguous(), first.to(torch.int64).contiguous()
     y = torch.empty((P, w.shape[-2]), dtype=torch.float32)
-    args = (int(q8), GGML_TYPE[w.qtype.name], data.data_ptr(), data[0].numel(), ids.data_ptr(), first.data_ptr(),
-            w.shape[-2], K, rows.data_ptr(), rows.numel() * rows.element_size() // max(P, 1), y.data_ptr())
-    groups = ids.shape[0]
-    if split(lambda g0, g1: lib().experts_gemm(*args, g0, g1), groups, groups):
+    rc = lib().experts_gemm_pool(int(q8), GGML_TYPE[w.qtype.name], data.data_ptr(), data[0].numel(), ids.data_ptr(),
+                                 first.data_ptr(), w.shape[-2], K, rows.data_ptr(),
+                                 rows.numel() * rows.element_size() // max(P, 1), y.data_ptr(), ids.shape[0], threads())
+    if rc:
         raise ValueError(f"experts_product: unsupported call ({w.qtype.name}, K={K}, dot={dot})")
     return y
 
@@ -504,3 +504,30 @@ def amx_rows(on: bool | None = None, every_m: bool = False) -> bool:
     k = lib()
     mode = -1 if on is None else 2 if on and every_m else int(on)
     return k is not None and bool(k.qdot8amx_on(mode))
+
+
+# Prefill's exact dense products (M > SMALL_M; qgemm.c's dense_gemm): dequantized tiles times every row, in C.
+def _bind_prefill(k: ctypes.CDLL) -> None:
+    """Declare qgemm.c's pool entry points: the dense tiles' product and the routed experts' groups."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    k.dense_gemm.restype = ctypes.c_int
+    k.dense_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
+    k.experts_gemm_pool.restype = ctypes.c_int
+    k.experts_gemm_pool.argtypes = [ctypes.c_int, ctypes.c_int, ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, i64,
+                                    ctypes.c_int]
+
+
+def dense_product(x: torch.Tensor, w: QTensor) -> torch.Tensor:
+    """`x [M, K] @ W.T` for a 2-D weight of a type `available()` serves (K a multiple of 16), in one library call:
+    tiles of output rows dequantized (the reference's values) and multiplied by every row in 16 lanes with fused
+    multiply-adds, the rows split across the kernel pool. Each output depends only on its row of x and of W: the
+    same bits for any M and thread count. Float32 [M, N]."""
+    x = x.to(torch.float32).contiguous()
+    (M, K), N = x.shape, w.shape[0]
+    data = w.data.contiguous()
+    y = torch.empty((M, N), dtype=torch.float32)
+    parts = min(CHUNKS_PER_THREAD * threads(), max(1, data.numel() // SPLIT_BYTES))
+    if lib().dense_gemm(GGML_TYPE[w.qtype.name], data.data_ptr(), data.numel() // max(N, 1), N, K, x.data_ptr(), M,
+                        y.data_ptr(), parts, threads()):
+        raise ValueError(f"dense_product: unsupported call ({w.qtype.name}, K={K})")
+    return y

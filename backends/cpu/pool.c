@@ -147,3 +147,22 @@ int pool_rows(rows_fn fn, int type, const uint8_t *w, int64_t expert_bytes, cons
     pthread_mutex_unlock(&caller_lock);
     return rc;
 }
+
+/* pool_range: fn(ctx, start, stop) over [0, n) in `parts` chunks, as pool_rows runs a row kernel (the context
+ * travels in pool_rows' activation pointer). */
+typedef struct {
+    int (*fn)(void *, int64_t, int64_t);
+    void *ctx;
+} range_job;
+
+static int run_range(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+                     const void *job, int64_t M, float *y, int64_t start, int64_t stop) {
+    (void)type, (void)w, (void)expert_bytes, (void)experts, (void)N, (void)K, (void)M, (void)y;
+    const range_job *r = job;
+    return r->fn(r->ctx, start, stop);
+}
+
+int pool_range(int (*fn)(void *, int64_t, int64_t), void *ctx, int64_t n, int64_t parts, int threads) {
+    range_job job = {fn, ctx};
+    return pool_rows(run_range, 0, NULL, 0, NULL, 0, 0, &job, 0, NULL, n, parts, threads);
+}

@@ -11,11 +11,11 @@
   cache-resident ones stay in BLAS (docs/cpu.md).
 - Other types (REFERENCE_TILES, declared: qgemv.c has no block-dot for them), larger M (prefill) and
   machines without a C compiler dequantize one tile of output rows at
-  a time (about TILE_BYTES of float32, so the tile stays in cache while it is multiplied); a prefill batch
-  dequantizes each tile once for all its rows, through the kernel library's block dequantizer where it
-  serves the type (the same values as the reference's, several times faster), the tiles split across the
-  kernel pool's threads (`kernels.split`). Measured against the fused kernel on chunks of 16 rows at M = 32,
-  the tiles were as fast or faster at every V4 Flash shape (docs/cpu.md, "Prefill").
+  a time (about TILE_BYTES of float32, so the tile stays in cache while it is multiplied). A prefill batch of a
+  type the kernel library reads takes `kernels.dense_product` (qgemm.c's dense_gemm): each tile dequantized once
+  (the reference's values) and multiplied by every row in C, the output rows split across the kernel pool, each
+  output the same bits for any M and thread count (1.2-2.2x BLAS on the tiles at M = 32, docs/cpu.md, "Prefill");
+  the other types' tiles are split across the Python pool (`kernels.split`).
 - `dot="q8"` (`--cpu-dot q8`, OpSet(cpu_dot="q8")): for M <= SMALL_M the types qdot8.c reads
   (`kernels.Q8_TYPES`: IQ2_XXS, the K-quants, IQ4_XS, the legacy types, IQ4_NL, MXFP4) round the activations to
   8 bits per block and multiply in integers, F16 rounds them to f16, as llama.cpp does (backends/cpu/qdot8.c,
@@ -82,6 +82,8 @@ def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
         return kernels.qgemv(x, w)
     if weight is not None:
         return product(x, weight.T)
+    if x.shape[0] > SMALL_M and kernels.available(w.qtype.name, w.shape[1]) and w.shape[1] % 16 == 0:
+        return kernels.dense_product(x, w)
     out = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
     bounds = list(tile_bounds(w))
 
