@@ -2,19 +2,20 @@
 padded to whole vectors (`rows.rowwise`) instead of one row at a time, an eager step's Sinkhorn rounds are
 one call into the kernel library (backends/cpu/sinkhorn.c; a compiled step, which fuses them, and machines
 where the library cannot be built keep in-place torch ops), the stream sums of hc_pre/hc_head and hc_post's
-mix are one batched product each (`bmm`, the same kernel for every row whatever M is), and the HC head uses the
-CPU qmatmul. Row-wise, so batch-invariant."""
+mix are one C call each (backends/cpu/glue.c: the references' sums in their order, so their bits; a compiled step and
+machines without the library take one batched product each, `bmm`, the same kernel for every row whatever M is),
+and the HC head uses the CPU qmatmul. Row-wise, so batch-invariant."""
 from __future__ import annotations
 
 import torch
 
 from backends.cpu.qmatmul import qmatmul
+from backends.cpu.rowops import rms_norm
 from backends.cpu.rows import rowwise
 from backends.registry import register
 from ops.quants import QTensor
-from ops.rms_norm import rms_norm
 
-from . import kernels
+from . import glue, kernels
 
 
 def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -30,7 +31,9 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def streams(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
-    """Σ_h w[:, h] · X[:, h] as one [1, S] x [S, D] product per row (one op instead of 2S)."""
+    """Σ_h w[:, h] · X[:, h]: one C call, or one [1, S] x [S, D] product per row (one op instead of 2S)."""
+    if glue.ready():
+        return glue.streams(w, X)
     return torch.bmm(w[:, None, :], X.to(torch.float32))[:, 0]
 
 
@@ -47,7 +50,9 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
 
 @register("hc_post", "cpu", batch_invariant=True)
 def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """New HC state `post ⊗ y + combᵀ · X` per row: one batched product instead of 2S + 1 small ops."""
+    """New HC state `post ⊗ y + combᵀ · X` per row: one C call or one batched product instead of 2S + 1 small ops."""
+    if glue.ready():
+        return glue.hc_post(X, y, post, comb)
     return torch.baddbmm(post[:, :, None] * y[:, None, :], comb.transpose(1, 2), X)
 
 

@@ -1,0 +1,77 @@
+"""Python side of glue.c: the small ops of a decode step as one C call each (rms_norm, hc_post, the HC stream sums,
+rope_tail's rotation), each the bits of its reference (docs/cpu.md, "Per-step overhead"). `ready()` is False
+where the kernel library cannot be built and inside a compiled step (Inductor fuses the torch ops instead); the
+callers then take their torch paths."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import kernels
+
+_bound: ctypes.CDLL | None = None
+
+
+def _lib() -> ctypes.CDLL:
+    """The kernel library with glue.c's entry points declared (once)."""
+    global _bound
+    if _bound is None:
+        k, i64, ptr = kernels.lib(), ctypes.c_int64, ctypes.c_void_p
+        k.glue_rms_norm.restype = k.glue_hc_post.restype = k.glue_streams.restype = k.glue_rope.restype = None
+        k.glue_rms_norm.argtypes = [ptr, i64, i64, ptr, ctypes.c_float, ptr]
+        k.glue_hc_post.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr]
+        k.glue_streams.argtypes = [ptr, ptr, i64, i64, i64, ptr]
+        k.glue_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr]
+        _bound = k
+    return _bound
+
+
+def ready() -> bool:
+    """Whether the glue kernels serve this call (built library, eager mode)."""
+    return kernels.built() and not torch.compiler.is_compiling()
+
+
+def f32(x: torch.Tensor) -> torch.Tensor:
+    """`x` as a contiguous float32 tensor (no copy when it is one)."""
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """ops.rms_norm.rms_norm_lanes' bits for float32 `x` [..., n]."""
+    x = f32(x)
+    out = torch.empty_like(x)
+    w = None if weight is None else f32(weight)
+    n = x.shape[-1]
+    _lib().glue_rms_norm(x.data_ptr(), x.numel() // n if n else 0, n, None if w is None else w.data_ptr(), eps,
+                         out.data_ptr())
+    return out
+
+
+def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """ops.hc_post.hc_post's bits."""
+    X, y, post, comb = f32(X), f32(y), f32(post), f32(comb)
+    out = torch.empty_like(X)
+    M, S, D = X.shape
+    _lib().glue_hc_post(X.data_ptr(), y.data_ptr(), post.data_ptr(), comb.data_ptr(), M, S, D, out.data_ptr())
+    return out
+
+
+def streams(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """Σ_h w[:, h] · X[:, h] summed in stream order (the references' loop in hc_pre and hc_head)."""
+    X, w = f32(X), f32(w)
+    M, S, D = X.shape
+    out = torch.empty((M, D), dtype=torch.float32)
+    _lib().glue_streams(X.data_ptr(), w.data_ptr(), M, S, D, out.data_ptr())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """`x` [M, ..., d] with the tail pairs of each row rotated by cos/sin [M, P] (ops.rope_tail's rotation)."""
+    x, cos, sin = f32(x), f32(cos), f32(sin)
+    out = torch.empty_like(x)
+    M, d = x.shape[0], x.shape[-1]
+    groups = x.numel() // (M * d) if M and d else 0
+    _lib().glue_rope(x.data_ptr(), M, groups, d, cos.data_ptr(), sin.data_ptr(), cos.shape[-1], int(inverse),
+                     out.data_ptr())
+    return out
