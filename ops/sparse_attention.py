@@ -75,3 +75,61 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: t
         denom = torch.exp(sink - m) + p.sum(-1, keepdim=True)
         out[start:start + QUERY_BLOCK] = torch.einsum("mhk,mkd->mhd", p, keys) / denom
     return out
+
+
+EXP_LOW = -87.0     # exp_poly gives 0 below this (e^-87 is near float32's smallest normal)
+LANES = 16          # sparse_attention_lanes: the partial sums of a dot product
+
+
+def exp_poly(x: torch.Tensor) -> torch.Tensor:
+    """e^x of float32 `x` from rounded +, −, · and exact powers of two only (so C computes the same bits):
+    n = floor(x·log2 e + 1/2), r = x − n·ln 2 in two parts, a degree-5 polynomial in r, times 2^n; 0 below EXP_LOW."""
+    x = x.to(torch.float32)
+    low = ~(x >= EXP_LOW)
+    x = torch.where(low, 0.0, x)
+    n = torch.floor(x * 1.44269504088896341 + 0.5)
+    r = x - n * 0.693359375
+    r = r - n * -2.12194440e-4
+    p = torch.full_like(r, 1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + c
+    y = p * (r * r) + r + 1.0
+    two_n = ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+    return torch.where(low, 0.0, y * two_n)
+
+
+def dot_lanes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ_k a[..., k]·b[..., k] (broadcast) with element k added to partial sum k % LANES in order, then the partial
+    sums in order."""
+    products = a * b
+    n = products.shape[-1]
+    products = torch.nn.functional.pad(products, (0, -n % LANES)).reshape(*products.shape[:-1], -1, LANES)
+    acc = torch.zeros(products.shape[:-2] + (LANES,))
+    for r in range(products.shape[-2]):
+        acc = acc + products[..., r, :]
+    total = acc[..., 0]
+    for lane in range(1, LANES):
+        total = total + acc[..., lane]
+    return total
+
+
+def sparse_attention_lanes(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """`sparse_attention` in a fixed float order (the bits of the cpu backend's C kernel, backends/cpu/glue.c): per
+    query and head over its padded list, scores `dot_lanes(q, row)·scale`, weights `exp_poly(s − m)`, and the
+    weighted rows and the weights summed in list order; −1 entries weigh exactly 0."""
+    q, kv, sinks = q.to(torch.float32), kv.to(torch.float32), sinks.to(torch.float32)
+    listed = rows.padded()
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for m in range(q.shape[0]):
+        keys = kv[listed[m].clamp(min=0)]                                        # [L, D]
+        s = dot_lanes(q[m][:, None, :], keys[None]) * scale                       # [H, L]
+        s = s.masked_fill(listed[m] < 0, float("-inf"))
+        top = torch.maximum(s.amax(-1), sinks) if s.shape[-1] else sinks
+        p = exp_poly(s - top[:, None])
+        o, total = torch.zeros(q.shape[1:]), torch.zeros(q.shape[1])
+        for k in range(p.shape[-1]):
+            total = total + p[:, k]
+            o = o + p[:, k, None] * keys[k]
+        out[m] = o / (exp_poly(sinks - top) + total)[:, None]
+    return out

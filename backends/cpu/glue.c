@@ -8,6 +8,7 @@
  * few microseconds of work). Built with qgemv.c by backends/cpu/kernels.py.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 
 #define LANES 16
@@ -75,4 +76,80 @@ void glue_rope(const float *x, int64_t M, int64_t G, int64_t d, const float *cos
                 o[first + 2 * p + 1] = x0 * sn + x1 * c[p];
             }
         }
+}
+
+/* e^x with only rounded +, -, * and an exact power of two (ops/sparse_attention.py, exp_poly): Cody-Waite reduction
+ * by n = floor(x·log2 e + 1/2), a degree-5 polynomial, 0 below EXP_LOW (and for -inf). */
+#define EXP_LOW (-87.0f)
+static inline float exp_poly(float x) {
+    if (!(x >= EXP_LOW)) return 0.0f;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * (r * r);
+    y = y + r;
+    y = y + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return y * scale.f;
+}
+
+/* Σ_k a[k]·b[k] with element k added to lane k % LANES in order, then the lanes in order. */
+static inline float dot_lanes(const float *a, const float *b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t k = 0;
+    for (; k + LANES <= n; k += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[k + l] * b[k + l];
+    for (int l = 0; k + l < n; l++) acc[l] += a[k + l] * b[k + l];
+    float total = acc[0];
+    for (int l = 1; l < LANES; l++) total += acc[l];
+    return total;
+}
+
+typedef struct {        /* one sparse_attention call (glue_attention), read by the pool's threads */
+    const float *q, *kv, *sinks;
+    const int64_t *rows;
+    int64_t H, D, L;
+    float scale;
+} attention_t;
+
+/* Output rows [start, stop) of the (query, head) pairs of an attention_t `args` (pool.c's row-function signature:
+ * the unused arguments are the products'): s_k = dot_lanes(q, kv[row k]) · scale (−inf where row k is −1),
+ * p_k = exp_poly(s_k − m) with m the largest of the s_k and the sink, out = (Σ_k p_k·kv[row k]) / (exp_poly(sink − m)
+ * + Σ_k p_k), both sums in list order. */
+int glue_attention_rows(int type, const uint8_t *args, int64_t expert_bytes, const int64_t *experts, int64_t N,
+                        int64_t K, const void *x, int64_t M, float *out, int64_t start, int64_t stop) {
+    (void)type, (void)expert_bytes, (void)experts, (void)N, (void)K, (void)x, (void)M;
+    const attention_t *a = (const attention_t *)args;
+    int64_t H = a->H, D = a->D, L = a->L;
+    float *p = malloc((size_t)(L > 0 ? L : 1) * sizeof(float));
+    if (!p) return -2;
+    for (int64_t pair = start; pair < stop; pair++) {
+        int64_t m = pair / H, h = pair % H;
+        const float *q = a->q + pair * D;
+        const int64_t *rows = a->rows + m * L;
+        float sink = a->sinks[h], top = sink, *o = out + pair * D;
+        for (int64_t k = 0; k < L; k++) {
+            p[k] = rows[k] < 0 ? -INFINITY : dot_lanes(q, a->kv + rows[k] * D, D) * a->scale;
+            if (p[k] > top) top = p[k];
+        }
+        float total = 0.0f;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t k = 0; k < L; k++) {
+            p[k] = exp_poly(p[k] - top);
+            total = total + p[k];
+            if (rows[k] < 0) continue;      /* weight exactly 0: adding 0·kv changes nothing */
+            const float *v = a->kv + rows[k] * D;
+            for (int64_t d = 0; d < D; d++) o[d] = o[d] + p[k] * v[d];
+        }
+        total = exp_poly(sink - top) + total;
+        for (int64_t d = 0; d < D; d++) o[d] = o[d] / total;
+    }
+    free(p);
+    return 0;
 }

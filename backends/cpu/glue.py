@@ -75,3 +75,33 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -
     _lib().glue_rope(x.data_ptr(), M, groups, d, cos.data_ptr(), sin.data_ptr(), cos.shape[-1], int(inverse),
                      out.data_ptr())
     return out
+
+
+class AttentionArgs(ctypes.Structure):
+    """glue.c's attention_t."""
+
+    _fields_ = [("q", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("rows", ctypes.c_void_p),
+                ("H", ctypes.c_int64), ("D", ctypes.c_int64), ("L", ctypes.c_int64), ("scale", ctypes.c_float)]
+
+
+ATTENTION_SPLIT = 1 << 20   # multiply-adds of a call worth splitting across the kernel pool
+
+
+def attention(q: torch.Tensor, kv: torch.Tensor, listed: torch.Tensor, sinks: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """ops.sparse_attention.sparse_attention_lanes' bits for queries q [M, H, D] over their padded lists `listed`
+    [M, L] (−1 = none) of rows of kv [N, D]; the (query, head) pairs split across the kernel pool when the call
+    is large enough (each pair computed by one thread: the same bits for any thread count)."""
+    q, kv, sinks, listed = f32(q), f32(kv), f32(sinks), listed.to(torch.int64).contiguous()
+    M, H, D = q.shape
+    L = listed.shape[1]
+    out = torch.empty((M, H, D), dtype=torch.float32)
+    args = AttentionArgs(q.data_ptr(), kv.data_ptr(), sinks.data_ptr(), listed.data_ptr(), H, D, L, scale)
+    pairs = M * H
+    parts = min(pairs, kernels.CHUNKS_PER_THREAD * kernels.threads()) if 2 * pairs * L * D >= ATTENTION_SPLIT else 1
+    k = _lib()
+    rc = k.pool_rows(ctypes.cast(k.glue_attention_rows, ctypes.c_void_p), 0, ctypes.addressof(args), 0, None, 0, 0,
+                     None, M, out.data_ptr(), pairs, parts, kernels.threads())
+    if rc:
+        raise MemoryError(f"sparse_attention: no memory for the scores of {L} rows")
+    return out
