@@ -1,0 +1,107 @@
+"""The cpu backend's glue kernels (backends/cpu/glue.c): each the bits of its reference in ops/ on 1, 2 and 3
+kernel threads, close to the oracle op, and what the registered ops call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.cpu import glue, kernels, rowops
+from backends.cpu.rows import rowwise
+from backends.registry import implementations
+from ops.hc_head import hc_head
+from ops.hc_post import hc_post
+from ops.hc_pre import hc_pre
+from ops.quants import QTensor
+from ops.rms_norm import rms_norm, rms_norm_lanes
+from ops.rope_tail import rope_freqs, rope_tail
+from ops.sparse_attention import AttnRows, exp_poly, sparse_attention, sparse_attention_lanes
+
+
+@pytest.fixture(params=(1, 2, 3))
+def threads(request):
+    kernels.set_threads(request.param)
+    yield request.param
+    kernels.set_threads(1)
+    kernels._pool_threads = 0
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def cpu(op: str):
+    return implementations(op)["cpu"].fn
+
+
+@pytest.mark.parametrize("shape", ((1, 4096), (3, 16384), (2, 8, 512), (4, 100), (1, 7)))
+def test_rms_norm_is_the_lanes_reference(shape, threads):
+    g = gen(len(shape) + shape[-1])
+    x, w = torch.randn(*shape, generator=g) * 3, torch.rand(shape[-1], generator=g) + 0.5
+    for weight in (w, None):
+        out = cpu("rms_norm")(x, weight, 1e-6)
+        assert torch.equal(out, rms_norm_lanes(x, weight, 1e-6))
+        torch.testing.assert_close(out, rms_norm(x, weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+def test_hc_ops_are_their_references_bits(threads):
+    g = gen(1)
+    X, y = torch.randn(3, 4, 1024, generator=g), torch.randn(3, 1024, generator=g)
+    post, comb = torch.rand(3, 4, generator=g), torch.rand(3, 4, 4, generator=g)
+    assert torch.equal(cpu("hc_post")(X, y, post, comb), hc_post(X, y, post, comb))
+    mixes, scale, base = torch.randn(3, 24, generator=g), torch.rand(3, generator=g), torch.randn(24, generator=g)
+    x, p, c = cpu("hc_pre")(X, mixes, scale, base, 20, 1e-6)
+    rx, rp, rc = hc_pre(X, mixes, scale, base, 20, 1e-6)
+    pre = rowwise(torch.sigmoid, mixes[:, :4] * scale[0] + base[:4]) + 1e-6
+    assert torch.equal(x, glue.streams(pre, X))        # the stream sum of the cpu's gates, in the reference's order
+    torch.testing.assert_close((x, p, c), (rx, rp, rc), rtol=1e-5, atol=1e-5)
+    fn = QTensor.quantize(torch.randn(4, 4096, generator=g) / 64, "F32", "fn")
+    torch.testing.assert_close(cpu("hc_head")(X, fn, scale[:1], base[:4], 1e-6, 1e-6),
+                               hc_head(X, fn, scale[:1], base[:4], 1e-6, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("inverse", (False, True))
+def test_rope_is_the_reference_rotation(inverse, threads):
+    g, freqs = gen(2), rope_freqs(64, 10000.0)
+    pos = torch.tensor([5, 77, 1000])
+    for shape in ((3, 8, 128), (3, 512)):
+        x = torch.randn(*shape, generator=g)
+        assert torch.equal(cpu("rope_tail")(x, pos, freqs, inverse), rope_tail(x, pos, freqs, inverse))
+    x = torch.randn(3, 512, generator=g)
+    first = cpu("rope_tail")(x, pos, freqs, inverse)
+    pos[0] = 6                                          # an edited positions tensor is not served stale angles
+    assert not torch.equal(cpu("rope_tail")(x, pos, freqs, inverse), first)
+    assert len(rowops._angles) <= rowops.ANGLES_KEPT
+
+
+def test_exp_poly_is_close_to_exp():
+    x = torch.cat([torch.linspace(-86, 10, 20001), torch.tensor([0.0, -88.0, float("-inf")])])
+    e = exp_poly(x)
+    assert e[-3] == 1 and e[-2] == 0 and e[-1] == 0
+    ref = torch.exp(x[:-3].double())
+    assert ((e[:-3].double() - ref).abs() / ref).max() < 2e-7
+
+
+def attention_case(seed: int, M: int, H: int, D: int, N: int, L: int):
+    g = gen(seed)
+    q, kv, sinks = torch.randn(M, H, D, generator=g), torch.randn(N, D, generator=g) / 3, torch.randn(H, generator=g)
+    counts = tuple(int(v) for v in torch.randint(0, L + 1, (M,), generator=g))
+    raw = torch.randint(0, N, (M, L), generator=g)
+    for m, n in enumerate(counts):
+        raw[m, n:] = -1
+    return q, kv, AttnRows(raw, counts), sinks
+
+
+@pytest.mark.parametrize("shape", ((1, 64, 512, 300, 128), (3, 4, 80, 50, 20), (20, 8, 64, 40, 17)))
+def test_attention_is_the_lanes_reference_on_any_thread_count(shape, threads):
+    q, kv, rows, sinks = attention_case(sum(shape), *shape)
+    out = cpu("sparse_attention")(q, kv, rows, sinks, 0.044)
+    assert torch.equal(out, sparse_attention_lanes(q, kv, rows, sinks, 0.044))
+    torch.testing.assert_close(out, sparse_attention(q, kv, rows, sinks, 0.044), rtol=1e-5, atol=1e-5)
+    padded = AttnRows(torch.nn.functional.pad(rows.raw, (0, 9), value=-1), rows.n_raw)   # longer lists: same bits
+    assert torch.equal(cpu("sparse_attention")(q, kv, padded, sinks, 0.044), out)
+
+
+def test_glue_is_off_in_a_compiled_step(monkeypatch):
+    assert glue.ready()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not glue.ready()
