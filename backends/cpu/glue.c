@@ -79,10 +79,12 @@ void glue_rope(const float *x, int64_t M, int64_t G, int64_t d, const float *cos
 }
 
 /* e^x with only rounded +, -, * and an exact power of two (ops/sparse_attention.py, exp_poly): Cody-Waite reduction
- * by n = floor(x·log2 e + 1/2), a degree-5 polynomial, 0 below EXP_LOW (and for -inf). */
+ * by n = floor(x·log2 e + 1/2), a degree-5 polynomial, 0 below EXP_LOW (and for -inf); branch-free, so a loop of
+ * it vectorizes. */
 #define EXP_LOW (-87.0f)
 static inline float exp_poly(float x) {
-    if (!(x >= EXP_LOW)) return 0.0f;
+    int low = !(x >= EXP_LOW);
+    x = low ? 0.0f : x;
     float n = floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
@@ -96,19 +98,43 @@ static inline float exp_poly(float x) {
     y = y + r;
     y = y + 1.0f;
     union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return y * scale.f;
+    return low ? 0.0f : y * scale.f;
 }
 
-/* Σ_k a[k]·b[k] with element k added to lane k % LANES in order, then the lanes in order. */
-static inline float dot_lanes(const float *a, const float *b, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t k = 0;
-    for (; k + LANES <= n; k += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += a[k + l] * b[k + l];
-    for (int l = 0; k + l < n; l++) acc[l] += a[k + l] * b[k + l];
+typedef float v16 __attribute__((vector_size(LANES * sizeof(float))));   /* the LANES partial sums, elementwise */
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float add_lanes(v16 acc) {
     float total = acc[0];
     for (int l = 1; l < LANES; l++) total += acc[l];
     return total;
+}
+
+/* s[j] = Σ_k q[k]·key_j[k] for the keys kv + rows[j]·D (j < 4), element k added to lane k % LANES in order, then the
+ * lanes in order; four keys at a time keep four independent chains of additions in flight. */
+static void dots4(const float *q, const float *kv, const int64_t *rows, int64_t D, float *s) {
+    const float *k0 = kv + rows[0] * D, *k1 = kv + rows[1] * D, *k2 = kv + rows[2] * D, *k3 = kv + rows[3] * D;
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t d = 0;
+    for (; d + LANES <= D; d += LANES) {
+        v16 x = load16(q + d);
+        a0 += x * load16(k0 + d);
+        a1 += x * load16(k1 + d);
+        a2 += x * load16(k2 + d);
+        a3 += x * load16(k3 + d);
+    }
+    for (int l = 0; d + l < D; l++) {
+        a0[l] += q[d + l] * k0[d + l];
+        a1[l] += q[d + l] * k1[d + l];
+        a2[l] += q[d + l] * k2[d + l];
+        a3[l] += q[d + l] * k3[d + l];
+    }
+    s[0] = add_lanes(a0), s[1] = add_lanes(a1), s[2] = add_lanes(a2), s[3] = add_lanes(a3);
 }
 
 typedef struct {        /* one sparse_attention call (glue_attention), read by the pool's threads */
@@ -119,37 +145,58 @@ typedef struct {        /* one sparse_attention call (glue_attention), read by t
 } attention_t;
 
 /* Output rows [start, stop) of the (query, head) pairs of an attention_t `args` (pool.c's row-function signature:
- * the unused arguments are the products'): s_k = dot_lanes(q, kv[row k]) · scale (−inf where row k is −1),
+ * the unused arguments are the products'): s_k = (lane-ordered q·kv[row k])·scale (−inf where row k is −1),
  * p_k = exp_poly(s_k − m) with m the largest of the s_k and the sink, out = (Σ_k p_k·kv[row k]) / (exp_poly(sink − m)
- * + Σ_k p_k), both sums in list order. */
+ * + Σ_k p_k), both sums in list order (entries −1 weigh exactly 0, so they are skipped). */
 int glue_attention_rows(int type, const uint8_t *args, int64_t expert_bytes, const int64_t *experts, int64_t N,
                         int64_t K, const void *x, int64_t M, float *out, int64_t start, int64_t stop) {
     (void)type, (void)expert_bytes, (void)experts, (void)N, (void)K, (void)x, (void)M;
     const attention_t *a = (const attention_t *)args;
     int64_t H = a->H, D = a->D, L = a->L;
-    float *p = malloc((size_t)(L > 0 ? L : 1) * sizeof(float));
-    if (!p) return -2;
+    float *p = malloc((size_t)(2 * L + 4) * sizeof(float));
+    int64_t *used = malloc((size_t)(L + 4) * sizeof(int64_t));
+    if (!p || !used) {
+        free(p), free(used);
+        return -2;
+    }
+    float *w = p + L + 4;
     for (int64_t pair = start; pair < stop; pair++) {
-        int64_t m = pair / H, h = pair % H;
+        int64_t m = pair / H, h = pair % H, n = 0;
         const float *q = a->q + pair * D;
         const int64_t *rows = a->rows + m * L;
+        for (int64_t k = 0; k < L; k++)
+            if (rows[k] >= 0) used[n++] = rows[k];
+        for (int64_t j = n, spare = n ? used[n - 1] : 0; j < n + 3; j++) used[j] = spare;   /* the last group's */
         float sink = a->sinks[h], top = sink, *o = out + pair * D;
-        for (int64_t k = 0; k < L; k++) {
-            p[k] = rows[k] < 0 ? -INFINITY : dot_lanes(q, a->kv + rows[k] * D, D) * a->scale;
-            if (p[k] > top) top = p[k];
+        for (int64_t j = 0; j < n; j += 4) dots4(q, a->kv, used + j, D, p + j);
+        for (int64_t j = 0; j < n; j++) {
+            p[j] = p[j] * a->scale;
+            if (p[j] > top) top = p[j];
         }
         float total = 0.0f;
-        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-        for (int64_t k = 0; k < L; k++) {
-            p[k] = exp_poly(p[k] - top);
-            total = total + p[k];
-            if (rows[k] < 0) continue;      /* weight exactly 0: adding 0·kv changes nothing */
-            const float *v = a->kv + rows[k] * D;
-            for (int64_t d = 0; d < D; d++) o[d] = o[d] + p[k] * v[d];
+        for (int64_t j = 0; j < n; j++) w[j] = exp_poly(p[j] - top);
+        for (int64_t j = 0; j < n; j++) total = total + w[j];
+        int64_t d = 0;
+        for (; d + 4 * LANES <= D; d += 4 * LANES) {        /* 64 outputs in registers, the rows added in order */
+            v16 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+            for (int64_t j = 0; j < n; j++) {
+                const float *v = a->kv + used[j] * D + d;
+                v16 wj = {0};
+                wj += w[j];
+                o0 += wj * load16(v), o1 += wj * load16(v + LANES);
+                o2 += wj * load16(v + 2 * LANES), o3 += wj * load16(v + 3 * LANES);
+            }
+            __builtin_memcpy(o + d, &o0, sizeof o0), __builtin_memcpy(o + d + LANES, &o1, sizeof o1);
+            __builtin_memcpy(o + d + 2 * LANES, &o2, sizeof o2), __builtin_memcpy(o + d + 3 * LANES, &o3, sizeof o3);
+        }
+        for (; d < D; d++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < n; j++) acc = acc + w[j] * a->kv[used[j] * D + d];
+            o[d] = acc;
         }
         total = exp_poly(sink - top) + total;
         for (int64_t d = 0; d < D; d++) o[d] = o[d] / total;
     }
-    free(p);
+    free(p), free(used);
     return 0;
 }
