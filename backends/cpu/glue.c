@@ -115,28 +115,6 @@ static inline float add_lanes(v16 acc) {
     return total;
 }
 
-/* s[j] = Σ_k q[k]·key_j[k] for the keys kv + rows[j]·D (j < 4), element k added to lane k % LANES in order, then the
- * lanes in order; four keys at a time keep four independent chains of additions in flight. */
-static void dots4(const float *q, const float *kv, const int64_t *rows, int64_t D, float *s) {
-    const float *k0 = kv + rows[0] * D, *k1 = kv + rows[1] * D, *k2 = kv + rows[2] * D, *k3 = kv + rows[3] * D;
-    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    int64_t d = 0;
-    for (; d + LANES <= D; d += LANES) {
-        v16 x = load16(q + d);
-        a0 += x * load16(k0 + d);
-        a1 += x * load16(k1 + d);
-        a2 += x * load16(k2 + d);
-        a3 += x * load16(k3 + d);
-    }
-    for (int l = 0; d + l < D; l++) {
-        a0[l] += q[d + l] * k0[d + l];
-        a1[l] += q[d + l] * k1[d + l];
-        a2[l] += q[d + l] * k2[d + l];
-        a3[l] += q[d + l] * k3[d + l];
-    }
-    s[0] = add_lanes(a0), s[1] = add_lanes(a1), s[2] = add_lanes(a2), s[3] = add_lanes(a3);
-}
-
 typedef struct {        /* one sparse_attention call (glue_attention), read by the pool's threads */
     const float *q, *kv, *sinks;
     const int64_t *rows;
@@ -144,59 +122,85 @@ typedef struct {        /* one sparse_attention call (glue_attention), read by t
     float scale;
 } attention_t;
 
+#define HEADS 4     /* heads of a query done together: each key row is read once for all of them */
+
 /* Output rows [start, stop) of the (query, head) pairs of an attention_t `args` (pool.c's row-function signature:
- * the unused arguments are the products'): s_k = (lane-ordered q·kv[row k])·scale (−inf where row k is −1),
- * p_k = exp_poly(s_k − m) with m the largest of the s_k and the sink, out = (Σ_k p_k·kv[row k]) / (exp_poly(sink − m)
- * + Σ_k p_k), both sums in list order (entries −1 weigh exactly 0, so they are skipped). */
+ * the unused arguments are the products'): s_k = (q·kv[row k], element i added to lane i % LANES in order, then the
+ * lanes in order)·scale, −inf where row k is −1; p_k = exp_poly(s_k − m) with m the largest of the s_k and the sink;
+ * out = (Σ_k p_k·kv[row k]) / (exp_poly(sink − m) + Σ_k p_k), both sums in list order (entries −1 weigh exactly 0,
+ * so they are skipped). HEADS heads of one query at a time share each pass over its rows. */
 int glue_attention_rows(int type, const uint8_t *args, int64_t expert_bytes, const int64_t *experts, int64_t N,
                         int64_t K, const void *x, int64_t M, float *out, int64_t start, int64_t stop) {
     (void)type, (void)expert_bytes, (void)experts, (void)N, (void)K, (void)x, (void)M;
     const attention_t *a = (const attention_t *)args;
     int64_t H = a->H, D = a->D, L = a->L;
-    float *p = malloc((size_t)(2 * L + 4) * sizeof(float));
-    int64_t *used = malloc((size_t)(L + 4) * sizeof(int64_t));
-    if (!p || !used) {
-        free(p), free(used);
+    float *s = malloc((size_t)(HEADS * L + 1) * sizeof(float));
+    int64_t *used = malloc((size_t)(L + 1) * sizeof(int64_t));
+    if (!s || !used) {
+        free(s), free(used);
         return -2;
     }
-    float *w = p + L + 4;
-    for (int64_t pair = start; pair < stop; pair++) {
+    for (int64_t pair = start, g; pair < stop; pair += g) {
         int64_t m = pair / H, h = pair % H, n = 0;
-        const float *q = a->q + pair * D;
+        g = stop - pair < H - h ? stop - pair : H - h;
+        g = g < HEADS ? g : HEADS;
+        const float *q[HEADS];
+        float top[HEADS], total[HEADS], sink[HEADS];
+        for (int t = 0; t < HEADS; t++) {            /* spare slots repeat the last head and are not stored */
+            int64_t head = h + (t < g ? t : g - 1);
+            q[t] = a->q + (m * H + head) * D, sink[t] = top[t] = a->sinks[head], total[t] = 0.0f;
+        }
         const int64_t *rows = a->rows + m * L;
         for (int64_t k = 0; k < L; k++)
             if (rows[k] >= 0) used[n++] = rows[k];
-        for (int64_t j = n, spare = n ? used[n - 1] : 0; j < n + 3; j++) used[j] = spare;   /* the last group's */
-        float sink = a->sinks[h], top = sink, *o = out + pair * D;
-        for (int64_t j = 0; j < n; j += 4) dots4(q, a->kv, used + j, D, p + j);
         for (int64_t j = 0; j < n; j++) {
-            p[j] = p[j] * a->scale;
-            if (p[j] > top) top = p[j];
+            const float *key = a->kv + used[j] * D;
+            v16 acc[HEADS] = {{0}};
+            int64_t d = 0;
+            for (; d + LANES <= D; d += LANES) {
+                v16 kd = load16(key + d);
+                for (int t = 0; t < HEADS; t++) acc[t] += load16(q[t] + d) * kd;
+            }
+            for (int l = 0; d + l < D; l++)
+                for (int t = 0; t < HEADS; t++) acc[t][l] += q[t][d + l] * key[d + l];
+            for (int t = 0; t < HEADS; t++) {
+                float v = add_lanes(acc[t]) * a->scale;
+                s[t * L + j] = v;
+                if (v > top[t]) top[t] = v;
+            }
         }
-        float total = 0.0f;
-        for (int64_t j = 0; j < n; j++) w[j] = exp_poly(p[j] - top);
-        for (int64_t j = 0; j < n; j++) total = total + w[j];
+        for (int t = 0; t < HEADS; t++)
+            for (int64_t j = 0; j < n; j++) s[t * L + j] = exp_poly(s[t * L + j] - top[t]);
+        for (int t = 0; t < HEADS; t++)
+            for (int64_t j = 0; j < n; j++) total[t] = total[t] + s[t * L + j];
         int64_t d = 0;
-        for (; d + 4 * LANES <= D; d += 4 * LANES) {        /* 64 outputs in registers, the rows added in order */
-            v16 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
+        for (; d + 2 * LANES <= D; d += 2 * LANES) {        /* 2 x 16 outputs of each head in registers */
+            v16 o[HEADS][2] = {{{0}}};
             for (int64_t j = 0; j < n; j++) {
                 const float *v = a->kv + used[j] * D + d;
-                v16 wj = {0};
-                wj += w[j];
-                o0 += wj * load16(v), o1 += wj * load16(v + LANES);
-                o2 += wj * load16(v + 2 * LANES), o3 += wj * load16(v + 3 * LANES);
+                v16 v0 = load16(v), v1 = load16(v + LANES);
+                for (int t = 0; t < HEADS; t++) {
+                    v16 w = {0};
+                    w += s[t * L + j];
+                    o[t][0] += w * v0, o[t][1] += w * v1;
+                }
             }
-            __builtin_memcpy(o + d, &o0, sizeof o0), __builtin_memcpy(o + d + LANES, &o1, sizeof o1);
-            __builtin_memcpy(o + d + 2 * LANES, &o2, sizeof o2), __builtin_memcpy(o + d + 3 * LANES, &o3, sizeof o3);
+            for (int t = 0; t < g; t++) {
+                float *dst = out + (m * H + h + t) * D + d;
+                __builtin_memcpy(dst, &o[t][0], sizeof(v16)), __builtin_memcpy(dst + LANES, &o[t][1], sizeof(v16));
+            }
         }
-        for (; d < D; d++) {
-            float acc = 0.0f;
-            for (int64_t j = 0; j < n; j++) acc = acc + w[j] * a->kv[used[j] * D + d];
-            o[d] = acc;
+        for (; d < D; d++)
+            for (int t = 0; t < g; t++) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < n; j++) acc = acc + s[t * L + j] * a->kv[used[j] * D + d];
+                out[(m * H + h + t) * D + d] = acc;
+            }
+        for (int t = 0; t < g; t++) {
+            float *dst = out + (m * H + h + t) * D, sum = exp_poly(sink[t] - top[t]) + total[t];
+            for (int64_t i = 0; i < D; i++) dst[i] = dst[i] / sum;
         }
-        total = exp_poly(sink - top) + total;
-        for (int64_t d = 0; d < D; d++) o[d] = o[d] / total;
     }
-    free(p), free(used);
+    free(s), free(used);
     return 0;
 }
