@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ops.exp_poly import exp_poly
 from ops.qmatmul import SMALL_M
 
 BATCH_INVARIANT = True
@@ -77,25 +78,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: t
     return out
 
 
-EXP_LOW = -87.0     # exp_poly gives 0 below this (e^-87 is near float32's smallest normal)
 LANES = 16          # sparse_attention_lanes: the partial sums of a dot product
-
-
-def exp_poly(x: torch.Tensor) -> torch.Tensor:
-    """e^x of float32 `x` from rounded +, −, · and exact powers of two only (so C computes the same bits):
-    n = floor(x·log2 e + 1/2), r = x − n·ln 2 in two parts, a degree-5 polynomial in r, times 2^n; 0 below EXP_LOW."""
-    x = x.to(torch.float32)
-    low = ~(x >= EXP_LOW)
-    x = torch.where(low, 0.0, x)
-    n = torch.floor(x * 1.44269504088896341 + 0.5)
-    r = x - n * 0.693359375
-    r = r - n * -2.12194440e-4
-    p = torch.full_like(r, 1.9875691500e-4)
-    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        p = p * r + c
-    y = p * (r * r) + r + 1.0
-    two_n = ((n.to(torch.int32) + 127) << 23).view(torch.float32)
-    return torch.where(low, 0.0, y * two_n)
 
 
 def dot_lanes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

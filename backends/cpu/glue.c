@@ -78,13 +78,14 @@ void glue_rope(const float *x, int64_t M, int64_t G, int64_t d, const float *cos
         }
 }
 
-/* e^x with only rounded +, -, * and an exact power of two (ops/sparse_attention.py, exp_poly): Cody-Waite reduction
- * by n = floor(x·log2 e + 1/2), a degree-5 polynomial, 0 below EXP_LOW (and for -inf); branch-free, so a loop of
- * it vectorizes. */
+/* e^x with only rounded +, -, * and an exact power of two (ops/exp_poly.py): Cody-Waite reduction by
+ * n = floor(x·log2 e + 1/2), a degree-5 polynomial; 0 below EXP_LOW (and for NaN), +inf above EXP_HIGH; branch-free,
+ * so a loop of it vectorizes. */
 #define EXP_LOW (-87.0f)
+#define EXP_HIGH 88.0f
 static inline float exp_poly(float x) {
-    int low = !(x >= EXP_LOW);
-    x = low ? 0.0f : x;
+    int low = !(x >= EXP_LOW), high = x > EXP_HIGH;
+    x = low || high ? 0.0f : x;
     float n = floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
@@ -98,8 +99,10 @@ static inline float exp_poly(float x) {
     y = y + r;
     y = y + 1.0f;
     union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return low ? 0.0f : y * scale.f;
+    return low ? 0.0f : high ? INFINITY : y * scale.f;
 }
+
+static inline float sigmoid_poly(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
 
 typedef float v16 __attribute__((vector_size(LANES * sizeof(float))));   /* the LANES partial sums, elementwise */
 
@@ -202,5 +205,40 @@ int glue_attention_rows(int type, const uint8_t *args, int64_t expert_bytes, con
         }
     }
     free(s), free(used);
+    return 0;
+}
+
+void sinkhorn(const float *p, float *c, int64_t M, int64_t S, int64_t iters, float eps);     /* sinkhorn.c */
+
+/* hc_pre (ops/hc_pre.py, hc_pre_poly): from the mixes [M, 2S + S²] of HC states X [M, S, D], the gates
+ * pre = sigmoid_poly(m·scale[0] + base) + eps, post [M, S] = 2·sigmoid_poly(m·scale[1] + base), comb [M, S, S] the
+ * Sinkhorn of the row softmax (exp_poly, sums in index order) of m·scale[2] + base, and x [M, D] = Σ_h pre_h·X_h in
+ * stream order. Returns -2 where no memory is left for the gates. */
+int glue_hc_pre(const float *X, const float *mixes, const float *scale, const float *base, int64_t M, int64_t S,
+                int64_t D, int64_t iters, float eps, float *x, float *post, float *comb) {
+    int64_t W = 2 * S + S * S;
+    float *pre = malloc((size_t)(M * S + M * S * S + 1) * sizeof(float)), *soft = pre + M * S;
+    if (!pre) return -2;
+    for (int64_t m = 0; m < M; m++) {
+        const float *mx = mixes + m * W;
+        for (int64_t i = 0; i < S; i++) {
+            pre[m * S + i] = sigmoid_poly(mx[i] * scale[0] + base[i]) + eps;
+            post[m * S + i] = 2.0f * sigmoid_poly(mx[S + i] * scale[1] + base[S + i]);
+        }
+        for (int64_t r = 0; r < S; r++) {
+            float *row = soft + (m * S + r) * S, top = -INFINITY, sum = 0.0f;
+            for (int64_t k = 0; k < S; k++) {
+                int64_t i = 2 * S + r * S + k;
+                row[k] = mx[i] * scale[2] + base[i];
+                if (row[k] > top) top = row[k];
+            }
+            for (int64_t k = 0; k < S; k++) row[k] = exp_poly(row[k] - top);
+            for (int64_t k = 0; k < S; k++) sum = sum + row[k];
+            for (int64_t k = 0; k < S; k++) row[k] = row[k] / sum;
+        }
+    }
+    sinkhorn(soft, comb, M, S, iters, eps);
+    glue_streams(X, pre, M, S, D, x);
+    free(pre);
     return 0;
 }

@@ -1,7 +1,7 @@
-"""Python side of glue.c: the small ops of a decode step as one C call each (rms_norm, hc_post, the HC stream sums,
-rope_tail's rotation), each the bits of its reference (docs/cpu.md, "Per-step overhead"). `ready()` is False
-where the kernel library cannot be built and inside a compiled step (Inductor fuses the torch ops instead); the
-callers then take their torch paths."""
+"""Python side of glue.c: the small ops of a decode step as one C call each (rms_norm, hc_pre, hc_post, the HC
+stream sums, rope_tail's rotation, sparse_attention), each the bits of its reference in ops/ (docs/cpu.md,
+"Per-step overhead"). `ready()` is False where the kernel library cannot be built and inside a compiled step
+(Inductor fuses the torch ops instead); the callers then take their torch paths."""
 from __future__ import annotations
 
 import ctypes
@@ -23,6 +23,8 @@ def _lib() -> ctypes.CDLL:
         k.glue_hc_post.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr]
         k.glue_streams.argtypes = [ptr, ptr, i64, i64, i64, ptr]
         k.glue_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr]
+        k.glue_hc_pre.restype = ctypes.c_int
+        k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
         _bound = k
     return _bound
 
@@ -105,3 +107,15 @@ def attention(q: torch.Tensor, kv: torch.Tensor, listed: torch.Tensor, sinks: to
     if rc:
         raise MemoryError(f"sparse_attention: no memory for the scores of {L} rows")
     return out
+
+
+def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
+           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ops.hc_pre.hc_pre_poly's bits: (x [M, D], post [M, S], comb [M, S, S])."""
+    X, mixes, scale, base = f32(X), f32(mixes), f32(scale), f32(base)
+    M, S, D = X.shape
+    x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
+    if _lib().glue_hc_pre(X.data_ptr(), mixes.data_ptr(), scale.data_ptr(), base.data_ptr(), M, S, D, iters, eps,
+                          x.data_ptr(), post.data_ptr(), comb.data_ptr()):
+        raise MemoryError(f"hc_pre: no memory for the gates of {M} rows")
+    return x, post, comb

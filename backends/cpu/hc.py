@@ -40,7 +40,10 @@ def streams(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
 @register("hc_pre", "cpu", batch_invariant=True)
 def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
            iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sub-layer input, post weights and Sinkhorn combination matrix from the HC state `X`."""
+    """Sub-layer input, post weights and Sinkhorn combination matrix from the HC state `X`: one C call (the bits of
+    ops.hc_pre.hc_pre_poly), else torch ops."""
+    if glue.ready():
+        return glue.hc_pre(X, mixes, scale, base, iters, eps)
     S = X.shape[1]
     pre = rowwise(torch.sigmoid, mixes[:, :S] * scale[0] + base[:S]) + eps
     post = 2 * rowwise(torch.sigmoid, mixes[:, S:2 * S] * scale[1] + base[S:2 * S])
