@@ -15,6 +15,7 @@ from ops.quants import QTensor
 from ops.rms_norm import rms_norm, rms_norm_lanes
 from ops.rope_tail import rope_freqs, rope_tail
 from ops.sparse_attention import AttnRows, sparse_attention, sparse_attention_lanes
+from ops.store_rows import store_rows
 
 
 @pytest.fixture(params=(1, 2, 3))
@@ -103,3 +104,18 @@ def test_glue_is_off_in_a_compiled_step(monkeypatch):
     assert glue.ready()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert not glue.ready()
+
+
+@pytest.mark.parametrize("fp8_dims, f16", ((448, True), (448, False), (0, True), (0, False)))
+def test_store_rows_is_the_reference(fp8_dims, f16):
+    g = gen(fp8_dims + f16)
+    rows = torch.randn(5, 512, generator=g) * torch.logspace(-9, 5, 5)[:, None]
+    rows[0, :64] = 0.0                                  # an all-zero block: the 1e-4 floor of the scale
+    rows[1, 64:128] *= 1e-30                            # subnormal F16 and E4M3 values
+    rows[2, 448:] = torch.tensor([7e4, -7e4, 65519.0, 65520.0] * 16)   # F16 overflow: +-inf, and the last finite
+    slots = torch.tensor([3, 0, 7, 5, 1])
+    cache, expected = torch.zeros(8, 512), torch.zeros(8, 512)
+    out = cpu("store_rows")(cache, slots, rows, fp8_dims, f16)
+    assert out is cache and torch.equal(cache, store_rows(expected, slots, rows, fp8_dims, f16))
+    with pytest.raises(ValueError, match="outside"):
+        cpu("store_rows")(cache, torch.tensor([0, 8, 1, 2, 3]), rows, fp8_dims, f16)

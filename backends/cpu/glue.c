@@ -242,3 +242,55 @@ int glue_hc_pre(const float *X, const float *mixes, const float *scale, const fl
     free(pre);
     return 0;
 }
+
+static inline int exponent_of(float v) {        /* floor(log2 |v|) of a normal float, from its exponent bits */
+    union { float f; int32_t i; } u = {.f = v};
+    return ((u.i >> 23) & 255) - 127;
+}
+
+static inline float pow2f(int e) {              /* 2^e for e in the normal range */
+    union { int32_t i; float f; } u = {.i = (e + 127) << 23};
+    return u.f;
+}
+
+/* x rounded to the nearest multiple of 2^(max(floor(log2 |x|), min_exp) - bits), ties to even: a float format with
+ * `bits` mantissa bits and smallest normal exponent min_exp (rintf rounds half to even). */
+static inline float round_bits(float x, int bits, int min_exp) {
+    float a = fabsf(x);
+    int e = a > 0.0f ? exponent_of(a) : min_exp;
+    float step = pow2f((e > min_exp ? e : min_exp) - bits), q = rintf(a / step) * step;
+    return x < 0.0f ? -q : q;
+}
+
+/* store_rows (ops/store_rows.py): cache[slots[m]] = rows[m] with the first fp8_dims values through the E4M3
+ * simulation (ops/fp8_sim.py: per 64 values a scale 2^ceil(log2(max(amax, 1e-4) / 448)), taken exactly from the
+ * float bits as backends/triton/sims.py does) and then, with f16, every value rounded to float16 and back. Returns
+ * -1 (nothing written) when a slot is outside [0, N). */
+int glue_store_rows(float *cache, int64_t N, int64_t d, const int64_t *slots, int64_t M, const float *rows,
+                    int64_t fp8_dims, int f16) {
+    for (int64_t m = 0; m < M; m++)
+        if (slots[m] < 0 || slots[m] >= N) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = rows + m * d;
+        float *o = cache + slots[m] * d;
+        for (int64_t b = 0; b < fp8_dims; b += 64) {
+            float amax = 0.0f;
+            for (int i = 0; i < 64; i++) amax = fabsf(x[b + i]) > amax ? fabsf(x[b + i]) : amax;
+            float y = (amax > 1e-4f ? amax : 1e-4f) / 448.0f;
+            union { float f; int32_t i; } u = {.f = y};
+            float scale = pow2f(exponent_of(y) + ((u.i & 0x7FFFFF) != 0));
+            for (int i = 0; i < 64; i++) {
+                float v = x[b + i] / scale;
+                v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
+                o[b + i] = round_bits(v, 3, -6) * scale;
+            }
+        }
+        for (int64_t i = fp8_dims; i < d; i++) o[i] = x[i];
+        if (f16)
+            for (int64_t i = 0; i < d; i++) {
+                float h = round_bits(o[i], 10, -14);
+                o[i] = fabsf(h) > 65504.0f ? copysignf(INFINITY, h) : h;
+            }
+    }
+    return 0;
+}

@@ -1,5 +1,5 @@
 """Python side of glue.c: the small ops of a decode step as one C call each (rms_norm, hc_pre, hc_post, the HC
-stream sums, rope_tail's rotation, sparse_attention), each the bits of its reference in ops/ (docs/cpu.md,
+stream sums, rope_tail's rotation, sparse_attention, store_rows), each the bits of its reference in ops/ (docs/cpu.md,
 "Per-step overhead"). `ready()` is False where the kernel library cannot be built and inside a compiled step
 (Inductor fuses the torch ops instead); the callers then take their torch paths."""
 from __future__ import annotations
@@ -23,7 +23,8 @@ def _lib() -> ctypes.CDLL:
         k.glue_hc_post.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr]
         k.glue_streams.argtypes = [ptr, ptr, i64, i64, i64, ptr]
         k.glue_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr]
-        k.glue_hc_pre.restype = ctypes.c_int
+        k.glue_hc_pre.restype = k.glue_store_rows.restype = ctypes.c_int
+        k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
         _bound = k
     return _bound
@@ -119,3 +120,17 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
                           x.data_ptr(), post.data_ptr(), comb.data_ptr()):
         raise MemoryError(f"hc_pre: no memory for the gates of {M} rows")
     return x, post, comb
+
+
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fp8_dims: int, f16: bool) -> torch.Tensor:
+    """ops.store_rows.store_rows into a contiguous float32 `cache` (updated in place and returned)."""
+    rows, ids = f32(rows), slots.to(torch.int64).contiguous()
+    M, d = rows.shape
+    if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1] != d or ids.shape != (M,) \
+            or fp8_dims % 64 or fp8_dims > d:
+        raise ValueError(f"store_rows: cache {tuple(cache.shape)} {cache.dtype}, slots {tuple(slots.shape)}, rows "
+                         f"{tuple(rows.shape)}, fp8_dims {fp8_dims} (a multiple of 64)")
+    if _lib().glue_store_rows(cache.data_ptr(), cache.shape[0], d, ids.data_ptr(), M, rows.data_ptr(), fp8_dims,
+                              int(f16)):
+        raise ValueError(f"store_rows: a slot is outside the cache's {cache.shape[0]} rows")
+    return cache

@@ -1,15 +1,17 @@
-"""rms_norm and rope_tail on the CPU (contracts: ops/rms_norm.py, ops/rope_tail.py) in one C call each
-(backends/cpu/glue.c): a decode step makes ~15-45 norms and ~6-20 rotations of a few thousand values each, where
-every torch call costs microseconds of dispatch, tens of microseconds once a large product has evicted the
-caches. rms_norm gives `ops.rms_norm.rms_norm_lanes`' bits; rope_tail the reference's rotation of the angles'
-cos/sin, which are computed once per (positions, frequencies) and reused by the other calls of the step. A
-compiled step and a machine without the kernel library take torch ops. Row-wise, so batch-invariant."""
+"""rms_norm, rope_tail and store_rows on the CPU (contracts: ops/rms_norm.py, ops/rope_tail.py, ops/store_rows.py)
+in one C call each (backends/cpu/glue.c): a decode step makes ~15-45 norms, ~6-20 rotations and a few row writes
+of a few thousand values each, where every torch call costs microseconds of dispatch, tens of microseconds once a
+large product has evicted the caches. rms_norm gives `ops.rms_norm.rms_norm_lanes`' bits; rope_tail the
+reference's rotation of the angles' cos/sin, which are computed once per (positions, frequencies) and reused by the
+other calls of the step; store_rows the reference's. A compiled step and a machine without the kernel library
+take torch ops. Row-wise, so batch-invariant."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from backends.registry import register
+from ops.store_rows import store_rows as reference_store_rows
 
 from . import glue
 
@@ -41,6 +43,16 @@ def cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor,
         _angles.pop(next(iter(_angles)))
     _angles[key] = (positions, freqs, positions._version, freqs._version, cos, sin)
     return cos, sin
+
+
+@register("store_rows", "cpu", batch_invariant=True)
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fp8_dims: int = 0,
+               f16: bool = False) -> torch.Tensor:
+    """`cache` with `rows` (rounded as stored) written at `slots`: one C call, the FP8 scales taken exactly from the
+    float bits (the reference's log2 can disagree only within an ulp of a power of two)."""
+    if glue.ready() and cache.dtype == torch.float32 and cache.is_contiguous():
+        return glue.store_rows(cache, slots, rows, fp8_dims, f16)
+    return reference_store_rows(cache, slots, rows, fp8_dims, f16)
 
 
 @register("rope_tail", "cpu", batch_invariant=True)
