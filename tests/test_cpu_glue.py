@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from backends.cpu import glue, kernels, rowops
+from backends.cpu.qmatmul import qmatmul
 from backends.registry import implementations
 from ops.exp_poly import exp_poly
 from ops.hc_head import hc_head
@@ -119,3 +120,23 @@ def test_store_rows_is_the_reference(fp8_dims, f16):
     assert out is cache and torch.equal(cache, store_rows(expected, slots, rows, fp8_dims, f16))
     with pytest.raises(ValueError, match="outside"):
         cpu("store_rows")(cache, torch.tensor([0, 8, 1, 2, 3]), rows, fp8_dims, f16)
+
+
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K", "F16"))
+def test_gate_and_up_in_one_call(qtype):
+    """The shared expert's gate and up products as one pool call: each the product's values, the same bits on 1, 2
+    and 3 threads; types and sizes the pair call does not take are left to two products (None)."""
+    g = gen(3)
+    a, b = (QTensor.quantize(torch.randn(512, 1024, generator=g) / 32, qtype, name) for name in "ab")
+    x = torch.randn(3, 1024, generator=g)
+    for dot in ("exact", "q8"):
+        outs = []
+        for n in (1, 2, 3):
+            kernels.set_threads(n)
+            outs.append(glue.pair_product(x, a, b, dot))
+        kernels._pool_threads = 0
+        assert all(torch.equal(o[i], outs[0][i]) for o in outs for i in (0, 1))
+        for y, w in zip(outs[0], (a, b), strict=True):
+            torch.testing.assert_close(y, qmatmul(x, w, dot), rtol=1e-6, atol=1e-6)
+    assert glue.pair_product(torch.randn(9, 1024), a, b) is None
+    assert glue.pair_product(x, a, QTensor.quantize(torch.randn(512, 1024) / 32, "Q6_K", "c")) is None

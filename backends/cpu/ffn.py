@@ -21,7 +21,7 @@ from ops.moe import Experts, check_owned, owned_pairs, select
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 
-from . import kernels
+from . import glue, kernels
 
 
 def gathered(w: QTensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -120,8 +120,10 @@ def grouped_loop(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Exp
 @register("shared_expert", "cpu", batch_invariant=True)
 def shared_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, clamp: float | None,
                   dot: str = "exact") -> torch.Tensor:
-    """SwiGLU of every row of `x` through the shared expert's weights; `dot`: as in qmatmul."""
-    g, u = qmatmul(x, gate, dot), qmatmul(x, up, dot)
+    """SwiGLU of every row of `x` through the shared expert's weights; `dot`: as in qmatmul. The gate and up products
+    are one kernel call where the kernels serve them (`glue.pair_product`: one pass of the pool over both)."""
+    both = glue.pair_product(x, gate, up, dot) if glue.ready() else None
+    g, u = both if both is not None else (qmatmul(x, gate, dot), qmatmul(x, up, dot))
     if clamp is not None:
         g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
     return qmatmul(rowwise(F.silu, g) * u, down, dot)

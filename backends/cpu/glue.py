@@ -8,6 +8,8 @@ import ctypes
 
 import torch
 
+from ops.quants import QTensor
+
 from . import kernels
 
 _bound: ctypes.CDLL | None = None
@@ -134,3 +136,29 @@ def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fp8
                               int(f16)):
         raise ValueError(f"store_rows: a slot is outside the cache's {cache.shape[0]} rows")
     return cache
+
+
+def pair_product(x: torch.Tensor, a: QTensor, b: QTensor,
+                 dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x @ A.T, x @ B.T) for two weights of one type and shape (the shared expert's gate and up) in one kernel call
+    over the pool: the kernel's by-expert rows, with B `b - a` bytes after A, so each chunk of output rows reads both
+    weights; None where the kernels do not serve them or x has more than MAX_ROWS / 2 rows."""
+    M, K = x.shape
+    if a.qtype != b.qtype or a.shape != b.shape or 2 * M > kernels.MAX_ROWS or len(a.shape) != 2:
+        return None
+    q8 = dot == "q8" and kernels.q8_available(a.qtype.name, K)
+    if not (q8 or kernels.available(a.qtype.name, K)) or a.qtype.name == "F32":
+        return None
+    k, N = _lib(), a.shape[0]
+    wa, wb = a.data.contiguous(), b.data.contiguous()
+    rows = f32(x).repeat(2, 1)
+    rows = kernels.q8_quantize(rows, a.qtype.name) if q8 else rows
+    experts = torch.arange(2).repeat_interleave(M)
+    y = torch.empty((2 * M, N), dtype=torch.float32)
+    parts = min(kernels.CHUNKS_PER_THREAD * kernels.threads(), 2 * wa.numel() // kernels.SPLIT_BYTES)
+    kernel = k.qdot8_rows if q8 else k.qgemv
+    if k.pool_rows(ctypes.cast(kernel, ctypes.c_void_p), kernels.GGML_TYPE[a.qtype.name], wa.data_ptr(),
+                   wb.data_ptr() - wa.data_ptr(), experts.data_ptr(), N, K, rows.data_ptr(), 2 * M, y.data_ptr(), N,
+                   parts, kernels.threads()):
+        raise ValueError(f"pair_product: unsupported call ({a.qtype.name}, M={M}, K={K}, dot={dot})")
+    return y[:M], y[M:]
