@@ -30,3 +30,18 @@ def exp_poly(x: torch.Tensor) -> torch.Tensor:
 def sigmoid_poly(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + exp_poly(−x))."""
     return 1 / (1 + exp_poly(-x.to(torch.float32)))
+
+
+def silu_poly(x: torch.Tensor) -> torch.Tensor:
+    """x / (1 + exp_poly(−x))."""
+    x = x.to(torch.float32)
+    return x / (1 + exp_poly(-x))
+
+
+def swiglu_poly(g: torch.Tensor, u: torch.Tensor, clamp: float | None = None,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated activation of the experts: silu_poly(min(g, clamp)) · clamp(u, ±clamp) (· weight [rows, 1])."""
+    if clamp is not None:
+        g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+    h = silu_poly(g) * u
+    return h if weight is None else h * weight

@@ -8,7 +8,7 @@ import torch
 from backends.cpu import glue, kernels, rowops
 from backends.cpu.qmatmul import qmatmul
 from backends.registry import implementations
-from ops.exp_poly import exp_poly
+from ops.exp_poly import exp_poly, swiglu_poly
 from ops.hc_head import hc_head
 from ops.hc_post import hc_post
 from ops.hc_pre import hc_pre, hc_pre_poly
@@ -140,3 +140,20 @@ def test_gate_and_up_in_one_call(qtype):
             torch.testing.assert_close(y, qmatmul(x, w, dot), rtol=1e-6, atol=1e-6)
     assert glue.pair_product(torch.randn(9, 1024), a, b) is None
     assert glue.pair_product(x, a, QTensor.quantize(torch.randn(512, 1024) / 32, "Q6_K", "c")) is None
+
+
+def test_swiglu_and_expert_sum_are_their_references(threads):
+    g = gen(4)
+    a, b, w = torch.randn(5, 300, generator=g) * 8, torch.randn(5, 300, generator=g) * 8, torch.rand(5, generator=g)
+    for clamp in (None, 7.0):
+        for weight in (None, w):
+            assert torch.equal(glue.swiglu(a, b, clamp, weight),
+                               swiglu_poly(a, b, clamp, None if weight is None else weight[:, None]))
+    h = glue.swiglu(a, b, 7.0)
+    torch.testing.assert_close(h, torch.nn.functional.silu(a.clamp(max=7.0)) * b.clamp(-7.0, 7.0), rtol=1e-6,
+                               atol=1e-6)
+    y = torch.randn(3, 6, 200, generator=g)
+    expected = y[:, 0]
+    for k in range(1, 6):
+        expected = expected + y[:, k]
+    assert torch.equal(glue.sum_rows(y), expected)

@@ -294,3 +294,29 @@ int glue_store_rows(float *cache, int64_t N, int64_t d, const int64_t *slots, in
     }
     return 0;
 }
+
+/* h [M, N] = silu_poly(min(g, clamp)) · clamp(u, ±clamp) (· w[m]) (ops/exp_poly.py, swiglu_poly; no clamp when
+ * has_clamp is 0, no weight when w is NULL). */
+void glue_swiglu(const float *g, const float *u, const float *w, int64_t M, int64_t N, int has_clamp, float clamp,
+                 float *h) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            float a = g[m * N + n], b = u[m * N + n];
+            if (has_clamp) {
+                a = a > clamp ? clamp : a;
+                b = b < -clamp ? -clamp : b > clamp ? clamp : b;
+            }
+            float v = a / (1.0f + exp_poly(-a)) * b;
+            h[m * N + n] = w ? v * w[m] : v;
+        }
+}
+
+/* out [M, D] = y[m, 0] + y[m, 1] + ... + y[m, K-1] (y [M, K, D]), added in order. */
+void glue_sum_rows(const float *y, int64_t M, int64_t K, int64_t D, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        float *o = out + m * D;
+        for (int64_t d = 0; d < D; d++) o[d] = y[m * K * D + d];
+        for (int64_t k = 1; k < K; k++)
+            for (int64_t d = 0; d < D; d++) o[d] = o[d] + y[(m * K + k) * D + d];
+    }
+}

@@ -26,6 +26,9 @@ def _lib() -> ctypes.CDLL:
         k.glue_streams.argtypes = [ptr, ptr, i64, i64, i64, ptr]
         k.glue_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr]
         k.glue_hc_pre.restype = k.glue_store_rows.restype = ctypes.c_int
+        k.glue_swiglu.restype = k.glue_sum_rows.restype = None
+        k.glue_swiglu.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_float, ptr]
+        k.glue_sum_rows.argtypes = [ptr, i64, i64, i64, ptr]
         k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
         _bound = k
@@ -162,3 +165,23 @@ def pair_product(x: torch.Tensor, a: QTensor, b: QTensor,
                    parts, kernels.threads()):
         raise ValueError(f"pair_product: unsupported call ({a.qtype.name}, M={M}, K={K}, dot={dot})")
     return y[:M], y[M:]
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, clamp: float | None, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """ops.exp_poly.swiglu_poly's bits for g, u [M, N] (weight [M] or [M, 1])."""
+    g, u = f32(g), f32(u)
+    w = None if weight is None else f32(weight.reshape(-1))
+    h = torch.empty_like(g)
+    M, N = g.shape
+    _lib().glue_swiglu(g.data_ptr(), u.data_ptr(), None if w is None else w.data_ptr(), M, N, clamp is not None,
+                       0.0 if clamp is None else clamp, h.data_ptr())
+    return h
+
+
+def sum_rows(y: torch.Tensor) -> torch.Tensor:
+    """y [M, K, D] summed over K in order: y[:, 0] + y[:, 1] + ..."""
+    y = f32(y)
+    M, K, D = y.shape
+    out = torch.empty((M, D), dtype=torch.float32)
+    _lib().glue_sum_rows(y.data_ptr(), M, K, D, out.data_ptr())
+    return out
