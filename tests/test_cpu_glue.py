@@ -8,6 +8,7 @@ import torch
 from backends.cpu import glue, kernels, rowops
 from backends.cpu.qmatmul import qmatmul
 from backends.registry import implementations
+from ops.embed import embed
 from ops.exp_poly import exp_poly, swiglu_poly
 from ops.hc_head import hc_head
 from ops.hc_post import hc_post
@@ -157,3 +158,10 @@ def test_swiglu_and_expert_sum_are_their_references(threads):
     for k in range(1, 6):
         expected = expected + y[:, k]
     assert torch.equal(glue.sum_rows(y), expected)
+
+
+@pytest.mark.parametrize("qtype", ("F16", "Q8_0", "Q4_K", "F32"))
+def test_embed_is_the_reference(qtype):
+    table = QTensor.quantize(torch.randn(40, 512, generator=gen(5)), qtype, "token_embd.weight")
+    ids = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(cpu("embed")(table, ids), embed(table, ids))

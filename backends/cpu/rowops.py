@@ -1,19 +1,22 @@
-"""rms_norm, rope_tail and store_rows on the CPU (contracts: ops/rms_norm.py, ops/rope_tail.py, ops/store_rows.py)
-in one C call each (backends/cpu/glue.c): a decode step makes ~15-45 norms, ~6-20 rotations and a few row writes
-of a few thousand values each, where every torch call costs microseconds of dispatch, tens of microseconds once a
-large product has evicted the caches. rms_norm gives `ops.rms_norm.rms_norm_lanes`' bits; rope_tail the
-reference's rotation of the angles' cos/sin, which are computed once per (positions, frequencies) and reused by the
-other calls of the step; store_rows the reference's. A compiled step and a machine without the kernel library
-take torch ops. Row-wise, so batch-invariant."""
+"""rms_norm, rope_tail, store_rows and embed on the CPU (contracts: ops/rms_norm.py, ops/rope_tail.py,
+ops/store_rows.py, ops/embed.py) in one C call each (backends/cpu/glue.c; embed through the kernel library's
+dequantizer): a decode step makes ~15-45 norms, ~6-20 rotations and a few row writes of a few thousand values
+each, where every torch call costs microseconds of dispatch, tens of microseconds once a large product has evicted
+the caches. rms_norm gives `ops.rms_norm.rms_norm_lanes`' bits; rope_tail the reference's rotation of the angles'
+cos/sin, which are computed once per (positions, frequencies) and reused by the other calls of the step;
+store_rows and embed the reference's. A compiled step and a machine without the kernel library take torch ops.
+Row-wise, so batch-invariant."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from backends.registry import register
+from ops.embed import embed as reference_embed
+from ops.quants import QTensor
 from ops.store_rows import store_rows as reference_store_rows
 
-from . import glue
+from . import glue, kernels
 
 ANGLES_KEPT = 8     # (positions, frequencies) pairs whose cos/sin are kept: a step's layers use a few
 
@@ -71,3 +74,12 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inv
     out[..., -r::2] = x0 * cos - x1 * sin
     out[..., -r + 1::2] = x0 * sin + x1 * cos
     return out
+
+
+@register("embed", "cpu", batch_invariant=True)
+def embed(table: QTensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of `table` as float32, dequantized by the kernel library where it reads the type (the reference's
+    values, in one call instead of the reference dequantizer's torch ops)."""
+    if glue.ready() and table.qtype.name != "F32" and kernels.available(table.qtype.name, table.shape[1]):
+        return kernels.dequantize(QTensor(table.qtype, (ids.shape[0], table.shape[1]), table.data[ids], table.name))
+    return reference_embed(table, ids)
