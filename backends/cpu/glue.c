@@ -1,11 +1,13 @@
 /* The small ops of a decode step in one call each (backends/cpu/glue.py): after a large product has streamed its
  * weight through the caches, every torch call costs tens of microseconds of cold code and data (docs/cpu.md,
- * "Per-step overhead"), a short loop in C a few. Each function does exactly the float operations of its
- * reference, in the same order (built with -ffp-contract=off: no fused multiply-adds), so the results are the
- * reference's bits: rms_norm_lanes (ops/rms_norm.py: the sum of squares in LANES lanes), hc_post
- * (ops/hc_post.py), the stream sums of hc_pre and hc_head (ops/hc_pre.py, ops/hc_head.py) and the pair rotation
- * of rope_tail (ops/rope_tail.py, its cos/sin given). Row-wise, so batch-invariant; one thread (each call is a
- * few microseconds of work). Built with qgemv.c by backends/cpu/kernels.py.
+ * "The glue in C"), a short loop in C a few. Each function does exactly the float operations of its reference, in
+ * the same order (built with -ffp-contract=off: no fused multiply-adds), so the results are the reference's bits:
+ * rms_norm_lanes (ops/rms_norm.py: the sum of squares in LANES lanes), hc_pre_poly (ops/hc_pre.py), hc_post
+ * (ops/hc_post.py), the stream sums of hc_pre and hc_head, the pair rotation of rope_tail (ops/rope_tail.py, its
+ * cos/sin given), store_rows (ops/store_rows.py), sparse_attention_lanes (ops/sparse_attention.py) and swiglu_poly
+ * (ops/exp_poly.py, whose e^x uses only rounded +, -, * and exact powers of two). Row-wise, so batch-invariant.
+ * Attention's (query, head) pairs are split across the kernel pool (pool.c); the others run on the calling thread.
+ * Built with qgemv.c by backends/cpu/kernels.py.
  */
 #include <math.h>
 #include <stdlib.h>
