@@ -8,6 +8,8 @@ store_rows and embed the reference's. A compiled step and a machine without the 
 Row-wise, so batch-invariant."""
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -30,22 +32,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
 
 
 _angles: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor, torch.Tensor]] = {}
+_angles_lock = threading.Lock()
 
 
 def cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [M, P] of the angles positions ⊗ freqs, reused while the same two tensors (unmodified) come back
     (the q, kv and output rotations of a layer share them)."""
     key = (id(positions), id(freqs))
-    kept = _angles.get(key)
-    if kept is not None and kept[0] is positions and kept[1] is freqs and kept[2:4] == (positions._version,
-                                                                                        freqs._version):
-        return kept[4], kept[5]
-    angle = torch.outer(positions.to(torch.float32), freqs)
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    if len(_angles) >= ANGLES_KEPT:
-        _angles.pop(next(iter(_angles)))
-    _angles[key] = (positions, freqs, positions._version, freqs._version, cos, sin)
-    return cos, sin
+    with _angles_lock:      # sessions may decode on several threads (the server)
+        kept = _angles.get(key)
+        if kept is not None and kept[0] is positions and kept[1] is freqs and kept[2:4] == (positions._version,
+                                                                                            freqs._version):
+            return kept[4], kept[5]
+        angle = torch.outer(positions.to(torch.float32), freqs)
+        cos, sin = torch.cos(angle), torch.sin(angle)
+        if len(_angles) >= ANGLES_KEPT:
+            _angles.pop(next(iter(_angles)))
+        _angles[key] = (positions, freqs, positions._version, freqs._version, cos, sin)
+        return cos, sin
 
 
 @register("store_rows", "cpu", batch_invariant=True)
