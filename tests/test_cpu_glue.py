@@ -10,7 +10,7 @@ from backends.cpu.qmatmul import qmatmul
 from backends.registry import implementations
 from ops.embed import embed
 from ops.exp_poly import exp_poly, swiglu_poly
-from ops.hc_head import hc_head
+from ops.hc_head import hc_head, head_streams_poly
 from ops.hc_post import hc_post
 from ops.hc_pre import hc_pre, hc_pre_poly
 from ops.quants import QTensor
@@ -56,8 +56,10 @@ def test_hc_ops_are_their_references_bits(threads):
     assert all(torch.equal(a, b) for a, b in zip(out, hc_pre_poly(X, mixes, scale, base, 20, 1e-6), strict=True))
     torch.testing.assert_close(out, hc_pre(X, mixes, scale, base, 20, 1e-6), rtol=1e-5, atol=1e-5)
     fn = QTensor.quantize(torch.randn(4, 4096, generator=g) / 64, "F32", "fn")
-    torch.testing.assert_close(cpu("hc_head")(X, fn, scale[:1], base[:4], 1e-6, 1e-6),
-                               hc_head(X, fn, scale[:1], base[:4], 1e-6, 1e-6), rtol=1e-5, atol=1e-5)
+    out = cpu("hc_head")(X, fn, scale[:1], base[:4], 1e-6, 1e-6)
+    mixes = qmatmul(rms_norm_lanes(X.flatten(1), None, 1e-6), fn)
+    assert torch.equal(out, head_streams_poly(X, mixes, scale[:1], base[:4], 1e-6))
+    torch.testing.assert_close(out, hc_head(X, fn, scale[:1], base[:4], 1e-6, 1e-6), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("inverse", (False, True))

@@ -5,7 +5,8 @@
  * rms_norm_lanes (ops/rms_norm.py: the sum of squares in LANES lanes), hc_pre_poly (ops/hc_pre.py), hc_post
  * (ops/hc_post.py), the stream sums of hc_pre and hc_head, the pair rotation of rope_tail (ops/rope_tail.py, its
  * cos/sin given), store_rows (ops/store_rows.py), sparse_attention_lanes (ops/sparse_attention.py) and swiglu_poly
- * (ops/exp_poly.py, whose e^x uses only rounded +, -, * and exact powers of two). Row-wise, so batch-invariant.
+ * (ops/exp_poly.py, whose e^x uses only rounded +, -, * and exact powers of two), head_streams_poly
+ * (ops/hc_head.py). Row-wise, so batch-invariant.
  * Attention's (query, head) pairs are split across the kernel pool (pool.c); the others run on the calling thread.
  * Built with qgemv.c by backends/cpu/kernels.py.
  */
@@ -320,5 +321,17 @@ void glue_sum_rows(const float *y, int64_t M, int64_t K, int64_t D, float *out) 
         for (int64_t d = 0; d < D; d++) o[d] = y[m * K * D + d];
         for (int64_t k = 1; k < K; k++)
             for (int64_t d = 0; d < D; d++) o[d] = o[d] + y[(m * K + k) * D + d];
+    }
+}
+
+/* out [M, D] = Σ_h (sigmoid_poly(mixes[m, h]·scale + base[h]) + eps)·X[m, h] in stream order (ops/hc_head.py,
+ * head_streams_poly). */
+void glue_head_streams(const float *X, const float *mixes, const float *scale, const float *base, float eps,
+                       int64_t M, int64_t S, int64_t D, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        float w[64];
+        int64_t n = S < 64 ? S : 64;
+        for (int64_t h = 0; h < n; h++) w[h] = sigmoid_poly(mixes[m * S + h] * scale[0] + base[h]) + eps;
+        glue_streams(X + m * S * D, w, 1, S, D, out + m * D);
     }
 }

@@ -29,6 +29,8 @@ def _lib() -> ctypes.CDLL:
         k.glue_swiglu.restype = k.glue_sum_rows.restype = None
         k.glue_swiglu.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_float, ptr]
         k.glue_sum_rows.argtypes = [ptr, i64, i64, i64, ptr]
+        k.glue_head_streams.restype = None
+        k.glue_head_streams.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64, ptr]
         k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
         _bound = k
@@ -184,4 +186,17 @@ def sum_rows(y: torch.Tensor) -> torch.Tensor:
     M, K, D = y.shape
     out = torch.empty((M, D), dtype=torch.float32)
     _lib().glue_sum_rows(y.data_ptr(), M, K, D, out.data_ptr())
+    return out
+
+
+def head_streams(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """ops.hc_head.head_streams_poly's bits (X [M, S, D] with S <= 64, mixes [M, S], scale [1], base [S])."""
+    X, mixes, scale, base = f32(X), f32(mixes), f32(scale), f32(base)
+    M, S, D = X.shape
+    if S > 64:
+        raise ValueError(f"hc_head: at most 64 streams, got {S}")
+    out = torch.empty((M, D), dtype=torch.float32)
+    _lib().glue_head_streams(X.data_ptr(), mixes.data_ptr(), scale.data_ptr(), base.data_ptr(), eps, M, S, D,
+                             out.data_ptr())
     return out

@@ -64,4 +64,6 @@ def hc_head(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tenso
             hc_eps: float) -> torch.Tensor:
     """One row per HC state: the streams weighted by the head's sigmoid gates."""
     m = qmatmul(rms_norm(X.flatten(1), None, rms_eps), fn)
+    if glue.ready() and X.shape[1] <= 64:        # the gates and the stream sum in one C call (head_streams_poly)
+        return glue.head_streams(X, m, scale, base, hc_eps)
     return streams(rowwise(torch.sigmoid, m * scale + base) + hc_eps, X)
