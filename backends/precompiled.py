@@ -5,9 +5,10 @@ torch.compile's ahead-of-time path (`aot_compile`, torch >= 2.10) captures a ste
 and `save_compiled_function` writes that to one file: a later process loads it with
 `torch.compiler.load_compiled_function` and runs it without tracing the step again (the warm start that
 inductor's caches alone leave to a ~10 s dynamo trace). A file is keyed by the function, its argument
-signature, torch's version and a hash of the sources a step traces (ops/, backends/, models/), so an edit to
-any of them compiles afresh instead of loading a stale step; a loaded step whose guards still reject the
-arguments (another model of the same signature) is compiled again and its file replaced.
+signature, the model's sizes and the quant type of each of its weights (two mixes of the same sizes keep a file
+each), torch's version and a hash of the sources a step traces (ops/, backends/, models/), so an edit to any of
+them compiles afresh instead of loading a stale step; a loaded step whose guards still reject the arguments
+(another model of the same signature) is compiled again and its file replaced.
 """
 from __future__ import annotations
 
@@ -53,6 +54,27 @@ def signature(value: Any) -> tuple:
     return (repr(value),)
 
 
+def weight_types(owner: Any) -> str:
+    """sha256 of the quant type of every weight (QTensor) reachable from `owner`'s attributes, records, lists and
+    dicts, by attribute path: two mixes of the same sizes (q2, q4) trace different kernels."""
+    from ops.quants import QTensor
+    h, seen, todo = hashlib.sha256(), set(), [("", owner)]
+    while todo:
+        path, value = todo.pop()
+        if id(value) in seen or isinstance(value, (torch.Tensor, str, bytes, int, float, type(None))):
+            continue
+        seen.add(id(value))
+        if isinstance(value, QTensor):
+            h.update(f"{path}={value.qtype.name};".encode())
+        elif isinstance(value, (list, tuple)):
+            todo += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+        elif isinstance(value, dict):
+            todo += [(f"{path}[{k!r}]", v) for k, v in value.items()]
+        elif hasattr(value, "__dict__") and not callable(value):
+            todo += [(f"{path}.{k}", v) for k, v in sorted(vars(value).items(), reverse=True)]
+    return h.hexdigest()
+
+
 class PrecompiledStep:
     """`fn` compiled ahead of time once per argument signature, each compiled step saved under `directory` and
     loaded from there by later processes (see the module docstring)."""
@@ -84,8 +106,9 @@ class PrecompiledStep:
 
     def path(self, sig: tuple) -> Path:
         """The file of the step of signature `sig`."""
-        owner = self.owner.args if hasattr(self.owner, "args") else None     # a model's sizes
-        key = repr((getattr(self.fn, "__qualname__", repr(self.fn)), sig, signature(owner), source_hash()))
+        sizes = self.owner.args if hasattr(self.owner, "args") else None     # a model's sizes
+        types = weight_types(self.owner) if self.owner is not None else None
+        key = repr((getattr(self.fn, "__qualname__", repr(self.fn)), sig, signature(sizes), types, source_hash()))
         return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.step"
 
     def load_or_compile(self, sig: tuple, args: tuple) -> Callable:

@@ -326,6 +326,9 @@ class DeepseekV4:
             shapes = block_shapes(args, prefix, args.ratio(i), hashed)
             w = bind(weights, shapes, prefix, self.ops, OPTIONAL, args.n_experts, self.owned, self.split)
             self.layers.append(make_block(args, self.ops, w, args.ratio(i), hashed, args.clamp(i), self.owned.start))
+        shared: dict[bool, Array] = {}   # the RoPE frequencies depend only on whether a layer compresses: one array
+        for L in self.layers:            # per kind, so a backend can reuse a step's cos/sin across layers
+            L.freqs = shared.setdefault(bool(L.ratio), L.freqs)
 
     # ---- caches -------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ops.exp_poly import sigmoid_poly
 from ops.hc_pre import sigmoid_rows
 from ops.qmatmul import qmatmul
 from ops.quants import QTensor
@@ -22,6 +23,17 @@ def hc_head(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tenso
     """One row per HC state: the streams weighted by the head's sigmoid gates."""
     m = qmatmul(rms_norm(X.flatten(1), None, rms_eps), fn)
     w = sigmoid_rows(m * scale + base) + hc_eps
+    x = w[:, 0, None] * X[:, 0]
+    for h in range(1, X.shape[1]):
+        x = x + w[:, h, None] * X[:, h]
+    return x
+
+
+def head_streams_poly(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                      hc_eps: float) -> torch.Tensor:
+    """The HC head after its product `mixes` [M, S]: gates sigmoid_poly(mixes·scale + base) + hc_eps and the streams
+    they weight, summed in stream order (the bits of the cpu backend's C kernel, backends/cpu/glue.c)."""
+    w = sigmoid_poly(mixes.to(torch.float32) * scale + base) + hc_eps
     x = w[:, 0, None] * X[:, 0]
     for h in range(1, X.shape[1]):
         x = x + w[:, h, None] * X[:, h]

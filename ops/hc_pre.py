@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ops.exp_poly import exp_poly, sigmoid_poly
 from ops.qmatmul import SMALL_M
 
 BATCH_INVARIANT = True
@@ -44,3 +45,32 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
     for h in range(1, S):
         x = x + pre[:, h, None] * X[:, h]
     return x, post, comb
+
+
+def ordered_sum(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum over `dim` (kept) added in index order, starting from 0."""
+    total = torch.zeros_like(t.select(dim, 0))
+    for i in range(t.shape[dim]):
+        total = total + t.select(dim, i)
+    return total.unsqueeze(dim)
+
+
+def hc_pre_poly(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+                iters: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_pre` with its sigmoids and softmax through ops.exp_poly and every sum in index order (the bits of the
+    cpu backend's C kernel, backends/cpu/glue.c)."""
+    S = X.shape[1]
+    X, mixes = X.to(torch.float32), mixes.to(torch.float32)
+    pre = sigmoid_poly(mixes[:, :S] * scale[0] + base[:S]) + eps
+    post = 2 * sigmoid_poly(mixes[:, S:2 * S] * scale[1] + base[S:2 * S])
+    z = (mixes[:, 2 * S:] * scale[2] + base[2 * S:]).reshape(-1, S, S)
+    e = exp_poly(z - z.amax(-1, keepdim=True))
+    c = e / ordered_sum(e, -1) + eps
+    c = c / (ordered_sum(c, -2) + eps)
+    for _ in range(iters - 1):
+        c = c / (ordered_sum(c, -1) + eps)
+        c = c / (ordered_sum(c, -2) + eps)
+    x = pre[:, 0, None] * X[:, 0]
+    for h in range(1, S):
+        x = x + pre[:, h, None] * X[:, h]
+    return x, post, c

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ops.exp_poly import exp_poly
 from ops.qmatmul import SMALL_M
 
 BATCH_INVARIANT = True
@@ -74,4 +75,44 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: t
         p = torch.exp(s - m)
         denom = torch.exp(sink - m) + p.sum(-1, keepdim=True)
         out[start:start + QUERY_BLOCK] = torch.einsum("mhk,mkd->mhd", p, keys) / denom
+    return out
+
+
+LANES = 16          # sparse_attention_lanes: the partial sums of a dot product
+
+
+def dot_lanes(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ_k a[..., k]·b[..., k] (broadcast) with element k added to partial sum k % LANES in order, then the partial
+    sums in order."""
+    products = a * b
+    n = products.shape[-1]
+    products = torch.nn.functional.pad(products, (0, -n % LANES)).reshape(*products.shape[:-1], -1, LANES)
+    acc = torch.zeros(products.shape[:-2] + (LANES,))
+    for r in range(products.shape[-2]):
+        acc = acc + products[..., r, :]
+    total = acc[..., 0]
+    for lane in range(1, LANES):
+        total = total + acc[..., lane]
+    return total
+
+
+def sparse_attention_lanes(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """`sparse_attention` in a fixed float order (the bits of the cpu backend's C kernel, backends/cpu/glue.c): per
+    query and head over its padded list, scores `dot_lanes(q, row)·scale`, weights `exp_poly(s − m)`, and the
+    weighted rows and the weights summed in list order; −1 entries weigh exactly 0."""
+    q, kv, sinks = q.to(torch.float32), kv.to(torch.float32), sinks.to(torch.float32)
+    listed = rows.padded()
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for m in range(q.shape[0]):
+        keys = kv[listed[m].clamp(min=0)]                                        # [L, D]
+        s = dot_lanes(q[m][:, None, :], keys[None]) * scale                       # [H, L]
+        s = s.masked_fill(listed[m] < 0, float("-inf"))
+        top = torch.maximum(s.amax(-1), sinks) if s.shape[-1] else sinks
+        p = exp_poly(s - top[:, None])
+        o, total = torch.zeros(q.shape[1:]), torch.zeros(q.shape[1])
+        for k in range(p.shape[-1]):
+            total = total + p[:, k]
+            o = o + p[:, k, None] * keys[k]
+        out[m] = o / (exp_poly(sinks - top) + total)[:, None]
     return out

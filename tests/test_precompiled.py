@@ -58,3 +58,26 @@ def test_a_torch_without_aot_compile_is_refused_by_name(monkeypatch):
     monkeypatch.delattr(torch.compiler, "load_compiled_function")
     with pytest.raises(BackendUnavailable, match="aot_compile"):
         TorchArrays("cpu").compile(double_plus_one)
+
+
+def test_two_mixes_of_the_same_sizes_keep_a_file_each(tmp_path):
+    from dataclasses import dataclass
+
+    from ops.quants import QTensor
+
+    @dataclass
+    class Model:
+        args: tuple
+        layers: list
+
+        def run(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    def weight(qtype: str) -> QTensor:
+        return QTensor.quantize(torch.zeros(1, 256), qtype, "w")
+
+    sig = signature((torch.zeros(1),))
+    q4, q2 = Model((1, 2), [weight("Q4_K")]), Model((1, 2), [weight("Q2_K")])
+    path = PrecompiledStep(q4.run, tmp_path).path(sig)
+    assert PrecompiledStep(q2.run, tmp_path).path(sig) != path
+    assert PrecompiledStep(Model((1, 2), [weight("Q4_K")]).run, tmp_path).path(sig) == path

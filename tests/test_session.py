@@ -131,3 +131,24 @@ def test_mtp_pairing_is_explicit(pairing, prompt):
         Y, _ = mtp.forward(H, t[:-1], 0, cache)
         _, logits = mtp.forward(Y[-1:], t[-1:], 20, cache, 0, [0])
     assert (draft - logits[0]).abs().max() < MTP_TOL * logits.abs().max()  # different batching
+
+
+def test_kept_states_are_appended_in_place(tiny, prompt):
+    """The last KEPT_STATES output states stay each position's state across decode steps, buffer refills and a
+    rollback, while a decode step writes its one row into the session's buffer instead of copying all of them."""
+    from ds4.session import KEPT_STATES
+    model, _ = tiny
+    s = Session(model, CTX, prefill_chunk=16)
+    states = {}
+    for i, t in enumerate(prompt[:50]):
+        s.decode(t)
+        states[i] = s.trunk_tail.clone()
+        start, rows = s.recent["trunk"]
+        assert rows.shape[0] == min(i + 1, KEPT_STATES) and start == i + 1 - rows.shape[0]
+        assert all(torch.equal(rows[p - start], states[p]) for p in range(start, i + 1))
+        if i:   # from the second step on, a view of the session's buffer
+            assert rows.untyped_storage().data_ptr() == s.recent_buffers["trunk"].untyped_storage().data_ptr()
+    s.truncate(45)
+    s.decode(prompt[45])
+    start, rows = s.recent["trunk"]
+    assert start + rows.shape[0] == 46 and torch.equal(rows[-1], s.trunk_tail) and torch.equal(rows[-2], states[44])

@@ -1,7 +1,10 @@
 """Sparse attention and indexer scores on the CPU (contracts: ops/sparse_attention.py,
 ops/index_scores.py), batch-invariant for M <= SMALL_M without a loop over queries.
 
-Attention gathers each query's listed rows into a padded list cut into chunks of VEC entries (masked
+Attention is one C call (backends/cpu/glue.c) where the kernel library is built, outside a compiled step: each
+(query, head) pair over its padded list in a fixed float order (`ops.sparse_attention.sparse_attention_lanes`' bits),
+the pairs split across the kernel pool when the call is large enough (same bits for any thread count and any M).
+Otherwise attention gathers each query's listed rows into a padded list cut into chunks of VEC entries (masked
 entries get weight exactly 0); the scores, the softmax numerators and the weighted sums are batched
 products over (query, chunk) with fixed shapes, and the chunks are summed one after another. Another
 query's longer list only appends all-zero chunks, and adding an exact zero changes nothing, so each query's
@@ -21,6 +24,8 @@ from backends.registry import register
 from ops.qmatmul import SMALL_M
 from ops.sparse_attention import AttnRows
 
+from . import glue
+
 
 def query_rows(rows: AttnRows, start: int, stop: int) -> AttnRows:
     """The lists of queries start..stop-1."""
@@ -33,6 +38,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: t
                      scale: float) -> torch.Tensor:
     """Attention output of each query head over its listed rows plus the sink."""
     M, H, D = q.shape
+    if glue.ready():
+        return glue.attention(q, kv, rows.padded(), sinks, scale)
     if M > SMALL_M:
         return row_chunks(lambda a, b: sparse_attention(q[a:b], kv, query_rows(rows, a, b), sinks, scale), M,
                           torch.empty((M, H, D), dtype=torch.float32))

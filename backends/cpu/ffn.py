@@ -5,7 +5,9 @@ the fused kernel (backends/cpu/qgemv.c) reads each pair's expert in its stored b
 the chosen experts' blocks are gathered (only those are dequantized) and `bmm` multiplies each pair on its
 own (each entry goes through the same kernel whatever the batch count); the transcendental elementwise
 ops run on rows padded to whole vectors (`rows.rowwise`), and each row sums its experts in increasing
-expert id order. So row r equals the 1-row call bit for bit with no loop over rows. Prefill (larger M)
+expert id order (with the kernel library: the gated activation and the sum over experts are one C call each,
+backends/cpu/glue.c, the bits of ops.exp_poly.swiglu_poly). So row r equals the 1-row call bit for bit with no loop
+over rows. Prefill (larger M)
 groups each expert's rows, all the experts of a layer in one kernel call per projection (qgemm.c).
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ops.moe import Experts, check_owned, owned_pairs, select
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 
-from . import kernels
+from . import glue, kernels
 
 
 def gathered(w: QTensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -65,9 +67,11 @@ def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts, dot: str = "exact"
     chosen, w = owned_pairs(chosen, w, experts, missing=-1)   # expert parallelism: the kernel skips the others
     k, flat = chosen.shape[1], chosen.reshape(-1)
     xs = x.repeat_interleave(k, dim=0)                                      # [M*k, D]
-    g = pairs_product(xs, experts.gate, flat, dot).clamp(max=experts.clamp)
-    u = pairs_product(xs, experts.up, flat, dot).clamp(-experts.clamp, experts.clamp)
-    h = rowwise(F.silu, g) * u * w.reshape(-1, 1)
+    g, u = pairs_product(xs, experts.gate, flat, dot), pairs_product(xs, experts.up, flat, dot)
+    if glue.ready():     # one C call each (the bits of ops.exp_poly.swiglu_poly; the experts added in order)
+        y = pairs_product(glue.swiglu(g, u, experts.clamp, w), experts.down, flat, dot)
+        return glue.sum_rows(y.reshape(M, k, D))
+    h = rowwise(F.silu, g.clamp(max=experts.clamp)) * u.clamp(-experts.clamp, experts.clamp) * w.reshape(-1, 1)
     y = pairs_product(h, experts.down, flat, dot).reshape(M, k, D)
     out = y[:, 0]
     for j in range(1, k):
@@ -120,8 +124,12 @@ def grouped_loop(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Exp
 @register("shared_expert", "cpu", batch_invariant=True)
 def shared_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, clamp: float | None,
                   dot: str = "exact") -> torch.Tensor:
-    """SwiGLU of every row of `x` through the shared expert's weights; `dot`: as in qmatmul."""
-    g, u = qmatmul(x, gate, dot), qmatmul(x, up, dot)
+    """SwiGLU of every row of `x` through the shared expert's weights; `dot`: as in qmatmul. The gate and up products
+    are one kernel call where the kernels serve them (`glue.pair_product`: one pass of the pool over both)."""
+    both = glue.pair_product(x, gate, up, dot) if glue.ready() else None
+    g, u = both if both is not None else (qmatmul(x, gate, dot), qmatmul(x, up, dot))
+    if glue.ready():
+        return qmatmul(glue.swiglu(g, u, clamp), down, dot)
     if clamp is not None:
         g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
     return qmatmul(rowwise(F.silu, g) * u, down, dot)

@@ -1,23 +1,73 @@
-"""rms_norm and rope_tail on the CPU (contracts: ops/rms_norm.py, ops/rope_tail.py) in fewer torch calls than
-the references: a decode step makes ~45 norms and ~20 rotations of a few hundred values each, where every
-torch call costs microseconds of dispatch. Same math, row-wise, so batch-invariant."""
+"""rms_norm, rope_tail, store_rows and embed on the CPU (contracts: ops/rms_norm.py, ops/rope_tail.py,
+ops/store_rows.py, ops/embed.py) in one C call each (backends/cpu/glue.c; embed through the kernel library's
+dequantizer): a decode step makes ~15-45 norms, ~6-20 rotations and a few row writes of a few thousand values
+each, where every torch call costs microseconds of dispatch, tens of microseconds once a large product has evicted
+the caches. rms_norm gives `ops.rms_norm.rms_norm_lanes`' bits; rope_tail the reference's rotation of the angles'
+cos/sin, which are computed once per (positions, frequencies) and reused by the other calls of the step;
+store_rows and embed the reference's. A compiled step and a machine without the kernel library take torch ops.
+Row-wise, so batch-invariant."""
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
 
 from backends.registry import register
+from ops.embed import embed as reference_embed
+from ops.quants import QTensor
+from ops.store_rows import store_rows as reference_store_rows
+
+from . import glue, kernels
+
+ANGLES_KEPT = 8     # (positions, frequencies) pairs whose cos/sin are kept: a step's layers use a few
 
 
 @register("rms_norm", "cpu", batch_invariant=True)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """`x / sqrt(mean(x²) + eps) (* weight)` over the last dim, through torch's fused rms_norm."""
+    """`x / sqrt(mean(x²) + eps) (* weight)` over the last dim."""
+    if glue.ready():
+        return glue.rms_norm(x, weight, eps)
     return F.rms_norm(x.to(torch.float32), (x.shape[-1],), weight, eps)
+
+
+_angles: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor, torch.Tensor]] = {}
+_angles_lock = threading.Lock()
+
+
+def cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [M, P] of the angles positions ⊗ freqs, reused while the same two tensors (unmodified) come back
+    (the q, kv and output rotations of a layer share them)."""
+    key = (id(positions), id(freqs))
+    with _angles_lock:      # sessions may decode on several threads (the server)
+        kept = _angles.get(key)
+        if kept is not None and kept[0] is positions and kept[1] is freqs and kept[2:4] == (positions._version,
+                                                                                            freqs._version):
+            return kept[4], kept[5]
+        angle = torch.outer(positions.to(torch.float32), freqs)
+        cos, sin = torch.cos(angle), torch.sin(angle)
+        if len(_angles) >= ANGLES_KEPT:
+            _angles.pop(next(iter(_angles)))
+        _angles[key] = (positions, freqs, positions._version, freqs._version, cos, sin)
+        return cos, sin
+
+
+@register("store_rows", "cpu", batch_invariant=True)
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fp8_dims: int = 0,
+               f16: bool = False) -> torch.Tensor:
+    """`cache` with `rows` (rounded as stored) written at `slots`: one C call, the FP8 scales taken exactly from the
+    float bits (the reference's log2 can disagree only within an ulp of a power of two)."""
+    if glue.ready() and cache.dtype == torch.float32 and cache.is_contiguous():
+        return glue.store_rows(cache, slots, rows, fp8_dims, f16)
+    return reference_store_rows(cache, slots, rows, fp8_dims, f16)
 
 
 @register("rope_tail", "cpu", batch_invariant=True)
 def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last 2·len(freqs) dims of `x` in adjacent pairs, written into one copy of `x`."""
+    """Rotate the last 2·len(freqs) dims of `x` in adjacent pairs."""
+    if glue.ready():
+        cos, sin = cos_sin(positions, freqs)
+        return glue.rope(x, cos, sin, inverse)
     r = 2 * freqs.shape[0]
     angle = torch.outer(positions.to(torch.float32), freqs).reshape(x.shape[0], *([1] * (x.dim() - 2)), r // 2)
     cos, sin = torch.cos(angle), torch.sin(angle)
@@ -28,3 +78,12 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inv
     out[..., -r::2] = x0 * cos - x1 * sin
     out[..., -r + 1::2] = x0 * sin + x1 * cos
     return out
+
+
+@register("embed", "cpu", batch_invariant=True)
+def embed(table: QTensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of `table` as float32, dequantized by the kernel library where it reads the type (the reference's
+    values, in one call instead of the reference dequantizer's torch ops)."""
+    if glue.ready() and table.qtype.name != "F32" and kernels.available(table.qtype.name, table.shape[1]):
+        return kernels.dequantize(QTensor(table.qtype, (ids.shape[0], table.shape[1]), table.data[ids], table.name))
+    return reference_embed(table, ids)

@@ -1,0 +1,337 @@
+/* The small ops of a decode step in one call each (backends/cpu/glue.py): after a large product has streamed its
+ * weight through the caches, every torch call costs tens of microseconds of cold code and data (docs/cpu.md,
+ * "The glue in C"), a short loop in C a few. Each function does exactly the float operations of its reference, in
+ * the same order (built with -ffp-contract=off: no fused multiply-adds), so the results are the reference's bits:
+ * rms_norm_lanes (ops/rms_norm.py: the sum of squares in LANES lanes), hc_pre_poly (ops/hc_pre.py), hc_post
+ * (ops/hc_post.py), the stream sums of hc_pre and hc_head, the pair rotation of rope_tail (ops/rope_tail.py, its
+ * cos/sin given), store_rows (ops/store_rows.py), sparse_attention_lanes (ops/sparse_attention.py) and swiglu_poly
+ * (ops/exp_poly.py, whose e^x uses only rounded +, -, * and exact powers of two), head_streams_poly
+ * (ops/hc_head.py). Row-wise, so batch-invariant.
+ * Attention's (query, head) pairs are split across the kernel pool (pool.c); the others run on the calling thread.
+ * Built with qgemv.c by backends/cpu/kernels.py.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <stdint.h>
+
+#define LANES 16
+
+/* out [M, n] = x * (1 / sqrt(sum(x²) / n + eps)) (* w when w is not NULL); element k of a row is added to lane
+ * k % LANES in order, then the lanes are added in order. */
+void glue_rms_norm(const float *x, int64_t M, int64_t n, const float *w, float eps, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * n;
+        float acc[LANES] = {0}, *o = out + m * n;
+        int64_t k = 0;
+        for (; k + LANES <= n; k += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] += row[k + l] * row[k + l];
+        for (int l = 0; k + l < n; l++) acc[l] += row[k + l] * row[k + l];
+        float total = acc[0];
+        for (int l = 1; l < LANES; l++) total += acc[l];
+        float r = 1.0f / sqrtf(total / (float)n + eps);
+        if (w)
+            for (int64_t i = 0; i < n; i++) o[i] = row[i] * r * w[i];
+        else
+            for (int64_t i = 0; i < n; i++) o[i] = row[i] * r;
+    }
+}
+
+/* out [M, S, D]: out[j] = post[j] * y + comb[0][j] * X[0] + ... + comb[S-1][j] * X[S-1], added in stream order. */
+void glue_hc_post(const float *X, const float *y, const float *post, const float *comb, int64_t M, int64_t S,
+                  int64_t D, float *out) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < S; j++) {
+            float *o = out + (m * S + j) * D, p = post[m * S + j];
+            const float *ym = y + m * D;
+            for (int64_t d = 0; d < D; d++) o[d] = p * ym[d];
+            for (int64_t i = 0; i < S; i++) {
+                const float *xi = X + (m * S + i) * D, c = comb[(m * S + i) * S + j];
+                for (int64_t d = 0; d < D; d++) o[d] = o[d] + c * xi[d];
+            }
+        }
+}
+
+/* out [M, D] = w[0] * X[0] + ... + w[S-1] * X[S-1] per row (X [M, S, D], w [M, S]), added in stream order. */
+void glue_streams(const float *X, const float *w, int64_t M, int64_t S, int64_t D, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        float *o = out + m * D;
+        for (int64_t d = 0; d < D; d++) o[d] = w[m * S] * X[m * S * D + d];
+        for (int64_t h = 1; h < S; h++) {
+            const float *xh = X + (m * S + h) * D, c = w[m * S + h];
+            for (int64_t d = 0; d < D; d++) o[d] = o[d] + c * xh[d];
+        }
+    }
+}
+
+/* out [M, G, d] = x with the last 2 * P values of each of the G rows of d values of row m rotated in adjacent
+ * pairs: (x0, x1) -> (x0 * cos - x1 * sin, x0 * sin + x1 * cos), cos/sin [M, P] (sin negated when inverse). */
+void glue_rope(const float *x, int64_t M, int64_t G, int64_t d, const float *cos_, const float *sin_, int64_t P,
+               int inverse, float *out) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *xr = x + (m * G + g) * d, *c = cos_ + m * P, *s = sin_ + m * P;
+            float *o = out + (m * G + g) * d;
+            int64_t first = d - 2 * P;
+            for (int64_t i = 0; i < first; i++) o[i] = xr[i];
+            for (int64_t p = 0; p < P; p++) {
+                float x0 = xr[first + 2 * p], x1 = xr[first + 2 * p + 1], sn = inverse ? -s[p] : s[p];
+                o[first + 2 * p] = x0 * c[p] - x1 * sn;
+                o[first + 2 * p + 1] = x0 * sn + x1 * c[p];
+            }
+        }
+}
+
+/* e^x with only rounded +, -, * and an exact power of two (ops/exp_poly.py): Cody-Waite reduction by
+ * n = floor(x·log2 e + 1/2), a degree-5 polynomial; 0 below EXP_LOW (and for NaN), +inf above EXP_HIGH; branch-free,
+ * so a loop of it vectorizes. */
+#define EXP_LOW (-87.0f)
+#define EXP_HIGH 88.0f
+static inline float exp_poly(float x) {
+    int low = !(x >= EXP_LOW), high = x > EXP_HIGH;
+    x = low || high ? 0.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * (r * r);
+    y = y + r;
+    y = y + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return low ? 0.0f : high ? INFINITY : y * scale.f;
+}
+
+static inline float sigmoid_poly(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
+
+typedef float v16 __attribute__((vector_size(LANES * sizeof(float))));   /* the LANES partial sums, elementwise */
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float add_lanes(v16 acc) {
+    float total = acc[0];
+    for (int l = 1; l < LANES; l++) total += acc[l];
+    return total;
+}
+
+typedef struct {        /* one sparse_attention call (glue_attention), read by the pool's threads */
+    const float *q, *kv, *sinks;
+    const int64_t *rows;
+    int64_t H, D, L;
+    float scale;
+} attention_t;
+
+#define HEADS 4     /* heads of a query done together: each key row is read once for all of them */
+
+/* Output rows [start, stop) of the (query, head) pairs of an attention_t `args` (pool.c's row-function signature:
+ * the unused arguments are the products'): s_k = (q·kv[row k], element i added to lane i % LANES in order, then the
+ * lanes in order)·scale, −inf where row k is −1; p_k = exp_poly(s_k − m) with m the largest of the s_k and the sink;
+ * out = (Σ_k p_k·kv[row k]) / (exp_poly(sink − m) + Σ_k p_k), both sums in list order (entries −1 weigh exactly 0,
+ * so they are skipped). HEADS heads of one query at a time share each pass over its rows. */
+int glue_attention_rows(int type, const uint8_t *args, int64_t expert_bytes, const int64_t *experts, int64_t N,
+                        int64_t K, const void *x, int64_t M, float *out, int64_t start, int64_t stop) {
+    (void)type, (void)expert_bytes, (void)experts, (void)N, (void)K, (void)x, (void)M;
+    const attention_t *a = (const attention_t *)args;
+    int64_t H = a->H, D = a->D, L = a->L;
+    float *s = malloc((size_t)(HEADS * L + 1) * sizeof(float));
+    int64_t *used = malloc((size_t)(L + 1) * sizeof(int64_t));
+    if (!s || !used) {
+        free(s), free(used);
+        return -2;
+    }
+    for (int64_t pair = start, g; pair < stop; pair += g) {
+        int64_t m = pair / H, h = pair % H, n = 0;
+        g = stop - pair < H - h ? stop - pair : H - h;
+        g = g < HEADS ? g : HEADS;
+        const float *q[HEADS];
+        float top[HEADS], total[HEADS], sink[HEADS];
+        for (int t = 0; t < HEADS; t++) {            /* spare slots repeat the last head and are not stored */
+            int64_t head = h + (t < g ? t : g - 1);
+            q[t] = a->q + (m * H + head) * D, sink[t] = top[t] = a->sinks[head], total[t] = 0.0f;
+        }
+        const int64_t *rows = a->rows + m * L;
+        for (int64_t k = 0; k < L; k++)
+            if (rows[k] >= 0) used[n++] = rows[k];
+        for (int64_t j = 0; j < n; j++) {
+            const float *key = a->kv + used[j] * D;
+            v16 acc[HEADS] = {{0}};
+            int64_t d = 0;
+            for (; d + LANES <= D; d += LANES) {
+                v16 kd = load16(key + d);
+                for (int t = 0; t < HEADS; t++) acc[t] += load16(q[t] + d) * kd;
+            }
+            for (int l = 0; d + l < D; l++)
+                for (int t = 0; t < HEADS; t++) acc[t][l] += q[t][d + l] * key[d + l];
+            for (int t = 0; t < HEADS; t++) {
+                float v = add_lanes(acc[t]) * a->scale;
+                s[t * L + j] = v;
+                if (v > top[t]) top[t] = v;
+            }
+        }
+        for (int t = 0; t < HEADS; t++)
+            for (int64_t j = 0; j < n; j++) s[t * L + j] = exp_poly(s[t * L + j] - top[t]);
+        for (int t = 0; t < HEADS; t++)
+            for (int64_t j = 0; j < n; j++) total[t] = total[t] + s[t * L + j];
+        int64_t d = 0;
+        for (; d + 2 * LANES <= D; d += 2 * LANES) {        /* 2 x 16 outputs of each head in registers */
+            v16 o[HEADS][2] = {{{0}}};
+            for (int64_t j = 0; j < n; j++) {
+                const float *v = a->kv + used[j] * D + d;
+                v16 v0 = load16(v), v1 = load16(v + LANES);
+                for (int t = 0; t < HEADS; t++) {
+                    v16 w = {0};
+                    w += s[t * L + j];
+                    o[t][0] += w * v0, o[t][1] += w * v1;
+                }
+            }
+            for (int t = 0; t < g; t++) {
+                float *dst = out + (m * H + h + t) * D + d;
+                __builtin_memcpy(dst, &o[t][0], sizeof(v16)), __builtin_memcpy(dst + LANES, &o[t][1], sizeof(v16));
+            }
+        }
+        for (; d < D; d++)
+            for (int t = 0; t < g; t++) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < n; j++) acc = acc + s[t * L + j] * a->kv[used[j] * D + d];
+                out[(m * H + h + t) * D + d] = acc;
+            }
+        for (int t = 0; t < g; t++) {
+            float *dst = out + (m * H + h + t) * D, sum = exp_poly(sink[t] - top[t]) + total[t];
+            for (int64_t i = 0; i < D; i++) dst[i] = dst[i] / sum;
+        }
+    }
+    free(s), free(used);
+    return 0;
+}
+
+void sinkhorn(const float *p, float *c, int64_t M, int64_t S, int64_t iters, float eps);     /* sinkhorn.c */
+
+/* hc_pre (ops/hc_pre.py, hc_pre_poly): from the mixes [M, 2S + S²] of HC states X [M, S, D], the gates
+ * pre = sigmoid_poly(m·scale[0] + base) + eps, post [M, S] = 2·sigmoid_poly(m·scale[1] + base), comb [M, S, S] the
+ * Sinkhorn of the row softmax (exp_poly, sums in index order) of m·scale[2] + base, and x [M, D] = Σ_h pre_h·X_h in
+ * stream order. Returns -2 where no memory is left for the gates. */
+int glue_hc_pre(const float *X, const float *mixes, const float *scale, const float *base, int64_t M, int64_t S,
+                int64_t D, int64_t iters, float eps, float *x, float *post, float *comb) {
+    int64_t W = 2 * S + S * S;
+    float *pre = malloc((size_t)(M * S + M * S * S + 1) * sizeof(float)), *soft = pre + M * S;
+    if (!pre) return -2;
+    for (int64_t m = 0; m < M; m++) {
+        const float *mx = mixes + m * W;
+        for (int64_t i = 0; i < S; i++) {
+            pre[m * S + i] = sigmoid_poly(mx[i] * scale[0] + base[i]) + eps;
+            post[m * S + i] = 2.0f * sigmoid_poly(mx[S + i] * scale[1] + base[S + i]);
+        }
+        for (int64_t r = 0; r < S; r++) {
+            float *row = soft + (m * S + r) * S, top = -INFINITY, sum = 0.0f;
+            for (int64_t k = 0; k < S; k++) {
+                int64_t i = 2 * S + r * S + k;
+                row[k] = mx[i] * scale[2] + base[i];
+                if (row[k] > top) top = row[k];
+            }
+            for (int64_t k = 0; k < S; k++) row[k] = exp_poly(row[k] - top);
+            for (int64_t k = 0; k < S; k++) sum = sum + row[k];
+            for (int64_t k = 0; k < S; k++) row[k] = row[k] / sum;
+        }
+    }
+    sinkhorn(soft, comb, M, S, iters, eps);
+    glue_streams(X, pre, M, S, D, x);
+    free(pre);
+    return 0;
+}
+
+static inline int exponent_of(float v) {        /* floor(log2 |v|) of a normal float, from its exponent bits */
+    union { float f; int32_t i; } u = {.f = v};
+    return ((u.i >> 23) & 255) - 127;
+}
+
+static inline float pow2f(int e) {              /* 2^e for e in the normal range */
+    union { int32_t i; float f; } u = {.i = (e + 127) << 23};
+    return u.f;
+}
+
+/* x rounded to the nearest multiple of 2^(max(floor(log2 |x|), min_exp) - bits), ties to even: a float format with
+ * `bits` mantissa bits and smallest normal exponent min_exp (rintf rounds half to even). */
+static inline float round_bits(float x, int bits, int min_exp) {
+    float a = fabsf(x);
+    int e = a > 0.0f ? exponent_of(a) : min_exp;
+    float step = pow2f((e > min_exp ? e : min_exp) - bits), q = rintf(a / step) * step;
+    return x < 0.0f ? -q : q;
+}
+
+/* store_rows (ops/store_rows.py): cache[slots[m]] = rows[m] with the first fp8_dims values through the E4M3
+ * simulation (ops/fp8_sim.py: per 64 values a scale 2^ceil(log2(max(amax, 1e-4) / 448)), taken exactly from the
+ * float bits as backends/triton/sims.py does) and then, with f16, every value rounded to float16 and back. Returns
+ * -1 (nothing written) when a slot is outside [0, N). */
+int glue_store_rows(float *cache, int64_t N, int64_t d, const int64_t *slots, int64_t M, const float *rows,
+                    int64_t fp8_dims, int f16) {
+    for (int64_t m = 0; m < M; m++)
+        if (slots[m] < 0 || slots[m] >= N) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = rows + m * d;
+        float *o = cache + slots[m] * d;
+        for (int64_t b = 0; b < fp8_dims; b += 64) {
+            float amax = 0.0f;
+            for (int i = 0; i < 64; i++) amax = fabsf(x[b + i]) > amax ? fabsf(x[b + i]) : amax;
+            float y = (amax > 1e-4f ? amax : 1e-4f) / 448.0f;
+            union { float f; int32_t i; } u = {.f = y};
+            float scale = pow2f(exponent_of(y) + ((u.i & 0x7FFFFF) != 0));
+            for (int i = 0; i < 64; i++) {
+                float v = x[b + i] / scale;
+                v = v < -448.0f ? -448.0f : v > 448.0f ? 448.0f : v;
+                o[b + i] = round_bits(v, 3, -6) * scale;
+            }
+        }
+        for (int64_t i = fp8_dims; i < d; i++) o[i] = x[i];
+        if (f16)
+            for (int64_t i = 0; i < d; i++) {
+                float h = round_bits(o[i], 10, -14);
+                o[i] = fabsf(h) > 65504.0f ? copysignf(INFINITY, h) : h;
+            }
+    }
+    return 0;
+}
+
+/* h [M, N] = silu_poly(min(g, clamp)) · clamp(u, ±clamp) (· w[m]) (ops/exp_poly.py, swiglu_poly; no clamp when
+ * has_clamp is 0, no weight when w is NULL). */
+void glue_swiglu(const float *g, const float *u, const float *w, int64_t M, int64_t N, int has_clamp, float clamp,
+                 float *h) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            float a = g[m * N + n], b = u[m * N + n];
+            if (has_clamp) {
+                a = a > clamp ? clamp : a;
+                b = b < -clamp ? -clamp : b > clamp ? clamp : b;
+            }
+            float v = a / (1.0f + exp_poly(-a)) * b;
+            h[m * N + n] = w ? v * w[m] : v;
+        }
+}
+
+/* out [M, D] = y[m, 0] + y[m, 1] + ... + y[m, K-1] (y [M, K, D]), added in order. */
+void glue_sum_rows(const float *y, int64_t M, int64_t K, int64_t D, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        float *o = out + m * D;
+        for (int64_t d = 0; d < D; d++) o[d] = y[m * K * D + d];
+        for (int64_t k = 1; k < K; k++)
+            for (int64_t d = 0; d < D; d++) o[d] = o[d] + y[(m * K + k) * D + d];
+    }
+}
+
+/* out [M, D] = Σ_h (sigmoid_poly(mixes[m, h]·scale + base[h]) + eps)·X[m, h] in stream order (ops/hc_head.py,
+ * head_streams_poly). */
+void glue_head_streams(const float *X, const float *mixes, const float *scale, const float *base, float eps,
+                       int64_t M, int64_t S, int64_t D, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        float w[64];
+        int64_t n = S < 64 ? S : 64;
+        for (int64_t h = 0; h < n; h++) w[h] = sigmoid_poly(mixes[m * S + h] * scale[0] + base[h]) + eps;
+        glue_streams(X + m * S * D, w, 1, S, D, out + m * D);
+    }
+}

@@ -1,0 +1,169 @@
+"""The cpu backend's glue kernels (backends/cpu/glue.c): each the bits of its reference in ops/ on 1, 2 and 3
+kernel threads, close to the oracle op, and what the registered ops call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.cpu import glue, kernels, rowops
+from backends.cpu.qmatmul import qmatmul
+from backends.registry import implementations
+from ops.embed import embed
+from ops.exp_poly import exp_poly, swiglu_poly
+from ops.hc_head import hc_head, head_streams_poly
+from ops.hc_post import hc_post
+from ops.hc_pre import hc_pre, hc_pre_poly
+from ops.quants import QTensor
+from ops.rms_norm import rms_norm, rms_norm_lanes
+from ops.rope_tail import rope_freqs, rope_tail
+from ops.sparse_attention import AttnRows, sparse_attention, sparse_attention_lanes
+from ops.store_rows import store_rows
+
+
+@pytest.fixture(params=(1, 2, 3))
+def threads(request):
+    kernels.set_threads(request.param)
+    yield request.param
+    kernels.set_threads(1)
+    kernels._pool_threads = 0
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def cpu(op: str):
+    return implementations(op)["cpu"].fn
+
+
+@pytest.mark.parametrize("shape", ((1, 4096), (3, 16384), (2, 8, 512), (4, 100), (1, 7)))
+def test_rms_norm_is_the_lanes_reference(shape, threads):
+    g = gen(len(shape) + shape[-1])
+    x, w = torch.randn(*shape, generator=g) * 3, torch.rand(shape[-1], generator=g) + 0.5
+    for weight in (w, None):
+        out = cpu("rms_norm")(x, weight, 1e-6)
+        assert torch.equal(out, rms_norm_lanes(x, weight, 1e-6))
+        torch.testing.assert_close(out, rms_norm(x, weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+def test_hc_ops_are_their_references_bits(threads):
+    g = gen(1)
+    X, y = torch.randn(3, 4, 1024, generator=g), torch.randn(3, 1024, generator=g)
+    post, comb = torch.rand(3, 4, generator=g), torch.rand(3, 4, 4, generator=g)
+    assert torch.equal(cpu("hc_post")(X, y, post, comb), hc_post(X, y, post, comb))
+    mixes, scale, base = torch.randn(3, 24, generator=g), torch.rand(3, generator=g), torch.randn(24, generator=g)
+    out = cpu("hc_pre")(X, mixes, scale, base, 20, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(out, hc_pre_poly(X, mixes, scale, base, 20, 1e-6), strict=True))
+    torch.testing.assert_close(out, hc_pre(X, mixes, scale, base, 20, 1e-6), rtol=1e-5, atol=1e-5)
+    fn = QTensor.quantize(torch.randn(4, 4096, generator=g) / 64, "F32", "fn")
+    out = cpu("hc_head")(X, fn, scale[:1], base[:4], 1e-6, 1e-6)
+    mixes = qmatmul(rms_norm_lanes(X.flatten(1), None, 1e-6), fn)
+    assert torch.equal(out, head_streams_poly(X, mixes, scale[:1], base[:4], 1e-6))
+    torch.testing.assert_close(out, hc_head(X, fn, scale[:1], base[:4], 1e-6, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("inverse", (False, True))
+def test_rope_is_the_reference_rotation(inverse, threads):
+    g, freqs = gen(2), rope_freqs(64, 10000.0)
+    pos = torch.tensor([5, 77, 1000])
+    for shape in ((3, 8, 128), (3, 512)):
+        x = torch.randn(*shape, generator=g)
+        assert torch.equal(cpu("rope_tail")(x, pos, freqs, inverse), rope_tail(x, pos, freqs, inverse))
+    x = torch.randn(3, 512, generator=g)
+    first = cpu("rope_tail")(x, pos, freqs, inverse)
+    pos[0] = 6                                          # an edited positions tensor is not served stale angles
+    assert not torch.equal(cpu("rope_tail")(x, pos, freqs, inverse), first)
+    assert len(rowops._angles) <= rowops.ANGLES_KEPT
+
+
+def test_exp_poly_is_close_to_exp():
+    x = torch.cat([torch.linspace(-86, 87, 40001), torch.tensor([0.0, -88.0, float("-inf"), 89.0, float("inf")])])
+    e = exp_poly(x)
+    assert e[-5] == 1 and e[-4] == 0 and e[-3] == 0 and e[-2] == e[-1] == float("inf")
+    ref = torch.exp(x[:-5].double())
+    assert ((e[:-5].double() - ref).abs() / ref).max() < 2e-7
+
+
+def attention_case(seed: int, M: int, H: int, D: int, N: int, L: int):
+    g = gen(seed)
+    q, kv, sinks = torch.randn(M, H, D, generator=g), torch.randn(N, D, generator=g) / 3, torch.randn(H, generator=g)
+    counts = tuple(int(v) for v in torch.randint(0, L + 1, (M,), generator=g))
+    raw = torch.randint(0, N, (M, L), generator=g)
+    for m, n in enumerate(counts):
+        raw[m, n:] = -1
+    return q, kv, AttnRows(raw, counts), sinks
+
+
+@pytest.mark.parametrize("shape", ((1, 64, 512, 300, 128), (3, 4, 80, 50, 20), (20, 8, 64, 40, 17)))
+def test_attention_is_the_lanes_reference_on_any_thread_count(shape, threads):
+    q, kv, rows, sinks = attention_case(sum(shape), *shape)
+    out = cpu("sparse_attention")(q, kv, rows, sinks, 0.044)
+    assert torch.equal(out, sparse_attention_lanes(q, kv, rows, sinks, 0.044))
+    torch.testing.assert_close(out, sparse_attention(q, kv, rows, sinks, 0.044), rtol=1e-5, atol=1e-5)
+    padded = AttnRows(torch.nn.functional.pad(rows.raw, (0, 9), value=-1), rows.n_raw)   # longer lists: same bits
+    assert torch.equal(cpu("sparse_attention")(q, kv, padded, sinks, 0.044), out)
+
+
+def test_glue_is_off_in_a_compiled_step(monkeypatch):
+    assert glue.ready()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not glue.ready()
+
+
+@pytest.mark.parametrize("fp8_dims, f16", ((448, True), (448, False), (0, True), (0, False)))
+def test_store_rows_is_the_reference(fp8_dims, f16):
+    g = gen(fp8_dims + f16)
+    rows = torch.randn(5, 512, generator=g) * torch.logspace(-9, 5, 5)[:, None]
+    rows[0, :64] = 0.0                                  # an all-zero block: the 1e-4 floor of the scale
+    rows[1, 64:128] *= 1e-30                            # subnormal F16 and E4M3 values
+    rows[2, 448:] = torch.tensor([7e4, -7e4, 65519.0, 65520.0] * 16)   # F16 overflow: +-inf, and the last finite
+    slots = torch.tensor([3, 0, 7, 5, 1])
+    cache, expected = torch.zeros(8, 512), torch.zeros(8, 512)
+    out = cpu("store_rows")(cache, slots, rows, fp8_dims, f16)
+    assert out is cache and torch.equal(cache, store_rows(expected, slots, rows, fp8_dims, f16))
+    with pytest.raises(ValueError, match="outside"):
+        cpu("store_rows")(cache, torch.tensor([0, 8, 1, 2, 3]), rows, fp8_dims, f16)
+
+
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K", "F16"))
+def test_gate_and_up_in_one_call(qtype):
+    """The shared expert's gate and up products as one pool call: each the product's values, the same bits on 1, 2
+    and 3 threads; types and sizes the pair call does not take are left to two products (None)."""
+    g = gen(3)
+    a, b = (QTensor.quantize(torch.randn(512, 1024, generator=g) / 32, qtype, name) for name in "ab")
+    x = torch.randn(3, 1024, generator=g)
+    for dot in ("exact", "q8"):
+        outs = []
+        for n in (1, 2, 3):
+            kernels.set_threads(n)
+            outs.append(glue.pair_product(x, a, b, dot))
+        kernels._pool_threads = 0
+        assert all(torch.equal(o[i], outs[0][i]) for o in outs for i in (0, 1))
+        for y, w in zip(outs[0], (a, b), strict=True):
+            torch.testing.assert_close(y, qmatmul(x, w, dot), rtol=1e-6, atol=1e-6)
+    assert glue.pair_product(torch.randn(9, 1024), a, b) is None
+    assert glue.pair_product(x, a, QTensor.quantize(torch.randn(512, 1024) / 32, "Q6_K", "c")) is None
+
+
+def test_swiglu_and_expert_sum_are_their_references(threads):
+    g = gen(4)
+    a, b, w = torch.randn(5, 300, generator=g) * 8, torch.randn(5, 300, generator=g) * 8, torch.rand(5, generator=g)
+    for clamp in (None, 7.0):
+        for weight in (None, w):
+            assert torch.equal(glue.swiglu(a, b, clamp, weight),
+                               swiglu_poly(a, b, clamp, None if weight is None else weight[:, None]))
+    h = glue.swiglu(a, b, 7.0)
+    torch.testing.assert_close(h, torch.nn.functional.silu(a.clamp(max=7.0)) * b.clamp(-7.0, 7.0), rtol=1e-6,
+                               atol=1e-6)
+    y = torch.randn(3, 6, 200, generator=g)
+    expected = y[:, 0]
+    for k in range(1, 6):
+        expected = expected + y[:, k]
+    assert torch.equal(glue.sum_rows(y), expected)
+
+
+@pytest.mark.parametrize("qtype", ("F16", "Q8_0", "Q4_K", "F32"))
+def test_embed_is_the_reference(qtype):
+    table = QTensor.quantize(torch.randn(40, 512, generator=gen(5)), qtype, "token_embd.weight")
+    ids = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(cpu("embed")(table, ids), embed(table, ids))
