@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from backends.cpu import kernels
-from backends.registry import OpSet
 from ops import q8_activations as ref
 from ops.quants import QTensor
+from tests.test_cpu_q8 import q8_greedy_and_speculative
 
 TYPES = ("Q8_0", "Q4_K", "Q2_K", "IQ2_XXS")
 
@@ -89,19 +89,8 @@ def test_default_takes_tiles_only_from_the_faster_row_counts():
 def test_speculative_verify_on_tiles_commits_plain_decoding_tokens(every_m):
     """The default model (IQ2_XXS, Q2_K and Q8_0 weights) under q8: strict speculative decoding at depth 2, whose
     verify steps multiply 3 rows on the tiles, commits the tokens of plain decoding (1 row: no tiles)."""
-    from ds4.engine import default_model_paths, open_model, open_mtp
-    from ds4.sampling import Sampler, SamplingParams
-    from ds4.session import Session
-    from ds4.speculative import generate_ids
-    path, mtp_path = default_model_paths()
-    prompt = torch.randint(3, 500, (24,), generator=torch.Generator().manual_seed(2)).tolist()
-    runs = []
-    for draft in (None, 2):
-        trunk = open_model(path, OpSet("auto", cpu_dot="q8"))
-        session = Session(trunk, 128, 16, open_mtp(trunk, mtp_path))
-        runs.append(list(generate_ids(session, prompt, max_tokens=10, sampler=Sampler(SamplingParams(temperature=0.0)),
-                                      eos_id=None, draft=draft, strict=draft is not None)))
-    assert runs[0] == runs[1] and len(runs[0]) == 10
+    plain, speculative = q8_greedy_and_speculative(24, 2, 10)
+    assert plain == speculative and len(plain) == 10
 
 
 def test_environment_switch_turns_every_amx_path_off(monkeypatch):

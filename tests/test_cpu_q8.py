@@ -445,22 +445,29 @@ def test_switch_refusals_and_report(monkeypatch):
     assert "auto; --cpu-dot q8" in report and "cpu dot q8: activations rounded to 8 bits" in report
 
 
-def test_q8_speculation_is_exact_against_q8_decoding():
-    """On the default model (IQ2_XXS, Q2_K and Q8_0 weights) q8 is batch-invariant end to end: strict
-    speculative decoding (depth 2, batched verify) commits plain q8 greedy decoding's tokens."""
+def q8_greedy_and_speculative(prompt_len: int, seed: int, max_tokens: int) -> list[list[int]]:
+    """The default model under q8: the greedy tokens of plain decoding and of strict speculative decoding at depth 2."""
     from ds4.engine import default_model_paths, open_model, open_mtp
     from ds4.sampling import Sampler, SamplingParams
     from ds4.session import Session
     from ds4.speculative import generate_ids
     path, mtp_path = default_model_paths()
-    prompt = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(3, 500, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     runs = []
     for draft in (None, 2):
         trunk = open_model(path, OpSet("auto", cpu_dot="q8"))
         session = Session(trunk, 128, 16, open_mtp(trunk, mtp_path))
-        runs.append(list(generate_ids(session, prompt, max_tokens=12, sampler=Sampler(SamplingParams(temperature=0.0)),
+        runs.append(list(generate_ids(session, prompt, max_tokens=max_tokens,
+                                      sampler=Sampler(SamplingParams(temperature=0.0)),
                                       eos_id=None, draft=draft, strict=draft is not None)))
-    assert runs[0] == runs[1] and len(runs[0]) == 12
+    return runs
+
+
+def test_q8_speculation_is_exact_against_q8_decoding():
+    """On the default model (IQ2_XXS, Q2_K and Q8_0 weights) q8 is batch-invariant end to end: strict
+    speculative decoding (depth 2, batched verify) commits plain q8 greedy decoding's tokens."""
+    plain, speculative = q8_greedy_and_speculative(40, 1, 12)
+    assert plain == speculative and len(plain) == 12
 
 
 def test_generate_cli_flag(capsys):
