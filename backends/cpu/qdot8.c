@@ -15,6 +15,7 @@
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+#include "iq2_xxs_groups.h"
 
 #define Q8_MAX_ROWS 16
 #define Q8_AHEAD 2048       /* bytes of the weight stream prefetched ahead */
@@ -164,18 +165,9 @@ static inline __m512i iq2_xxs_sums(const uint8_t *b, const q8k_block *y) {
     const uint8_t *p = b + 2;
     /* The block's 8 groups in one vector: 64-bit lane g = the group's 4 grid indices, then its 32 bits. */
     __m512i v = _mm512_loadu_si512(p);
-    /* bytes 0-3 of lane g: the 7-bit sign indices of chunks 0-3 (bits 32 + 7l), each byte's parity on top */
-    __m512i t = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720), v), _mm512_set1_epi8(0x7f));
-    __m512i parity = _mm512_and_si512(_mm512_popcnt_epi8(t), _mm512_set1_epi8(1));
-    __m512i signs = _mm512_or_si512(t, _mm512_slli_epi16(parity, 7));
-    /* bytes 0-3 of each lane packed together: byte k <- byte 8 (k / 4) + k % 4 */
-    const __m512i pack = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x3b3a3938, 0x33323130, 0x2b2a2928, 0x23222120,
-                                          0x1b1a1918, 0x13121110, 0x0b0a0908, 0x03020100);
     uint64_t negative[4];       /* per group pair: bit 8c + j set where value j of chunk c is negative */
-    _mm256_storeu_si256((__m256i *)negative, _mm512_castsi512_si256(_mm512_permutexvar_epi8(pack, signs)));
-    __m512i index = _mm512_permutexvar_epi8(pack, v);
-    __m512i pairs01 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(index));
-    __m512i pairs23 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(index, 1));
+    __m512i pairs01, pairs23;
+    iq2_xxs_groups(v, negative, &pairs01, &pairs23);
     __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
     __m512i acc = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -1159,8 +1151,6 @@ static void wide_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x
 static void wide_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
                          int64_t n0, int64_t n1) {
     int64_t nb = K / 256;
-    const __m512i pack = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x3b3a3938, 0x33323130, 0x2b2a2928,
-                                          0x23222120, 0x1b1a1918, 0x13121110, 0x0b0a0908, 0x03020100);
     for (int64_t n = n0; n < n1; n++) {
         __m128 acc[Q8_MAX_ROWS / 4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
         const uint8_t *b = w + n * nb * 66;
@@ -1168,15 +1158,9 @@ static void wide_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_block
             prefetch_ahead(b, 66);
             /* dot_iq2_xxs's unpacking, once per block: grid rows, sign masks and scales of the 4 group pairs */
             __m512i v = _mm512_loadu_si512(b + 2);
-            __m512i t = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720), v),
-                                         _mm512_set1_epi8(0x7f));
-            __m512i parity = _mm512_and_si512(_mm512_popcnt_epi8(t), _mm512_set1_epi8(1));
-            __m512i signs = _mm512_or_si512(t, _mm512_slli_epi16(parity, 7));
             uint64_t negative[4];
-            _mm256_storeu_si256((__m256i *)negative, _mm512_castsi512_si256(_mm512_permutexvar_epi8(pack, signs)));
-            __m512i index = _mm512_permutexvar_epi8(pack, v);
-            __m512i pairs01 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(index));
-            __m512i pairs23 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(index, 1));
+            __m512i pairs01, pairs23;
+            iq2_xxs_groups(v, negative, &pairs01, &pairs23);
             __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
             __m512i grid[4], ls[4];
             for (int i = 0; i < 4; i++) {

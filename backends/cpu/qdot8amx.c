@@ -40,6 +40,7 @@ int qdot8amx_on(int on) {
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
     defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__F16C__) && defined(__linux__)
 #include <immintrin.h>
+#include "iq2_xxs_groups.h"
 
 #define TILE 16
 #define Q8K_BYTES 320       /* q8_quantize's Q8_K block: int8 qs[256], float d, int16 bsums[16], padding */
@@ -190,17 +191,10 @@ static inline void unpack_q4_k(const uint8_t *b, k_tile *t, int64_t k, int r) {
 }
 
 static inline void unpack_iq2_xxs(const uint8_t *b, k_tile *t, int64_t k, int r) {
-    const __m512i pack = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x3b3a3938, 0x33323130, 0x2b2a2928,
-                                          0x23222120, 0x1b1a1918, 0x13121110, 0x0b0a0908, 0x03020100);
     __m512i v = _mm512_loadu_si512(b + 2);      /* 66 bytes: d, then qdot8.c's groups: grid rows and sign masks */
-    __m512i s = _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720), v), _mm512_set1_epi8(0x7f));
-    __m512i parity = _mm512_and_si512(_mm512_popcnt_epi8(s), _mm512_set1_epi8(1));
-    __m512i signs = _mm512_or_si512(s, _mm512_slli_epi16(parity, 7));
     uint64_t negative[4];
-    _mm256_storeu_si256((__m256i *)negative, _mm512_castsi512_si256(_mm512_permutexvar_epi8(pack, signs)));
-    __m512i index = _mm512_permutexvar_epi8(pack, v);
-    __m512i pairs01 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(index));
-    __m512i pairs23 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(index, 1));
+    __m512i pairs01, pairs23;
+    iq2_xxs_groups(v, negative, &pairs01, &pairs23);
     for (int i = 0; i < 4; i++) {
         __m512i pair = i < 2 ? pairs01 : pairs23;
         __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
