@@ -1,6 +1,7 @@
 /* IQ2_XXS on AVX-512 VBMI/BITALG, shared by qdot8.c and qdot8amx.c: one block's 4 group pairs unpacked from the
  * 64 bytes after its d (v): the sign masks (bit j of negative[i]: value j of pair i is negative, the parity bit
  * restored) and the grid row index of each 8 values (pairs01: pairs 0-1, pairs23: pairs 2-3, as 32-bit lanes). */
+extern uint64_t iq2_grid_bytes[256];    /* qdot8.c's: the 8 grid values of each index, as bytes (qdot8_set_iq2_xxs) */
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
 static inline void iq2_xxs_groups(__m512i v, uint64_t negative[4], __m512i *pairs01, __m512i *pairs23) {
     /* bytes 0-3 of each lane packed together: byte k <- byte 8 (k / 4) + k % 4 */

@@ -488,11 +488,9 @@ def experts_product(x: torch.Tensor, w: QTensor, ids: torch.Tensor, first: torch
 # q8's several rows (M = 2..16) of Q8_0, Q4_K, Q2_K and IQ2_XXS weights on AMX tiles (qdot8amx.c, the same bits as
 # qdot8_rows' other paths). DS4_CPU_AMX=0 turns off every AMX path of the library (these and qgemm8's).
 def _bind_amx_rows(k: ctypes.CDLL) -> None:
-    """Declare qdot8amx.c's switch, hand it the IQ2_XXS grid, and apply DS4_CPU_AMX=0."""
+    """Declare qdot8amx.c's switch and apply DS4_CPU_AMX=0 (its IQ2_XXS grid is qdot8.c's, set by _bind_q8)."""
     k.qdot8amx_on.restype = ctypes.c_int
     k.qdot8amx_on.argtypes = [ctypes.c_int]
-    grid = iq2_xxs.GRID.to(torch.uint8).contiguous()
-    k.qdot8amx_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()))
     if os.environ.get("DS4_CPU_AMX") == "0":
         k.qgemm8_amx(0)
         k.qdot8amx_on(0)

@@ -135,7 +135,7 @@ int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
     return -1;
 }
 
-static uint64_t iq2_grid_bytes[256];    /* set by qdot8_set_iq2_xxs: the 8 grid values of each index, as bytes */
+uint64_t iq2_grid_bytes[256];    /* set by qdot8_set_iq2_xxs: the 8 grid values of each index, as bytes */
 static uint64_t iq2_sign_bytes[128];    /* the 8 signs (+1 / -1 bytes) of each 7-bit sign index */
 
 void qdot8_set_iq2_xxs(const uint8_t *grid, const int64_t *ksigns) {

@@ -50,10 +50,6 @@ int qdot8amx_on(int on) {
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
 
-static uint64_t grid_bytes[256];    /* IQ2_XXS: the 8 grid values of each index, as bytes (qdot8amx_set_iq2_xxs) */
-
-void qdot8amx_set_iq2_xxs(const uint8_t *grid) { memcpy(grid_bytes, grid, sizeof grid_bytes); }
-
 /* Tiles 0-3 as A tiles of 16 rows x `a_cols` bytes or (where bit t of `b_tiles` is set) B tiles of `b_rows` x 64;
  * tmm4-7: 16 x 16 int32 sums. */
 static void tiles_on(int a_cols, int b_rows, int b_tiles) {
@@ -198,7 +194,7 @@ static inline void unpack_iq2_xxs(const uint8_t *b, k_tile *t, int64_t k, int r)
     for (int i = 0; i < 4; i++) {
         __m512i pair = i < 2 ? pairs01 : pairs23;
         __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
-        __m512i grid = _mm512_i32gather_epi64(idx, (const void *)grid_bytes, 8);
+        __m512i grid = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
         _mm512_store_si512(t->a[k][0][r] + 64 * i, _mm512_mask_sub_epi8(grid, negative[i], _mm512_setzero_si512(), grid));
     }
     /* 2 ls + 1 of the 8 groups: the top 4 bits of each group's second word */
@@ -448,8 +444,6 @@ int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const vo
     return rc ? rc : end;
 }
 #else
-void qdot8amx_set_iq2_xxs(const uint8_t *grid) { (void)grid; }
-
 int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
                       int64_t n0, int64_t n1) {
     (void)type, (void)w, (void)N, (void)K, (void)xq, (void)M, (void)y, (void)n1;
