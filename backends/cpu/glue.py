@@ -160,7 +160,7 @@ def pair_product(x: torch.Tensor, a: QTensor, b: QTensor,
     rows = kernels.q8_quantize(rows, a.qtype.name) if q8 else rows
     experts = torch.arange(2).repeat_interleave(M)
     y = torch.empty((2 * M, N), dtype=torch.float32)
-    parts = min(kernels.CHUNKS_PER_THREAD * kernels.threads(), 2 * wa.numel() // kernels.SPLIT_BYTES)
+    parts = kernels.pool_parts(2 * wa.numel())
     kernel = k.qdot8_rows if q8 else k.qgemv
     if k.pool_rows(ctypes.cast(kernel, ctypes.c_void_p), kernels.GGML_TYPE[a.qtype.name], wa.data_ptr(),
                    wb.data_ptr() - wa.data_ptr(), experts.data_ptr(), N, K, rows.data_ptr(), 2 * M, y.data_ptr(), N,

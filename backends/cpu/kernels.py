@@ -260,6 +260,12 @@ _ops.define("dequantize(Tensor data, int ggml_type, int n, int k) -> Tensor")
 _ops.define("sinkhorn(Tensor p, int iters, float eps) -> Tensor")
 
 
+def pool_parts(weight_bytes: int) -> int:
+    """Chunks the pool cuts a call reading `weight_bytes` of weight into: CHUNKS_PER_THREAD per thread, each of
+    SPLIT_BYTES or more (pool.c runs a call of one chunk or fewer on the caller alone)."""
+    return min(CHUNKS_PER_THREAD * threads(), weight_bytes // SPLIT_BYTES)
+
+
 def split_rows(kernel: ctypes._CFuncPtr, ggml_type: int, data: torch.Tensor, n: int, experts: torch.Tensor | None,
                x: torch.Tensor, m: int, k: int) -> tuple[int, torch.Tensor]:
     """Run `kernel` (the library's qgemv or qdot8) on the `n` output rows of raw blocks `data` with the prepared
@@ -271,7 +277,7 @@ def split_rows(kernel: ctypes._CFuncPtr, ggml_type: int, data: torch.Tensor, n: 
     ids = experts.to(torch.int64).contiguous() if experts is not None else None
     y = torch.empty((m, n), dtype=torch.float32)
     weight_bytes = expert_bytes if experts is not None else data.numel()
-    parts = min(CHUNKS_PER_THREAD * threads(), weight_bytes // SPLIT_BYTES)
+    parts = pool_parts(weight_bytes)
     rc = lib().pool_rows(ctypes.cast(kernel, ctypes.c_void_p), ggml_type, data.data_ptr(), expert_bytes,
                          0 if ids is None else ids.data_ptr(), n, k, x.data_ptr(), m, y.data_ptr(), n, parts, threads())
     return rc, y
@@ -458,7 +464,7 @@ def qgemm8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     data = w.data.contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
     acts = (ctypes.c_void_p * 2)(xq.data_ptr(), packed.data_ptr())
-    parts = min(CHUNKS_PER_THREAD * threads(), data.numel() // SPLIT_BYTES)
+    parts = pool_parts(data.numel())
     if k.pool_rows(ctypes.cast(k.qgemm8_tiles, ctypes.c_void_p), 0, data.data_ptr(), 0, None, N, K,
                    ctypes.addressof(acts), M, y.data_ptr(), -(-N // GEMM8_TILE), parts, threads()):
         raise ValueError(f"qgemm8: unsupported call (M={M}, K={K})")
@@ -525,7 +531,7 @@ def dense_product(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     (M, K), N = x.shape, w.shape[0]
     data = w.data.contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
-    parts = min(CHUNKS_PER_THREAD * threads(), max(1, data.numel() // SPLIT_BYTES))
+    parts = pool_parts(data.numel())
     if lib().dense_gemm(GGML_TYPE[w.qtype.name], data.data_ptr(), data.numel() // max(N, 1), N, K, x.data_ptr(), M,
                         y.data_ptr(), parts, threads()):
         raise ValueError(f"dense_product: unsupported call ({w.qtype.name}, K={K})")
