@@ -95,6 +95,24 @@ def test_split_runs_every_chunk_once_and_raises_a_chunks_error(threads):
         kernels.split(failing, 100, 12)
 
 
+def test_split_chunks_run_on_the_pool_in_the_callers_modes(threads):
+    """`kernels.split` runs its chunks on pool.c's threads (no Python pool), each in the caller's inference mode
+    (an in-place write to an inference tensor elsewhere is an error), and a split inside a chunk runs alone."""
+    kernels.set_threads(3)
+    names, inner = set(), []
+    with torch.inference_mode():
+        out = torch.zeros(60)
+
+        def fill(a: int, b: int) -> None:
+            names.add(threading.current_thread().name)
+            out[a:b] = torch.arange(a, b, dtype=torch.float32)
+            inner.append(kernels.split(lambda c, d: None, 4, 4))
+
+        assert kernels.split(fill, 60, 12) == 0
+    assert torch.equal(out, torch.arange(60, dtype=torch.float32)) and inner == [0] * 12
+    assert names and not any(name.startswith("ds4-cpu") for name in names)
+
+
 def test_pool_serves_concurrent_callers_and_returns_a_kernels_error(threads, monkeypatch):
     """pool.c: callers on several Python threads at once (one at a time in the pool, the others alone) all get the
     1-thread bits; a kernel's error code in its chunks reaches the caller."""

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends.cpu import kernels
+from backends.cpu import glue, kernels
 from backends.cpu.qmatmul import qmatmul
 from backends.registry import OpSet, implementations, reference
 from ops import q8_activations as ref
@@ -151,13 +151,13 @@ def openmp_runtime() -> ctypes.CDLL | None:
 
 
 def test_pool_threads_take_one_openmp_thread_before_the_build(monkeypatch):
-    """A split call made before the library was built (prefill's first product on the tiles) still gives its pool
-    threads one OpenMP thread: a tile's BLAS product there started a team of its own (twice the CPU time)."""
+    """A split call made before the library was built (prefill's first product on the tiles) still runs its chunks
+    on one OpenMP thread in every pool thread: a tile's BLAS product there started a team of its own (twice the CPU
+    time)."""
     runtime = openmp_runtime()
     if runtime is None or (os.cpu_count() or 1) < 2:
         pytest.skip("needs torch's OpenMP runtime and two CPUs")
     monkeypatch.setattr(kernels, "_lib", False)
-    monkeypatch.setattr(kernels, "_pool", None)
     monkeypatch.setattr(kernels, "_pool_threads", 0)
     before = torch.get_num_threads()
     seen = []
@@ -170,11 +170,14 @@ def test_pool_threads_take_one_openmp_thread_before_the_build(monkeypatch):
     assert seen and set(seen) == {1}
 
 
-@pytest.mark.parametrize("op", ("sparse_attention", "index_scores"))
+@pytest.mark.parametrize("op", ("sparse_attention", "sparse_attention_torch", "index_scores"))
 def test_prefill_row_chunks_are_the_decode_rows(op, monkeypatch):
-    """Above SMALL_M queries these ops run chunks of SMALL_M across the pool: close to the reference, every row its
-    1-row call's bits, the same bits on 1, 2 and 3 threads."""
+    """Above SMALL_M queries these ops run chunks of SMALL_M across the pool (attention's torch path: without the
+    glue kernel): close to the reference, every row its 1-row call's bits, the same bits on 1, 2 and 3 threads."""
     monkeypatch.setattr(kernels, "_pool_threads", 0)     # the pool follows torch's thread count
+    if op.endswith("_torch"):
+        op = op.removesuffix("_torch")
+        monkeypatch.setattr(glue, "ready", lambda: False)
     (args, one_row_args), before = CASES[op](40, 3), torch.get_num_threads()
     fn = implementations(op)["cpu"].fn
     try:
@@ -202,3 +205,24 @@ def test_quantizer_is_qdot8s():
     packed = torch.empty(k.qgemm8_packed_bytes(7, 256), dtype=torch.uint8)
     assert k.qgemm8_quantize(x.data_ptr(), 7, 256, xq.data_ptr(), packed.data_ptr()) == 0
     assert torch.equal(xq, kernels.q8_quantize(x, "Q8_0"))
+
+
+@pytest.mark.parametrize("qtype", ("FP8_E4M3", "I32"))
+def test_reference_tiles_are_the_same_bits_on_any_thread_count(qtype, monkeypatch):
+    """A prefill product of a type the kernels do not read (dequantized one tile at a time, the tiles taken in turn
+    by the kernel pool's threads) gives the same bits on 1, 2 and 3 threads, close to the reference."""
+    monkeypatch.setattr("backends.cpu.qmatmul.TILE_BYTES", 4 * 256 * 5)    # 10 tiles, a ragged last one
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
+    g = torch.Generator().manual_seed(4)
+    values = torch.randn(48, 256, generator=g) / 16 if qtype == "FP8_E4M3" else torch.randint(-9, 9, (48, 256))
+    w, x = QTensor.quantize(values.float(), qtype, "w"), torch.randn(40, 256, generator=g)
+    before, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            kernels.set_threads(threads)
+            outs.append(qmatmul(x, w))
+    finally:
+        kernels.set_threads(before)
+        kernels._pool_threads = 0
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    torch.testing.assert_close(outs[0], reference("qmatmul").fn(x, w), rtol=1e-5, atol=1e-5)

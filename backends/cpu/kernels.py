@@ -9,23 +9,20 @@ or `DS4_CPU_KERNELS=0` (the only silent way off).
 The shared library is cached under $DS4_CACHE (default ~/.cache/ds4py) keyed by the sources' hash.
 Large weights are split by output rows into chunks that `threads()` threads take in turn (each output's
 arithmetic does not depend on the split): the library's own pool (pool.c) for the kernels and prefill's dense
-products and routed experts, a Python pool (`split`) for the 8-bit GEMM's tiles, prefill attention's chunks and the
-FP8/I32 tiles (ctypes releases the GIL during a call).
+products and routed experts, and through `split` (the same pool calling back into Python) for prefill attention's
+chunks and the FP8/I32 tiles (ctypes releases the GIL during a call).
 `set_threads(N)` gives the pool N threads and torch's own ops one (`--threads N`).
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
-import itertools
 import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -43,12 +40,11 @@ GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 1
 ROW_MULTIPLE = {"F32": 64, "F16": 32, "BF16": 32}   # qgemv.c takes F32, F16 and BF16 rows this many values at a time
 MAX_ROWS = 16
 SPLIT_BYTES = 1 << 20   # weights at least this large are split across threads, in chunks at least this large
+_RANGE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)  # pool_range's chunk
 FLAGS = (("-O3", "-march=native", "-ffp-contract=off"), ("-O3", "-ffp-contract=off"))
 
 _lib: ctypes.CDLL | None | bool = False      # False: not tried yet
 _failure: str | None = None     # why the build failed
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
 _pool_threads = 0   # set_threads(n); 0: torch.get_num_threads()
 CHUNKS_PER_THREAD = 4   # a split weight is cut into this many chunks per thread, taken in turn
 
@@ -97,6 +93,8 @@ def _build() -> ctypes.CDLL:
     lib.pool_rows.restype = ctypes.c_int
     lib.pool_rows.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, ctypes.c_int]
     lib.sinkhorn.argtypes = [ptr, ptr, i64, i64, i64, ctypes.c_float]
+    lib.pool_range.restype = ctypes.c_int
+    lib.pool_range.argtypes = [_RANGE_FN, ptr, i64, i64, ctypes.c_int]
     grid, ksigns = iq2_xxs.GRID.contiguous(), iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     lib.qgemv_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
     _set_codebooks(lib, ksigns)
@@ -160,21 +158,11 @@ def available(qtype: str, k: int = 0) -> bool:
 def set_threads(n: int) -> None:
     """Run the kernels on `n` threads and torch's own ops on one (on `n` once the library turns out not to build):
     torch's threads slow the small ops of a step down (docs/cpu.md, "Threads")."""
-    global _pool_threads, _pool
+    global _pool_threads
     if n < 1:
         raise ValueError(f"set_threads: need at least 1 thread, got {n}")
     _pool_threads = n
     torch.set_num_threads(n if _lib is None else 1)     # _lib False: not built yet (lib() gives n back on failure)
-    if _pool is not None:       # a new pool, whose threads start with one torch thread each
-        _pool.shutdown(wait=False)
-        _pool = None
-
-
-def _one_torch_thread() -> None:
-    """Pool threads run torch's ops (a prefill tile's BLAS product) on one thread, as the caller does after
-    `set_threads`: else each starts an OpenMP team of its own, measured 2-4x slower tiles on 2 threads."""
-    if _pool_threads and _lib:
-        torch.set_num_threads(1)
 
 
 def threads() -> int:
@@ -182,52 +170,34 @@ def threads() -> int:
     return _pool_threads or torch.get_num_threads()
 
 
-class Chunks:
-    """The chunks of one split call, taken in turn by whichever thread asks next (the caller among them)."""
-
-    def __init__(self, fn: Callable[[int, int], int | None], bounds: list[int]):
-        self.fn, self.bounds = fn, bounds
-        self.order = itertools.count()     # next() on it is atomic under the GIL
-        self.left = len(bounds) - 1
-        self.lock = threading.Lock()
-        self.finished = threading.Event()
-        self.rc = 0
-        self.error: BaseException | None = None
-
-    def take(self) -> None:
-        """Run chunks until none is left to start."""
-        while (i := next(self.order)) < len(self.bounds) - 1:
-            try:
-                rc = self.fn(self.bounds[i], self.bounds[i + 1]) or 0
-            except BaseException as e:  # noqa: BLE001 (re-raised by the caller)
-                rc, self.error = 0, e
-            with self.lock:
-                self.rc, self.left = min(self.rc, rc), self.left - 1
-                if self.left == 0:
-                    self.finished.set()
-
-
 def split(fn: Callable[[int, int], int | None], n: int, parts: int) -> int:
-    """fn(start, stop) over [0, n) cut into `parts` even chunks, on the calling thread (parts <= 1) or taken in
-    turn by the caller and `threads() - 1` threads of the pool: the caller waits only for chunks already begun,
-    never for a pool thread that the OS has not scheduled yet, so N threads are not slower than one. Returns the
-    lowest return code (kernel calls return 0, or a negative error; fn returning None counts as 0)."""
-    global _pool, _pool_size
+    """fn(start, stop) over [0, n) cut into `parts` even chunks, taken in turn by the caller and `threads() - 1`
+    threads of the kernel pool (pool.c's `pool_range` calling back into Python: a chunk holds the GIL for its
+    Python and torch's kernels release it), else on the calling thread (parts <= 1, one thread, no library, or a
+    call from inside a chunk). The chunk threads run torch's ops on one thread after `set_threads` and in the
+    caller's grad and inference modes. Returns the lowest return code (kernel calls return 0, or a negative
+    error; fn returning None counts as 0); an exception in a chunk is raised once every chunk has run."""
     parts = max(1, min(parts, n))
-    if parts == 1 or threads() == 1 or threading.current_thread().name.startswith("ds4-cpu"):  # no nesting
+    if parts == 1 or threads() == 1 or lib() is None:
         return fn(0, n) or 0
-    if _pool is None or _pool_size != threads() - 1:
-        lib()   # built first: its threads' initializer needs to know (a tile's BLAS call started an OpenMP team)
-        _pool_size = threads() - 1
-        _pool = ThreadPoolExecutor(max_workers=_pool_size, thread_name_prefix="ds4-cpu", initializer=_one_torch_thread)
-    chunks = Chunks(fn, [n * i // parts for i in range(parts + 1)])
-    for _ in range(threads() - 1):
-        _pool.submit(chunks.take)
-    chunks.take()
-    chunks.finished.wait()
-    if chunks.error is not None:
-        raise chunks.error
-    return chunks.rc
+    errors: list[BaseException] = []
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def chunk(_context: int | None, start: int, stop: int) -> int:
+        try:
+            if _pool_threads and torch.get_num_threads() != 1:   # a pool thread's first torch call: one thread
+                torch.set_num_threads(1)
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return fn(start, stop) or 0
+        except BaseException as e:  # noqa: BLE001 (raised by the caller)
+            errors.append(e)
+            return 0
+
+    callback = _RANGE_FN(chunk)     # alive until the call returns
+    rc = lib().pool_range(callback, None, n, parts, threads())
+    if errors:
+        raise errors[0]
+    return rc
 
 
 def qgemv(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:

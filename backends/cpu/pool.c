@@ -44,6 +44,7 @@ static _Atomic uint64_t state;          /* generation << 32 | chunks << 16 | nex
 static atomic_int chunks_done, job_rc;
 static atomic_int sleepers, caller_sleeps;
 static int workers;                     /* started so far */
+static uint32_t start_gen;              /* the generation before the call that starts a worker: it takes that call */
 static pthread_mutex_t caller_lock = PTHREAD_MUTEX_INITIALIZER, sleep_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER, finished = PTHREAD_COND_INITIALIZER;
 
@@ -79,7 +80,7 @@ static void take(uint32_t gen) {
 
 static void *worker(void *arg) {
     int id = (int)(intptr_t)arg;
-    uint32_t seen = (uint32_t)(atomic_load(&state) >> 32);
+    uint32_t seen = start_gen;      /* read from state, a worker scheduled after the call was published missed it */
     for (;;) {
         uint32_t gen = (uint32_t)(atomic_load(&state) >> 32);
         if (gen != seen) {
@@ -114,6 +115,7 @@ int pool_rows(rows_fn fn, int type, const uint8_t *w, int64_t expert_bytes, cons
     if (threads > POOL_MAX_WORKERS + 1) threads = POOL_MAX_WORKERS + 1;
     if (parts <= 1 || threads <= 1 || pthread_mutex_trylock(&caller_lock) != 0)
         return fn(type, w, expert_bytes, experts, N, K, x, M, y, 0, n);
+    start_gen = (uint32_t)(atomic_load(&state) >> 32);
     while (workers < threads - 1) {
         pthread_t t;
         if (pthread_create(&t, NULL, worker, (void *)(intptr_t)workers) != 0) break;

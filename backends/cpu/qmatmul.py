@@ -15,7 +15,7 @@
   type the kernel library reads takes `kernels.dense_product` (qgemm.c's dense_gemm): each tile dequantized once
   (the reference's values) and multiplied by every row in C, the output rows split across the kernel pool, each
   output the same bits for any M and thread count (1.2-2.2x BLAS on the tiles at M = 32, docs/cpu.md, "Prefill");
-  the other types' tiles are split across the Python pool (`kernels.split`).
+  the other types' tiles are taken in turn by the kernel pool's threads (`kernels.split`).
 - `dot="q8"` (`--cpu-dot q8`, OpSet(cpu_dot="q8")): for M <= SMALL_M the types qdot8.c reads
   (`kernels.Q8_TYPES`: IQ2_XXS, the K-quants, IQ4_XS, the legacy types, IQ4_NL, MXFP4) round the activations to
   8 bits per block and multiply in integers, F16 rounds them to f16, as llama.cpp does (backends/cpu/qdot8.c,
