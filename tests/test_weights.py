@@ -4,8 +4,9 @@ file cut short while it is read."""
 from __future__ import annotations
 
 import errno
-import io
+import mmap
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import ds4
 from ds4 import weights
 from ds4.engine import default_model_paths
 from ds4.errors import ModelFileError, UsageError
-from ds4.formats import gguf
+from ds4.formats import gguf, readin
 from tests.script_modules import script
 
 GB = 10**9
@@ -99,7 +100,7 @@ def test_load_follows_the_available_memory(monkeypatch, capsys):
 
     def no_reading(*args, **kwargs):
         raise AssertionError("nothing may be read when memory was asked for and does not fit")
-    monkeypatch.setattr(gguf, "_read_into_memory", no_reading)
+    monkeypatch.setattr(gguf, "read_into_memory", no_reading)
     with pytest.raises(UsageError, match="--weights memory: the model files"):
         ds4.load(weights="memory")
 
@@ -119,53 +120,73 @@ def test_bad_values():
         parse_args(["--weights", "ram"])
 
 
-class Shrinking(io.FileIO):
-    """A file that another process truncates to `keep` bytes right after the first read."""
+def read_file(path: Path, threads: int, preadv) -> bytes:
+    """The file as read_into_memory reads it on `threads` threads in 4 KB chunks, `os.preadv` replaced by `preadv`."""
+    real = os.preadv
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(readin, "READ_CHUNK", 4096)
+        patch.setattr(os, "preadv", lambda fd, buffers, offset: preadv(real, fd, buffers, offset))
+        with open(path, "rb", buffering=0) as fh:
+            buf, _ = readin.read_into_memory(fh.fileno(), os.path.getsize(path), path, threads=threads)
+    data = bytes(buf)
+    buf.close()
+    return data
 
-    keep = 8192
 
-    def readinto(self, buffer) -> int:
-        n = super().readinto(buffer)
-        os.truncate(self.name, self.keep)
-        return n
+def test_the_threads_read_every_byte():
+    """1, 2 and 3 reading threads (the chunks claimed in turn) and reads that return less than asked for all give
+    the file's bytes."""
+    path = Path(default_model_paths()[0])
+    expected, calls = path.read_bytes(), []
+
+    def short_reads(real, fd, buffers, offset):
+        calls.append(offset)
+        return real(fd, [buffers[0][:1000]], offset)
+    for threads in (1, 2, 3):
+        assert read_file(path, threads, lambda real, *args: real(*args)) == expected
+    assert read_file(path, 2, short_reads) == expected and len(calls) > len(expected) // 1000
 
 
-def test_a_file_cut_short_while_loading_names_file_and_offset(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", (1, 2))
+def test_a_file_cut_short_while_loading_names_file_and_offset(tmp_path, threads):
+    """Another process truncates the file to 8192 bytes right after the first read: the error names the file and
+    the offset (on several threads, the first chunk in the file that failed; it may start later than 8192)."""
     path = tmp_path / "tiny.gguf"
     shutil.copy(default_model_paths()[0], path)
     size = path.stat().st_size
-    monkeypatch.setattr(gguf, "_READ_CHUNK", 4096)
-    with Shrinking(path) as fh, pytest.raises(ModelFileError) as e:
-        gguf._read_into_memory(fh, size, path)
-    assert str(e.value).startswith(f"{path}: the file ends at offset 8192, but it had {size} bytes")
+
+    def shrinking(real, fd, buffers, offset):
+        n = real(fd, buffers, offset)
+        os.truncate(path, 8192)
+        return n
+    with pytest.raises(ModelFileError) as e:
+        read_file(path, threads, shrinking)
+    offset = "8192" if threads == 1 else r"\d+"
+    assert re.match(f"{re.escape(str(path))}: the file ends at offset {offset}, but it had {size} bytes", str(e.value))
 
 
-class Failing(io.FileIO):
-    """A file whose third read fails (a disk error)."""
+@pytest.mark.parametrize("threads", (1, 2))
+def test_a_read_error_names_file_and_offset(threads):
+    """The third read fails (a disk error): the error names the file and the offset of the read that failed."""
+    path, reads = Path(default_model_paths()[0]), []
 
-    reads = 0
-
-    def readinto(self, buffer) -> int:
-        self.reads += 1
-        if self.reads == 3:
+    def failing(real, fd, buffers, offset):
+        reads.append(offset)
+        if len(reads) == 3:
             raise OSError(errno.EIO, "Input/output error")
-        return super().readinto(buffer)
-
-
-def test_a_read_error_names_file_and_offset(monkeypatch):
-    path = default_model_paths()[0]
-    monkeypatch.setattr(gguf, "_READ_CHUNK", 4096)
-    with Failing(path) as fh, pytest.raises(ModelFileError, match=r"tiny.gguf: cannot read at offset 8192: .*output"):
-        gguf._read_into_memory(fh, os.path.getsize(path), Path(path))
+        return real(fd, buffers, offset)
+    offset = "8192" if threads == 1 else r"\d+"
+    with pytest.raises(ModelFileError, match=f"tiny.gguf: cannot read at offset {offset}: .*output"):
+        read_file(path, threads, failing)
 
 
 def test_only_the_pages_the_read_brought_in_are_dropped(monkeypatch):
     dropped = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, n, advice: dropped.append((offset, n)), raising=False)
-    page = gguf.mmap.PAGESIZE
+    page = mmap.PAGESIZE
     cached = np.array([1, 1, 0, 0, 1, 0, 0, 0, 1, 0], dtype=bool)     # pages cached before the read
-    gguf._drop_cache(3, 0, 10 * page, cached)
+    readin.drop_cache(3, 0, 10 * page, cached)
     assert dropped == [(2 * page, 2 * page), (5 * page, 3 * page), (9 * page, page)]
     dropped.clear()
-    gguf._drop_cache(3, 5 * page, 7 * page + 1, cached)                # a chunk: its own pages only
+    readin.drop_cache(3, 5 * page, 7 * page + 1, cached)                # a chunk: its own pages only
     assert dropped == [(5 * page, 3 * page)]

@@ -3,14 +3,12 @@ via gguf.GGUFWriter)."""
 from __future__ import annotations
 
 import builtins
-import ctypes
 import glob
 import math
 import mmap
 import os
 import signal
 import struct
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,9 +18,9 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ds4.errors import ModelFileError, UsageError
+from ds4.formats.readin import MAP_NORESERVE, read_into_memory
 from models.args import METADATA_KEYS, PREFIX
 from ops import quants
 from ops.quants import QTensor
@@ -37,14 +35,11 @@ _NUMPY_TYPES = {VT.UINT8: "<u1", VT.INT8: "<i1", VT.UINT16: "<u2", VT.INT16: "<i
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, smallest value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
-# A writable private mapping of a file larger than RAM needs MAP_NORESERVE, or Linux refuses it (ENOMEM).
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 # How `open` holds a file: "mmap" maps it (pages come from the shared page cache as they are touched); "memory"
 # reads it into one private anonymous mapping with transparent huge pages, which this project's kernels read
 # faster (docs/cpu.md "Weights in memory"; llama.cpp's --no-mmap).
 WEIGHTS = ("mmap", "memory")
 LARGE_FILE = 1 << 30  # reading a file this large into memory shows a progress bar (on a terminal)
-_READ_CHUNK = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -198,9 +193,9 @@ class GGUFFile:
                 if size == 0:
                     raise ModelFileError(f"{self.path}: not a GGUF file (bad magic: the file is empty)")
                 if weights == "memory":
-                    self._map, self.huge_pages = _read_into_memory(fh, size, self.path)
+                    self._map, self.huge_pages = read_into_memory(fh.fileno(), size, self.path, size >= LARGE_FILE)
                 else:
-                    self._map = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE,
+                    self._map = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_PRIVATE | MAP_NORESERVE,
                                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             raise ModelFileError(f"{self.path}: cannot open: {e}") from None
@@ -234,93 +229,6 @@ def open(path: str | os.PathLike[str], weights: str = "mmap") -> GGUFFile:
     """Open and validate a GGUF file, mapped (`weights="mmap"`) or read into anonymous memory ("memory");
     raises ModelFileError naming the file and the bad key/tensor."""
     return GGUFFile(path, weights)
-
-
-def _read_into_memory(fh: Any, size: int, path: Path) -> tuple[mmap.mmap, bool]:
-    """The whole file in one private anonymous mapping (transparent huge pages advised) and whether the advice
-    was taken. Read in chunks; the page cache the read brings in is dropped behind each chunk, so the file is
-    not held twice (pages cached before stay: another process may be using them)."""
-    try:
-        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except OSError as e:
-        raise UsageError(f"{path}: cannot allocate {size} bytes to read the file into ({e}); "
-                         "map it instead (weights mmap)") from None
-    huge = _advise_huge_pages(buf)
-    cached = _cached_pages(fh.fileno(), size)
-    view, pos = memoryview(buf), 0
-    try:
-        with tqdm(total=size, desc=f"reading {path.name}", unit="B", unit_scale=True, leave=False,
-                  disable=None if size >= LARGE_FILE else True) as bar:
-            for start in range(0, size, _READ_CHUNK):
-                end = min(start + _READ_CHUNK, size)
-                while pos < end:
-                    part = view[pos:end]
-                    try:
-                        n = fh.readinto(part)
-                    except OSError as e:
-                        raise ModelFileError(f"{path}: cannot read at offset {pos}: {e}") from None
-                    finally:
-                        part.release()  # so that the mapping can be closed whatever the reader kept
-                    if not n:
-                        raise ModelFileError(f"{path}: the file ends at offset {pos}, but it had {size} bytes "
-                                             "when loading began (truncated or changed while loading)")
-                    pos += n
-                if cached is not None:
-                    _drop_cache(fh.fileno(), start, end, cached)
-                bar.update(end - start)
-    except BaseException:
-        view.release()
-        buf.close()
-        raise
-    view.release()
-    return buf, huge
-
-
-def _advise_huge_pages(buf: mmap.mmap, setting: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> bool:
-    """Ask for transparent huge pages on `buf` (Linux); whether the kernel takes the advice (THP built in and not
-    set to "never")."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return False
-    try:
-        buf.madvise(advice)
-        with builtins.open(setting) as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
-
-
-def _cached_pages(fd: int, size: int) -> np.ndarray | None:
-    """Per page of the file, whether it is in the page cache now (Linux mincore); None where this cannot be
-    asked or the cache cannot be dropped (posix_fadvise missing)."""
-    if not sys.platform.startswith("linux") or not hasattr(os, "posix_fadvise"):
-        return None
-    try:
-        mincore = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
-    probe = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    try:
-        anchor = ctypes.c_char.from_buffer(probe)   # the mapping's address; released before it is closed
-        try:
-            failed = mincore(ctypes.addressof(anchor), size, vec)
-        finally:
-            del anchor
-    finally:
-        probe.close()
-    return None if failed else np.frombuffer(vec, np.uint8) & 1 == 1
-
-
-def _drop_cache(fd: int, start: int, end: int, cached: np.ndarray) -> None:
-    """Drop the page cache of bytes `start:end` of the file, except the runs of pages that were cached before."""
-    page = mmap.PAGESIZE
-    first, last = start // page, -(-end // page)
-    was = np.concatenate(([True], cached[first:last], [True]))
-    edges = np.flatnonzero(was[1:] != was[:-1])  # alternating starts and ends of runs not cached before
-    for a, b in zip(edges[::2], edges[1::2], strict=True):
-        os.posix_fadvise(fd, (first + a) * page, (b - a) * page, os.POSIX_FADV_DONTNEED)
 
 
 def check_architecture(f: GGUFFile, expected: str = "deepseek4", keys: tuple[str, ...] = DS4_KEYS) -> None:
