@@ -4,8 +4,12 @@ cannot be built fails loudly (a warning with the compiler's error, a line in the
 from __future__ import annotations
 
 import ctypes
+import os
 import stat
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +97,30 @@ def test_split_runs_every_chunk_once_and_raises_a_chunks_error(threads):
 
     with pytest.raises(MemoryError, match="chunk failed"):
         kernels.split(failing, 100, 12)
+
+
+FIRST_CALL = """
+import threading
+from backends.cpu import kernels
+kernels.set_threads(2)
+started, ran_on = threading.Event(), []
+def chunk(start, stop):
+    ran_on.append(threading.get_ident())
+    if start == 0:
+        started.wait(60)    # chunk 1 must run meanwhile on the worker that this call starts
+    else:
+        started.set()
+kernels.split(chunk, 2, 2)
+assert started.is_set() and len(set(ran_on)) == 2, ran_on
+"""
+
+
+def test_the_first_call_runs_on_the_worker_it_starts():
+    """pool.c's workers start on a process's first pool call and take part in it (a worker that read the call's
+    generation as already seen sat it out, and the caller ran every chunk alone)."""
+    done = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_split_chunks_run_on_the_pool_in_the_callers_modes(threads):
