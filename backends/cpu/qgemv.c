@@ -695,7 +695,10 @@ static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
                             (uint64_t)_mm_cvtsi128_si64(sign_hi), (uint64_t)_mm_extract_epi64(sign_hi, 1)};
     __m256 ls = _mm256_cvtepi32_ps(_mm512_cvtepi64_epi32(_mm512_srli_epi64(v, 60)));
     float scale[8] __attribute__((aligned(32)));     /* + 0: splat16's, as the scalar path */
-    _mm256_store_ps(scale, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(b)),
+    uint16_t h;         /* d (f16), converted by vcvtph2ps: exact, as half_to_float */
+    memcpy(&h, b, 2);
+    __m256 d = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+    _mm256_store_ps(scale, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(d,
         _mm256_add_ps(_mm256_set1_ps(0.5f), ls)), _mm256_set1_ps(0.25f)), _mm256_setzero_ps()));
     const __m512i sign_bit = _mm512_set1_epi32((int)0x80000000u);
 #pragma GCC unroll 8
@@ -858,8 +861,11 @@ static inline __attribute__((always_inline)) void dot_q2_k(acc_t *a, const uint8
         {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}, {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}};
     i32x16 sv = widen16(b);
     float scales[16] __attribute__((aligned(64)));
-    store16(scales, splat16(half_to_float(b + 80)) * float16(sv & 15) + 0.0f);     /* + 0: splat16's */
-    a->low = fma16(splat16(half_to_float(b + 82)) * float16(sv >> 4), load16(xsum), a->low);
+    uint32_t dm;        /* d and dmin (f16), converted together: exact, as half_to_float */
+    memcpy(&dm, b + 80, 4);
+    __m512 dms = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)));
+    store16(scales, (v16)_mm512_permutexvar_ps(_mm512_setzero_si512(), dms) * float16(sv & 15) + 0.0f);  /* + 0: splat16's */
+    a->low = fma16((v16)_mm512_permutexvar_ps(_mm512_set1_epi32(1), dms) * float16(sv >> 4), load16(xsum), a->low);
     const __m512 low_bits = _mm512_load_ps(levels[0]), high_bits = _mm512_load_ps(levels[1]);
 #pragma GCC unroll 16
     for (int j = 0; j < 16; j++) {      /* in the order k, h, i: groups g = 8k + 2i + h */
