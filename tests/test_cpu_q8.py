@@ -386,10 +386,11 @@ def test_kernel_equals_reference_rows_threads_experts(qtype, monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_iq2_xxs_rows_of_many_blocks_equal_reference():
-    """Rows of 5 blocks (the AVX-512 kernel reduces 4 blocks' integer sums together, then takes the fifth alone):
-    the reference's bits, plain and by expert."""
-    w, stacked = weight("IQ2_XXS", 8, 1280), weight("IQ2_XXS", 2, 8, 1280, seed=2)
+@pytest.mark.parametrize("qtype", ("IQ2_XXS", "Q2_K"))
+def test_rows_of_many_blocks_equal_reference(qtype):
+    """Rows of 5 blocks (the AVX-512 kernels reduce 4 blocks' integer sums together and compute their float terms
+    in one vector, then take the fifth alone): the reference's bits, plain and by expert."""
+    w, stacked = weight(qtype, 8, 1280), weight(qtype, 2, 8, 1280, seed=2)
     x, ids = activations(3, 1280), torch.tensor([1, 0, 1])
     assert torch.equal(kernels.qdot8(x, w), ref.qdot8(x, w))
     assert torch.equal(kernels.qdot8(x, stacked, ids), ref.qdot8(x, stacked, ids))

@@ -137,10 +137,12 @@ int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
 
 uint64_t iq2_grid_bytes[256];    /* set by qdot8_set_iq2_xxs: the 8 grid values of each index, as bytes */
 static uint64_t iq2_sign_bytes[128];    /* the 8 signs (+1 / -1 bytes) of each 7-bit sign index */
+uint8_t iq2_ksigns_bytes[128];          /* set by qdot8_set_iq2_xxs: ksigns as bytes */
 
 void qdot8_set_iq2_xxs(const uint8_t *grid, const int64_t *ksigns) {
     memcpy(iq2_grid_bytes, grid, sizeof iq2_grid_bytes);
     for (int i = 0; i < 128; i++) {
+        iq2_ksigns_bytes[i] = (uint8_t)ksigns[i];
         uint64_t s = 0;
         for (int j = 0; j < 8; j++) s |= (uint64_t)(((ksigns[i] >> j) & 1) ? 0xff : 0x01) << (8 * j);
         iq2_sign_bytes[i] = s;
@@ -498,7 +500,8 @@ static inline __attribute__((always_inline)) float row_blocks(dot8_fn dot, const
     return acc;
 }
 
-#if defined(IQ2_VECTOR)
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q2K_VECTOR 1
 /* The 16 lanes of each of a, b, c, d added: [sum a, sum b, sum c, sum d] (one transposing tree for 4 blocks). */
 static inline __m128i sum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
     __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
@@ -508,19 +511,93 @@ static inline __m128i sum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+/* Q2_K's integer sums of one block, 64 values per step: isum's (the return value's 16 lanes) and msum's (`msum`'s
+ * 8 lanes). Each activation vector j (values 64j..64j+63) meets one 32-byte chunk of 2-bit fields broadcast to
+ * both halves and shifted per half (vpsrlvq), multiplied by vpdpbusd into lanes of 4 values each (|lane| <= 1536,
+ * so two steps' lanes pack into int16 words exactly), and the packed words are scaled per group by vpdpwssd. */
+static inline __m512i q2_k_sums(const uint8_t *b, const q8k_block *y, __m512i *msum) {
+    __m128i sc = _mm_loadu_si128((const __m128i *)b);
+    __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15)));
+    *msum = _mm512_castsi256_si512(_mm256_madd_epi16(mins, load256(y->bsums)));
+    __m512i scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(sc, _mm_set1_epi8(15))));
+    /* packs_epi32(p[2h], p[2h + 1]): in 128-bit chunk c, words 0-3 group 8h + c, words 4-7 group 8h + 4 + c */
+    const __m512i scale_lo = _mm512_set_epi16(7, 7, 7, 7, 3, 3, 3, 3, 6, 6, 6, 6, 2, 2, 2, 2,
+                                              5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);
+    const __m512i scale_hi = _mm512_add_epi16(scale_lo, _mm512_set1_epi16(8));
+    const __m512i three = _mm512_set1_epi8(3);
+    __m512i p[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {       /* values 64j..: fields 2 (j % 2) (low half) and 2 (j % 2) + 1 of chunk j / 2 */
+        __m512i shift = _mm512_set_epi64(4 * (j % 2) + 2, 4 * (j % 2) + 2, 4 * (j % 2) + 2, 4 * (j % 2) + 2,
+                                         4 * (j % 2), 4 * (j % 2), 4 * (j % 2), 4 * (j % 2));
+        __m512i q = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(load256(b + 16 + 32 * (j / 2))), shift),
+                                     three);
+        p[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(y->qs + 64 * j));
+    }
+    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(p[0], p[1]),
+                                      _mm512_permutexvar_epi16(scale_lo, scales));
+    return _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[2], p[3]), _mm512_permutexvar_epi16(scale_hi, scales));
+}
+
+/* The float steps of 4 Q2_K blocks (w: the first one's bytes, y: their activation blocks) from their isum and
+ * msum, each lane the scalar (d_x d) isum - (d_x dmin) msum of dot_q2_k (the same operations, so the same bits). */
+static inline __m128 q2_k_terms(const uint8_t *w, const q8k_block *y, __m128i isum, __m128i msum) {
+    uint32_t h[4];      /* each block's d and dmin (f16) */
+    for (int i = 0; i < 4; i++) memcpy(&h[i], w + 84 * i + 80, 4);
+    __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));       /* d0, dmin0, d1, dmin1, ... */
+    __m256 split = _mm256_permutevar8x32_ps(dm, _mm256_set_epi32(7, 5, 3, 1, 6, 4, 2, 0));
+    __m128 yd = _mm_set_ps(y[3].d, y[2].d, y[1].d, y[0].d);
+    __m128 a = _mm_mul_ps(_mm_mul_ps(yd, _mm256_castps256_ps128(split)), _mm_cvtepi32_ps(isum));
+    __m128 m = _mm_mul_ps(_mm_mul_ps(yd, _mm256_extractf128_ps(split, 1)), _mm_cvtepi32_ps(msum));
+    return _mm_sub_ps(a, m);
+}
+
+/* Blocks 4 at a time: isum and msum of the 4 reduced together, their float terms computed lane by lane (the same
+ * bits as dot_q2_k's), then added in block order as row_blocks does. */
+static float row_q2_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    const q8k_block *y = (const q8k_block *)act;
+    float acc = 0.0f, t[4];
+    int64_t b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        const uint8_t *w = row + b * 84;
+        for (int i = 0; i < 4; i++) prefetch_ahead(w + 84 * i, 84);
+        __m512i m[4];
+        __m512i s0 = q2_k_sums(w, y + b, &m[0]), s1 = q2_k_sums(w + 84, y + b + 1, &m[1]);
+        __m512i s2 = q2_k_sums(w + 168, y + b + 2, &m[2]), s3 = q2_k_sums(w + 252, y + b + 3, &m[3]);
+        _mm_storeu_ps(t, q2_k_terms(w, y + b, sum4_epi32(s0, s1, s2, s3), sum4_epi32(m[0], m[1], m[2], m[3])));
+        acc = (((acc + t[0]) + t[1]) + t[2]) + t[3];
+    }
+    for (; b < nb; b++) {
+        prefetch_ahead(row + b * 84, 84);
+        acc += dot_q2_k(row + b * 84, y + b);
+    }
+    return acc;
+}
+#else
+static float row_q2_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    return row_blocks(dot_q2_k, 84, sizeof(q8k_block), row, act, nb);
+}
+#endif
+
+#if defined(IQ2_VECTOR)
 /* Blocks 4 at a time: their integer sums reduced together (a quarter of the shuffles of one reduction per
- * block), then the same float steps in block order as row_blocks, so the same bits. */
+ * block), their float terms computed lane by lane (dot_iq2_xxs's operations), then added in block order as
+ * row_blocks does, so the same bits. */
 static float row_iq2_xxs(const uint8_t *row, const uint8_t *act, int64_t nb) {
     const q8k_block *y = (const q8k_block *)act;
-    float acc = 0.0f, bsum[4];
+    float acc = 0.0f, t[4];
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
         const uint8_t *w = row + b * 66;
         for (int i = 0; i < 4; i++) prefetch_ahead(w + 66 * i, 66);
         __m128i sums = sum4_epi32(iq2_xxs_sums(w, y + b), iq2_xxs_sums(w + 66, y + b + 1),
                                   iq2_xxs_sums(w + 132, y + b + 2), iq2_xxs_sums(w + 198, y + b + 3));
-        _mm_storeu_ps(bsum, _mm_cvtepi32_ps(sums));
-        for (int i = 0; i < 4; i++) acc += (q8_half(w + 66 * i) * y[b + i].d) * bsum[i];
+        uint16_t h[4];      /* the blocks' d (f16) */
+        for (int i = 0; i < 4; i++) memcpy(&h[i], w + 66 * i, 2);
+        __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
+        __m128 yd = _mm_set_ps(y[b + 3].d, y[b + 2].d, y[b + 1].d, y[b].d);
+        _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(d, yd), _mm_cvtepi32_ps(sums)));    /* lane i: block b + i's term */
+        acc = (((acc + t[0]) + t[1]) + t[2]) + t[3];
     }
     for (; b < nb; b++) {
         prefetch_ahead(row + b * 66, 66);
@@ -533,10 +610,6 @@ static float row_iq2_xxs(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return 0.125f * row_blocks(dot_iq2_xxs, 66, sizeof(q8k_block), row, act, nb);
 }
 #endif
-
-static float row_q2_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
-    return row_blocks(dot_q2_k, 84, sizeof(q8k_block), row, act, nb);
-}
 
 static float row_q4_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return row_blocks(dot_q4_k, 144, sizeof(q8k_block), row, act, nb);
