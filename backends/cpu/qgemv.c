@@ -598,18 +598,29 @@ static inline void unpack_q8_0x4(const uint8_t *b, float *q, float *scale, float
 }
 
 #if defined(__AVX512F__)
-/* Q4_K's eight scales (lanes 0-7, times d) and mins (lanes 8-15, times dmin): k_scales' values, in one vector. */
+/* Q4_K's eight scales (lanes 0-7, times d) and mins (lanes 8-15, times dmin): k_scales' values, in one vector. The
+ * block's first 16 bytes broadcast to each 128-bit lane; one byte shuffle puts in dword lane L the byte with its low
+ * bits (a) and, for the scales and mins 4-7, the byte with its top 2 bits (b) at bits 8-15; then (a & 63), or
+ * ((a >> sh) & 15) | ((b >> 6) << 4) by one ternary logic op on (v >> sh) and (v >> 10). */
 static inline __m512 q4_k_scales16(const uint8_t *b) {
-    uint32_t u[3], dd;
-    memcpy(u, b + 4, 12);
-    memcpy(&dd, b, 4);
-    __m128i six_bits = _mm_set_epi32((int)(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)),
-                                     (int)(u[1] & 0x3f3f3f3fu),
-                                     (int)((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)),
-                                     (int)(u[0] & 0x3f3f3f3fu));
-    __m512 d_dmin = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dd)));     /* exact */
+    __m128i raw = _mm_loadu_si128((const __m128i *)b);     /* d, dmin, then scale byte s[i] at 4 + i */
+#if defined(__AVX512BW__)
+    const __m512i pick = _mm512_set_epi32(
+        0x80800b0f, 0x80800a0e, 0x8080090d, 0x8080080c, 0x8080800b, 0x8080800a, 0x80808009, 0x80808008,
+        0x8080070f, 0x8080060e, 0x8080050d, 0x8080040c, 0x80808007, 0x80808006, 0x80808005, 0x80808004);
+    __m512i v = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(raw), pick);
+#else       /* the same lanes: 16 byte pairs, then widened */
+    const __m256i pick = _mm256_set_epi32(0x0b0f0a0e, 0x090d080c, 0x800b800a, 0x80098008,
+                                          0x070f060e, 0x050d040c, 0x80078006, 0x80058004);
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(raw), pick));
+#endif
+    const __m512i shift = _mm512_set_epi32(4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i low_mask = _mm512_set_epi32(15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63);
+    __m512i six_bits = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(v, shift), _mm512_srli_epi32(v, 10), low_mask,
+                                                 0xe4);      /* low_mask ? (v >> sh) : (v >> 10), bit by bit */
+    __m512 d_dmin = _mm512_castps128_ps512(_mm_cvtph_ps(raw));     /* exact */
     __m512 factor = _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), d_dmin);
-    return _mm512_mul_ps(factor, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(six_bits)));
+    return _mm512_mul_ps(factor, _mm512_cvtepi32_ps(six_bits));
 }
 #endif
 
@@ -923,7 +934,8 @@ static inline __attribute__((always_inline)) int k_quant_rows(
  * from a table of 0..15 (measured ~1.3x faster at M = 1 than unpack + add_block). */
 static inline void dot_q4_k(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {
     const uint8_t *qs = b + 16;
-    __m512 sv = q4_k_scales16(b);
+    float sv[16] __attribute__((aligned(64)));     /* the scales, then the mins: each broadcast from memory */
+    _mm512_store_ps(sv, q4_k_scales16(b));
     /* each nibble's float by one vpermps (which reads 4 bits of each index) from the table 0..15 */
     const __m512 nibble = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
 #pragma GCC unroll 4
@@ -934,12 +946,15 @@ static inline void dot_q4_k(acc_t *a, const uint8_t *b, const float *x, const fl
         t0 = fma16((v16)_mm512_permutexvar_ps(v1, nibble), load16(x + 64 * c + 16), t0);
         v16 t1 = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), nibble) * load16(x + 64 * c + 32);
         t1 = fma16((v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibble), load16(x + 64 * c + 48), t1);
-        a->part[(2 * c) % ACCS] = fma16((v16)_mm512_permutexvar_ps(_mm512_set1_epi32(2 * c), sv), t0,
-                                        a->part[(2 * c) % ACCS]);
-        a->part[(2 * c + 1) % ACCS] = fma16((v16)_mm512_permutexvar_ps(_mm512_set1_epi32(2 * c + 1), sv), t1,
-                                            a->part[(2 * c + 1) % ACCS]);
+        v16 s0, s1;     /* as asm: loads (gcc would permute in registers, on the shuffle port) */
+        __asm__("vbroadcastss %1, %0" : "=v"(s0) : "m"(sv[2 * c]));
+        __asm__("vbroadcastss %1, %0" : "=v"(s1) : "m"(sv[2 * c + 1]));
+        a->part[(2 * c) % ACCS] = fma16(s0, t0, a->part[(2 * c) % ACCS]);
+        a->part[(2 * c + 1) % ACCS] = fma16(s1, t1, a->part[(2 * c + 1) % ACCS]);
     }
-    a->low = fma16((v16)_mm512_maskz_shuffle_f32x4(0x00ff, sv, sv, 0x0e), load16(xsum), a->low);
+    /* lanes 0-7: the mins (a 256-bit load of sv's lanes 8-15) times the group sums; lanes 8-15 stay as they are (0) */
+    a->low = (v16)_mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_load_ps(sv + 8)), (__m512)load16(xsum),
+                                        (__m512)a->low, 0x00ff);
 }
 #endif
 
