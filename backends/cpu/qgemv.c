@@ -786,6 +786,11 @@ static inline void dot_q8_0x4(acc_t *a, const uint8_t *b, const float *x) {
 #endif
 }
 
+static inline void dot_q8_0x4_own(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {   /* own_rows4's */
+    (void)xsum;
+    dot_q8_0x4(a, b, x);
+}
+
 /* One row's share of one unpacked block: ng groups of G values starting at group number j0 of the row. */
 static inline __attribute__((always_inline)) void add_block(acc_t *a, const float *q, const float *scale,
         const float *low, int ng, int G, const float *x, const float *xsum) {
@@ -918,6 +923,52 @@ static inline __attribute__((always_inline)) int own_rows_mins(
     free(xsum);
     return 0;
 }
+
+/* Rows [n0, n1) where each row has a weight of its own (decode, routed experts), four at a time: rows n, n + q,
+ * n + 2q and n + 3q (q a quarter of the range) block by block, so the weight is fetched as four streams at once
+ * (measured 10-16% faster from memory than one row after another for Q4_K, ~5% for Q8_0's LM head); each row
+ * still takes `dot` on its blocks in order, so the same bits as one row at a time. bs values in bb bytes per
+ * `dot`; G: the group size of types with group mins (their sums of x made once per call), 0 without. Returns 0,
+ * or -2 out of memory. */
+static inline __attribute__((always_inline)) int own_rows4(
+        dot_mins_fn dot, const int bs, const int bb, const int G, const uint8_t *w, int64_t expert_bytes,
+        const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
+    int64_t nb = K / bs, row_bytes = nb * bb, q = (n1 - n0) / 4;
+    float *xsum = G ? group_sums(x, M, K, bs, G) : NULL;
+    if (G && xsum == NULL) return -2;
+    for (int64_t m = 0; m < M; m++) {
+        const uint8_t *base = w + (experts == NULL ? 0 : experts[m] * expert_bytes);
+        const float *xm = x + m * K, *sm = G ? xsum + m * nb * 16 : NULL;
+        float *ym = y + m * N;
+        if (experts != NULL && experts[m] < 0) {        /* another rank's */
+            for (int64_t n = n0; n < n1; n++) ym[n] = 0.0f;
+            continue;
+        }
+        for (int64_t n = n0; n < n0 + q; n++) {
+            const uint8_t *r[4];
+            acc_t a[4] = {0};
+            for (int i = 0; i < 4; i++) r[i] = base + (n + i * q) * row_bytes;
+            for (int64_t b = 0; b < nb; b++)
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    prefetch_block(r[i] + b * bb, bb);
+                    dot(&a[i], r[i] + b * bb, xm + b * bs, G ? sm + b * 16 : NULL);
+                }
+            for (int i = 0; i < 4; i++) ym[n + i * q] = finish(&a[i], G != 0);
+        }
+        for (int64_t n = n0 + 4 * q; n < n1; n++) {     /* the last (n1 - n0) % 4 rows */
+            const uint8_t *row = base + n * row_bytes;
+            acc_t a = {0};
+            for (int64_t b = 0; b < nb; b++) {
+                prefetch_block(row + b * bb, bb);
+                dot(&a, row + b * bb, xm + b * bs, G ? sm + b * 16 : NULL);
+            }
+            ym[n] = finish(&a, G != 0);
+        }
+    }
+    free(xsum);
+    return 0;
+}
 #endif
 
 /* Rows [n0, n1) of a K-quant with group mins (256 values in bb bytes, groups of G): the grouped path with each
@@ -979,6 +1030,10 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 1: if (K % 32) return -1; rows_of(deq_f16, 32, 64, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 8:
         if (K % 32) return -1;
+#if GROUPED
+        if (K % 128 == 0 && (experts != NULL || M == 1))
+            return own_rows4(dot_q8_0x4_own, 128, 136, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
         if (GROUPED && K % 128 == 0) {
             rows_grouped(unpack_q8_0x4, dot_q8_0x4, 128, 136, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
             return 0;
@@ -996,7 +1051,7 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 12:
 #if GROUPED
         if (K % 256 == 0 && (experts != NULL || M == 1))
-            return own_rows_mins(dot_q4_k, 144, 32, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+            return own_rows4(dot_q4_k, 256, 144, 32, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
 #endif
         return K % 256 ? -1 : k_quant_rows(deq_q4_k, unpack_q4_k, 144, 32, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
