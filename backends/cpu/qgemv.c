@@ -589,13 +589,6 @@ static inline i32x16 widen16(const uint8_t *p) {    /* 16 bytes as int32 lanes *
 
 static inline v16 float16(i32x16 q) { return __builtin_convertvector(q, v16); }
 
-static inline void unpack_q8_0x4(const uint8_t *b, float *q, float *scale, float *low) {   /* 4 x 34 bytes */
-    (void)low;
-    for (int t = 0; t < 4; t++, b += 34) {
-        scale[t] = half_to_float(b);
-        for (int i = 0; i < 32; i += 16) store16(q + 32 * t + i, float16((widen16(b + 2 + i) ^ 128) - 128));
-    }
-}
 
 #if defined(__AVX512F__)
 /* Q4_K's eight scales (lanes 0-7, times d) and mins (lanes 8-15, times dmin): k_scales' values, in one vector. The
@@ -757,6 +750,19 @@ static inline v16 int8_floats16(const uint8_t *p) {    /* 16 int8 as floats */
 #else
     return float16((widen16(p) ^ 128) - 128);
 #endif
+}
+
+static inline void unpack_q8_0x4(const uint8_t *b, float *q, float *scale, float *low) {   /* 4 x 34 bytes */
+    (void)low;
+#if defined(__AVX512F__)
+    uint16_t h[4];
+    for (int t = 0; t < 4; t++) memcpy(&h[t], b + 34 * t, 2);
+    _mm_storeu_ps(scale, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)));     /* exact, as half_to_float */
+#else
+    for (int t = 0; t < 4; t++) scale[t] = half_to_float(b + 34 * t);
+#endif
+    for (int t = 0; t < 4; t++)
+        for (int i = 0; i < 32; i += 16) store16(q + 32 * t + i, int8_floats16(b + 34 * t + 2 + i));
 }
 
 /* Four Q8_0 blocks (136 bytes) of a row of its own, in registers: unpack_q8_0x4 then add_block (the same bits),
