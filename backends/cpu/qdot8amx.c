@@ -45,7 +45,8 @@ int qdot8amx_on(int on) {
 #define TILE 16
 #define Q8K_BYTES 320       /* q8_quantize's Q8_K block: int8 qs[256], float d, int16 bsums[16], padding */
 #define Q8_0_BYTES 36       /* its Q8_0 block: float d, int8 qs[32] */
-#define CHUNK 4             /* blocks of 16 weight rows unpacked at a time (Q4_K: half as many) */
+#define CHUNK 32            /* blocks of 16 weight rows unpacked at a time (Q4_K: half as many): whole rows of K <= 8192
+                             * (4096), so that the weight is read in order (docs/cpu.md, "Several rows on AMX tiles") */
 #define AHEAD 1024          /* bytes of the weight stream prefetched ahead (the row streams alone run slower) */
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
