@@ -81,7 +81,7 @@ def test_routed_experts_take_the_tiles(qtype, every_m):
 
 
 def test_default_takes_tiles_only_from_the_faster_row_counts():
-    """By default the tiles serve Q2_K from 4 rows (the measured break-even), not below; the bits are the same."""
+    """By default the tiles serve Q2_K from 5 rows (the measured break-even), not below; the bits are the same."""
     w, x = weight("Q2_K", 32, 512), activations(8, 512)
     assert kernels.amx_rows(True) and torch.equal(kernels.qdot8(x, w), ref.qdot8(x, w))
 

@@ -410,15 +410,15 @@ static int amx_q8_0(const uint8_t *w, int64_t N, int64_t nb, const uint8_t *xq, 
 }
 
 /* The fewest rows for which the tiles beat qdot8_rows' AVX-512 path on this machine (one thread, one routed
- * expert's weight, where qdot8_rows gets 2..16 rows of these types; Q8_0: the attention's q_b: docs/cpu.md,
- * "Several rows on AMX tiles"); below it a tile's fixed cost (the unpacked A rows written and read back as tiles,
- * the B tiles reloaded per block) outweighs the rows it saves. 17 for a type it does not serve. */
+ * expert's weight read from memory, where qdot8_rows gets 2..16 rows of these types; Q8_0: the attention's q_b:
+ * docs/cpu.md, "Several rows on AMX tiles"); below it a tile's fixed cost (the unpacked A rows written and read
+ * back as tiles, the B tiles reloaded per block) outweighs the rows it saves. 17 for a type it does not serve. */
 static int amx_from(int type) {
     switch (type) {
     case 8: return 12;      /* Q8_0 */
-    case 12: return 8;      /* Q4_K */
-    case 10: return 4;      /* Q2_K */
-    case 16: return 6;      /* IQ2_XXS */
+    case 12: return 9;      /* Q4_K */
+    case 10: return 5;      /* Q2_K */
+    case 16: return 5;      /* IQ2_XXS */
     default: return TILE + 1;
     }
 }
