@@ -58,9 +58,9 @@ def test_tiles_equal_reference_for_every_m_and_thread_split(qtype, every_m, monk
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_tiles_equal_the_other_path_at_larger_k(qtype, every_m):
-    """K = 4096 (Q4_K takes its blocks 2 at a time, the others 4, so several units per tile): the same bits with
-    the tiles as without."""
-    w, x = weight(qtype, 32, 4096, seed=3), activations(16, 4096, seed=4)
+    """K = 8448 (33 blocks of 256: whole rows are unpacked up to 32 blocks, 16 for Q4_K, so a tile takes two or
+    three units, the last of one block): the same bits with the tiles as without."""
+    w, x = weight(qtype, 32, 8448, seed=3), activations(16, 8448, seed=4)
     tiles = kernels.qdot8(x, w)
     kernels.amx_rows(False)
     assert torch.equal(tiles, kernels.qdot8(x, w))
@@ -81,7 +81,7 @@ def test_routed_experts_take_the_tiles(qtype, every_m):
 
 
 def test_default_takes_tiles_only_from_the_faster_row_counts():
-    """By default the tiles serve Q2_K from 4 rows (the measured break-even), not below; the bits are the same."""
+    """By default the tiles serve Q2_K from 5 rows (the measured break-even), not below; the bits are the same."""
     w, x = weight("Q2_K", 32, 512), activations(8, 512)
     assert kernels.amx_rows(True) and torch.equal(kernels.qdot8(x, w), ref.qdot8(x, w))
 

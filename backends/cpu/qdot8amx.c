@@ -45,7 +45,8 @@ int qdot8amx_on(int on) {
 #define TILE 16
 #define Q8K_BYTES 320       /* q8_quantize's Q8_K block: int8 qs[256], float d, int16 bsums[16], padding */
 #define Q8_0_BYTES 36       /* its Q8_0 block: float d, int8 qs[32] */
-#define CHUNK 4             /* blocks of 16 weight rows unpacked at a time (Q4_K: half as many) */
+#define CHUNK 32            /* blocks of 16 weight rows unpacked at a time (Q4_K: half as many): whole rows of K <= 8192
+                             * (4096), so that the weight is read in order (docs/cpu.md, "Several rows on AMX tiles") */
 #define AHEAD 1024          /* bytes of the weight stream prefetched ahead (the row streams alone run slower) */
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
@@ -203,14 +204,19 @@ static inline void unpack_iq2_xxs(const uint8_t *b, k_tile *t, int64_t k, int r)
     t->d[k][r] = half(b);
 }
 
-/* Weight row r of a tile, `kn` blocks from `row`, unpacked into t. */
-static void unpack_row(int type, const uint8_t *row, int64_t kn, k_tile *t, int r) {
+/* A unit's blocks (16 weight rows of `kn` blocks from w, rows ldw bytes apart) unpacked into t in the weight's order,
+ * row after row, from the `*done`-th to the `target`-th. */
+static inline void unpack_until(int type, const uint8_t *w, int64_t ldw, int64_t kn, k_tile *t, int64_t *done,
+                                int64_t target) {
     int bb = type == 12 ? 144 : type == 10 ? 84 : 66;
-    for (int64_t k = 0; k < kn; k++) {
-        prefetch_ahead(row + k * bb, bb);
-        if (type == 12) unpack_q4_k(row + k * 144, t, k, r);
-        else if (type == 10) unpack_q2_k(row + k * 84, t, k, r);
-        else unpack_iq2_xxs(row + k * 66, t, k, r);
+    for (; *done < target; ++*done) {
+        int r = (int)(*done / kn);
+        int64_t k = *done % kn;
+        const uint8_t *b = w + r * ldw + k * bb;
+        prefetch_ahead(b, bb);
+        if (type == 12) unpack_q4_k(b, t, k, r);
+        else if (type == 10) unpack_q2_k(b, t, k, r);
+        else unpack_iq2_xxs(b, t, k, r);
     }
 }
 
@@ -230,8 +236,8 @@ static int k_tiles_alloc(int64_t nb, k_tile t[2], void **mem) {
 }
 
 /* The 256-value K-quants (12 Q4_K, 10 Q2_K, 16 IQ2_XXS), tiles of 16 weight rows from n0, taken in units of up to
- * `CHUNK` blocks (the unpacked unit stays in L1): while a unit's blocks take their tile products and float steps,
- * the next unit's rows are unpacked, each row's blocks in order. */
+ * `CHUNK` blocks (whole rows at V4 Flash's shapes): while a unit's blocks take their tile products and float steps,
+ * the next unit's blocks are unpacked in the weight's order (row after row), in slots between the tile products. */
 static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows *x, int64_t M, float *y,
                  int64_t n0, int64_t n1) {
     int bb = type == 12 ? 144 : type == 10 ? 84 : 66;
@@ -243,13 +249,18 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
     int32_t sums[8][TILE][TILE] __attribute__((aligned(64)));
     __m512 acc[TILE];
     tiles_on(type == 16 ? 32 : 64, type == 16 ? 8 : 16, 0xa);     /* A: tmm0, tmm2; B: tmm1, tmm3 */
-    for (int r = 0; r < TILE; r++) unpack_row(type, w + (n0 + r) * ldw, kc, &t[0], r);
+    int64_t first = 0;
+    unpack_until(type, w + n0 * ldw, ldw, kc, &t[0], &first, TILE * kc);
     for (int64_t u = 0; u < units; u++) {
         int64_t n = n0 + u / chunks * TILE, c0 = u % chunks * kc, kn = nb - c0 < kc ? nb - c0 : kc;
         int64_t next_n = n0 + (u + 1) / chunks * TILE, next_c0 = (u + 1) % chunks * kc;
         int64_t next_kn = nb - next_c0 < kc ? nb - next_c0 : kc;
         k_tile *cur = &t[u % 2], *next = &t[(u + 1) % 2];
-        int has_next = u + 1 < units, unpacked = 0;
+        int64_t done = 0, total = u + 1 < units ? TILE * next_kn : 0;
+        const uint8_t *wn = w + next_n * ldw + next_c0 * bb;
+        /* the next unit's unpacking, spread over 5 slots per block between the tile products (slot s of block k:
+         * up to (5 k + s + 1) / (5 kn) of it), so that they overlap */
+#define SLOT(s) unpack_until(type, wn, ldw, next_kn, next, &done, total * (5 * k + (s) + 1) / (5 * kn))
         if (c0 == 0)
             for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < kn; k++) {
@@ -258,8 +269,10 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
                 _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
                 _tile_loadd(0, a, 256); _tile_loadd(1, x->bq[c0 + k][0][0], 64); _tile_dpbssd(4, 0, 1);
                 _tile_loadd(2, a + 32, 256); _tile_loadd(3, x->bq[c0 + k][0][8], 64); _tile_dpbssd(5, 2, 3);
+                SLOT(0);
                 _tile_loadd(0, a + 64, 256); _tile_loadd(1, x->bq[c0 + k][1][0], 64); _tile_dpbssd(6, 0, 1);
                 _tile_loadd(2, a + 96, 256); _tile_loadd(3, x->bq[c0 + k][1][8], 64); _tile_dpbssd(7, 2, 3);
+                SLOT(1);
             } else {
                 _tile_zero(4);
                 _tile_zero(5);
@@ -271,6 +284,7 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
                         _tile_loadd(2, a + TILE * 256 + 64 * c, 256);
                         _tile_dpbusd(5, 2, 1);
                     }
+                    SLOT(c);
                 }
                 /* msum = sum of min times bsums: 256 (mins . high bytes) + (mins . low bytes) */
                 _tile_zero(6);
@@ -281,8 +295,7 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
                 _tile_loadd(1, x->bm[c0 + k][1], 64);
                 _tile_dpbusd(7, 0, 1);
             }
-            for (; has_next && unpacked < TILE && unpacked * kn < (k + 1) * TILE; unpacked++)
-                unpack_row(type, w + (next_n + unpacked) * ldw + next_c0 * bb, next_kn, next, unpacked);
+            SLOT(type == 16 ? 2 : 4);
             __m512 dx = _mm512_load_ps(x->dx[c0 + k]);
             if (type == 16) {       /* groups 4-7, then bsum = sum of (2 ls + 1) times each group's sum */
                 _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
@@ -292,6 +305,7 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
                 _tile_loadd(2, a + 160, 256); _tile_loadd(3, x->bq[c0 + k][2][8], 64); _tile_dpbssd(5, 2, 3);
                 _tile_loadd(0, a + 192, 256); _tile_loadd(1, x->bq[c0 + k][3][0], 64); _tile_dpbssd(6, 0, 1);
                 _tile_loadd(2, a + 224, 256); _tile_loadd(3, x->bq[c0 + k][3][8], 64); _tile_dpbssd(7, 2, 3);
+                SLOT(3);
                 _tile_stored(4, sums[4], 64); _tile_stored(5, sums[5], 64);
                 _tile_stored(6, sums[6], 64); _tile_stored(7, sums[7], 64);
                 for (int r = 0; r < TILE; r++) {
@@ -302,6 +316,7 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
                     acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(cur->d[k][r]), dx),
                                                                  _mm512_cvtepi32_ps(bsum)));
                 }
+                SLOT(4);
                 continue;
             }
             _tile_stored(4, sums[0], 64);
@@ -326,6 +341,7 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
     free(mem);
     return 0;
 }
+#undef SLOT
 
 /* Q8_0 (34 bytes: d, 32 int8) in decode's 8 lanes, tiles of 16 weight rows as A (copied row after row into a
  * buffer while the tile before takes its products: the weight read in order). The activation rows go in pairs:
@@ -409,15 +425,15 @@ static int amx_q8_0(const uint8_t *w, int64_t N, int64_t nb, const uint8_t *xq, 
 }
 
 /* The fewest rows for which the tiles beat qdot8_rows' AVX-512 path on this machine (one thread, one routed
- * expert's weight, where qdot8_rows gets 2..16 rows of these types; Q8_0: the attention's q_b: docs/cpu.md,
- * "Several rows on AMX tiles"); below it a tile's fixed cost (the unpacked A rows written and read back as tiles,
- * the B tiles reloaded per block) outweighs the rows it saves. 17 for a type it does not serve. */
+ * expert's weight read from memory, where qdot8_rows gets 2..16 rows of these types; Q8_0: the attention's q_b:
+ * docs/cpu.md, "Several rows on AMX tiles"); below it a tile's fixed cost (the unpacked A rows written and read
+ * back as tiles, the B tiles reloaded per block) outweighs the rows it saves. 17 for a type it does not serve. */
 static int amx_from(int type) {
     switch (type) {
     case 8: return 12;      /* Q8_0 */
-    case 12: return 8;      /* Q4_K */
-    case 10: return 4;      /* Q2_K */
-    case 16: return 6;      /* IQ2_XXS */
+    case 12: return 9;      /* Q4_K */
+    case 10: return 5;      /* Q2_K */
+    case 16: return 5;      /* IQ2_XXS */
     default: return TILE + 1;
     }
 }

@@ -22,6 +22,7 @@ SUITES = {  # suite name -> module in ds4/bench/
     "quants": "quants",
     "grammar": "grammar",
     "ranks": "ranks",
+    "amx-rows": "amx_rows",
 }
 
 

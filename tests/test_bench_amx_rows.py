@@ -1,0 +1,25 @@
+"""`scripts/bench.py amx-rows` at smoke size: a row per weight and row count, with the three settings' times."""
+from __future__ import annotations
+
+import pytest
+
+from backends.cpu import kernels
+from tests.script_modules import script
+
+bench = script("bench")
+
+
+@pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library cannot be built here")
+def test_bench_amx_rows_smoke(capsys, monkeypatch):
+    """Every weight of the suite at M = 1 and 3, one timed round (timings are not checked; tests never time)."""
+    monkeypatch.setattr(kernels, "_pool_threads", 0)     # the bench sets the pool's threads; restored after
+    assert bench.main(["amx-rows", "--smoke", "--rows", "1", "3", "--rounds", "1", "--csv"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("type,shape,weight,M,amx,off_ms,off_x_M1,default_ms")
+    assert len(lines) == 1 + 6 * 2 and lines[1].split(",")[6] == "1.00"
+
+
+def test_bench_amx_rows_rejects_too_many_rows(capsys):
+    """M above 16 is a one-line usage error."""
+    assert bench.main(["amx-rows", "--smoke", "--rows", "17"]) == 2
+    assert "--rows must be in 1..16" in capsys.readouterr().err
