@@ -888,7 +888,8 @@ static inline __attribute__((always_inline)) void dot_q2_k(acc_t *a, const uint8
 
 /* Rows [n0, n1) where each row has a weight of its own (decode, routed experts), four at a time: rows n, n + q,
  * n + 2q and n + 3q (q a quarter of the range) block by block, so the weight is fetched as four streams at once
- * (measured 10-16% faster from memory than one row after another for Q4_K, ~5% for Q8_0's LM head); each row
+ * (measured 10-16% faster from memory than one row after another for Q4_K, ~5% for Q8_0's LM head; the same
+ * for the compute-bound Q2_K and IQ2_XXS, which take it to share one driver); each row
  * still takes `dot` on its blocks in order, so the same bits as one row at a time. bs values in bb bytes per
  * `dot`; G: the group size of types with group mins (their sums of x made once per call), 0 without. Returns 0,
  * or -2 out of memory. */
