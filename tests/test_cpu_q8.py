@@ -389,10 +389,12 @@ def test_kernel_equals_reference_rows_threads_experts(qtype, monkeypatch):
 @pytest.mark.parametrize("qtype", ("IQ2_XXS", "Q2_K"))
 def test_rows_of_many_blocks_equal_reference(qtype):
     """Rows of 5 blocks (the AVX-512 kernels reduce 4 blocks' integer sums together and compute their float terms
-    in one vector, then take the fifth alone): the reference's bits, plain and by expert."""
-    w, stacked = weight(qtype, 8, 1280), weight(qtype, 2, 8, 1280, seed=2)
+    in one vector, then take the fifth alone), 10 of them (a row of its own goes four rows at a time, then the last
+    2 alone): the reference's bits, plain (M = 1 and 3) and by expert."""
+    w, stacked = weight(qtype, 10, 1280), weight(qtype, 2, 10, 1280, seed=2)
     x, ids = activations(3, 1280), torch.tensor([1, 0, 1])
     assert torch.equal(kernels.qdot8(x, w), ref.qdot8(x, w))
+    assert torch.equal(kernels.qdot8(x[:1], w), ref.qdot8(x[:1], w))
     assert torch.equal(kernels.qdot8(x, stacked, ids), ref.qdot8(x, stacked, ids))
 
 
@@ -410,11 +412,12 @@ def rebuild_with(flags: str, tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize("flags", ("-mno-avx512f", "-mno-avx512f -mno-avx2"))
 def test_avx2_and_plain_c_builds_equal_reference(flags, tmp_path, monkeypatch):
     """The AVX2 build (what an AVX2-only machine compiles) and the plain C build give the same bits, for every
-    M in 1..16 (qdot8_rows' shared-block paths of AVX2 and the plain per-row loop)."""
+    M in 1..16 (qdot8_rows' shared-block paths of AVX2 and the plain per-row loop; at M = 1 10 rows: four at a
+    time, then the last 2 alone)."""
     rebuild_with(flags, tmp_path, monkeypatch)
     x = activations(16, 512)
     for qtype in ref.TYPES:
-        w = weight(qtype, 8, 512)
+        w = weight(qtype, 10, 512)
         expected = ref.qdot8(x, w)
         for M in range(1, 17):
             assert torch.equal(kernels.qdot8(x[:M], w), expected[:M]), (flags, qtype, M)

@@ -552,64 +552,89 @@ static inline __m128 q2_k_terms(const uint8_t *w, const q8k_block *y, __m128i is
     return _mm_sub_ps(a, m);
 }
 
-/* Blocks 4 at a time: isum and msum of the 4 reduced together, their float terms computed lane by lane (the same
- * bits as dot_q2_k's), then added in block order as row_blocks does. */
-static float row_q2_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
-    const q8k_block *y = (const q8k_block *)act;
-    float acc = 0.0f, t[4];
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
-        const uint8_t *w = row + b * 84;
-        for (int i = 0; i < 4; i++) prefetch_ahead(w + 84 * i, 84);
-        __m512i m[4];
-        __m512i s0 = q2_k_sums(w, y + b, &m[0]), s1 = q2_k_sums(w + 84, y + b + 1, &m[1]);
-        __m512i s2 = q2_k_sums(w + 168, y + b + 2, &m[2]), s3 = q2_k_sums(w + 252, y + b + 3, &m[3]);
-        _mm_storeu_ps(t, q2_k_terms(w, y + b, sum4_epi32(s0, s1, s2, s3), sum4_epi32(m[0], m[1], m[2], m[3])));
-        acc = (((acc + t[0]) + t[1]) + t[2]) + t[3];
-    }
-    for (; b < nb; b++) {
-        prefetch_ahead(row + b * 84, 84);
-        acc += dot_q2_k(row + b * 84, y + b);
-    }
-    return acc;
+/* Blocks w[0..4) (against y[0..4)) added to acc: isum and msum of the 4 reduced together, their float terms
+ * computed lane by lane (the same bits as dot_q2_k's), then added in block order as row_blocks does. */
+static inline float step4_q2_k(float acc, const uint8_t *w, const q8k_block *y) {
+    float t[4];
+    for (int i = 0; i < 4; i++) prefetch_ahead(w + 84 * i, 84);
+    __m512i m[4];
+    __m512i s0 = q2_k_sums(w, y, &m[0]), s1 = q2_k_sums(w + 84, y + 1, &m[1]);
+    __m512i s2 = q2_k_sums(w + 168, y + 2, &m[2]), s3 = q2_k_sums(w + 252, y + 3, &m[3]);
+    _mm_storeu_ps(t, q2_k_terms(w, y, sum4_epi32(s0, s1, s2, s3), sum4_epi32(m[0], m[1], m[2], m[3])));
+    return (((acc + t[0]) + t[1]) + t[2]) + t[3];
 }
+#define STEP4_Q2_K step4_q2_k
 #else
-static float row_q2_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
-    return row_blocks(dot_q2_k, 84, sizeof(q8k_block), row, act, nb);
-}
+#define STEP4_Q2_K NULL
 #endif
 
 #if defined(IQ2_VECTOR)
-/* Blocks 4 at a time: their integer sums reduced together (a quarter of the shuffles of one reduction per
- * block), their float terms computed lane by lane (dot_iq2_xxs's operations), then added in block order as
- * row_blocks does, so the same bits. */
-static float row_iq2_xxs(const uint8_t *row, const uint8_t *act, int64_t nb) {
+/* Blocks w[0..4) (against y[0..4)) added to acc: their integer sums reduced together (a quarter of the shuffles
+ * of one reduction per block), their float terms computed lane by lane (dot_iq2_xxs's operations), then added in
+ * block order as row_blocks does, so the same bits. */
+static inline float step4_iq2_xxs(float acc, const uint8_t *w, const q8k_block *y) {
+    float t[4];
+    for (int i = 0; i < 4; i++) prefetch_ahead(w + 66 * i, 66);
+    __m128i sums = sum4_epi32(iq2_xxs_sums(w, y), iq2_xxs_sums(w + 66, y + 1),
+                              iq2_xxs_sums(w + 132, y + 2), iq2_xxs_sums(w + 198, y + 3));
+    uint16_t h[4];      /* the blocks' d (f16) */
+    for (int i = 0; i < 4; i++) memcpy(&h[i], w + 66 * i, 2);
+    __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
+    __m128 yd = _mm_set_ps(y[3].d, y[2].d, y[1].d, y[0].d);
+    _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(d, yd), _mm_cvtepi32_ps(sums)));    /* lane i: block i's term */
+    return (((acc + t[0]) + t[1]) + t[2]) + t[3];
+}
+#define STEP4_IQ2_XXS step4_iq2_xxs
+#else
+#define STEP4_IQ2_XXS NULL
+#endif
+
+typedef float (*step8_fn)(float, const uint8_t *, const q8k_block *);
+
+/* R rows r[0..R) of nb blocks of bb bytes against one row of K-quant activations, block by block in turn (R = 4:
+ * four streams of the weight fetched at once): each row's terms added in its own order, `step` on `per` blocks at
+ * a time where not NULL, then `dot` on each block left, so the same bits for any R. */
+static inline __attribute__((always_inline)) void rows_k(step8_fn step, const int per, dot8_fn dot, const int bb,
+        const int R, const uint8_t *const *r, const uint8_t *act, int64_t nb, float *acc) {
     const q8k_block *y = (const q8k_block *)act;
-    float acc = 0.0f, t[4];
     int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
-        const uint8_t *w = row + b * 66;
-        for (int i = 0; i < 4; i++) prefetch_ahead(w + 66 * i, 66);
-        __m128i sums = sum4_epi32(iq2_xxs_sums(w, y + b), iq2_xxs_sums(w + 66, y + b + 1),
-                                  iq2_xxs_sums(w + 132, y + b + 2), iq2_xxs_sums(w + 198, y + b + 3));
-        uint16_t h[4];      /* the blocks' d (f16) */
-        for (int i = 0; i < 4; i++) memcpy(&h[i], w + 66 * i, 2);
-        __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
-        __m128 yd = _mm_set_ps(y[b + 3].d, y[b + 2].d, y[b + 1].d, y[b].d);
-        _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(d, yd), _mm_cvtepi32_ps(sums)));    /* lane i: block b + i's term */
-        acc = (((acc + t[0]) + t[1]) + t[2]) + t[3];
-    }
-    for (; b < nb; b++) {
-        prefetch_ahead(row + b * 66, 66);
-        acc += dot_iq2_xxs(row + b * 66, y + b);
-    }
+    for (int i = 0; i < R; i++) acc[i] = 0.0f;
+    if (step != NULL)
+        for (; b + per <= nb; b += per)
+#pragma GCC unroll 4
+            for (int i = 0; i < R; i++) acc[i] = step(acc[i], r[i] + b * bb, y + b);
+    for (; b < nb; b++)
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            prefetch_ahead(r[i] + b * bb, bb);
+            acc[i] += dot(r[i] + b * bb, y + b);
+        }
+}
+
+static void rows_q2_k(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    rows_k(STEP4_Q2_K, 4, dot_q2_k, 84, 4, r, act, nb, out);
+}
+
+static float row_q2_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    float acc;
+    rows_k(STEP4_Q2_K, 4, dot_q2_k, 84, 1, &row, act, nb, &acc);
+    return acc;
+}
+
+static void rows_iq2_xxs(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    rows_k(STEP4_IQ2_XXS, 4, dot_iq2_xxs, 66, 4, r, act, nb, out);
+    for (int i = 0; i < 4; i++) out[i] *= 0.125f;
+}
+
+static float row_iq2_xxs(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    float acc;
+    rows_k(STEP4_IQ2_XXS, 4, dot_iq2_xxs, 66, 1, &row, act, nb, &acc);
     return 0.125f * acc;
 }
-#else
-static float row_iq2_xxs(const uint8_t *row, const uint8_t *act, int64_t nb) {
-    return 0.125f * row_blocks(dot_iq2_xxs, 66, sizeof(q8k_block), row, act, nb);
+
+static void rows_q4_k(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    rows_k(NULL, 1, dot_q4_k, 144, 4, r, act, nb, out);
 }
-#endif
 
 static float row_q4_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return row_blocks(dot_q4_k, 144, sizeof(q8k_block), row, act, nb);
@@ -617,21 +642,41 @@ static float row_q4_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
 
 /* A row of Q8_0 blocks (34 bytes) against Q8_0 activations in 8 float lanes: lane l adds, block by block,
  * (d_w d_x) times the integer dot of values 4l..4l+3 of the block; then the lanes are added in order. */
+#if defined(__AVX2__)
+static inline __m256 q8_0_lanes(__m256 acc, const uint8_t *blk, const q8_0_block *y) {     /* one block's step */
+    prefetch_ahead(blk, 34);
+    __m256i w = load256(blk + 2);
+    __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256(y->qs), w));
+    __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(q8_half(blk) * y->d), dots));
+}
+
+static inline float q8_0_lane_sum(__m256 acc) {
+    float lanes[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    return sum;
+}
+
+static float row_q8_0(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    const q8_0_block *y = (const q8_0_block *)act;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) acc = q8_0_lanes(acc, row + 34 * b, y + b);
+    return q8_0_lane_sum(acc);
+}
+
+static void rows_q8_0(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {  /* 4 rows in turn */
+    const q8_0_block *y = (const q8_0_block *)act;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) acc[i] = q8_0_lanes(acc[i], r[i] + 34 * b, y + b);
+    for (int i = 0; i < 4; i++) out[i] = q8_0_lane_sum(acc[i]);
+}
+#else
 static float row_q8_0(const uint8_t *row, const uint8_t *act, int64_t nb) {
     const q8_0_block *y = (const q8_0_block *)act;
     float lanes[8] = {0};
-#if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; b++, row += 34) {
-        prefetch_ahead(row, 34);
-        __m256i w = load256(row + 2);
-        __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256(y[b].qs), w));
-        __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(q8_half(row) * y[b].d), dots));
-    }
-    _mm256_storeu_ps(lanes, acc);
-#else
     for (int64_t b = 0; b < nb; b++, row += 34) {
         float d = q8_half(row) * y[b].d;
         for (int l = 0; l < 8; l++) {
@@ -640,11 +685,15 @@ static float row_q8_0(const uint8_t *row, const uint8_t *act, int64_t nb) {
             lanes[l] += d * (float)s;
         }
     }
-#endif
     float sum = 0.0f;
     for (int l = 0; l < 8; l++) sum += lanes[l];
     return sum;
 }
+
+static void rows_q8_0(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    for (int i = 0; i < 4; i++) out[i] = row_q8_0(r[i], act, nb);
+}
+#endif
 
 static float row_q3_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return row_blocks(dot_q3_k, 110, sizeof(q8k_block), row, act, nb);
@@ -911,6 +960,34 @@ static inline __attribute__((always_inline)) void rows_q8(
         }
 }
 
+typedef void (*rows4_fn)(const uint8_t *const *, const uint8_t *, int64_t, float *);
+
+/* Rows [n0, n1) where each row has a weight of its own (M = 1, routed experts), four at a time: rows n, n + q,
+ * n + 2q and n + 3q (q a quarter of the range) through `four`, which takes their blocks in turn, so the weight is
+ * fetched as four streams at once (as qgemv.c's own_rows4); the last (n1 - n0) % 4 rows through `one`. Each row's
+ * arithmetic is `one`'s, so the same bits as rows_q8. */
+static inline __attribute__((always_inline)) void own_rows4_q8(
+        rows4_fn four, row8_fn one, const int bs, const int bb, const int ab, const uint8_t *w, int64_t expert_bytes,
+        const int64_t *experts, int64_t N, int64_t K, const uint8_t *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
+    int64_t nb = K / bs, row_bytes = nb * bb, q = (n1 - n0) / 4;
+    for (int64_t m = 0; m < M; m++) {
+        float *ym = y + m * N;
+        if (experts != NULL && experts[m] < 0) {        /* another rank's */
+            for (int64_t n = n0; n < n1; n++) ym[n] = 0.0f;
+            continue;
+        }
+        const uint8_t *base = w + (experts == NULL ? 0 : experts[m] * expert_bytes), *act = xq + m * nb * ab;
+        for (int64_t n = n0; n < n0 + q; n++) {
+            const uint8_t *r[4] = {base + n * row_bytes, base + (n + q) * row_bytes, base + (n + 2 * q) * row_bytes,
+                                   base + (n + 3 * q) * row_bytes};
+            float out[4];
+            four(r, act, nb, out);
+            for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
+        }
+        for (int64_t n = n0 + 4 * q; n < n1; n++) ym[n] = one(base + n * row_bytes, act, nb);
+    }
+}
+
 /* y [M, N] rows [n0, n1) = x @ W.T for a weight of GGUF type `type` (16 IQ2_XXS after qdot8_set_iq2_xxs,
  * 10 Q2_K, 12 Q4_K, 11 Q3_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS: `xq` from q8_quantize kind 0; 8 Q8_0, 2 Q4_0, 6 Q5_0,
  * 20 IQ4_NL, 39 MXFP4: kind 1; 3 Q4_1, 7 Q5_1: kind 3; 1 F16: kind 2),
@@ -921,15 +998,23 @@ int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
           const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
     const uint8_t *x = xq;
     if (M > Q8_MAX_ROWS) return -1;
-    const int k_bytes = (int)sizeof(q8k_block);
+    const int k_bytes = (int)sizeof(q8k_block), own = experts != NULL || M == 1;     /* a weight row of its own */
     switch (type) {
     case 16: if (K % 256) return -1;
+        if (own) { own_rows4_q8(rows_iq2_xxs, row_iq2_xxs, 256, 66, k_bytes, w, expert_bytes, experts, N, K, x, M, y,
+                                n0, n1); return 0; }
         rows_q8(row_iq2_xxs, 256, 66, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 10: if (K % 256) return -1;
+        if (own) { own_rows4_q8(rows_q2_k, row_q2_k, 256, 84, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+                   return 0; }
         rows_q8(row_q2_k, 256, 84, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 12: if (K % 256) return -1;
+        if (own) { own_rows4_q8(rows_q4_k, row_q4_k, 256, 144, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0,
+                                n1); return 0; }
         rows_q8(row_q4_k, 256, 144, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 8: if (K % 32) return -1;
+        if (own) { own_rows4_q8(rows_q8_0, row_q8_0, 32, 34, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K,
+                                x, M, y, n0, n1); return 0; }
         rows_q8(row_q8_0, 32, 34, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
     case 11: if (K % 256) return -1;

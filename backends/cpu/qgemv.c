@@ -679,7 +679,7 @@ typedef void (*unpack_fn)(const uint8_t *, float *, float *, float *);
  * row): add_block's arithmetic on the values the unpack_ function gives (the same bits), without storing and
  * reloading them. Measured for IQ2_XXS 9-10% faster at M = 1; Q2_K's (it also needs its group sums of x) is
  * dot_q2_k, further down. */
-typedef void (*dot_fn)(acc_t *, const uint8_t *, const float *);     /* types without group mins */
+typedef void (*dot_fn)(acc_t *, const uint8_t *, const float *x, const float *xsum);  /* xsum: for group mins */
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__AVX512BW__)
 /* With VBMI/BITALG (Sapphire Rapids, Zen 4) the block's bookkeeping is vector work done once per block: its 32
@@ -687,7 +687,8 @@ typedef void (*dot_fn)(acc_t *, const uint8_t *, const float *);     /* types wi
  * become one 16-bit mask per 16 values, applied to the grid floats by a masked xor of the sign bit, and its 8
  * group scales come from one conversion; what is left per group is the grid rows' loads and the same float
  * products as below (the same bits). Measured in 0.70x the time of the scalar index and sign work below. */
-static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
+static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {
+    (void)xsum;
     __m512i v = _mm512_loadu_si512(b + 2);     /* qword g: group g's 4 grid indices, then its 32 bits */
     __m512i t = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352e2720), v);    /* bit 7 ignored below */
     const __m512i pack = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x3b3a3938, 0x33323130, 0x2b2a2928, 0x23222120,
@@ -723,7 +724,8 @@ static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
     }
 }
 #else
-static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x) {
+static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {
+    (void)xsum;
     float d = half_to_float(b);
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
@@ -768,7 +770,8 @@ static inline void unpack_q8_0x4(const uint8_t *b, float *q, float *scale, float
 
 /* Four Q8_0 blocks (136 bytes) of a row of its own, in registers: unpack_q8_0x4 then add_block (the same bits),
  * the four scales converted at once (measured 3-7% faster at M = 1 on the 563 MB LM head, ~15% from cache). */
-static inline void dot_q8_0x4(acc_t *a, const uint8_t *b, const float *x) {
+static inline void dot_q8_0x4(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {
+    (void)xsum;
     float d[4] __attribute__((aligned(16)));
 #if defined(__AVX512F__)
     uint16_t h[4];
@@ -793,11 +796,6 @@ static inline void dot_q8_0x4(acc_t *a, const uint8_t *b, const float *x) {
 #endif
 }
 
-static inline void dot_q8_0x4_own(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {   /* own_rows4's */
-    (void)xsum;
-    dot_q8_0x4(a, b, x);
-}
-
 /* One row's share of one unpacked block: ng groups of G values starting at group number j0 of the row. */
 static inline __attribute__((always_inline)) void add_block(acc_t *a, const float *q, const float *scale,
         const float *low, int ng, int G, const float *x, const float *xsum) {
@@ -819,38 +817,17 @@ static inline float finish(const acc_t *a, int lows) {
     return s - t;
 }
 
-/* Output rows [n0, n1) of y [M, N] through a grouped unpacker (bs values in bb bytes, groups of G values,
- * each a multiple of ACCS groups per block; a row of its own through `dot` where not NULL); xsum: each row's
- * sums of x per group, 16 per block (or NULL). */
+/* Output rows [n0, n1) of y [M, N] (one weight for every row; a row of its own goes through own_rows4) through a
+ * grouped unpacker (bs values in bb bytes, groups of G values, each a multiple of ACCS groups per block); xsum:
+ * each row's sums of x per group, 16 per block (or NULL). */
 static inline __attribute__((always_inline)) void rows_grouped(
-        unpack_fn unpack, dot_fn dot, const int bs, const int bb, const int G, const uint8_t *w,
-        int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K, const float *x, const float *xsum,
-        int64_t M, float *y, int64_t n0, int64_t n1) {
+        unpack_fn unpack, const int bs, const int bb, const int G, const uint8_t *w, int64_t N, int64_t K,
+        const float *x, const float *xsum, int64_t M, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / bs, row_bytes = nb * bb;
     const int ng = bs / G;
     float q[256] __attribute__((aligned(64))), scale[16], low[16] __attribute__((aligned(64))) = {0};
     const float *lows = xsum == NULL ? NULL : low;
     acc_t acc[MAX_ROWS];
-    if (experts != NULL || M == 1) {    /* a weight of its own per row */
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = n0; n < n1; n++) {
-                if (experts != NULL && experts[m] < 0) { y[m * N + n] = 0.0f; continue; }  /* another rank's */
-                const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
-                acc_t a = {0};
-                for (int64_t b = 0; b < nb; b++) {
-                    prefetch_block(row + b * bb, bb);
-                    if (dot != NULL) {
-                        dot(&a, row + b * bb, x + m * K + b * bs);
-                        continue;
-                    }
-                    unpack(row + b * bb, q, scale, low);
-                    add_block(&a, q, scale, lows, ng, G, x + m * K + b * bs,
-                              xsum == NULL ? NULL : xsum + (m * nb + b) * 16);
-                }
-                y[m * N + n] = finish(&a, lows != NULL);
-            }
-        return;
-    }
     for (int64_t n = n0; n < n1; n++) { /* one weight for every row: each block unpacked once */
         memset(acc, 0, sizeof(acc_t) * M);
         const uint8_t *row = w + n * row_bytes;
@@ -909,39 +886,15 @@ static inline __attribute__((always_inline)) void dot_q2_k(acc_t *a, const uint8
     }
 }
 
-/* K-quant rows [n0, n1) of y [M, N] where each row has a weight of its own (decode, routed experts), each block
- * through `dot`, the type's one-row counterpart of unpack + add_block (256 values in bb bytes, groups of G), so the
- * same bits as rows_grouped. Returns 0, or -2 out of memory. */
-typedef void (*dot_mins_fn)(acc_t *, const uint8_t *, const float *, const float *);   /* with group mins */
-static inline __attribute__((always_inline)) int own_rows_mins(
-        dot_mins_fn dot, const int bb, const int G, const uint8_t *w, int64_t expert_bytes, const int64_t *experts,
-        int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
-    int64_t nb = K / 256, row_bytes = nb * bb;
-    float *xsum = group_sums(x, M, K, 256, G);
-    if (xsum == NULL) return -2;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = n0; n < n1; n++) {
-            if (experts != NULL && experts[m] < 0) { y[m * N + n] = 0.0f; continue; }  /* another rank's */
-            const uint8_t *row = w + (experts == NULL ? 0 : experts[m] * expert_bytes) + n * row_bytes;
-            acc_t a = {0};
-            for (int64_t b = 0; b < nb; b++) {
-                prefetch_block(row + b * bb, bb);
-                dot(&a, row + b * bb, x + m * K + b * 256, xsum + (m * nb + b) * 16);
-            }
-            y[m * N + n] = finish(&a, 1);
-        }
-    free(xsum);
-    return 0;
-}
-
 /* Rows [n0, n1) where each row has a weight of its own (decode, routed experts), four at a time: rows n, n + q,
  * n + 2q and n + 3q (q a quarter of the range) block by block, so the weight is fetched as four streams at once
- * (measured 10-16% faster from memory than one row after another for Q4_K, ~5% for Q8_0's LM head); each row
+ * (measured 10-16% faster from memory than one row after another for Q4_K, ~5% for Q8_0's LM head; the same
+ * for the compute-bound Q2_K and IQ2_XXS, which take it to share one driver); each row
  * still takes `dot` on its blocks in order, so the same bits as one row at a time. bs values in bb bytes per
  * `dot`; G: the group size of types with group mins (their sums of x made once per call), 0 without. Returns 0,
  * or -2 out of memory. */
 static inline __attribute__((always_inline)) int own_rows4(
-        dot_mins_fn dot, const int bs, const int bb, const int G, const uint8_t *w, int64_t expert_bytes,
+        dot_fn dot, const int bs, const int bb, const int G, const uint8_t *w, int64_t expert_bytes,
         const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / bs, row_bytes = nb * bb, q = (n1 - n0) / 4;
     float *xsum = G ? group_sums(x, M, K, bs, G) : NULL;
@@ -992,7 +945,7 @@ static inline __attribute__((always_inline)) int k_quant_rows(
     }
     float *xsum = group_sums(x, M, K, 256, G);
     if (xsum == NULL) return -2;
-    rows_grouped(unpack, NULL, 256, bb, G, w, expert_bytes, experts, N, K, x, xsum, M, y, n0, n1);
+    rows_grouped(unpack, 256, bb, G, w, N, K, x, xsum, M, y, n0, n1);
     free(xsum);
     return 0;
 }
@@ -1042,10 +995,10 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         if (K % 32) return -1;
 #if GROUPED
         if (K % 128 == 0 && (experts != NULL || M == 1))
-            return own_rows4(dot_q8_0x4_own, 128, 136, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+            return own_rows4(dot_q8_0x4, 128, 136, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
 #endif
         if (GROUPED && K % 128 == 0) {
-            rows_grouped(unpack_q8_0x4, dot_q8_0x4, 128, 136, 32, w, expert_bytes, experts, N, K, x, NULL, M, y, n0, n1);
+            rows_grouped(unpack_q8_0x4, 128, 136, 32, w, N, K, x, NULL, M, y, n0, n1);
             return 0;
         }
         if (M == 1 && experts == NULL) n0 = q8_0_row_pairs(w, K, x, y, n0, n1);
@@ -1053,9 +1006,12 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         return 0;
     case 16:
         if (K % 256) return -1;
+#if defined(__AVX512F__)
+        if (experts != NULL || M == 1)
+            return own_rows4(dot_iq2_xxs, 256, 66, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
         if (GROUPED)
-            rows_grouped(unpack_iq2_xxs, dot_iq2_xxs, 256, 66, 32, w, expert_bytes, experts, N, K, x, NULL, M, y,
-                         n0, n1);
+            rows_grouped(unpack_iq2_xxs, 256, 66, 32, w, N, K, x, NULL, M, y, n0, n1);
         else rows_of(deq_iq2_xxs, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
     case 12:
@@ -1068,7 +1024,7 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 10:
 #if defined(__AVX512F__)
         if (K % 256 == 0 && (experts != NULL || M == 1))
-            return own_rows_mins(dot_q2_k, 84, 16, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+            return own_rows4(dot_q2_k, 256, 84, 16, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
 #endif
         return K % 256 ? -1 : k_quant_rows(deq_q2_k, unpack_q2_k, 84, 16, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
