@@ -10,6 +10,7 @@ from backends.cpu.qmatmul import qmatmul
 from backends.registry import implementations
 from ops.embed import embed
 from ops.exp_poly import exp_poly, swiglu_poly
+from ops.grouped_qmatmul import group_rows, grouped_qmatmul
 from ops.hc_head import hc_head, head_streams_poly
 from ops.hc_post import hc_post
 from ops.hc_pre import hc_pre, hc_pre_poly
@@ -148,6 +149,25 @@ def test_products_in_one_pool_call(qtype, dot, monkeypatch):
     kernels._pool_threads = 0
     assert glue.products([(torch.randn(17, 512), a, None)], dot) is None
     assert glue.products([(x, a, None), (x, QTensor.quantize(torch.randn(8, 512), "F32", "f"), None)], dot) is None
+
+
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K"))
+def test_grouped_output_projection_in_one_pool_call(qtype, monkeypatch):
+    """The cpu grouped_qmatmul (all groups in one glue.products call): each group the bits of its own 1-row qmatmul,
+    exact and q8, on 1, 2 and 3 threads, for M = 1..16."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
+    w = QTensor.quantize(torch.randn(4 * 24, 512, generator=gen(8)) / 16, qtype, "attn_output_a.weight")
+    x = torch.randn(16, 4, 512, generator=gen(9))
+    for dot in ("exact", "q8"):
+        single = torch.cat([torch.cat([qmatmul(x[m:m + 1, g], group_rows(w, g, 4), dot) for g in range(4)], dim=1)
+                            for m in range(16)])
+        for n in (1, 2, 3):
+            kernels.set_threads(n)
+            for M in range(1, 17):
+                assert torch.equal(cpu("grouped_qmatmul")(x[:M], w, dot), single[:M]), (dot, n, M)
+        kernels._pool_threads = 0
+        if dot == "exact":
+            torch.testing.assert_close(single, grouped_qmatmul(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_swiglu_and_expert_sum_are_their_references(threads):
