@@ -102,10 +102,18 @@ def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
 def grouped_qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
     """Each group of `x` [M, G, K] times its rows of `w` (contract: ops/grouped_qmatmul.py): with the kernel library
     all groups in one pass of the kernel pool (`glue.products`; a decode step's eight 4.5 MB groups were eight
-    calls), each group the bits of its own `qmatmul`; else one `qmatmul` per group. `dot`: as in qmatmul."""
+    calls), each group the bits of its own `qmatmul`; else one `qmatmul` per group. Up to MAX_ROWS (group, row)
+    pairs (decode, short verify) are one product over the groups as a stack of experts: the rows are handed over
+    (and rounded, under q8) once. `dot`: as in qmatmul."""
     check_grouped(x, w)
-    groups = x.shape[1]
+    M, groups, K = x.shape
+    n = w.shape[0] // groups
     xs = x.to(torch.float32).transpose(0, 1).contiguous()     # [G, M, K]: each group's rows contiguous
+    if groups * M <= kernels.MAX_ROWS:
+        stack = QTensor(w.qtype, (groups, n, K), w.data.reshape(groups, n, -1), w.name)
+        out = glue.products([(xs.reshape(groups * M, K), stack, torch.arange(groups).repeat_interleave(M))], dot)
+        if out is not None:
+            return out[0].reshape(groups, M, n).transpose(0, 1).reshape(M, groups * n)
     calls = [(xs[g], group_rows(w, g, groups), None) for g in range(groups)]
     out = glue.products(calls, dot)
     return torch.cat(out if out is not None else [qmatmul(xg, wg, dot) for xg, wg, _ in calls], dim=1)
