@@ -167,9 +167,9 @@ def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
     that finishes its chunks of one weight goes on to the next, and the pool's threads are handed work once. With
     `experts` [M] row m uses expert experts[m] of a stacked [E, N, K] weight W (as kernels.qgemv). Each output is the
     bits of that product's own kernel call (`qmatmul`, `pairs_product`), for any thread count; activations used by
-    several products are rounded once (`dot="q8"`). On several threads each product is cut into chunks of about
-    SPLIT_BYTES of the weight it reads, all taken in turn from one queue, so that the threads finish together. None
-    where the kernels do not serve one of them (F32 weights, more than MAX_ROWS rows)."""
+    several products are rounded once (`dot="q8"`). On several threads each product is cut into
+    `kernels.pool_parts` of the weight bytes it reads, all chunks taken in turn from one queue. None where the kernels
+    do not serve one of them (F32 weights, more than MAX_ROWS rows)."""
     if not ready() or not all(served(x, w, dot) for x, w, _ in calls):
         return None
     k = _lib()
@@ -189,7 +189,7 @@ def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
         read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
         args[i] = ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], data.data_ptr(), expert_bytes,
                               None if ids is None else ids.data_ptr(), N, K, rows.data_ptr(), M, y.data_ptr(),
-                              1 if kernels.threads() == 1 else max(1, min(N, read // kernels.SPLIT_BYTES)))
+                              1 if kernels.threads() == 1 else max(1, min(N, kernels.pool_parts(read))))
         alive += [rows, data, ids]
         outs.append(y)
     if k.glue_products(args, len(calls), kernels.threads()):
