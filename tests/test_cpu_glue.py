@@ -149,6 +149,7 @@ def test_products_in_one_pool_call(qtype, dot, monkeypatch):
     kernels._pool_threads = 0
     assert glue.products([(torch.randn(17, 512), a, None)], dot) is None
     assert glue.products([(x, a, None), (x, QTensor.quantize(torch.randn(8, 512), "F32", "f"), None)], dot) is None
+    assert glue.products([(z, stack, None)], dot) is None and glue.products([(x, a, ids)], dot) is None
 
 
 @pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K"))

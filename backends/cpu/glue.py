@@ -154,11 +154,12 @@ class ProductArgs(ctypes.Structure):
                 ("parts", ctypes.c_int64)]
 
 
-def served(x: torch.Tensor, w: QTensor, dot: str) -> bool:
-    """Whether `products` serves rows x with the (2-D or stacked) quantized weight w."""
+def served(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None, dot: str) -> bool:
+    """Whether `products` serves rows x with the quantized weight w (2-D, or stacked [E, N, K] with `experts`)."""
     K = w.shape[-1]
     kernel = kernels.q8_available(w.qtype.name, K) if dot == "q8" else kernels.available(w.qtype.name, K)
-    return kernel and w.qtype.name != "F32" and x.shape[0] <= kernels.MAX_ROWS and x.shape[-1] == K
+    shapes = len(w.shape) == 2 if experts is None else len(w.shape) == 3 and experts.shape == x.shape[:1]
+    return kernel and shapes and w.qtype.name != "F32" and x.shape[0] <= kernels.MAX_ROWS and x.shape[-1] == K
 
 
 def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
@@ -170,7 +171,7 @@ def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
     several products are rounded once (`dot="q8"`). On several threads each product is cut into
     `kernels.pool_parts` of the weight bytes it reads, all chunks taken in turn from one queue. None where the kernels
     do not serve one of them (F32 weights, more than MAX_ROWS rows)."""
-    if not ready() or not all(served(x, w, dot) for x, w, _ in calls):
+    if not ready() or not all(served(x, w, experts, dot) for x, w, experts in calls):
         return None
     k = _lib()
     kernel = ctypes.cast(k.qdot8_rows if dot == "q8" else k.qgemv, ctypes.c_void_p).value
