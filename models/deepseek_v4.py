@@ -87,11 +87,6 @@ def bind(weights: Mapping[str, QTensor], shapes: dict[str, tuple[int, ...]], pre
     return bound
 
 
-def rows_of(w: QTensor, start: int, stop: int) -> QTensor:
-    """Zero-copy view of output rows [start, stop) of a 2-D QTensor."""
-    return QTensor(w.qtype, (stop - start, w.shape[1]), w.data[start:stop], f"{w.name}[{start}:{stop}]")
-
-
 # ---- weights as typed records -------------------------------------------------------------------------
 
 @dataclass
@@ -148,7 +143,7 @@ class Block:
     kv: QTensor
     kv_norm: Array
     sinks: Array
-    output_a_groups: list[QTensor]
+    output_a: QTensor       # this rank's groups of the grouped output projection (tp)
     output_b: QTensor
     compressor: Compressor | None
     indexer: Indexer | None
@@ -168,7 +163,6 @@ def make_block(args: ModelArgs, ops: OpSet, w: dict[str, Any], ratio: int, hashe
     at global expert `first_expert` (expert parallelism)."""
     yarn = (args.rope_factor, args.beta_fast, args.beta_slow, args.original_ctx)
     theta = args.compress_rope_theta if ratio else args.rope_theta
-    r = args.o_lora_rank
     experts = Experts(
         router=w["ffn_gate_inp.weight"], bias=w.get("exp_probs_b.bias"),
         tid2eid=ops.array(w["ffn_gate_tid2eid.weight"], "int64") if hashed else None,
@@ -182,8 +176,7 @@ def make_block(args: ModelArgs, ops: OpSet, w: dict[str, Any], ratio: int, hashe
         attn_norm=w["attn_norm.weight"], ffn_norm=w["ffn_norm.weight"],
         q_a=w["attn_q_a.weight"], q_a_norm=w["attn_q_a_norm.weight"], q_b=w["attn_q_b.weight"],
         kv=w["attn_kv.weight"], kv_norm=w["attn_kv_a_norm.weight"], sinks=w["attn_sinks.weight"],
-        output_a_groups=[rows_of(w["attn_output_a.weight"], g * r, (g + 1) * r)
-                         for g in range(w["attn_output_a.weight"].shape[0] // r)],   # this rank's groups (tp)
+        output_a=w["attn_output_a.weight"],
         output_b=w["attn_output_b.weight"],
         compressor=make_compressor(w, "attn_compressor") if ratio else None,
         indexer=Indexer(w["indexer.attn_q_b.weight"], w["indexer.proj.weight"],
@@ -491,8 +484,8 @@ class DeepseekV4:
                 rows = AttnRows(plan.raw_rows, plan.n_raw, plan.comp_rows, plan.visible)
 
         o = ops.sparse_attention(q, cache.rows, rows, L.sinks, 1 / math.sqrt(hd))
-        o = ops.rope_tail(o, plan.pos, L.freqs, inverse=True).reshape(M, len(L.output_a_groups), -1)
-        u = ops.cat([ops.qmatmul(o[:, g], w) for g, w in enumerate(L.output_a_groups)], dim=1)
+        o = ops.rope_tail(o, plan.pos, L.freqs, inverse=True).reshape(M, L.output_a.shape[0] // args.o_lora_rank, -1)
+        u = ops.grouped_qmatmul(o, L.output_a)
         return self.tp_sum(ops.qmatmul(u, L.output_b))
 
     def compress(self, L: Block, c: Compressor, a_in: Array, plan: CompressorPlan, kv_ring: Array,

@@ -112,7 +112,15 @@ def row_case(op: str, M: int, seed: int) -> tuple[tuple, list[tuple]]:
     return args, [tuple(a[m:m + 1] if i in rows else a for i, a in enumerate(args)) for m in range(M)]
 
 
-CASES = {"sparse_attention": attention_case, "moe": lambda M, seed: moe_case(M, seed, hashed=False),
+def grouped_case(M: int, seed: int) -> tuple[tuple, list[tuple]]:
+    """The grouped output projection (4 groups of 24 rows over 64 values) on M rows and on each row alone."""
+    w = QTensor.quantize(randn(4 * 24, 64, seed=9) / 8, "Q8_0", "attn_output_a.weight")
+    x = randn(M, 4, 64, seed=seed)
+    return (x, w), [(x[m:m + 1], w) for m in range(M)]
+
+
+CASES = {"sparse_attention": attention_case, "grouped_qmatmul": grouped_case,
+         "moe": lambda M, seed: moe_case(M, seed, hashed=False),
          "moe_hashed": lambda M, seed: moe_case(M, seed, hashed=True), "index_scores": index_case,
          "shared_expert": shared_expert_case, "store_rows": store_case,
          **{op: (lambda M, seed, op=op: row_case(op, M, seed)) for op in ("hc_pre", "hc_post", "rope_tail",

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.cpu import glue, kernels, rowops
+from backends.cpu import ffn, glue, kernels, rowops
 from backends.cpu.qmatmul import qmatmul
 from backends.registry import implementations
 from ops.embed import embed
 from ops.exp_poly import exp_poly, swiglu_poly
+from ops.grouped_qmatmul import group_rows, grouped_qmatmul
 from ops.hc_head import hc_head, head_streams_poly
 from ops.hc_post import hc_post
 from ops.hc_pre import hc_pre, hc_pre_poly
@@ -125,24 +126,49 @@ def test_store_rows_is_the_reference(fp8_dims, f16):
         cpu("store_rows")(cache, torch.tensor([0, 8, 1, 2, 3]), rows, fp8_dims, f16)
 
 
-@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K", "F16"))
-def test_gate_and_up_in_one_call(qtype):
-    """The shared expert's gate and up products as one pool call: each the product's values, the same bits on 1, 2
-    and 3 threads; types and sizes the pair call does not take are left to two products (None)."""
+@pytest.mark.parametrize("dot", ("exact", "q8"))
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "F16"))
+def test_products_in_one_pool_call(qtype, dot, monkeypatch):
+    """Several products in one pass of the kernel pool (glue.products: two weights sharing their rows, and routed
+    experts by pair): each row the bits of its own 1-row kernel call, on 1, 2 and 3 threads, for M = 1..16;
+    F32 weights and more than MAX_ROWS rows are left to the caller (None)."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)     # split even these small weights, into the most chunks
     g = gen(3)
-    a, b = (QTensor.quantize(torch.randn(512, 1024, generator=g) / 32, qtype, name) for name in "ab")
-    x = torch.randn(3, 1024, generator=g)
+    a, b = (QTensor.quantize(torch.randn(rows, 512, generator=g) / 16, qtype, name) for rows, name in ((40, "a"),
+                                                                                                          (24, "b")))
+    stack = QTensor.quantize(torch.randn(3, 40, 512, generator=g) / 16, qtype, "experts")
+    x, z = torch.randn(16, 512, generator=g), torch.randn(16, 512, generator=g)
+    ids = torch.randint(0, 3, (16,), generator=g)
+    single = [torch.cat([qmatmul(x[m:m + 1], w, dot) for m in range(16)]) for w in (a, b)]
+    single.append(torch.cat([ffn.pairs_product(z[m:m + 1], stack, ids[m:m + 1], dot) for m in range(16)]))
+    for n in (1, 2, 3):
+        kernels.set_threads(n)
+        for M in range(1, 17):
+            out = glue.products([(x[:M], a, None), (x[:M], b, None), (z[:M], stack, ids[:M])], dot)
+            assert all(torch.equal(y, e[:M]) for y, e in zip(out, single, strict=True)), (n, M)
+    kernels._pool_threads = 0
+    assert glue.products([(torch.randn(17, 512), a, None)], dot) is None
+    assert glue.products([(x, a, None), (x, QTensor.quantize(torch.randn(8, 512), "F32", "f"), None)], dot) is None
+    assert glue.products([(z, stack, None)], dot) is None and glue.products([(x, a, ids)], dot) is None
+
+
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K"))
+def test_grouped_output_projection_in_one_pool_call(qtype, monkeypatch):
+    """The cpu grouped_qmatmul (all groups in one glue.products call): each group the bits of its own 1-row qmatmul,
+    exact and q8, on 1, 2 and 3 threads, for M = 1..16."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
+    w = QTensor.quantize(torch.randn(4 * 24, 512, generator=gen(8)) / 16, qtype, "attn_output_a.weight")
+    x = torch.randn(16, 4, 512, generator=gen(9))
     for dot in ("exact", "q8"):
-        outs = []
+        single = torch.cat([torch.cat([qmatmul(x[m:m + 1, g], group_rows(w, g, 4), dot) for g in range(4)], dim=1)
+                            for m in range(16)])
         for n in (1, 2, 3):
             kernels.set_threads(n)
-            outs.append(glue.pair_product(x, a, b, dot))
+            for M in range(1, 17):
+                assert torch.equal(cpu("grouped_qmatmul")(x[:M], w, dot), single[:M]), (dot, n, M)
         kernels._pool_threads = 0
-        assert all(torch.equal(o[i], outs[0][i]) for o in outs for i in (0, 1))
-        for y, w in zip(outs[0], (a, b), strict=True):
-            torch.testing.assert_close(y, qmatmul(x, w, dot), rtol=1e-6, atol=1e-6)
-    assert glue.pair_product(torch.randn(9, 1024), a, b) is None
-    assert glue.pair_product(x, a, QTensor.quantize(torch.randn(512, 1024) / 32, "Q6_K", "c")) is None
+        if dot == "exact":
+            torch.testing.assert_close(single, grouped_qmatmul(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_swiglu_and_expert_sum_are_their_references(threads):

@@ -150,7 +150,7 @@ def held_bytes(engine) -> dict[str, int]:
     layers = [*engine.model.layers, engine.mtp.block]
     indexers = [L.indexer for L in layers if L.indexer is not None]
     parts = {"experts": [w for L in layers for w in (L.experts.gate, L.experts.up, L.experts.down)],
-             "attention": [w for L in layers for w in (L.q_b, *L.output_a_groups, L.output_b)],
+             "attention": [w for L in layers for w in (L.q_b, L.output_a, L.output_b)],
              "indexer": [w for ix in indexers for w in (ix.q_b, ix.proj)],
              "shared expert": [w for L in layers for w in L.shared],
              "embedding": [engine.model.embedding], "LM head": [engine.model.output],

@@ -22,6 +22,7 @@ from ops import (  # noqa: E402
     embed,
     fp4_sim,
     fp8_sim,
+    grouped_qmatmul,
     hadamard,
     hc_head,
     hc_post,
@@ -184,6 +185,18 @@ def test_routing_ties_go_to_the_lower_expert():
     mex = Experts(**{**mex.__dict__, "bias": m(ex.bias)})
     chosen, _ = linear.route(m(x), m(torch.zeros(2, dtype=torch.long)), mex)
     assert t(chosen).tolist() == [[1, 2], [1, 2]] == moe.route(x, torch.zeros(2, dtype=torch.long), ex)[0].tolist()
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_grouped_qmatmul(M):
+    """Each group through the MLX qmatmul on its rows' packed fields: its bits, and close to the reference."""
+    w = QTensor.quantize(torch.randn(3 * 8, 64, generator=gen(6)), "Q8_0", "w")
+    x = torch.randn(M, 3, 64, generator=gen(7))
+    got = t(linear.grouped_qmatmul(m(x), place(w)))
+    groups = [t(linear.qmatmul(m(x[:, g]), place(grouped_qmatmul.group_rows(w, g, 3)))) for g in range(3)]
+    assert torch.equal(got, torch.cat(groups, dim=1))
+    bound = QMATMUL_RTOL * torch.cat([x[:, g].abs() @ w.dequantize()[8 * g:8 * g + 8].abs().T for g in range(3)], 1)
+    assert ((got - grouped_qmatmul.grouped_qmatmul(x, w)).abs() <= bound + 1e-30).all()
 
 
 @pytest.mark.parametrize("clamp", [None, 0.5])

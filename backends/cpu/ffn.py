@@ -49,6 +49,20 @@ def pairs_product(x: torch.Tensor, w: QTensor, chosen: torch.Tensor, dot: str = 
     return torch.bmm(x[:, None, :], gathered(w, chosen).transpose(1, 2))[:, 0]
 
 
+def gate_and_up(xs: torch.Tensor, ex: Experts, chosen: torch.Tensor, dot: str = "exact") -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    """The gate and up products of the (row, expert) pairs: with the kernel library one pass of the kernel pool over
+    both weights (`glue.products`, MAX_ROWS pairs per product), else `pairs_product` each."""
+    step = kernels.MAX_ROWS
+    pieces = [(xs[i:i + step], chosen[i:i + step]) for i in range(0, xs.shape[0], step)]
+    out = glue.products([(x, w, c) for w in (ex.gate, ex.up) for x, c in pieces], dot)
+    if out is None:
+        return pairs_product(xs, ex.gate, chosen, dot), pairs_product(xs, ex.up, chosen, dot)
+    if len(pieces) == 1:
+        return out[0], out[1]
+    return torch.cat(out[:len(pieces)]), torch.cat(out[len(pieces):])
+
+
 def route(x: torch.Tensor, ids: torch.Tensor, ex: Experts, dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
     """Chosen experts [M, top_k] in increasing id order and their routing weights [M, top_k]."""
     chosen, w = select(rowwise(lambda v: torch.sqrt(F.softplus(v)), qmatmul(x, ex.router, dot)), ids, ex)
@@ -67,7 +81,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts, dot: str = "exact"
     chosen, w = owned_pairs(chosen, w, experts, missing=-1)   # expert parallelism: the kernel skips the others
     k, flat = chosen.shape[1], chosen.reshape(-1)
     xs = x.repeat_interleave(k, dim=0)                                      # [M*k, D]
-    g, u = pairs_product(xs, experts.gate, flat, dot), pairs_product(xs, experts.up, flat, dot)
+    g, u = gate_and_up(xs, experts, flat, dot)
     if glue.ready():     # one C call each (the bits of ops.exp_poly.swiglu_poly; the experts added in order)
         y = pairs_product(glue.swiglu(g, u, experts.clamp, w), experts.down, flat, dot)
         return glue.sum_rows(y.reshape(M, k, D))
@@ -125,9 +139,9 @@ def grouped_loop(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Exp
 def shared_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, clamp: float | None,
                   dot: str = "exact") -> torch.Tensor:
     """SwiGLU of every row of `x` through the shared expert's weights; `dot`: as in qmatmul. The gate and up products
-    are one kernel call where the kernels serve them (`glue.pair_product`: one pass of the pool over both)."""
-    both = glue.pair_product(x, gate, up, dot) if glue.ready() else None
-    g, u = both if both is not None else (qmatmul(x, gate, dot), qmatmul(x, up, dot))
+    are one kernel call where the kernels serve them (`glue.products`: one pass of the pool over both)."""
+    both = glue.products([(x, gate, None), (x, up, None)], dot)
+    g, u = both or (qmatmul(x, gate, dot), qmatmul(x, up, dot))
     if glue.ready():
         return qmatmul(glue.swiglu(g, u, clamp), down, dot)
     if clamp is not None:

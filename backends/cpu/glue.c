@@ -335,3 +335,58 @@ void glue_head_streams(const float *X, const float *mixes, const float *scale, c
         glue_streams(X + m * S * D, w, 1, S, D, out + m * D);
     }
 }
+
+/* Several products in one pass of the kernel pool (glue_products): a decode step's products that need no result of
+ * each other (the routed experts' gate and up, the eight groups of attention's output projection) are one hand-off
+ * to the pool's threads instead of one each, and a thread that finishes its share of one weight goes on to the next
+ * instead of waiting. Each product runs its row kernel (qgemv or qdot8_rows) on its N output rows cut into `parts`
+ * chunks; every output is computed by one thread with the kernel's own code, so the bits are those of
+ * the product's own pool_rows call, for any thread count. */
+typedef int (*rows_fn)(int, const uint8_t *, int64_t, const int64_t *, int64_t, int64_t, const void *, int64_t,
+                       float *, int64_t, int64_t);
+
+typedef struct {
+    rows_fn fn;
+    int64_t type;
+    const uint8_t *w;
+    int64_t expert_bytes;
+    const int64_t *experts;
+    int64_t N, K;
+    const void *x;
+    int64_t M;
+    float *y;
+    int64_t parts;
+} product_t;
+
+typedef struct {
+    const product_t *p;
+    int64_t count;
+} products_t;
+
+int pool_range(int (*fn)(void *, int64_t, int64_t), void *ctx, int64_t n, int64_t parts, int threads);  /* pool.c */
+
+static int product_chunks(void *ctx, int64_t start, int64_t stop) {
+    const products_t *ps = ctx;
+    int rc = 0;
+    int64_t i = 0, first = 0;
+    for (int64_t c = start; c < stop; c++) {
+        while (c >= first + ps->p[i].parts) first += ps->p[i++].parts;
+        const product_t *p = &ps->p[i];
+        int64_t j = c - first;
+        int r = p->fn((int)p->type, p->w, p->expert_bytes, p->experts, p->N, p->K, p->x, p->M, p->y,
+                      p->N * j / p->parts, p->N * (j + 1) / p->parts);
+        rc = r < rc ? r : rc;
+    }
+    return rc;
+}
+
+/* The `count` products p (each with parts >= 1) in one pool call on `threads` threads; the lowest return code. */
+int glue_products(const product_t *p, int64_t count, int threads) {
+    int64_t chunks = 0;
+    for (int64_t i = 0; i < count; i++) {
+        if (p[i].parts < 1 || p[i].N < 1) return -1;
+        chunks += p[i].parts;
+    }
+    products_t ps = {p, count};
+    return count ? pool_range(product_chunks, &ps, chunks, chunks, threads) : 0;
+}

@@ -33,6 +33,8 @@ def _lib() -> ctypes.CDLL:
         k.glue_head_streams.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64, ptr]
         k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
+        k.glue_products.restype = ctypes.c_int
+        k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
         _bound = k
     return _bound
 
@@ -143,30 +145,57 @@ def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fp8
     return cache
 
 
-def pair_product(x: torch.Tensor, a: QTensor, b: QTensor,
-                 dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(x @ A.T, x @ B.T) for two weights of one type and shape (the shared expert's gate and up) in one kernel call
-    over the pool: the kernel's by-expert rows, with B `b - a` bytes after A, so each chunk of output rows reads both
-    weights; None where the kernels do not serve them or x has more than MAX_ROWS / 2 rows."""
-    M, K = x.shape
-    if a.qtype != b.qtype or a.shape != b.shape or 2 * M > kernels.MAX_ROWS or len(a.shape) != 2:
+class ProductArgs(ctypes.Structure):
+    """glue.c's product_t: one product of a `glue_products` call."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("type", ctypes.c_int64), ("w", ctypes.c_void_p),
+                ("expert_bytes", ctypes.c_int64), ("experts", ctypes.c_void_p), ("N", ctypes.c_int64),
+                ("K", ctypes.c_int64), ("x", ctypes.c_void_p), ("M", ctypes.c_int64), ("y", ctypes.c_void_p),
+                ("parts", ctypes.c_int64)]
+
+
+def served(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None, dot: str) -> bool:
+    """Whether `products` serves rows x with the quantized weight w (2-D, or stacked [E, N, K] with `experts`)."""
+    K = w.shape[-1]
+    kernel = kernels.q8_available(w.qtype.name, K) if dot == "q8" else kernels.available(w.qtype.name, K)
+    shapes = len(w.shape) == 2 if experts is None else len(w.shape) == 3 and experts.shape == x.shape[:1]
+    return kernel and shapes and w.qtype.name != "F32" and x.shape[0] <= kernels.MAX_ROWS and x.shape[-1] == K
+
+
+def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
+             dot: str = "exact") -> list[torch.Tensor] | None:
+    """[x @ W.T for each (x [M, K], W, experts)] in one pass of the kernel pool (glue.c's glue_products): a thread
+    that finishes its chunks of one weight goes on to the next, and the pool's threads are handed work once. With
+    `experts` [M] row m uses expert experts[m] of a stacked [E, N, K] weight W (as kernels.qgemv). Each output is the
+    bits of that product's own kernel call (`qmatmul`, `pairs_product`), for any thread count; activations used by
+    several products are rounded once (`dot="q8"`). On several threads each product is cut into
+    `kernels.pool_parts` of the weight bytes it reads, all chunks taken in turn from one queue. None where the kernels
+    do not serve one of them (F32 weights, more than MAX_ROWS rows)."""
+    if not ready() or not all(served(x, w, experts, dot) for x, w, experts in calls):
         return None
-    q8 = dot == "q8" and kernels.q8_available(a.qtype.name, K)
-    if not (q8 or kernels.available(a.qtype.name, K)) or a.qtype.name == "F32":
-        return None
-    k, N = _lib(), a.shape[0]
-    wa, wb = a.data.contiguous(), b.data.contiguous()
-    rows = f32(x).repeat(2, 1)
-    rows = kernels.q8_quantize(rows, a.qtype.name) if q8 else rows
-    experts = torch.arange(2).repeat_interleave(M)
-    y = torch.empty((2 * M, N), dtype=torch.float32)
-    parts = kernels.pool_parts(2 * wa.numel())
-    kernel = k.qdot8_rows if q8 else k.qgemv
-    if k.pool_rows(ctypes.cast(kernel, ctypes.c_void_p), kernels.GGML_TYPE[a.qtype.name], wa.data_ptr(),
-                   wb.data_ptr() - wa.data_ptr(), experts.data_ptr(), N, K, rows.data_ptr(), 2 * M, y.data_ptr(), N,
-                   parts, kernels.threads()):
-        raise ValueError(f"pair_product: unsupported call ({a.qtype.name}, M={M}, K={K}, dot={dot})")
-    return y[:M], y[M:]
+    k = _lib()
+    kernel = ctypes.cast(k.qdot8_rows if dot == "q8" else k.qgemv, ctypes.c_void_p).value
+    prepared: dict[tuple[int, int | None], torch.Tensor] = {}
+    alive, outs = [], []    # the tensors whose pointers the call reads
+    args = (ProductArgs * len(calls))()
+    for i, (x, w, experts) in enumerate(calls):
+        key = (id(x), kernels.Q8_TYPES[w.qtype.name] if dot == "q8" else None)    # q8: one rounding per kind
+        if key not in prepared:
+            prepared[key] = kernels.q8_quantize(f32(x), w.qtype.name) if dot == "q8" else f32(x)
+        rows, data = prepared[key], w.data.contiguous()
+        ids = None if experts is None else experts.to(torch.int64).contiguous()
+        (M, K), N = x.shape, w.shape[-2]
+        expert_bytes = 0 if ids is None else data[0].numel()
+        y = torch.empty((M, N), dtype=torch.float32)
+        read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
+        args[i] = ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], data.data_ptr(), expert_bytes,
+                              None if ids is None else ids.data_ptr(), N, K, rows.data_ptr(), M, y.data_ptr(),
+                              1 if kernels.threads() == 1 else max(1, min(N, kernels.pool_parts(read))))
+        alive += [rows, data, ids]
+        outs.append(y)
+    if k.glue_products(args, len(calls), kernels.threads()):
+        raise ValueError(f"products: unsupported call ({', '.join(w.qtype.name for _, w, _ in calls)}, dot={dot})")
+    return outs
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, clamp: float | None, weight: torch.Tensor | None = None) -> torch.Tensor:

@@ -336,7 +336,8 @@ def q8_available(qtype: str, k: int = 0) -> bool:
 def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> torch.Tensor:
     """`x [M, K] @ W.T` with x rounded to 8 bits per block (ops/q8_activations.py), M <= MAX_ROWS; `experts`
     as in `qgemv`. Float32 [M, N]."""
-    return torch.ops.ds4.qdot8(x, w.data, GGML_TYPE[w.qtype.name], w.shape[-2], experts)
+    op = torch.ops.ds4.qdot8 if torch.compiler.is_compiling() else qdot8_op  # eager: no dispatcher (as qgemv)
+    return op(x, w.data, GGML_TYPE[w.qtype.name], w.shape[-2], experts)
 
 
 def q8_quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""qmatmul on the CPU without dequantizing a whole weight at once (contract: ops/qmatmul.py).
+"""qmatmul on the CPU without dequantizing a whole weight at once (contract: ops/qmatmul.py), and grouped_qmatmul
+(ops/grouped_qmatmul.py) with all groups in one pass of the kernel pool.
 
 - F32 weights are multiplied in place: the stored blocks are viewed as a float32 matrix (no copy).
 - The types qgemv.c reads (`kernels.GGML_TYPE`: F16, BF16, the legacy Q4/Q5/Q8_0, K-quants, the IQ and TQ
@@ -31,10 +32,11 @@ import torch
 
 from backends.cpu.rows import grouped_product
 from backends.registry import declare_quants, register
+from ops.grouped_qmatmul import check_grouped, group_rows
 from ops.qmatmul import SMALL_M, check_args
 from ops.quants import QTensor
 
-from . import kernels
+from . import glue, kernels
 
 # Types qgemv.c does not read: served by the reference dequantizer, one tile at a time (qmatmul, moe,
 # shared_expert; correct and batch-invariant, but each decode step dequantizes the weight).
@@ -94,3 +96,24 @@ def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
     prefill = x.shape[0] > SMALL_M      # verify rows stay on one thread: BLAS's kernel is the same for any split
     kernels.split(run, len(bounds), kernels.CHUNKS_PER_THREAD * kernels.threads() if prefill else 1)
     return out
+
+
+@register("grouped_qmatmul", "cpu", batch_invariant=True)
+def grouped_qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
+    """Each group of `x` [M, G, K] times its rows of `w` (contract: ops/grouped_qmatmul.py): with the kernel library
+    all groups in one pass of the kernel pool (`glue.products`; a decode step's eight 4.5 MB groups were eight
+    calls), each group the bits of its own `qmatmul`; else one `qmatmul` per group. Up to MAX_ROWS (group, row)
+    pairs (decode, short verify) are one product over the groups as a stack of experts: the rows are handed over
+    (and rounded, under q8) once. `dot`: as in qmatmul."""
+    check_grouped(x, w)
+    M, groups, K = x.shape
+    n = w.shape[0] // groups
+    xs = x.to(torch.float32).transpose(0, 1).contiguous()     # [G, M, K]: each group's rows contiguous
+    if groups * M <= kernels.MAX_ROWS:
+        stack = QTensor(w.qtype, (groups, n, K), w.data.reshape(groups, n, -1), w.name)
+        out = glue.products([(xs.reshape(groups * M, K), stack, torch.arange(groups).repeat_interleave(M))], dot)
+        if out is not None:
+            return out[0].reshape(groups, M, n).transpose(0, 1).reshape(M, groups * n)
+    calls = [(xs[g], group_rows(w, g, groups), None) for g in range(groups)]
+    out = glue.products(calls, dot)
+    return torch.cat(out if out is not None else [qmatmul(xg, wg, dot) for xg, wg, _ in calls], dim=1)

@@ -1,4 +1,4 @@
-"""MLX quantized products: `qmatmul`, `embed`, `moe`, `shared_expert` (contracts in ops/<op>.py).
+"""MLX quantized products: `qmatmul`, `grouped_qmatmul`, `embed`, `moe`, `shared_expert` (contracts in ops/<op>.py).
 
 Exact-repack formats (Q8_0, Q4_K, MXFP4; backends/mlx/quants.py) run `mx.quantized_matmul` and, for the
 routed experts, `mx.gather_qmm` with the chosen expert ids as `rhs_indices`. Dequantize formats rebuild
@@ -15,6 +15,7 @@ import mlx.core as mx
 from backends.mlx.quants import Packed, dequantize, fmt_of
 from backends.mlx.select import topk_lower_index
 from backends.registry import register
+from ops.grouped_qmatmul import check_grouped, group_rows
 from ops.moe import Experts
 from ops.quants import QTensor
 
@@ -49,6 +50,15 @@ def qmatmul(x: mx.array, w: QTensor) -> mx.array:
     """`x @ W.T` in float32 from W's MLX format."""
     check(x, w)
     return matmul_t(x.astype(mx.float32), w.data, w.shape[0], w.shape[1])
+
+
+@register("grouped_qmatmul", "mlx")
+def grouped_qmatmul(x: mx.array, w: QTensor) -> mx.array:
+    """Each group of `x` [M, G, K] times its rows of `w` (contract: ops/grouped_qmatmul.py): one `qmatmul` per group
+    on its rows' packed fields."""
+    check_grouped(x, w)
+    groups = x.shape[1]
+    return mx.concatenate([qmatmul(x[:, g], group_rows(w, g, groups)) for g in range(groups)], axis=1)
 
 
 @register("embed", "mlx")

@@ -27,6 +27,7 @@ import triton.language as tl
 from backends.registry import register
 from backends.triton.quants import SUPPORTED, dequant, tables
 from ds4.errors import BackendUnavailable
+from ops.grouped_qmatmul import check_grouped, group_rows
 from ops.qmatmul import SMALL_M, check_args
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -139,3 +140,12 @@ def qmatmul(x: torch.Tensor, w) -> torch.Tensor:
         block = 1024
         sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLITS=splits, BLOCK=block)
     return out
+
+
+@register("grouped_qmatmul", "triton", batch_invariant=True)
+def grouped_qmatmul(x: torch.Tensor, w) -> torch.Tensor:
+    """Each group of `x` [M, G, K] times its rows of `w` (contract: ops/grouped_qmatmul.py): one `qmatmul` launch per
+    group, so batch-invariant as qmatmul is (a CUDA graph records the launches together)."""
+    check_grouped(x, w)
+    groups = x.shape[1]
+    return torch.cat([qmatmul(x[:, g], group_rows(w, g, groups)) for g in range(groups)], dim=1)

@@ -1,8 +1,8 @@
 """Collect an importance matrix: run the model over a text and sum, per input column of every matmul weight,
 the squares of the rows fed to it (llama.cpp's `llama-imatrix`, llama.cpp #4861 and #9400 for the file).
 
-`RecordingOps` wraps the model's OpSet: each `qmatmul`, `moe` and `shared_expert` call records its inputs
-and then calls the wrapped op unchanged, so the forward's numerics are the plain model's.
+`RecordingOps` wraps the model's OpSet: each `qmatmul`, `grouped_qmatmul`, `moe` and `shared_expert` call records
+its inputs and then calls the wrapped op unchanged, so the forward's numerics are the plain model's.
 """
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from backends.registry import is_mlx_device
 from ds4.engine import Engine
 from ds4.errors import UsageError
 from ds4.formats.imatrix import Imatrix
+from ops.grouped_qmatmul import group_rows
 from ops.moe import Experts, route
 from ops.qmatmul import qmatmul
 from ops.quants import QTensor
 
-_ROWS = re.compile(r"^(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")  # models' rows_of views: "W[a:b]"
+_ROWS = re.compile(r"^(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")  # row views (ops.grouped_qmatmul): "W[a:b]"
 
 
 class RecordingOps:
@@ -51,6 +52,12 @@ class RecordingOps:
     def qmatmul(self, x: Any, w: QTensor) -> Any:
         self.record(w, x)
         return self._inner.qmatmul(x, w)
+
+    def grouped_qmatmul(self, x: Any, w: QTensor) -> Any:
+        groups = x.shape[1]
+        for g in range(groups):
+            self.record(group_rows(w, g, groups), x[:, g])
+        return self._inner.grouped_qmatmul(x, w)
 
     def shared_expert(self, x: Any, gate: QTensor, up: QTensor, down: QTensor, clamp: float | None) -> Any:
         rows = self._rows(x)
