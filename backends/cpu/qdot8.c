@@ -749,9 +749,10 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
         for (int i = 0; i < R; i++) {
             const uint8_t *row = r[i] + 64 * b;
             prefetch_ahead(row, 64);
-            for (int j = 0; j < 4; j++)
-                acc[i][j] = _mm256_add_ps(acc[i][j], _mm256_mul_ps(
-                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 16 * j))), _mm256_loadu_ps(x + 32 * b + 8 * j)));
+            for (int j = 0; j < 4; j++) {
+                __m256 wj = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 16 * j)));
+                acc[i][j] = _mm256_add_ps(acc[i][j], _mm256_mul_ps(wj, _mm256_loadu_ps(x + 32 * b + 8 * j)));
+            }
         }
     for (int i = 0; i < R; i++) for (int j = 0; j < 4; j++) _mm256_storeu_ps(lanes[i] + 8 * j, acc[i][j]);
 #else

@@ -513,7 +513,7 @@ static inline __attribute__((always_inline)) void rows_of(
                 rows_in_turn(deq, bs, bb, 4, r, nb, x + m * K, out);
                 for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
             }
-            for (int64_t n = n0 + 4 * q; n < n1; n++) {     /* the last (n1 - n0) % 4 rows */
+            for (int64_t n = n0 + 4 * q; n < n1; n++) {     /* the last (n1 - n0) % 4 rows (every row: one stream) */
                 const uint8_t *row = base + n * row_bytes;
                 rows_in_turn(deq, bs, bb, 1, &row, nb, x + m * K, ym + n);
             }
