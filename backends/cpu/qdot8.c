@@ -698,48 +698,82 @@ static void rows_q8_0(const uint8_t *const *r, const uint8_t *act, int64_t nb, f
 static float row_q3_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return row_blocks(dot_q3_k, 110, sizeof(q8k_block), row, act, nb);
 }
+static void rows_q3_k(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    rows_k(NULL, 1, dot_q3_k, 110, 4, r, act, nb, out);
+}
 
 static float row_q5_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return row_blocks(dot_q5_k, 176, sizeof(q8k_block), row, act, nb);
+}
+static void rows_q5_k(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    rows_k(NULL, 1, dot_q5_k, 176, 4, r, act, nb, out);
 }
 
 static float row_q6_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return row_blocks(dot_q6_k, 210, sizeof(q8k_block), row, act, nb);
 }
+static void rows_q6_k(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    rows_k(NULL, 1, dot_q6_k, 210, 4, r, act, nb, out);
+}
 
-/* A row of F16 weights against f16-rounded float activations (q8_quantize kind 2) in 32 float lanes: lane l
- * adds the products of values l, l + 32, l + 64, ... (exact: two f16 values multiply exactly in float), then the
- * lanes are added in order. `nb` blocks of 32 values. */
-static float row_f16(const uint8_t *row, const uint8_t *act, int64_t nb) {
+/* R rows r[0..R) of F16 weights against f16-rounded float activations (q8_quantize kind 2), block by block in
+ * turn (R = 4: four streams, as own_rows4_q8), in 32 float lanes per row: lane l adds the products of values l,
+ * l + 32, l + 64, ... (exact: two f16 values multiply exactly in float), then the lanes are added in order. `nb`
+ * blocks of 32 values; the same bits for any R. */
+static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, const uint8_t *const *r,
+                                                                   const uint8_t *act, int64_t nb, float *out) {
     const float *x = (const float *)act;
-    float lanes[32] = {0};
+    float lanes[4][32] = {{0}};
 #if defined(__AVX512F__)
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++, row += 64, x += 32) {
-        prefetch_ahead(row, 64);
-        acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)row)),
-                                                 _mm512_loadu_ps(x)));
-        acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 32))),
-                                                 _mm512_loadu_ps(x + 16)));
+    __m512 acc0[4], acc1[4];
+    for (int i = 0; i < R; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const uint8_t *row = r[i] + 64 * b;
+            prefetch_ahead(row, 64);
+            acc0[i] = _mm512_add_ps(acc0[i], _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)row)),
+                                                           _mm512_loadu_ps(x + 32 * b)));
+            acc1[i] = _mm512_add_ps(acc1[i], _mm512_mul_ps(
+                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 32))), _mm512_loadu_ps(x + 32 * b + 16)));
+        }
+    for (int i = 0; i < R; i++) {
+        _mm512_storeu_ps(lanes[i], acc0[i]);
+        _mm512_storeu_ps(lanes[i] + 16, acc1[i]);
     }
-    _mm512_storeu_ps(lanes, acc0);
-    _mm512_storeu_ps(lanes + 16, acc1);
 #elif defined(__AVX2__) && defined(__F16C__)
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < nb; b++, row += 64, x += 32) {
-        prefetch_ahead(row, 64);
-        for (int j = 0; j < 4; j++)
-            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 16 * j))),
-                                                         _mm256_loadu_ps(x + 8 * j)));
-    }
-    for (int j = 0; j < 4; j++) _mm256_storeu_ps(lanes + 8 * j, acc[j]);
+    __m256 acc[4][4];
+    for (int i = 0; i < R; i++) for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const uint8_t *row = r[i] + 64 * b;
+            prefetch_ahead(row, 64);
+            for (int j = 0; j < 4; j++) {
+                __m256 wj = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 16 * j)));
+                acc[i][j] = _mm256_add_ps(acc[i][j], _mm256_mul_ps(wj, _mm256_loadu_ps(x + 32 * b + 8 * j)));
+            }
+        }
+    for (int i = 0; i < R; i++) for (int j = 0; j < 4; j++) _mm256_storeu_ps(lanes[i] + 8 * j, acc[i][j]);
 #else
-    for (int64_t b = 0; b < nb; b++, row += 64, x += 32)
-        for (int l = 0; l < 32; l++) lanes[l] += q8_half(row + 2 * l) * x[l];
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < R; i++)
+            for (int l = 0; l < 32; l++) lanes[i][l] += q8_half(r[i] + 64 * b + 2 * l) * x[32 * b + l];
 #endif
-    float sum = 0.0f;
-    for (int l = 0; l < 32; l++) sum += lanes[l];
-    return sum;
+    for (int i = 0; i < R; i++) {
+        float sum = 0.0f;
+        for (int l = 0; l < 32; l++) sum += lanes[i][l];
+        out[i] = sum;
+    }
+}
+
+static float row_f16(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    float out;
+    rows_f16_in_turn(1, &row, act, nb, &out);
+    return out;
+}
+static void rows_f16(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    rows_f16_in_turn(4, r, act, nb, out);
 }
 
 static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -831,90 +865,79 @@ static inline float codes32_mxfp4(const uint8_t *b, codes32 *c) {
 }
 #endif
 
-/* A row of 32-value blocks of `bb` bytes given as codes times a scale against Q8_0 activations in 8 float lanes,
- * as row_q8_0: lane l adds (d_w d_x) times the integer dot of values 4l..4l+3 of each block, then the lanes. */
-static inline __attribute__((always_inline)) float row_codes(float (*codes)(const uint8_t *, codes32 *), const int bb,
-                                                             const uint8_t *row, const uint8_t *act, int64_t nb) {
-    const q8_0_block *y = (const q8_0_block *)act;
-    float lanes[8] = {0};
+/* R rows r[0..R) of 32-value blocks of `bb` bytes given as codes times a scale, block by block in turn (R = 4:
+ * four streams, as own_rows4_q8), against Q8_0 activations (mins: Q4_1 / Q5_1's unsigned codes with f16 d and m
+ * first, against Q8_1 activations), as row_q8_0: lane l adds (d_w d_x) times the integer dot of values 4l..4l+3
+ * of each block, then the lanes are added in order (mins: then `+ summs`, summs adding m_w s_x block after
+ * block). The same bits for any R. */
+static inline __attribute__((always_inline)) void rows_codes(float (*codes)(const uint8_t *, codes32 *), const int bb,
+        const int mins, const int R, const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    const int ab = mins ? (int)sizeof(q8_1_block) : (int)sizeof(q8_0_block);
+    float lanes[4][8] = {{0}}, summs[4] = {0};
     codes32 w;
 #if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[4];
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; b++, row += bb) {
-        prefetch_ahead(row, bb);
-        float d = codes(row, &w);
-        __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256(y[b].qs), w));
-        __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(d * y[b].d), dots));
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *yb = act + b * ab;
+        const float yd = mins ? ((const q8_1_block *)yb)->d : ((const q8_0_block *)yb)->d;
+        const __m256i yq = load256(mins ? ((const q8_1_block *)yb)->qs : ((const q8_0_block *)yb)->qs);
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) {
+            const uint8_t *blk = r[i] + b * bb;
+            prefetch_ahead(blk, bb);
+            float d = codes(blk, &w);
+            __m256i prod;
+            if (mins) {
+                summs[i] += q8_half(blk + 2) * ((const q8_1_block *)yb)->s;
+                prod = _mm256_maddubs_epi16(w, yq);
+            } else prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(yq, w));
+            __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+            acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(_mm256_set1_ps(d * yd), dots));
+        }
     }
-    _mm256_storeu_ps(lanes, acc);
+    for (int i = 0; i < R; i++) _mm256_storeu_ps(lanes[i], acc[i]);
 #else
-    for (int64_t b = 0; b < nb; b++, row += bb) {
-        float d = codes(row, &w) * y[b].d;
-        for (int l = 0; l < 8; l++) {
-            int s = 0;
-            for (int i = 4 * l; i < 4 * l + 4; i++) s += w[i] * y[b].qs[i];
-            lanes[l] += d * (float)s;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *yb = act + b * ab;
+        const float yd = mins ? ((const q8_1_block *)yb)->d : ((const q8_0_block *)yb)->d;
+        const int8_t *yq = mins ? ((const q8_1_block *)yb)->qs : ((const q8_0_block *)yb)->qs;
+        for (int i = 0; i < R; i++) {
+            const uint8_t *blk = r[i] + b * bb;
+            float d = codes(blk, &w) * yd;
+            if (mins) summs[i] += q8_half(blk + 2) * ((const q8_1_block *)yb)->s;
+            for (int l = 0; l < 8; l++) {
+                int s = 0;
+                for (int j = 4 * l; j < 4 * l + 4; j++) s += w[j] * yq[j];
+                lanes[i][l] += d * (float)s;
+            }
         }
     }
 #endif
-    float sum = 0.0f;
-    for (int l = 0; l < 8; l++) sum += lanes[l];
-    return sum;
-}
-
-/* Q4_1 / Q5_1 rows (unsigned codes, f16 d and m first) against Q8_1 activations: row_codes' 8 lanes, then
- * `+ summs`, summs adding m_w s_x block after block. */
-static inline __attribute__((always_inline)) float row_codes_min(float (*codes)(const uint8_t *, codes32 *),
-                                                                 const int bb, const uint8_t *row, const uint8_t *act,
-                                                                 int64_t nb) {
-    const q8_1_block *y = (const q8_1_block *)act;
-    float lanes[8] = {0}, summs = 0.0f;
-    codes32 w;
-#if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t b = 0; b < nb; b++, row += bb) {
-        prefetch_ahead(row, bb);
-        float d = codes(row, &w);
-        summs += q8_half(row + 2) * y[b].s;
-        __m256i prod = _mm256_maddubs_epi16(w, load256(y[b].qs));
-        __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(d * y[b].d), dots));
+    for (int i = 0; i < R; i++) {
+        float sum = 0.0f;
+        for (int l = 0; l < 8; l++) sum += lanes[i][l];
+        out[i] = mins ? sum + summs[i] : sum;
     }
-    _mm256_storeu_ps(lanes, acc);
-#else
-    for (int64_t b = 0; b < nb; b++, row += bb) {
-        float d = codes(row, &w) * y[b].d;
-        summs += q8_half(row + 2) * y[b].s;
-        for (int l = 0; l < 8; l++) {
-            int s = 0;
-            for (int i = 4 * l; i < 4 * l + 4; i++) s += w[i] * y[b].qs[i];
-            lanes[l] += d * (float)s;
-        }
+}
+
+/* Each 32-value type's one-row and four-row functions (Q4_1 and Q5_1 with their mins). */
+#define CODES_ROWS(type, bb, mins)                                                                         \
+    static float row_##type(const uint8_t *row, const uint8_t *act, int64_t nb) {                         \
+        float out;                                                                                         \
+        rows_codes(codes32_##type, bb, mins, 1, &row, act, nb, &out);                                      \
+        return out;                                                                                        \
+    }                                                                                                      \
+    static void rows_##type(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {        \
+        rows_codes(codes32_##type, bb, mins, 4, r, act, nb, out);                                          \
     }
-#endif
-    float sum = 0.0f;
-    for (int l = 0; l < 8; l++) sum += lanes[l];
-    return sum + summs;
-}
-
-static float row_q4_1(const uint8_t *row, const uint8_t *act, int64_t nb) {
-    return row_codes_min(codes32_q4_1, 20, row, act, nb);
-}
-static float row_q5_1(const uint8_t *row, const uint8_t *act, int64_t nb) {
-    return row_codes_min(codes32_q5_1, 24, row, act, nb);
-}
-
-static float row_q4_0(const uint8_t *row, const uint8_t *act, int64_t nb) { return row_codes(codes32_q4_0, 18, row, act, nb); }
-static float row_q5_0(const uint8_t *row, const uint8_t *act, int64_t nb) { return row_codes(codes32_q5_0, 22, row, act, nb); }
-static float row_iq4_nl(const uint8_t *row, const uint8_t *act, int64_t nb) {
-    return row_codes(codes32_iq4_nl, 18, row, act, nb);
-}
-static float row_mxfp4(const uint8_t *row, const uint8_t *act, int64_t nb) {
-    return row_codes(codes32_mxfp4, 17, row, act, nb);
-}
+CODES_ROWS(q4_0, 18, 0)
+CODES_ROWS(q5_0, 22, 0)
+CODES_ROWS(iq4_nl, 18, 0)
+CODES_ROWS(mxfp4, 17, 0)
+CODES_ROWS(q4_1, 20, 1)
+CODES_ROWS(q5_1, 24, 1)
 
 /* IQ4_XS (136 bytes: d, scales_h, scales_l, qs) against a Q8_K block: (d_w d_x) isum, isum = sum over the 8
  * sub-blocks of (ls - 32) times the integer dot of IQ4_NL's table values. */
@@ -944,6 +967,9 @@ static inline float dot_iq4_xs(const uint8_t *b, const void *act) {
 
 static float row_iq4_xs(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return row_blocks(dot_iq4_xs, 136, sizeof(q8k_block), row, act, nb);
+}
+static void rows_iq4_xs(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    rows_k(NULL, 1, dot_iq4_xs, 136, 4, r, act, nb, out);
 }
 
 /* Output rows [n0, n1) of y [M, N]: each (row, output) through `row_dot` (bs values in bb bytes per weight
@@ -988,6 +1014,25 @@ static inline __attribute__((always_inline)) void own_rows4_q8(
     }
 }
 
+/* The other types' row functions (one row, four rows in turn), block values, weight and activation block bytes. */
+typedef struct { int type; row8_fn one; rows4_fn four; int bs, bb, ab; } row_type;
+
+static const row_type *other_type(int type) {
+    static const row_type types[] = {
+        {11, row_q3_k, rows_q3_k, 256, 110, sizeof(q8k_block)}, {13, row_q5_k, rows_q5_k, 256, 176, sizeof(q8k_block)},
+        {14, row_q6_k, rows_q6_k, 256, 210, sizeof(q8k_block)},
+        {23, row_iq4_xs, rows_iq4_xs, 256, 136, sizeof(q8k_block)},
+        {1, row_f16, rows_f16, 32, 64, 32 * sizeof(float)},
+        {2, row_q4_0, rows_q4_0, 32, 18, sizeof(q8_0_block)}, {6, row_q5_0, rows_q5_0, 32, 22, sizeof(q8_0_block)},
+        {20, row_iq4_nl, rows_iq4_nl, 32, 18, sizeof(q8_0_block)},
+        {39, row_mxfp4, rows_mxfp4, 32, 17, sizeof(q8_0_block)},
+        {3, row_q4_1, rows_q4_1, 32, 20, sizeof(q8_1_block)}, {7, row_q5_1, rows_q5_1, 32, 24, sizeof(q8_1_block)},
+    };
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+        if (types[i].type == type) return &types[i];
+    return NULL;
+}
+
 /* y [M, N] rows [n0, n1) = x @ W.T for a weight of GGUF type `type` (16 IQ2_XXS after qdot8_set_iq2_xxs,
  * 10 Q2_K, 12 Q4_K, 11 Q3_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS: `xq` from q8_quantize kind 0; 8 Q8_0, 2 Q4_0, 6 Q5_0,
  * 20 IQ4_NL, 39 MXFP4: kind 1; 3 Q4_1, 7 Q5_1: kind 3; 1 F16: kind 2),
@@ -1017,28 +1062,14 @@ int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
                                 x, M, y, n0, n1); return 0; }
         rows_q8(row_q8_0, 32, 34, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
-    case 11: if (K % 256) return -1;
-        rows_q8(row_q3_k, 256, 110, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 13: if (K % 256) return -1;
-        rows_q8(row_q5_k, 256, 176, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 14: if (K % 256) return -1;
-        rows_q8(row_q6_k, 256, 210, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 1: if (K % 32) return -1;
-        rows_q8(row_f16, 32, 64, 32 * (int)sizeof(float), w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 23: if (K % 256) return -1;
-        rows_q8(row_iq4_xs, 256, 136, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 2: case 6: case 20: case 39: {
-        if (K % 32) return -1;
-        row8_fn row = type == 2 ? row_q4_0 : type == 6 ? row_q5_0 : type == 20 ? row_iq4_nl : row_mxfp4;
-        int bb = type == 2 || type == 20 ? 18 : type == 6 ? 22 : 17;
-        rows_q8(row, 32, bb, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    default: break;
     }
-    case 3: case 7: if (K % 32) return -1;
-        rows_q8(type == 3 ? row_q4_1 : row_q5_1, 32, type == 3 ? 20 : 24, (int)sizeof(q8_1_block), w, expert_bytes,
-                experts, N, K, x, M, y, n0, n1);
-        return 0;
-    default: return -1;
-    }
+    const row_type *t = other_type(type);     /* the rest: one driver, four streams for the rows of their own */
+    if (t == NULL) return -1;
+    if (K % t->bs) return -1;
+    if (own) own_rows4_q8(t->four, t->one, t->bs, t->bb, t->ab, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+    else rows_q8(t->one, t->bs, t->bb, t->ab, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+    return 0;
 }
 
 /* Several rows against one weight (M = 2..16 of a plain weight: verify, and each routed expert's rows at
