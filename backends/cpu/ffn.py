@@ -64,8 +64,13 @@ def gate_and_up(xs: torch.Tensor, ex: Experts, chosen: torch.Tensor, dot: str = 
 
 
 def route(x: torch.Tensor, ids: torch.Tensor, ex: Experts, dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
-    """Chosen experts [M, top_k] in increasing id order and their routing weights [M, top_k]."""
-    chosen, w = select(rowwise(lambda v: torch.sqrt(F.softplus(v)), qmatmul(x, ex.router, dot)), ids, ex)
+    """Chosen experts [M, top_k] in increasing id order and their routing weights [M, top_k]; with the kernel library
+    the selection, weights and order are one C call (`glue.route`, the bits of `select`)."""
+    p = rowwise(lambda v: torch.sqrt(F.softplus(v)), qmatmul(x, ex.router, dot))
+    routed = glue.route(p, ids, ex.bias, ex.tid2eid, ex.top_k, ex.normalize, ex.route_scale) if glue.ready() else None
+    if routed is not None:
+        return routed
+    chosen, w = select(p, ids, ex)
     chosen, order = torch.sort(chosen, dim=-1, stable=True)
     return chosen, w.gather(1, order)
 

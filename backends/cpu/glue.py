@@ -1,7 +1,7 @@
 """Python side of glue.c: the small ops of a decode step as one C call each (rms_norm, hc_pre, hc_post, the HC
-stream sums, rope_tail's rotation, sparse_attention, store_rows), each the bits of its reference in ops/ (docs/cpu.md,
-"Per-step overhead"). `ready()` is False where the kernel library cannot be built and inside a compiled step
-(Inductor fuses the torch ops instead); the callers then take their torch paths."""
+stream sums, rope_tail's rotation, sparse_attention, store_rows, the routed experts' selection), each the bits of its
+reference in ops/ (docs/cpu.md, "Per-step overhead"). `ready()` is False where the kernel library cannot be built and
+inside a compiled step (Inductor fuses the torch ops instead); the callers then take their torch paths."""
 from __future__ import annotations
 
 import ctypes
@@ -33,7 +33,8 @@ def _lib() -> ctypes.CDLL:
         k.glue_head_streams.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64, ptr]
         k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
-        k.glue_products.restype = ctypes.c_int
+        k.glue_products.restype = k.glue_route.restype = ctypes.c_int
+        k.glue_route.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
         k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
         _bound = k
     return _bound
@@ -229,3 +230,29 @@ def head_streams(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base
     _lib().glue_head_streams(X.data_ptr(), mixes.data_ptr(), scale.data_ptr(), base.data_ptr(), eps, M, S, D,
                              out.data_ptr())
     return out
+
+
+ROUTE_MAX_K = 7     # glue_route sums the weights as torch sums fewer than 8 floats (its scalar row sum)
+
+
+def route(p: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None, top_k: int,
+          normalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ops.moe.select's bits from router scores p [M, E], then both sorted by increasing expert id (stable): chosen
+    [M, k] int64 and weights [M, k]; None where k > ROUTE_MAX_K (the caller takes the torch path)."""
+    k = top_k if table is None else table.shape[1]
+    if k > ROUTE_MAX_K:
+        return None
+    p = f32(p)
+    M, E = p.shape
+    b = None if bias is None else f32(bias)
+    t = None if table is None else table.to(torch.int64).contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    if ids.shape != (M,) or (b is not None and b.shape != (E,)) or k > E:
+        raise ValueError(f"moe: scores {tuple(p.shape)}, ids {tuple(ids.shape)}, top_k {k}, bias "
+                         f"{None if b is None else tuple(b.shape)}")
+    chosen, w = torch.empty((M, k), dtype=torch.int64), torch.empty((M, k), dtype=torch.float32)
+    if _lib().glue_route(p.data_ptr(), M, E, None if b is None else b.data_ptr(), None if t is None else t.data_ptr(),
+                         0 if t is None else t.shape[0], ids.data_ptr(), k, int(normalize), scale, chosen.data_ptr(),
+                         w.data_ptr()):
+        raise ValueError(f"moe: a token id outside the {t.shape[0]}-row expert table or an expert outside {E}")
+    return chosen, w
