@@ -222,3 +222,27 @@ def test_route_is_select_sorted_by_expert():
     assert glue.route(tiny, torch.tensor([0]), None, None, glue.ROUTE_MAX_K + 1, True, 1.0) is None
     with pytest.raises(ValueError, match="expert table"):
         glue.route(tiny, torch.tensor([50]), None, table, 6, True, 1.0)
+
+
+@pytest.mark.parametrize("qtype,dot", (("Q4_K", "exact"), ("Q4_K", "q8"), ("Q8_0", "q8"), ("Q2_K", "exact"),
+                                       ("F16", "q8")))
+def test_moe_rows_is_the_separate_calls(qtype, dot, threads, monkeypatch):
+    """glue.moe_rows (the decode's routed experts in one C call) gives the bits of the separate calls, M = 1..16
+    rows (up to MAX_ROWS pairs in one call, more through the separate calls), any thread count, with an expert
+    another rank holds (-1)."""
+    from ops.moe import Experts
+    g, E, n, D = gen(11), 8, 256, 256
+    stack = [QTensor.quantize(torch.randn(E, *shape, generator=g) * 0.1, qtype) for shape in ((n, D), (n, D), (D, n))]
+    ex = Experts(QTensor.quantize(torch.randn(E, D, generator=g) * 0.1, "F16"), torch.randn(E, generator=g) * 0.1,
+                 None, *stack, 3, 1.5, True, 0.7)
+    for M in (1, 2, 5, 16):
+        x, ids = torch.randn(M, D, generator=g), torch.arange(M)
+        chosen, w = ffn.route(x, ids, ex, dot)
+        chosen[0, 1] = -1
+        fused = glue.moe_rows(x, *stack, chosen, w, ex.clamp, dot)
+        assert (fused is None) == (M * 3 > kernels.MAX_ROWS)
+        with monkeypatch.context() as m:
+            m.setattr(glue, "moe_rows", lambda *a, **k: None)
+            m.setattr(ffn, "route", lambda *a, routed=(chosen, w), **k: routed)
+            separate = cpu("moe")(x, ids, ex, dot)
+        assert fused is None or torch.equal(fused, separate)

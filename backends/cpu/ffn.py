@@ -84,6 +84,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts, dot: str = "exact"
     if M > SMALL_M:
         return grouped(x, chosen, w, experts, dot)
     chosen, w = owned_pairs(chosen, w, experts, missing=-1)   # expert parallelism: the kernel skips the others
+    fused = glue.moe_rows(x, experts.gate, experts.up, experts.down, chosen, w, experts.clamp, dot)
+    if fused is not None:     # decode: the calls below in one C call, the same bits
+        return fused
     k, flat = chosen.shape[1], chosen.reshape(-1)
     xs = x.repeat_interleave(k, dim=0)                                      # [M*k, D]
     g, u = gate_and_up(xs, experts, flat, dot)

@@ -444,3 +444,21 @@ int glue_route(const float *p, int64_t M, int64_t E, const float *bias, const in
     }
     return 0;
 }
+
+int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out);     /* qdot8.c */
+
+/* The routed experts of M rows over k (row, expert) pairs each (p: the gate, up and down products of the M * k
+ * pairs; the down product's rows are h, or hq where q8_kind >= 0): the gate and up products in one pool pass,
+ * h = glue_swiglu(g, u, clamp, w), under q8 h rounded by qdot8.c into hq, the down product, and out [M, D] each row's
+ * k results added in order (glue_sum_rows): the bits of those calls made one by one. */
+int glue_moe_rows(const product_t *p, int q8_kind, void *hq, const float *w, int has_clamp, float clamp, float *h,
+                  int64_t M, int64_t k, float *out, int threads) {
+    int rc = glue_products(p, 2, threads);
+    if (rc) return rc;
+    glue_swiglu(p[0].y, p[1].y, w, p[0].M, p[0].N, has_clamp, clamp, h);
+    if (q8_kind >= 0 && q8_quantize(q8_kind, h, p[2].M, p[2].K, hq)) return -1;
+    rc = glue_products(p + 2, 1, threads);
+    if (rc) return rc;
+    glue_sum_rows(p[2].y, M, k, p[2].N, out);
+    return 0;
+}

@@ -33,7 +33,9 @@ def _lib() -> ctypes.CDLL:
         k.glue_head_streams.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64, ptr]
         k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
-        k.glue_products.restype = k.glue_route.restype = ctypes.c_int
+        k.glue_products.restype = k.glue_route.restype = k.glue_moe_rows.restype = ctypes.c_int
+        k.glue_moe_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ctypes.c_float, ptr, i64, i64, ptr,
+                                    ctypes.c_int]
         k.glue_route.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
         k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
         _bound = k
@@ -163,6 +165,22 @@ def served(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None, dot: str) 
     return kernel and shapes and w.qtype.name != "F32" and x.shape[0] <= kernels.MAX_ROWS and x.shape[-1] == K
 
 
+def product_args(kernel: int, rows: torch.Tensor, w: QTensor, experts: torch.Tensor | None, y: torch.Tensor,
+                 alive: list) -> ProductArgs:
+    """One product of a `glue_products` call: the prepared `rows` (float32, or q8's rounded blocks) of y [M, N] times
+    the weight `w` (row m: expert experts[m] of a stack); the tensors whose pointers it holds are appended to
+    `alive`."""
+    data = w.data.contiguous()
+    ids = None if experts is None else experts.to(torch.int64).contiguous()
+    (M, N), K = y.shape, w.shape[-1]
+    expert_bytes = 0 if ids is None else data[0].numel()
+    read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
+    alive += [rows, data, ids, y]
+    return ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], data.data_ptr(), expert_bytes,
+                       None if ids is None else ids.data_ptr(), N, K, rows.data_ptr(), M, y.data_ptr(),
+                       1 if kernels.threads() == 1 else max(1, min(N, kernels.pool_parts(read))))
+
+
 def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
              dot: str = "exact") -> list[torch.Tensor] | None:
     """[x @ W.T for each (x [M, K], W, experts)] in one pass of the kernel pool (glue.c's glue_products): a thread
@@ -183,16 +201,8 @@ def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
         key = (id(x), kernels.Q8_TYPES[w.qtype.name] if dot == "q8" else None)    # q8: one rounding per kind
         if key not in prepared:
             prepared[key] = kernels.q8_quantize(f32(x), w.qtype.name) if dot == "q8" else f32(x)
-        rows, data = prepared[key], w.data.contiguous()
-        ids = None if experts is None else experts.to(torch.int64).contiguous()
-        (M, K), N = x.shape, w.shape[-2]
-        expert_bytes = 0 if ids is None else data[0].numel()
-        y = torch.empty((M, N), dtype=torch.float32)
-        read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
-        args[i] = ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], data.data_ptr(), expert_bytes,
-                              None if ids is None else ids.data_ptr(), N, K, rows.data_ptr(), M, y.data_ptr(),
-                              1 if kernels.threads() == 1 else max(1, min(N, kernels.pool_parts(read))))
-        alive += [rows, data, ids]
+        y = torch.empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
+        args[i] = product_args(kernel, prepared[key], w, experts, y, alive)
         outs.append(y)
     if k.glue_products(args, len(calls), kernels.threads()):
         raise ValueError(f"products: unsupported call ({', '.join(w.qtype.name for _, w, _ in calls)}, dot={dot})")
@@ -256,3 +266,38 @@ def route(p: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | None, table: 
                          w.data_ptr()):
         raise ValueError(f"moe: a token id outside the {t.shape[0]}-row expert table or an expert outside {E}")
     return chosen, w
+
+
+def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen: torch.Tensor, w: torch.Tensor,
+             clamp: float, dot: str = "exact") -> torch.Tensor | None:
+    """The routed experts of rows x [M, D] over their chosen experts [M, k] (stack indices, -1 = not held here) with
+    routing weights w [M, k] in one C call (glue.c's glue_moe_rows): the gate and up products of the M * k (row,
+    expert) pairs in one pool pass, the weighted swiglu, the down product, each row's experts added in order; the
+    bits of the separate calls (`products`, `swiglu`, the down product's kernel call, `sum_rows`). None where the
+    kernels do not serve the three weights or the pairs are more than MAX_ROWS."""
+    M, k = chosen.shape
+    flat = chosen.reshape(-1)
+    xs = f32(x).repeat_interleave(k, dim=0)
+    P, inner = xs.shape[0], gate.shape[-2]
+    h = torch.empty((P, inner), dtype=torch.float32)
+    if not ready() or not all(served(rows, weight, flat, dot) for rows, weight in ((xs, gate), (xs, up), (h, down))):
+        return None
+    lib = _lib()
+    kernel = ctypes.cast(lib.qdot8_rows if dot == "q8" else lib.qgemv, ctypes.c_void_p).value
+    if dot == "q8" and kernels.Q8_TYPES[up.qtype.name] != kernels.Q8_TYPES[gate.qtype.name]:
+        return None
+    rows = kernels.q8_quantize(xs, gate.qtype.name) if dot == "q8" else xs
+    hq = torch.empty(0, dtype=torch.uint8)
+    if dot == "q8":
+        block, block_bytes = kernels.Q8_ACTIVATION[kernels.Q8_TYPES[down.qtype.name]]
+        hq = torch.empty(P * (inner // block) * block_bytes, dtype=torch.uint8)
+    alive: list = []
+    ys = [torch.empty((P, t.shape[-2]), dtype=torch.float32) for t in (gate, up, down)]
+    args = (ProductArgs * 3)(product_args(kernel, rows, gate, flat, ys[0], alive),
+                             product_args(kernel, rows, up, flat, ys[1], alive),
+                             product_args(kernel, hq if dot == "q8" else h, down, flat, ys[2], alive))
+    weights, out = f32(w.reshape(-1)), torch.empty((M, ys[2].shape[1]), dtype=torch.float32)
+    if lib.glue_moe_rows(args, kernels.Q8_TYPES[down.qtype.name] if dot == "q8" else -1, hq.data_ptr(),
+                         weights.data_ptr(), 1, clamp, h.data_ptr(), M, k, out.data_ptr(), kernels.threads()):
+        raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
+    return out
