@@ -227,9 +227,9 @@ def test_route_is_select_sorted_by_expert():
 @pytest.mark.parametrize("qtype,dot", (("Q4_K", "exact"), ("Q4_K", "q8"), ("Q8_0", "q8"), ("Q2_K", "exact"),
                                        ("F16", "q8")))
 def test_moe_rows_is_the_separate_calls(qtype, dot, threads, monkeypatch):
-    """glue.moe_rows (the decode's routed experts in one C call) gives the bits of the separate calls, M = 1..16
-    rows (up to MAX_ROWS pairs in one call, more through the separate calls), any thread count, with an expert
-    another rank holds (-1)."""
+    """glue.moe_rows (the decode's routed experts, or the shared expert, in one C call) gives the bits of the separate
+    calls, M = 1..16 rows (up to MAX_ROWS pairs in one call, more through the separate calls), any thread count,
+    with an expert another rank holds (-1)."""
     from ops.moe import Experts
     g, E, n, D = gen(11), 8, 256, 256
     stack = [QTensor.quantize(torch.randn(E, *shape, generator=g) * 0.1, qtype) for shape in ((n, D), (n, D), (D, n))]
@@ -245,4 +245,13 @@ def test_moe_rows_is_the_separate_calls(qtype, dot, threads, monkeypatch):
             m.setattr(glue, "moe_rows", lambda *a, **k: None)
             m.setattr(ffn, "route", lambda *a, routed=(chosen, w), **k: routed)
             separate = cpu("moe")(x, ids, ex, dot)
+        assert fused is None or torch.equal(fused, separate)
+    shared = [QTensor.quantize(torch.randn(*shape, generator=g) * 0.1, qtype) for shape in ((n, D), (n, D), (D, n))]
+    for M, clamp in ((1, 0.7), (2, None), (16, 0.7), (17, None)):
+        x = torch.randn(M, D, generator=g)
+        fused = glue.moe_rows(x, *shared, None, None, clamp, dot)
+        assert (fused is None) == (M > kernels.MAX_ROWS)
+        with monkeypatch.context() as m:
+            m.setattr(glue, "moe_rows", lambda *a, **k: None)
+            separate = cpu("shared_expert")(x, *shared, clamp, dot)
         assert fused is None or torch.equal(fused, separate)

@@ -147,7 +147,11 @@ def grouped_loop(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Exp
 def shared_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, clamp: float | None,
                   dot: str = "exact") -> torch.Tensor:
     """SwiGLU of every row of `x` through the shared expert's weights; `dot`: as in qmatmul. The gate and up products
-    are one kernel call where the kernels serve them (`glue.products`: one pass of the pool over both)."""
+    are one kernel call where the kernels serve them (`glue.products`: one pass of the pool over both); with up to
+    MAX_ROWS rows the whole expert is one C call (`glue.moe_rows`, the same bits)."""
+    fused = glue.moe_rows(x, gate, up, down, None, None, clamp, dot)
+    if fused is not None:
+        return fused
     both = glue.products([(x, gate, None), (x, up, None)], dot)
     g, u = both or (qmatmul(x, gate, dot), qmatmul(x, up, dot))
     if glue.ready():

@@ -268,16 +268,17 @@ def route(p: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | None, table: 
     return chosen, w
 
 
-def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen: torch.Tensor, w: torch.Tensor,
-             clamp: float, dot: str = "exact") -> torch.Tensor | None:
+def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen: torch.Tensor | None,
+             w: torch.Tensor | None, clamp: float | None, dot: str = "exact") -> torch.Tensor | None:
     """The routed experts of rows x [M, D] over their chosen experts [M, k] (stack indices, -1 = not held here) with
     routing weights w [M, k] in one C call (glue.c's glue_moe_rows): the gate and up products of the M * k (row,
     expert) pairs in one pool pass, the weighted swiglu, the down product, each row's experts added in order; the
-    bits of the separate calls (`products`, `swiglu`, the down product's kernel call, `sum_rows`). None where the
-    kernels do not serve the three weights or the pairs are more than MAX_ROWS."""
-    M, k = chosen.shape
-    flat = chosen.reshape(-1)
-    xs = f32(x).repeat_interleave(k, dim=0)
+    bits of the separate calls (`products`, `swiglu`, the down product's kernel call, `sum_rows`). `chosen` None:
+    the shared expert's 2-D weights, no routing weight. None where the kernels do not serve the three weights or the
+    pairs are more than MAX_ROWS."""
+    M, k = (x.shape[0], 1) if chosen is None else chosen.shape
+    flat = None if chosen is None else chosen.reshape(-1)
+    xs = f32(x) if chosen is None else f32(x).repeat_interleave(k, dim=0)
     P, inner = xs.shape[0], gate.shape[-2]
     h = torch.empty((P, inner), dtype=torch.float32)
     if not ready() or not all(served(rows, weight, flat, dot) for rows, weight in ((xs, gate), (xs, up), (h, down))):
@@ -296,8 +297,10 @@ def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen:
     args = (ProductArgs * 3)(product_args(kernel, rows, gate, flat, ys[0], alive),
                              product_args(kernel, rows, up, flat, ys[1], alive),
                              product_args(kernel, hq if dot == "q8" else h, down, flat, ys[2], alive))
-    weights, out = f32(w.reshape(-1)), torch.empty((M, ys[2].shape[1]), dtype=torch.float32)
+    weights = None if w is None else f32(w.reshape(-1))
+    out = torch.empty((M, ys[2].shape[1]), dtype=torch.float32)
     if lib.glue_moe_rows(args, kernels.Q8_TYPES[down.qtype.name] if dot == "q8" else -1, hq.data_ptr(),
-                         weights.data_ptr(), 1, clamp, h.data_ptr(), M, k, out.data_ptr(), kernels.threads()):
+                         None if weights is None else weights.data_ptr(), clamp is not None,
+                         0.0 if clamp is None else clamp, h.data_ptr(), M, k, out.data_ptr(), kernels.threads()):
         raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
     return out
