@@ -198,11 +198,11 @@ def test_embed_is_the_reference(qtype):
 def test_route_is_select_sorted_by_expert():
     """glue.route (the routed experts' selection in C) against ops.moe.select then a stable sort by expert id: the
     same ids and weight bits for M = 1..16, every top_k it serves, bias/none/hash routing, with and without
-    normalization, on scores with ties, a NaN and sums below the clamp."""
+    normalization, on scores with ties, a NaN and sums below the clamp; and a prefill's 40 rows."""
     from ops.moe import Experts, select
     g, E = gen(9), 64
     table = torch.randint(0, E, (50, glue.ROUTE_MAX_K), generator=g)
-    for M in range(1, 17):
+    for M in (*range(1, 17), 40):
         p = torch.sqrt(torch.nn.functional.softplus(torch.randn(M, E, generator=g) * 4))
         p[:, ::3] = torch.round(p[:, ::3] * 2) / 2      # ties
         p[0, 5] = 1e-7 if M % 2 else float("nan")
