@@ -193,3 +193,65 @@ def test_embed_is_the_reference(qtype):
     table = QTensor.quantize(torch.randn(40, 512, generator=gen(5)), qtype, "token_embd.weight")
     ids = torch.tensor([3, 0, 39, 3])
     assert torch.equal(cpu("embed")(table, ids), embed(table, ids))
+
+
+def test_route_is_select_sorted_by_expert():
+    """glue.route (the routed experts' selection in C) against ops.moe.select then a stable sort by expert id: the
+    same ids and weight bits for M = 1..16, every top_k it serves, bias/none/hash routing, with and without
+    normalization, on scores with ties, a NaN and sums below the clamp; and a prefill's 40 rows."""
+    from ops.moe import Experts, select
+    g, E = gen(9), 64
+    table = torch.randint(0, E, (50, glue.ROUTE_MAX_K), generator=g)
+    for M in (*range(1, 17), 40):
+        p = torch.sqrt(torch.nn.functional.softplus(torch.randn(M, E, generator=g) * 4))
+        p[:, ::3] = torch.round(p[:, ::3] * 2) / 2      # ties
+        p[0, 5] = 1e-7 if M % 2 else float("nan")
+        ids = torch.randint(0, 50, (M,), generator=g)
+        for k in range(1, glue.ROUTE_MAX_K + 1):
+            for bias, tid2eid in ((None, None), (torch.randn(E, generator=g), None), (None, table[:, :k])):
+                for normalize in (True, False):
+                    ex = Experts(None, bias, tid2eid, None, None, None, k, 2.5, normalize, 7.0)
+                    chosen, w = select(p, ids, ex)
+                    chosen, order = torch.sort(chosen, dim=-1, stable=True)
+                    got = glue.route(p, ids, bias, tid2eid, k, normalize, 2.5)
+                    assert torch.equal(got[0], chosen)
+                    torch.testing.assert_close(got[1], w.gather(1, order), rtol=0, atol=0, equal_nan=True)
+    tiny = torch.full((1, E), 1e-6)
+    assert torch.equal(glue.route(tiny, torch.tensor([0]), None, None, 6, True, 1.0)[1], torch.full((1, 6), 1e-6
+                                                                                                 / 6.1035e-5))
+    assert glue.route(tiny, torch.tensor([0]), None, None, glue.ROUTE_MAX_K + 1, True, 1.0) is None
+    with pytest.raises(ValueError, match="expert table"):
+        glue.route(tiny, torch.tensor([50]), None, table, 6, True, 1.0)
+
+
+@pytest.mark.parametrize("qtype,dot", (("Q4_K", "exact"), ("Q4_K", "q8"), ("Q8_0", "q8"), ("Q2_K", "exact"),
+                                       ("F16", "q8")))
+def test_moe_rows_is_the_separate_calls(qtype, dot, threads, monkeypatch):
+    """glue.moe_rows (the decode's routed experts, or the shared expert, in one C call) gives the bits of the separate
+    calls, M = 1..16 rows (up to MAX_ROWS pairs in one call, more through the separate calls), any thread count,
+    with an expert another rank holds (-1)."""
+    from ops.moe import Experts
+    g, E, n, D = gen(11), 8, 256, 256
+    stack = [QTensor.quantize(torch.randn(E, *shape, generator=g) * 0.1, qtype) for shape in ((n, D), (n, D), (D, n))]
+    ex = Experts(QTensor.quantize(torch.randn(E, D, generator=g) * 0.1, "F16"), torch.randn(E, generator=g) * 0.1,
+                 None, *stack, 3, 1.5, True, 0.7)
+    for M in (1, 2, 5, 16):
+        x, ids = torch.randn(M, D, generator=g), torch.arange(M)
+        chosen, w = ffn.route(x, ids, ex, dot)
+        chosen[0, 1] = -1
+        fused = glue.moe_rows(x, *stack, chosen, w, ex.clamp, dot)
+        assert (fused is None) == (M * 3 > kernels.MAX_ROWS)
+        with monkeypatch.context() as m:
+            m.setattr(glue, "moe_rows", lambda *a, **k: None)
+            m.setattr(ffn, "route", lambda *a, routed=(chosen, w), **k: routed)
+            separate = cpu("moe")(x, ids, ex, dot)
+        assert fused is None or torch.equal(fused, separate)
+    shared = [QTensor.quantize(torch.randn(*shape, generator=g) * 0.1, qtype) for shape in ((n, D), (n, D), (D, n))]
+    for M, clamp in ((1, 0.7), (2, None), (16, 0.7), (17, None)):
+        x = torch.randn(M, D, generator=g)
+        fused = glue.moe_rows(x, *shared, None, None, clamp, dot)
+        assert (fused is None) == (M > kernels.MAX_ROWS)
+        with monkeypatch.context() as m:
+            m.setattr(glue, "moe_rows", lambda *a, **k: None)
+            separate = cpu("shared_expert")(x, *shared, clamp, dot)
+        assert fused is None or torch.equal(fused, separate)

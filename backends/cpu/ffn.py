@@ -64,8 +64,13 @@ def gate_and_up(xs: torch.Tensor, ex: Experts, chosen: torch.Tensor, dot: str = 
 
 
 def route(x: torch.Tensor, ids: torch.Tensor, ex: Experts, dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
-    """Chosen experts [M, top_k] in increasing id order and their routing weights [M, top_k]."""
-    chosen, w = select(rowwise(lambda v: torch.sqrt(F.softplus(v)), qmatmul(x, ex.router, dot)), ids, ex)
+    """Chosen experts [M, top_k] in increasing id order and their routing weights [M, top_k]; with the kernel library
+    the selection, weights and order are one C call (`glue.route`, the bits of `select`)."""
+    p = rowwise(lambda v: torch.sqrt(F.softplus(v)), qmatmul(x, ex.router, dot))
+    routed = glue.route(p, ids, ex.bias, ex.tid2eid, ex.top_k, ex.normalize, ex.route_scale) if glue.ready() else None
+    if routed is not None:
+        return routed
+    chosen, w = select(p, ids, ex)
     chosen, order = torch.sort(chosen, dim=-1, stable=True)
     return chosen, w.gather(1, order)
 
@@ -79,6 +84,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts, dot: str = "exact"
     if M > SMALL_M:
         return grouped(x, chosen, w, experts, dot)
     chosen, w = owned_pairs(chosen, w, experts, missing=-1)   # expert parallelism: the kernel skips the others
+    fused = glue.moe_rows(x, experts.gate, experts.up, experts.down, chosen, w, experts.clamp, dot)
+    if fused is not None:     # decode: the calls below in one C call, the same bits
+        return fused
     k, flat = chosen.shape[1], chosen.reshape(-1)
     xs = x.repeat_interleave(k, dim=0)                                      # [M*k, D]
     g, u = gate_and_up(xs, experts, flat, dot)
@@ -139,7 +147,11 @@ def grouped_loop(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Exp
 def shared_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, clamp: float | None,
                   dot: str = "exact") -> torch.Tensor:
     """SwiGLU of every row of `x` through the shared expert's weights; `dot`: as in qmatmul. The gate and up products
-    are one kernel call where the kernels serve them (`glue.products`: one pass of the pool over both)."""
+    are one kernel call where the kernels serve them (`glue.products`: one pass of the pool over both); with up to
+    MAX_ROWS rows the whole expert is one C call (`glue.moe_rows`, the same bits)."""
+    fused = glue.moe_rows(x, gate, up, down, None, None, clamp, dot)
+    if fused is not None:
+        return fused
     both = glue.products([(x, gate, None), (x, up, None)], dot)
     g, u = both or (qmatmul(x, gate, dot), qmatmul(x, up, dot))
     if glue.ready():

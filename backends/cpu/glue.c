@@ -390,3 +390,75 @@ int glue_products(const product_t *p, int64_t count, int threads) {
     products_t ps = {p, count};
     return count ? pool_range(product_chunks, &ps, chunks, chunks, threads) : 0;
 }
+
+/* Whether score a ranks before score b of a lower expert id in a stable descending sort (NaN first). */
+static inline int ranks_before(float a, float b) { return a > b || (isnan(a) && !isnan(b)); }
+
+/* The routing of ops/moe.py's `select` after the router's scores p [M, E] (= sqrt(softplus(router · x))), and the
+ * cpu backend's reordering by expert id: the top_k experts of p + bias (bias NULL: of p; ties to the lower id), or
+ * table[ids[m]] (hash layers: table [rows, top_k]); w = p at them, divided by max(their sum, 6.1035e-5) when
+ * normalize, times scale; then both by increasing expert id (stable). The sum is torch's float sum of fewer than 8
+ * values (its scalar row sum: values 0..3 as four partial sums, the values from 4 on added to the first, then the
+ * other three added to it in order). Returns 1 on an id outside the table or an expert outside p. */
+int glue_route(const float *p, int64_t M, int64_t E, const float *bias, const int64_t *table, int64_t table_rows,
+               const int64_t *ids, int64_t top_k, int normalize, float scale, int64_t *chosen, float *w) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *pm = p + m * E;
+        int64_t *c = chosen + m * top_k;
+        float *wm = w + m * top_k;
+        if (table) {
+            if (ids[m] < 0 || ids[m] >= table_rows) return 1;
+            for (int64_t j = 0; j < top_k; j++) {
+                c[j] = table[ids[m] * top_k + j];
+                if (c[j] < 0 || c[j] >= E) return 1;
+            }
+        } else {
+            for (int64_t j = 0; j < top_k; j++) {     /* the best expert not taken yet, the lower id on a tie */
+                int64_t best = -1;
+                float best_score = 0.0f;
+                for (int64_t e = 0; e < E; e++) {
+                    int taken = 0;
+                    for (int64_t i = 0; i < j; i++) taken |= c[i] == e;
+                    float s = bias ? pm[e] + bias[e] : pm[e];
+                    if (!taken && (best < 0 || ranks_before(s, best_score))) best = e, best_score = s;
+                }
+                c[j] = best;
+            }
+        }
+        for (int64_t j = 0; j < top_k; j++) wm[j] = pm[c[j]];
+        if (normalize) {
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            int64_t whole = top_k / 4 * 4;
+            for (int64_t j = 0; j < whole; j++) part[j % 4] += wm[j];
+            for (int64_t j = whole; j < top_k; j++) part[0] += wm[j];
+            float total = part[0] + part[1] + part[2] + part[3];
+            total = total < 6.1035e-5f ? 6.1035e-5f : total;
+            for (int64_t j = 0; j < top_k; j++) wm[j] = wm[j] / total;
+        }
+        for (int64_t j = 0; j < top_k; j++) wm[j] = wm[j] * scale;
+        for (int64_t j = 1; j < top_k; j++)           /* insertion sort by id: stable */
+            for (int64_t i = j; i > 0 && c[i - 1] > c[i]; i--) {
+                int64_t ci = c[i]; c[i] = c[i - 1]; c[i - 1] = ci;
+                float wi = wm[i]; wm[i] = wm[i - 1]; wm[i - 1] = wi;
+            }
+    }
+    return 0;
+}
+
+int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out);     /* qdot8.c */
+
+/* The routed experts of M rows over k (row, expert) pairs each (p: the gate, up and down products of the M * k
+ * pairs; the down product's rows are h, or hq where q8_kind >= 0): the gate and up products in one pool pass,
+ * h = glue_swiglu(g, u, clamp, w), under q8 h rounded by qdot8.c into hq, the down product, and out [M, D] each row's
+ * k results added in order (glue_sum_rows): the bits of those calls made one by one. */
+int glue_moe_rows(const product_t *p, int q8_kind, void *hq, const float *w, int has_clamp, float clamp, float *h,
+                  int64_t M, int64_t k, float *out, int threads) {
+    int rc = glue_products(p, 2, threads);
+    if (rc) return rc;
+    glue_swiglu(p[0].y, p[1].y, w, p[0].M, p[0].N, has_clamp, clamp, h);
+    if (q8_kind >= 0 && q8_quantize(q8_kind, h, p[2].M, p[2].K, hq)) return -1;
+    rc = glue_products(p + 2, 1, threads);
+    if (rc) return rc;
+    glue_sum_rows(p[2].y, M, k, p[2].N, out);
+    return 0;
+}

@@ -1,7 +1,7 @@
 """Python side of glue.c: the small ops of a decode step as one C call each (rms_norm, hc_pre, hc_post, the HC
-stream sums, rope_tail's rotation, sparse_attention, store_rows), each the bits of its reference in ops/ (docs/cpu.md,
-"Per-step overhead"). `ready()` is False where the kernel library cannot be built and inside a compiled step
-(Inductor fuses the torch ops instead); the callers then take their torch paths."""
+stream sums, rope_tail's rotation, sparse_attention, store_rows, the routed experts' selection), each the bits of its
+reference in ops/ (docs/cpu.md, "Per-step overhead"). `ready()` is False where the kernel library cannot be built and
+inside a compiled step (Inductor fuses the torch ops instead); the callers then take their torch paths."""
 from __future__ import annotations
 
 import ctypes
@@ -33,7 +33,10 @@ def _lib() -> ctypes.CDLL:
         k.glue_head_streams.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64, ptr]
         k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
-        k.glue_products.restype = ctypes.c_int
+        k.glue_products.restype = k.glue_route.restype = k.glue_moe_rows.restype = ctypes.c_int
+        k.glue_moe_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ctypes.c_float, ptr, i64, i64, ptr,
+                                    ctypes.c_int]
+        k.glue_route.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
         k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
         _bound = k
     return _bound
@@ -162,6 +165,22 @@ def served(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None, dot: str) 
     return kernel and shapes and w.qtype.name != "F32" and x.shape[0] <= kernels.MAX_ROWS and x.shape[-1] == K
 
 
+def product_args(kernel: int, rows: torch.Tensor, w: QTensor, experts: torch.Tensor | None, y: torch.Tensor,
+                 alive: list) -> ProductArgs:
+    """One product of a `glue_products` call: the prepared `rows` (float32, or q8's rounded blocks) of y [M, N] times
+    the weight `w` (row m: expert experts[m] of a stack); the tensors whose pointers it holds are appended to
+    `alive`."""
+    data = w.data.contiguous()
+    ids = None if experts is None else experts.to(torch.int64).contiguous()
+    (M, N), K = y.shape, w.shape[-1]
+    expert_bytes = 0 if ids is None else data[0].numel()
+    read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
+    alive += [rows, data, ids, y]
+    return ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], data.data_ptr(), expert_bytes,
+                       None if ids is None else ids.data_ptr(), N, K, rows.data_ptr(), M, y.data_ptr(),
+                       1 if kernels.threads() == 1 else max(1, min(N, kernels.pool_parts(read))))
+
+
 def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
              dot: str = "exact") -> list[torch.Tensor] | None:
     """[x @ W.T for each (x [M, K], W, experts)] in one pass of the kernel pool (glue.c's glue_products): a thread
@@ -182,16 +201,8 @@ def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
         key = (id(x), kernels.Q8_TYPES[w.qtype.name] if dot == "q8" else None)    # q8: one rounding per kind
         if key not in prepared:
             prepared[key] = kernels.q8_quantize(f32(x), w.qtype.name) if dot == "q8" else f32(x)
-        rows, data = prepared[key], w.data.contiguous()
-        ids = None if experts is None else experts.to(torch.int64).contiguous()
-        (M, K), N = x.shape, w.shape[-2]
-        expert_bytes = 0 if ids is None else data[0].numel()
-        y = torch.empty((M, N), dtype=torch.float32)
-        read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
-        args[i] = ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], data.data_ptr(), expert_bytes,
-                              None if ids is None else ids.data_ptr(), N, K, rows.data_ptr(), M, y.data_ptr(),
-                              1 if kernels.threads() == 1 else max(1, min(N, kernels.pool_parts(read))))
-        alive += [rows, data, ids]
+        y = torch.empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
+        args[i] = product_args(kernel, prepared[key], w, experts, y, alive)
         outs.append(y)
     if k.glue_products(args, len(calls), kernels.threads()):
         raise ValueError(f"products: unsupported call ({', '.join(w.qtype.name for _, w, _ in calls)}, dot={dot})")
@@ -228,4 +239,68 @@ def head_streams(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base
     out = torch.empty((M, D), dtype=torch.float32)
     _lib().glue_head_streams(X.data_ptr(), mixes.data_ptr(), scale.data_ptr(), base.data_ptr(), eps, M, S, D,
                              out.data_ptr())
+    return out
+
+
+ROUTE_MAX_K = 7     # glue_route sums the weights as torch sums fewer than 8 floats (its scalar row sum)
+
+
+def route(p: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None, top_k: int,
+          normalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ops.moe.select's bits from router scores p [M, E], then both sorted by increasing expert id (stable): chosen
+    [M, k] int64 and weights [M, k]; None where k > ROUTE_MAX_K (the caller takes the torch path)."""
+    k = top_k if table is None else table.shape[1]
+    if k > ROUTE_MAX_K:
+        return None
+    p = f32(p)
+    M, E = p.shape
+    b = None if bias is None else f32(bias)
+    t = None if table is None else table.to(torch.int64).contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    if ids.shape != (M,) or (b is not None and b.shape != (E,)) or k > E:
+        raise ValueError(f"moe: scores {tuple(p.shape)}, ids {tuple(ids.shape)}, top_k {k}, bias "
+                         f"{None if b is None else tuple(b.shape)}")
+    chosen, w = torch.empty((M, k), dtype=torch.int64), torch.empty((M, k), dtype=torch.float32)
+    if _lib().glue_route(p.data_ptr(), M, E, None if b is None else b.data_ptr(), None if t is None else t.data_ptr(),
+                         0 if t is None else t.shape[0], ids.data_ptr(), k, int(normalize), scale, chosen.data_ptr(),
+                         w.data_ptr()):
+        raise ValueError(f"moe: a token id outside the {t.shape[0]}-row expert table or an expert outside {E}")
+    return chosen, w
+
+
+def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen: torch.Tensor | None,
+             w: torch.Tensor | None, clamp: float | None, dot: str = "exact") -> torch.Tensor | None:
+    """The routed experts of rows x [M, D] over their chosen experts [M, k] (stack indices, -1 = not held here) with
+    routing weights w [M, k] in one C call (glue.c's glue_moe_rows): the gate and up products of the M * k (row,
+    expert) pairs in one pool pass, the weighted swiglu, the down product, each row's experts added in order; the
+    bits of the separate calls (`products`, `swiglu`, the down product's kernel call, `sum_rows`). `chosen` None:
+    the shared expert's 2-D weights, no routing weight. None where the kernels do not serve the three weights or the
+    pairs are more than MAX_ROWS."""
+    M, k = (x.shape[0], 1) if chosen is None else chosen.shape
+    flat = None if chosen is None else chosen.reshape(-1)
+    xs = f32(x) if chosen is None else f32(x).repeat_interleave(k, dim=0)
+    P, inner = xs.shape[0], gate.shape[-2]
+    h = torch.empty((P, inner), dtype=torch.float32)
+    if not ready() or not all(served(rows, weight, flat, dot) for rows, weight in ((xs, gate), (xs, up), (h, down))):
+        return None
+    lib = _lib()
+    kernel = ctypes.cast(lib.qdot8_rows if dot == "q8" else lib.qgemv, ctypes.c_void_p).value
+    if dot == "q8" and kernels.Q8_TYPES[up.qtype.name] != kernels.Q8_TYPES[gate.qtype.name]:
+        return None
+    rows = kernels.q8_quantize(xs, gate.qtype.name) if dot == "q8" else xs
+    hq = torch.empty(0, dtype=torch.uint8)
+    if dot == "q8":
+        block, block_bytes = kernels.Q8_ACTIVATION[kernels.Q8_TYPES[down.qtype.name]]
+        hq = torch.empty(P * (inner // block) * block_bytes, dtype=torch.uint8)
+    alive: list = []
+    ys = [torch.empty((P, t.shape[-2]), dtype=torch.float32) for t in (gate, up, down)]
+    args = (ProductArgs * 3)(product_args(kernel, rows, gate, flat, ys[0], alive),
+                             product_args(kernel, rows, up, flat, ys[1], alive),
+                             product_args(kernel, hq if dot == "q8" else h, down, flat, ys[2], alive))
+    weights = None if w is None else f32(w.reshape(-1))
+    out = torch.empty((M, ys[2].shape[1]), dtype=torch.float32)
+    if lib.glue_moe_rows(args, kernels.Q8_TYPES[down.qtype.name] if dot == "q8" else -1, hq.data_ptr(),
+                         None if weights is None else weights.data_ptr(), clamp is not None,
+                         0.0 if clamp is None else clamp, h.data_ptr(), M, k, out.data_ptr(), kernels.threads()):
+        raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
     return out
