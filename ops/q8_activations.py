@@ -18,14 +18,15 @@ Per weight block the dot is an exact integer sum; the float combination, in bloc
 IQ2_XXS `acc += (d_w d_x) bsum` (bsum = sum over groups of (2 ls + 1) times the group's integer dot), and
 0.125 acc at the end; Q2_K, Q4_K, Q5_K `acc += (d_x d) isum - (d_x dmin) msum` (isum = sum over sub-blocks of
 scale times the sub-block's integer dot, msum = sum of min times bsums); Q3_K, Q6_K (signed sub-block scales,
-no mins) and IQ4_XS (isum = sum of (ls - 32) times each 32's integer dot) `acc += (d_w d_x) isum`; Q8_0 in 8
-lanes as llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values 4l..4l+3 of
-each 32, block after block; then the lanes in order), and so the types whose 32 values are integer codes times
-one scale: Q4_0 (q - 8), Q5_0 (q - 16), IQ4_NL (its table), MXFP4 (twice the E2M1 value; the scale
+no mins) and IQ4_XS (isum = sum of (ls - 32) times each 32's integer dot) `acc += (d_w d_x) isum`; Q8_0 the
+same in whole blocks (isum the block's integer dot), as llama.cpp's generic kernel and prefill's `qgemm8` (one float
+step per block and row, which AMX tiles give every row of a verify at about the cost of one); in 8 lanes as
+llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values 4l..4l+3 of each 32,
+block after block; then the lanes in order) the types whose 32 values are integer codes times one scale: Q4_0 (q - 8), Q5_0 (q - 16), IQ4_NL (its table), MXFP4 (twice the E2M1 value; the scale
 2^(e - 128)); Q4_1 and Q5_1 (unsigned codes, a min `m`) as those, then `+ summs` at the end (summs adds
 `m_w s_x` block after block); F16 in 32 lanes (lane l adds the products of values l, l + 32, l + 64, ... in
 order; then the lanes in order). These are the formulas of llama.cpp's `ggml_vec_dot_<type>_q8_K` /
-`ggml_vec_dot_<type>_q8_0` / `_q8_1` / `ggml_vec_dot_f16` (per-block integers equal; IQ2_XXS and Q2_K add the
+`ggml_vec_dot_<type>_q8_0` / `_q8_1` / `ggml_vec_dot_f16` (per-block integers equal; IQ2_XXS, Q2_K and Q8_0 add the
 block terms in the generic version's float order; llama.cpp's SIMD variants use other float orders). The C
 kernel matches this reference bit for bit.
 """
@@ -160,11 +161,11 @@ def _lanes(codes: torch.Tensor, d: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
 
 
 def _q8_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
-    """Per-block float terms [P, nb, 8] of Q8_0 blocks [P, nb, 34] against Q8_0 rows, in 8 lanes."""
+    """Per-block float terms [P, nb] of Q8_0 blocks [P, nb, 34] against Q8_0 rows, whole blocks: (d_w d_x) isum."""
     P, nb = blocks.shape[:2]
     bu = blocks.reshape(-1, 34)
-    q = bu[:, 2:].contiguous().view(torch.int8).reshape(P, nb, 32)
-    return _lanes(q, f16_field(bu, 0).reshape(P, nb), xq)
+    isum = (bu[:, 2:].contiguous().view(torch.int8).reshape(P, nb, 32).to(torch.int64) * xq.q).sum(-1)
+    return (f16_field(bu, 0).reshape(P, nb) * xq.d) * isum.to(torch.float32)
 
 
 def _q4_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
@@ -314,7 +315,7 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
     acc = torch.zeros(M * N, *terms.shape[2:], dtype=torch.float32)
     for b in range(nb):                               # in block order, as the kernel adds them
         acc = acc + terms[:, b]
-    if acc.dim() == 2:               # the lanes of Q8_0_TYPES, Q8_1_TYPES (their mins last) and F16, added in order
+    if acc.dim() == 2:               # the lanes of Q4_0..MXFP4, Q8_1_TYPES (their mins last) and F16, in order
         acc = sum((acc[:, lane] for lane in range(1, acc.shape[1])), start=acc[:, 0])
     if w.qtype.name == "IQ2_XXS":
         acc = 0.125 * acc
@@ -325,7 +326,7 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
 def qgemm8(x: torch.Tensor, w: QTensor) -> torch.Tensor:
     """`x [M, K] @ W.T` for a Q8_0 weight with Q8_0 activations in prefill's block order (the GEMM of more than
     SMALL_M rows): each block's integer dot whole, `acc += (d_w d_x) isum` block after block, as llama.cpp's generic
-    `ggml_vec_dot_q8_0_q8_0` and its AMX kernel (not `qdot8`'s 8 lanes). Float32 [M, N]."""
+    `ggml_vec_dot_q8_0_q8_0` and its AMX kernel, and as `qdot8` (the same bits as its rows). Float32 [M, N]."""
     if not isinstance(w, QTensor) or w.qtype.name != "Q8_0" or len(w.shape) != 2:
         raise TypeError(f"qgemm8 serves 2-D Q8_0 weights, got {getattr(w, 'qtype', type(w).__name__)}")
     N, K = w.shape

@@ -5,9 +5,9 @@
  * weights each value to the nearest f16); `qdot8` multiplies every weight block
  * with its activation block in integers (maddubs/madd on AVX2; IQ2_XXS a block per vector on AVX-512 with
  * VBMI/BITALG/VNNI; a plain C loop elsewhere: the same exact integers everywhere) and adds the blocks' float
- * terms in block order (Q8_0: in 8 lanes, then the lanes in order). Each output's arithmetic depends only on
- * its row and its weight row, so the result is the same for any M and any split of the output rows across
- * threads (batch-invariant). Built with qgemv.c by backends/cpu/kernels.py.
+ * terms in block order (Q8_0 in whole blocks, as qgemm8.c; Q4_0, Q5_0, IQ4_NL, MXFP4, Q4_1, Q5_1 in 8 lanes, then
+ * the lanes in order). Each output's arithmetic depends only on its row and its weight row, so the result is the
+ * same for any M and any split of the output rows across threads (batch-invariant). Built with qgemv.c by backends/cpu/kernels.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -640,58 +640,94 @@ static float row_q4_k(const uint8_t *row, const uint8_t *act, int64_t nb) {
     return row_blocks(dot_q4_k, 144, sizeof(q8k_block), row, act, nb);
 }
 
-/* A row of Q8_0 blocks (34 bytes) against Q8_0 activations in 8 float lanes: lane l adds, block by block,
- * (d_w d_x) times the integer dot of values 4l..4l+3 of the block; then the lanes are added in order. */
+/* A row of Q8_0 blocks (34 bytes) against Q8_0 activations in whole blocks, as prefill's GEMM (qgemm8.c) and
+ * llama.cpp's generic ggml_vec_dot_q8_0_q8_0: acc += (d_w d_x) isum block after block, isum the block's exact
+ * integer dot. The rows of an own_rows4_q8 call (four streams) each add their blocks in that order. */
+static inline int32_t q8_0_isum(const uint8_t *blk, const q8_0_block *y) {
 #if defined(__AVX2__)
-static inline __m256 q8_0_lanes(__m256 acc, const uint8_t *blk, const q8_0_block *y) {     /* one block's step */
-    prefetch_ahead(blk, 34);
+    /* |w| (unsigned; -128 -> 128) times x with w's sign: pairs reach at most 2 * 128 * 127, no saturation */
     __m256i w = load256(blk + 2);
-    __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256(y->qs), w));
-    __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
-    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(q8_half(blk) * y->d), dots));
+    return hsum_i32(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(load256(y->qs), w)),
+                                      _mm256_set1_epi16(1)));
+#else
+    int32_t s = 0;
+    for (int i = 0; i < 32; i++) s += (int8_t)blk[2 + i] * y->qs[i];
+    return s;
+#endif
 }
 
-static inline float q8_0_lane_sum(__m256 acc) {
-    float lanes[8], sum = 0.0f;
-    _mm256_storeu_ps(lanes, acc);
-    for (int l = 0; l < 8; l++) sum += lanes[l];
-    return sum;
+static inline float q8_0_term(const uint8_t *blk, const q8_0_block *y) {     /* one block's (d_w d_x) isum */
+    return (q8_half(blk) * y->d) * (float)q8_0_isum(blk, y);
 }
 
 static float row_q8_0(const uint8_t *row, const uint8_t *act, int64_t nb) {
     const q8_0_block *y = (const q8_0_block *)act;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) acc = q8_0_lanes(acc, row + 34 * b, y + b);
-    return q8_0_lane_sum(acc);
+    float acc = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_ahead(row + 34 * b, 34);
+        acc = acc + q8_0_term(row + 34 * b, y + b);
+    }
+    return acc;
 }
 
-static void rows_q8_0(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {  /* 4 rows in turn */
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
+static inline short q8_0_scale_bits(const uint8_t *blk) {
+    uint16_t h;
+    memcpy(&h, blk, 2);
+    return (short)h;
+}
+
+/* s[i] lanes 0-7 / 8-15: row i's 8 partial sums of block b / b + 1 -> lane i + 4h: row i's isum of block b + h */
+static inline __m256i q8_0_fold(const __m512i *s) {
+    __m512i t01 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[0], s[1]), _mm512_unpackhi_epi32(s[0], s[1]));
+    __m512i t23 = _mm512_add_epi32(_mm512_unpacklo_epi32(s[2], s[3]), _mm512_unpackhi_epi32(s[2], s[3]));
+    __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t01, t23), _mm512_unpackhi_epi64(t01, t23));
+    __m512i v = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0));     /* 128-bit lane L: rows 0-3 over lanes 4L.. */
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+/* Four rows, two blocks a step: (w + 128) . x by vpdpbusd from -128 sum(x), the 4 x 2 sums folded into one vector,
+ * the float steps of the 4 rows in one, block b before b + 1 (the same bits as row_q8_0 row by row). */
+static void rows_q8_0(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
     const q8_0_block *y = (const q8_0_block *)act;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < nb; b++)
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m128 acc = _mm_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(load256(y[b].qs)), load256(y[b + 1].qs), 1);
+        __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, x));
+        __m512i s[4];
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) acc[i] = q8_0_lanes(acc[i], r[i] + 34 * b, y + b);
-    for (int i = 0; i < 4; i++) out[i] = q8_0_lane_sum(acc[i]);
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *p = r[i] + 34 * b;
+            prefetch_ahead(p, 68);
+            __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(load256(p + 2)), load256(p + 36), 1);
+            s[i] = _mm512_dpbusd_epi32(start, _mm512_xor_si512(w, flip), x);
+        }
+        const uint8_t *p0 = r[0] + 34 * b, *p1 = r[1] + 34 * b, *p2 = r[2] + 34 * b, *p3 = r[3] + 34 * b;
+        __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(q8_0_scale_bits(p0), q8_0_scale_bits(p1), q8_0_scale_bits(p2),
+                                                   q8_0_scale_bits(p3), q8_0_scale_bits(p0 + 34),
+                                                   q8_0_scale_bits(p1 + 34), q8_0_scale_bits(p2 + 34),
+                                                   q8_0_scale_bits(p3 + 34)));
+        __m256 dx = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(y[b].d)), _mm_set1_ps(y[b + 1].d), 1);
+        __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(q8_0_fold(s)));
+        acc = _mm_add_ps(acc, _mm256_castps256_ps128(term));
+        acc = _mm_add_ps(acc, _mm256_extractf128_ps(term, 1));
+    }
+    _mm_storeu_ps(out, acc);
+    for (; b < nb; b++)
+        for (int i = 0; i < 4; i++) out[i] = out[i] + q8_0_term(r[i] + 34 * b, y + b);
 }
 #else
-static float row_q8_0(const uint8_t *row, const uint8_t *act, int64_t nb) {
+static void rows_q8_0(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {  /* 4 rows in turn */
     const q8_0_block *y = (const q8_0_block *)act;
-    float lanes[8] = {0};
-    for (int64_t b = 0; b < nb; b++, row += 34) {
-        float d = q8_half(row) * y[b].d;
-        for (int l = 0; l < 8; l++) {
-            int s = 0;
-            for (int i = 4 * l; i < 4 * l + 4; i++) s += (int8_t)row[2 + i] * y[b].qs[i];
-            lanes[l] += d * (float)s;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < 4; i++) {
+            prefetch_ahead(r[i] + 34 * b, 34);
+            acc[i] = acc[i] + q8_0_term(r[i] + 34 * b, y + b);
         }
-    }
-    float sum = 0.0f;
-    for (int l = 0; l < 8; l++) sum += lanes[l];
-    return sum;
-}
-
-static void rows_q8_0(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
-    for (int i = 0; i < 4; i++) out[i] = row_q8_0(r[i], act, nb);
+    for (int i = 0; i < 4; i++) out[i] = acc[i];
 }
 #endif
 
@@ -867,7 +903,7 @@ static inline float codes32_mxfp4(const uint8_t *b, codes32 *c) {
 
 /* R rows r[0..R) of 32-value blocks of `bb` bytes given as codes times a scale, block by block in turn (R = 4:
  * four streams, as own_rows4_q8), against Q8_0 activations (mins: Q4_1 / Q5_1's unsigned codes with f16 d and m
- * first, against Q8_1 activations), as row_q8_0: lane l adds (d_w d_x) times the integer dot of values 4l..4l+3
+ * first, against Q8_1 activations), in 8 lanes: lane l adds (d_w d_x) times the integer dot of values 4l..4l+3
  * of each block, then the lanes are added in order (mins: then `+ summs`, summs adding m_w s_x block after
  * block). The same bits for any R. */
 static inline __attribute__((always_inline)) void rows_codes(float (*codes)(const uint8_t *, codes32 *), const int bb,
@@ -1186,38 +1222,34 @@ static void rows8_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_bloc
 
 static void rows8_q8_0(const uint8_t *w, int64_t N, int64_t K, const q8_0_block *x, int64_t M, float *y,
                        int64_t n0, int64_t n1) {
-    /* rows 4 at a time over the whole weight row (which stays in L1), their 8-lane sums in registers */
+    /* each block read once for every row, whole blocks as row_q8_0: 4 rows' integer sums folded into one vector
+     * (lane j: row m0 + j) and their float steps in one */
     int64_t nb = K / 32;
     for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *row = w + n * nb * 34;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            const uint8_t *b = row;
-            for (int64_t k = 0; k < nb; k++, b += 34) {
-                if (m0 == 0) prefetch_ahead(b, 34);
-                __m256i v = load256(b + 2), magnitude = _mm256_sign_epi8(v, v);
-                float d = q8_half(b);
+        __m128 acc[Q8_MAX_ROWS / 4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+        const uint8_t *b = w + n * nb * 34;
+        for (int64_t k = 0; k < nb; k++, b += 34) {
+            prefetch_ahead(b, 34);
+            __m256i v = load256(b + 2), magnitude = _mm256_sign_epi8(v, v);
+            __m128 d = _mm_set1_ps(q8_half(b));
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                __m256i dots[4];
+                float dx[4];
 #pragma GCC unroll 4
                 for (int j = 0; j < 4; j++) {
-                    if (m0 + j >= M) continue;
-                    const q8_0_block *a = x + (m0 + j) * nb + k;
-                    __m256i signed_x = _mm256_sign_epi8(load256(a->qs), v);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                    __m256i dots = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
-#else
-                    __m256i dots = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x),
-                                                     _mm256_set1_epi16(1));
-#endif
-                    acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(_mm256_set1_ps(d * a->d), _mm256_cvtepi32_ps(dots)));
+                    const q8_0_block *a = x + (m0 + j < M ? m0 + j : m0) * nb + k;
+                    dx[j] = a->d;
+                    dots[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(load256(a->qs), v)),
+                                                _mm256_set1_epi16(1));
                 }
-            }
-            for (int j = 0; j < 4 && m0 + j < M; j++) {
-                float lanes[8], sum = 0.0f;
-                _mm256_storeu_ps(lanes, acc[j]);
-                for (int l = 0; l < 8; l++) sum += lanes[l];
-                y[(m0 + j) * N + n] = sum;
+                __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(dots[0], dots[1]), _mm256_hadd_epi32(dots[2], dots[3]));
+                __m128i isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+                acc[m0 / 4] = _mm_add_ps(acc[m0 / 4], _mm_mul_ps(_mm_mul_ps(d, _mm_loadu_ps(dx)), _mm_cvtepi32_ps(isum)));
             }
         }
+        float out[Q8_MAX_ROWS];
+        for (int64_t m0 = 0; m0 < M; m0 += 4) _mm_storeu_ps(out + m0, acc[m0 / 4]);
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = out[m];
     }
 }
 #endif

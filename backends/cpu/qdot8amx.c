@@ -6,8 +6,8 @@
  * tiles. The integer sums are exact, and every float step is the one-row kernel's, in its order
  * (ops/q8_activations.py), so each output has the same bits as qdot8's:
  *
- * - Q8_0: decode's 8 lanes (lane l adds (d_w d_x) times the integer dot of values 4l..4l+3 of each block) come
- *   from a B tile holding two activation rows spread over 16 columns, column 8j + l seeing only lane l of row j.
+ * - Q8_0: whole blocks (acc += (d_w d_x) isum), so the A tile is the stored weight itself (16 rows of 32 int8,
+ *   read in place) and one K = 32 product per block gives every row's isum.
  * - Q2_K: each value times its sub-block's 4-bit scale fits a byte (3 x 15), so the A tile holds q * scale and
  *   one tile product per 64 values gives isum whole.
  * - Q4_K: the 6-bit scale split as 4 sh + sl (sh < 16, sl < 4): A tiles q * sh and q * sl (at most 225, as
@@ -343,84 +343,78 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
 }
 #undef SLOT
 
-/* Q8_0 (34 bytes: d, 32 int8) in decode's 8 lanes, tiles of 16 weight rows as A (copied row after row into a
- * buffer while the tile before takes its products: the weight read in order). The activation rows go in pairs:
- * B tile (block b, pair p) row k holds values 4k..4k+3 of row 2p in column k and of row 2p + 1 in column 8 + k,
- * zeros elsewhere, so column 8j + l of the product is lane l of row 2p + j. Up to 4 pairs' products run while the
- * float steps of the 4 before them are taken. */
+/* Q8_0 (34 bytes: d, 32 int8) in whole blocks: 16 weight rows as the A tile, read in place from their stored
+ * blocks (tile rows ldw bytes apart, 32 bytes each), against every activation row in one B tile per block (row k
+ * bytes 4m..4m+3: values 4k..4k+3 of activation row m; rows past M zero, packed once per call), one K = 32
+ * `tdpbssd` giving the 16 x 16 block sums; then acc += (d_w d_x) isum per weight row (16 activation rows a vector),
+ * the one-row kernel's float step. Two blocks a step on two sets of tiles; the weight two tiles ahead is prefetched
+ * in address order (a tile's 16 rows lie together), a part in each block's float steps. */
+typedef struct { int8_t b[8][64]; float d[16]; } q8_0_tile;
+
+static q8_0_tile *q8_0_pack(const uint8_t *xq, int64_t M, int64_t nb) {
+    q8_0_tile *t = aligned_alloc(64, (size_t)nb * sizeof *t);
+    if (t == NULL) return NULL;
+    __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                      _mm512_set1_epi32((int)(nb * Q8_0_BYTES)));
+    __mmask16 present = (__mmask16)((1u << M) - 1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = xq + b * Q8_0_BYTES;
+        for (int k = 0; k < 8; k++)
+            _mm512_store_si512(t[b].b[k], _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, rows,
+                                                                      blk + 4 + 4 * k, 1));
+        _mm512_store_ps(t[b].d, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, rows, blk, 1));
+    }
+    return t;
+}
+
+/* One block's float steps for 16 weight rows (sums[r] lane m: weight row r against activation row m; the rows'
+ * f16 scales gathered from their blocks at `blk`, `rows` their offsets), prefetching 9 lines from `ahead`. */
+static inline __attribute__((always_inline)) void q8_0_steps(__m512 *acc, const uint8_t *blk, __m512i rows,
+                                                             const float *dx, int32_t (*sums)[TILE], const char *ahead) {
+    float dw[TILE] __attribute__((aligned(64)));
+    _mm512_store_ps(dw, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(rows, blk, 1))));
+    __m512 x = _mm512_load_ps(dx);
+#pragma GCC unroll 16
+    for (int r = 0; r < TILE; r++) {
+        if (r < 9) _mm_prefetch(ahead + 64 * r, _MM_HINT_T1);       /* 9 lines: more than a block's 16 x 34 bytes */
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(dw[r]), x),
+                                                     _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]))));
+    }
+}
+
 static int amx_q8_0(const uint8_t *w, int64_t N, int64_t nb, const uint8_t *xq, int64_t M, float *y,
                     int64_t n0, int64_t n1) {
-    int64_t ldw = nb * 34, pairs = (M + 1) / 2, groups = (pairs + 3) / 4, items = nb * groups;
-    size_t tiles = (size_t)(nb * pairs), rows_bytes = (size_t)(TILE * ldw + 63) / 64 * 64;
-    uint8_t *mem = aligned_alloc(64, tiles * (512 + 64) + (size_t)pairs * TILE * 64 + 2 * rows_bytes);
-    if (mem == NULL) return -2;
-    int8_t (*bq)[8][64] = (void *)mem;                              /* [nb * pairs] B tiles */
-    float (*dx)[16] = (void *)(mem + tiles * 512);                  /* lane 8j + l: row 2p + j's d */
-    __m512 *acc = (__m512 *)(mem + tiles * 576);                    /* [pairs][16 weight rows][8 lanes, 2 rows] */
-    uint8_t *rows[2] = {mem + tiles * 576 + pairs * TILE * 64, mem + tiles * 576 + pairs * TILE * 64 + rows_bytes};
-    memset(mem, 0, tiles * 576);
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = xq + (m * nb + b) * Q8_0_BYTES;
-            int64_t t = b * pairs + m / 2;
-            for (int l = 0; l < 8; l++) {
-                memcpy(&bq[t][l][4 * (8 * (m % 2) + l)], blk + 4 + 4 * l, 4);
-                memcpy(&dx[t][8 * (m % 2) + l], blk, 4);
-            }
+    int64_t ldw = nb * 34;
+    q8_0_tile *t = q8_0_pack(xq, M, nb);
+    if (t == NULL) return -2;
+    int32_t sums[2][TILE][TILE] __attribute__((aligned(64)));
+    __m512 acc[TILE];
+    __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                      _mm512_set1_epi32((int)ldw));
+    tiles_on(32, 8, 0xa);       /* A: tmm0, tmm2 (16 x 32 bytes); B: tmm1, tmm3 (8 x 64); sums: tmm4, tmm5 */
+    for (int64_t n = n0; n < n1; n += TILE) {
+        const uint8_t *wt = w + n * ldw;
+        const char *ahead = (const char *)wt + 2 * TILE * ldw;
+        for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
+        int64_t b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            const uint8_t *blk = wt + 34 * b;
+            _tile_loadd(0, blk + 2, ldw); _tile_loadd(1, t[b].b, 64); _tile_zero(4); _tile_dpbssd(4, 0, 1);
+            _tile_loadd(2, blk + 36, ldw); _tile_loadd(3, t[b + 1].b, 64); _tile_zero(5); _tile_dpbssd(5, 2, 3);
+            _tile_stored(4, sums[0], 64);
+            _tile_stored(5, sums[1], 64);
+            q8_0_steps(acc, blk, rows, t[b].d, sums[0], ahead + TILE * 34 * b);
+            q8_0_steps(acc, blk + 34, rows, t[b + 1].d, sums[1], ahead + TILE * 34 * (b + 1));
         }
-    int32_t sums[2][4][TILE][TILE] __attribute__((aligned(64)));
-    float d[2][TILE];
-    tiles_on(32, 8, 0xe);       /* A: tmm0; B: tmm1-3 */
-    memcpy(rows[0], w + n0 * ldw, (size_t)(TILE * ldw));
-    for (int64_t n = n0, tile = 0; n < n1; n += TILE, tile++) {
-        const uint8_t *cur = rows[tile % 2];
-        uint8_t *next = rows[(tile + 1) % 2];
-        int has_next = n + TILE < n1, copied = 0;
-        for (int64_t i = 0; i < pairs * TILE; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t i = 0; i <= items; i++) {     /* item i: block i / groups, pairs 4 (i % groups).. */
-            int64_t b = i / groups, p0 = 4 * (i % groups), count = pairs - p0 < 4 ? pairs - p0 : 4;
-            if (i < items) {
-                const uint8_t *blk = cur + b * 34;
-                if (p0 == 0) {
-                    for (int r = 0; r < TILE; r++) d[b % 2][r] = half(blk + r * ldw);
-                    _tile_loadd(0, blk + 2, ldw);
-                }
-                const int8_t *bt = bq[b * pairs + p0][0];
-                _tile_loadd(1, bt, 64); _tile_zero(4); _tile_dpbssd(4, 0, 1);
-                if (count > 1) { _tile_loadd(2, bt + 512, 64); _tile_zero(5); _tile_dpbssd(5, 0, 2); }
-                if (count > 2) { _tile_loadd(3, bt + 1024, 64); _tile_zero(6); _tile_dpbssd(6, 0, 3); }
-                if (count > 3) { _tile_loadd(1, bt + 1536, 64); _tile_zero(7); _tile_dpbssd(7, 0, 1); }
-            }
-            for (; has_next && copied < TILE && copied * items < (i + 1) * TILE; copied++)
-                copy_row(next + copied * ldw, w + (n + TILE + copied) * ldw, ldw);
-            if (i > 0) {                            /* the float steps of item i - 1 */
-                int64_t pb = (i - 1) / groups, q0 = 4 * ((i - 1) % groups), qn = pairs - q0 < 4 ? pairs - q0 : 4;
-                for (int64_t j = 0; j < qn; j++) {
-                    __m512 dxp = _mm512_load_ps(dx[pb * pairs + q0 + j]);
-                    __m512 *a = acc + (q0 + j) * TILE;
-                    for (int r = 0; r < TILE; r++)
-                        a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(d[pb % 2][r]), dxp),
-                                                                 _mm512_cvtepi32_ps(_mm512_load_si512(sums[(i - 1) % 2][j][r]))));
-                }
-            }
-            if (i < items) {
-                _tile_stored(4, sums[i % 2][0], 64);
-                if (count > 1) _tile_stored(5, sums[i % 2][1], 64);
-                if (count > 2) _tile_stored(6, sums[i % 2][2], 64);
-                if (count > 3) _tile_stored(7, sums[i % 2][3], 64);
-            }
+        if (b < nb) {
+            _tile_loadd(0, wt + 34 * b + 2, ldw); _tile_loadd(1, t[b].b, 64); _tile_zero(4); _tile_dpbssd(4, 0, 1);
+            _tile_stored(4, sums[0], 64);
+            q8_0_steps(acc, wt + 34 * b, rows, t[b].d, sums[0], ahead + TILE * 34 * b);
         }
-        for (int64_t m = 0; m < M; m++) {
-            const float *lanes = (const float *)(acc + (m / 2) * TILE) + 8 * (m % 2);
-            for (int r = 0; r < TILE && n + r < n1; r++) {
-                float sum = 0.0f;       /* the lanes in order, as the one-row kernel */
-                for (int l = 0; l < 8; l++) sum += lanes[16 * r + l];
-                y[m * N + n + r] = sum;
-            }
-        }
+        store_tile(acc, M, y, N, n, n1, 1.0f);
     }
     _tile_release();
-    free(mem);
+    free(t);
     return 0;
 }
 
@@ -430,7 +424,7 @@ static int amx_q8_0(const uint8_t *w, int64_t N, int64_t nb, const uint8_t *xq, 
  * back as tiles, the B tiles reloaded per block) outweighs the rows it saves. 17 for a type it does not serve. */
 static int amx_from(int type) {
     switch (type) {
-    case 8: return 12;      /* Q8_0 */
+    case 8: return 2;       /* Q8_0 */
     case 12: return 9;      /* Q4_K */
     case 10: return 5;      /* Q2_K */
     case 16: return 5;      /* IQ2_XXS */
