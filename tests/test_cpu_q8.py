@@ -329,8 +329,8 @@ def test_f16_rounding():
 def test_reference_dot_is_llama_cpps(qtype):
     """Each output of the reference equals llama.cpp's generic dot product of the same blocks (IQ2_XXS, Q2_K:
     the same float steps, bit for bit; Q3_K..Q6_K: llama.cpp adds its float terms in 8 lanes, so its per-block
-    integer sums give the reference's float result; Q8_0: ours adds 8 lanes, the generic one a scalar; F16: ours
-    32 float lanes, the generic one a double: within rounding)."""
+    integer sums give the reference's float result; Q8_0: whole blocks, bit for bit; Q4_0..MXFP4: ours adds 8 lanes,
+    the generic one a scalar; F16: ours 32 float lanes, the generic one a double: within rounding)."""
     w, x = weight(qtype, 4, 512), activations(2, 512)
     out = ref.qdot8(x, w)
     for m in range(2):
@@ -356,8 +356,9 @@ def test_reference_dot_is_llama_cpps(qtype):
             if qtype in ref.Q8_1_TYPES:
                 assert out[m, n].item() == pytest.approx(vec_dot_32_q8_1(row, xq, qtype == "Q5_1"), rel=1e-5, abs=1e-6)
                 continue
-            if q8_0:     # 8 lanes (as llama.cpp's AVX2 kernel) against the generic scalar sum
-                assert out[m, n].item() == pytest.approx(vec_dot_32_q8_0(qtype, row, xq), rel=1e-5, abs=1e-6)
+            if q8_0:     # Q8_0 whole blocks; the others 8 lanes (as llama.cpp's AVX2 kernel) against its scalar sum
+                generic = vec_dot_32_q8_0(qtype, row, xq)
+                assert out[m, n].item() == (generic if qtype == "Q8_0" else pytest.approx(generic, rel=1e-5, abs=1e-6))
                 continue
             llama = {"IQ2_XXS": vec_dot_iq2_xxs_q8_k, "Q2_K": vec_dot_q2_k_q8_k}[qtype]
             assert out[m, n].item() == llama(row, xq), (qtype, m, n)
@@ -396,6 +397,25 @@ def test_rows_of_many_blocks_equal_reference(qtype):
     assert torch.equal(kernels.qdot8(x, w), ref.qdot8(x, w))
     assert torch.equal(kernels.qdot8(x[:1], w), ref.qdot8(x[:1], w))
     assert torch.equal(kernels.qdot8(x, stacked, ids), ref.qdot8(x, stacked, ids))
+
+
+def test_q8_0_whole_blocks_on_every_path_and_in_prefill():
+    """Q8_0 in whole blocks: rows of 9 and 35 blocks (two blocks a step, then the last alone), 37 rows (whole tiles
+    of 16, then the rest), every M in 1..16 with the AMX tiles on for every M (where the CPU has them) and off
+    (qdot8_rows' AVX rows): the reference's bits; and prefill's GEMM (qgemm8, 20 rows) gives each row the bits of
+    its decode call."""
+    try:
+        for K in (288, 1120):
+            w, x = weight("Q8_0", 37, K), activations(20, K)
+            expected = ref.qdot8(x[:16], w)
+            for tiles in (True, False):
+                kernels.amx_rows(tiles, every_m=tiles)
+                for M in range(1, 17):
+                    assert torch.equal(kernels.qdot8(x[:M], w), expected[:M]), (K, tiles, M)
+            assert torch.equal(ref.qgemm8(x, w)[:16], expected)
+            assert torch.equal(kernels.qgemm8(x, w)[:16], expected), (K, kernels.gemm8_path())
+    finally:
+        kernels.amx_rows(True)
 
 
 def rebuild_with(flags: str, tmp_path, monkeypatch) -> None:
