@@ -344,76 +344,112 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
 #undef SLOT
 
 /* Q8_0 (34 bytes: d, 32 int8) in whole blocks: 16 weight rows as the A tile, read in place from their stored
- * blocks (tile rows ldw bytes apart, 32 bytes each), against every activation row in one B tile per block (row k
- * bytes 4m..4m+3: values 4k..4k+3 of activation row m; rows past M zero, packed once per call), one K = 32
- * `tdpbssd` giving the 16 x 16 block sums; then acc += (d_w d_x) isum per weight row (16 activation rows a vector),
- * the one-row kernel's float step. Two blocks a step on two sets of tiles; the weight two tiles ahead is prefetched
- * in address order (a tile's 16 rows lie together), a part in each block's float steps. */
-typedef struct { int8_t b[8][64]; float d[16]; } q8_0_tile;
+ * blocks (tile rows ldw bytes apart, 32 bytes each), against the activation rows (M padded to P = 4, 8 or 16) in
+ * one B tile per block (row k bytes 4m..4m+3: values 4k..4k+3 of activation row m; rows past M zero), packed once
+ * per call; one K = 32 `tdpbssd` gives the 16 x P block sums, stored densely (lane l of vector v: weight row
+ * (16 v + l) / P, activation row l % P), and acc += (d_w d_x) isum takes P vectors per block: the one-row kernel's
+ * float step. Each block's product is issued two blocks before its float steps (tiles 4-7 in turn); the weight
+ * two tiles ahead is prefetched in address order (a tile's 16 rows lie together), a part in each block's steps. */
+typedef struct { int8_t b[8][64]; float d[16]; } q8_0_tile;     /* d lane l: activation row l % P's d_x */
 
-static q8_0_tile *q8_0_pack(const uint8_t *xq, int64_t M, int64_t nb) {
+static q8_0_tile *q8_0_pack(const uint8_t *xq, int64_t M, int64_t nb, int P) {
     q8_0_tile *t = aligned_alloc(64, (size_t)nb * sizeof *t);
     if (t == NULL) return NULL;
-    __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                      _mm512_set1_epi32((int)(nb * Q8_0_BYTES)));
+    __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), rows_bytes =
+        _mm512_set1_epi32((int)(nb * Q8_0_BYTES));
+    __m512i rows = _mm512_mullo_epi32(lanes, rows_bytes);
+    __m512i cycle = _mm512_mullo_epi32(_mm512_and_si512(lanes, _mm512_set1_epi32(P - 1)), rows_bytes);
     __mmask16 present = (__mmask16)((1u << M) - 1);
+    __mmask16 cycled = _mm512_cmplt_epi32_mask(_mm512_and_si512(lanes, _mm512_set1_epi32(P - 1)), _mm512_set1_epi32((int)M));
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = xq + b * Q8_0_BYTES;
         for (int k = 0; k < 8; k++)
             _mm512_store_si512(t[b].b[k], _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, rows,
                                                                       blk + 4 + 4 * k, 1));
-        _mm512_store_ps(t[b].d, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, rows, blk, 1));
+        _mm512_store_ps(t[b].d, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), cycled, cycle, blk, 1));
     }
     return t;
 }
 
-/* One block's float steps for 16 weight rows (sums[r] lane m: weight row r against activation row m; the rows'
- * f16 scales gathered from their blocks at `blk`, `rows` their offsets), prefetching 9 lines from `ahead`. */
-static inline __attribute__((always_inline)) void q8_0_steps(__m512 *acc, const uint8_t *blk, __m512i rows,
-                                                             const float *dx, int32_t (*sums)[TILE], const char *ahead) {
+/* Tiles 0, 2: A (16 x 32 bytes); 1, 3: B (8 x 4P bytes); 4-7: 16 x P sums. */
+static void q8_0_tiles_on(int P) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = (uint8_t)(t == 1 || t == 3 ? 8 : 16);
+        c.colsb[t] = (uint16_t)(t == 0 || t == 2 ? 32 : 4 * P);
+    }
+    asm volatile("" : : "r"(&c) : "memory");       /* keep the stores above before ldtilecfg */
+    _tile_loadconfig(&c);
+}
+
+/* One block's float steps (sums: 16 x P int32, dense), the rows' f16 scales gathered from their blocks at `blk`
+ * (`rows`: their offsets); prefetches 9 lines from `ahead`. */
+static inline __attribute__((always_inline)) void q8_0_steps(const int P, __m512 *acc, const uint8_t *blk,
+        __m512i rows, const float *dx, const int32_t *sums, const char *ahead) {
     float dw[TILE] __attribute__((aligned(64)));
-    _mm512_store_ps(dw, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(rows, blk, 1))));
+    __m512 dwv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(rows, blk, 1)));
+    _mm512_store_ps(dw, dwv);
     __m512 x = _mm512_load_ps(dx);
 #pragma GCC unroll 16
-    for (int r = 0; r < TILE; r++) {
-        if (r < 9) _mm_prefetch(ahead + 64 * r, _MM_HINT_T1);       /* 9 lines: more than a block's 16 x 34 bytes */
-        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(dw[r]), x),
-                                                     _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]))));
+    for (int v = 0; v < P; v++) {
+        if (v < 9) _mm_prefetch(ahead + 64 * v, _MM_HINT_T1);
+        __m512 d = P == TILE ? _mm512_set1_ps(dw[v])       /* lane l: weight row 16 v / P + l / P */
+                             : _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * v),
+                                   _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)), P == 8 ? 3 : 2), dwv);
+        acc[v] = _mm512_add_ps(acc[v], _mm512_mul_ps(_mm512_mul_ps(d, x), _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * v))));
     }
+    if (P < 9)
+        for (int v = P; v < 9; v++) _mm_prefetch(ahead + 64 * v, _MM_HINT_T1);
+}
+
+static inline __attribute__((always_inline)) void amx_q8_0_tiles(const int P, const uint8_t *w, int64_t N,
+        int64_t nb, const q8_0_tile *t, int64_t M, float *y, int64_t n0, int64_t n1) {
+    int64_t ldw = nb * 34;
+    int32_t sums[2][TILE * TILE] __attribute__((aligned(64)));
+    __m512 acc[TILE];
+    __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                      _mm512_set1_epi32((int)ldw));
+    q8_0_tiles_on(P);
+    for (int64_t n = n0; n < n1; n += TILE) {
+        const uint8_t *wt = w + n * ldw;
+        const char *ahead = (const char *)wt + 2 * TILE * ldw;
+        for (int v = 0; v < P; v++) acc[v] = _mm512_setzero_ps();
+#define ISSUE(k, ta, tb, tc) if ((k) < nb) { _tile_loadd(ta, wt + 34 * (k) + 2, ldw); _tile_loadd(tb, t[k].b, 64); \
+                                            _tile_zero(tc); _tile_dpbssd(tc, ta, tb); }
+#define RETIRE(k, tc, s) if ((k) < nb) { _tile_stored(tc, sums[s], 4 * P); \
+                                         q8_0_steps(P, acc, wt + 34 * (k), rows, t[k].d, sums[s], ahead + TILE * 34 * (k)); }
+        ISSUE(0, 0, 1, 4);
+        ISSUE(1, 2, 3, 5);
+        for (int64_t b = 0; b < nb; b += 4) {
+            ISSUE(b + 2, 0, 1, 6);
+            RETIRE(b, 4, 0);
+            ISSUE(b + 3, 2, 3, 7);
+            RETIRE(b + 1, 5, 1);
+            ISSUE(b + 4, 0, 1, 4);
+            RETIRE(b + 2, 6, 0);
+            ISSUE(b + 5, 2, 3, 5);
+            RETIRE(b + 3, 7, 1);
+        }
+#undef ISSUE
+#undef RETIRE
+        float out[TILE * TILE];
+        for (int v = 0; v < P; v++) _mm512_storeu_ps(out + 16 * v, acc[v]);
+        for (int64_t m = 0; m < M; m++)
+            for (int r = 0; r < TILE && n + r < n1; r++) y[m * N + n + r] = out[r * P + m];
+    }
+    _tile_release();
 }
 
 static int amx_q8_0(const uint8_t *w, int64_t N, int64_t nb, const uint8_t *xq, int64_t M, float *y,
                     int64_t n0, int64_t n1) {
-    int64_t ldw = nb * 34;
-    q8_0_tile *t = q8_0_pack(xq, M, nb);
+    int P = M <= 4 ? 4 : M <= 8 ? 8 : TILE;
+    q8_0_tile *t = q8_0_pack(xq, M, nb, P);
     if (t == NULL) return -2;
-    int32_t sums[2][TILE][TILE] __attribute__((aligned(64)));
-    __m512 acc[TILE];
-    __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                      _mm512_set1_epi32((int)ldw));
-    tiles_on(32, 8, 0xa);       /* A: tmm0, tmm2 (16 x 32 bytes); B: tmm1, tmm3 (8 x 64); sums: tmm4, tmm5 */
-    for (int64_t n = n0; n < n1; n += TILE) {
-        const uint8_t *wt = w + n * ldw;
-        const char *ahead = (const char *)wt + 2 * TILE * ldw;
-        for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
-        int64_t b = 0;
-        for (; b + 2 <= nb; b += 2) {
-            const uint8_t *blk = wt + 34 * b;
-            _tile_loadd(0, blk + 2, ldw); _tile_loadd(1, t[b].b, 64); _tile_zero(4); _tile_dpbssd(4, 0, 1);
-            _tile_loadd(2, blk + 36, ldw); _tile_loadd(3, t[b + 1].b, 64); _tile_zero(5); _tile_dpbssd(5, 2, 3);
-            _tile_stored(4, sums[0], 64);
-            _tile_stored(5, sums[1], 64);
-            q8_0_steps(acc, blk, rows, t[b].d, sums[0], ahead + TILE * 34 * b);
-            q8_0_steps(acc, blk + 34, rows, t[b + 1].d, sums[1], ahead + TILE * 34 * (b + 1));
-        }
-        if (b < nb) {
-            _tile_loadd(0, wt + 34 * b + 2, ldw); _tile_loadd(1, t[b].b, 64); _tile_zero(4); _tile_dpbssd(4, 0, 1);
-            _tile_stored(4, sums[0], 64);
-            q8_0_steps(acc, wt + 34 * b, rows, t[b].d, sums[0], ahead + TILE * 34 * b);
-        }
-        store_tile(acc, M, y, N, n, n1, 1.0f);
-    }
-    _tile_release();
+    if (P == 4) amx_q8_0_tiles(4, w, N, nb, t, M, y, n0, n1);
+    else if (P == 8) amx_q8_0_tiles(8, w, N, nb, t, M, y, n0, n1);
+    else amx_q8_0_tiles(TILE, w, N, nb, t, M, y, n0, n1);
     free(t);
     return 0;
 }
