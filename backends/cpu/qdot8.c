@@ -1335,6 +1335,82 @@ static void wide_q4_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x
     }
 }
 
+/* Q8_0 rows (M = 2..16) sharing each weight block: two weight rows against two activation rows at a time, two
+ * blocks a step, (w + 128) . x by vpdpbusd folded into one vector (lane j + 4h: pair j of (weight row, activation
+ * row), block b + h) less 128 sum(x) (per call), and the four pairs' float steps in one, block b before b + 1; an odd
+ * last block alone: each output the bits of row_q8_0. A missing second row (odd M, or the chunk's last weight row)
+ * repeats the first and is not stored. */
+#if defined(__F16C__)
+typedef struct { __m256i corr; __m256 dx; } q8_0_rows2;     /* per activation row pair and block pair */
+
+static int wide_q8_0(const uint8_t *w, int64_t N, int64_t K, const q8_0_block *x, int64_t M, float *y,
+                     int64_t n0, int64_t n1) {
+    int64_t nb = K / 32, pairs = nb / 2, groups = (M + 1) / 2;
+    q8_0_rows2 *g = aligned_alloc(64, (size_t)(groups * pairs + 1) * sizeof *g);
+    if (g == NULL) return -2;
+    for (int64_t i = 0; i < groups; i++)
+        for (int64_t p = 0; p < pairs; p++) {
+            int32_t corr[8];
+            float dx[8];
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 4; j++) {       /* lane j + 4h: activation row 2i + j % 2, block 2p + h */
+                    const q8_0_block *a = x + (2 * i + j % 2 < M ? 2 * i + j % 2 : M - 1) * nb + 2 * p + h;
+                    int32_t s = 0;
+                    for (int v = 0; v < 32; v++) s += a->qs[v];
+                    corr[4 * h + j] = 128 * s;
+                    dx[4 * h + j] = a->d;
+                }
+            memcpy(&g[i * pairs + p].corr, corr, 32);
+            memcpy(&g[i * pairs + p].dx, dx, 32);
+        }
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t n = n0; n < n1; n += 2) {
+        const uint8_t *r0 = w + n * nb * 34, *r1 = n + 1 < n1 ? r0 + nb * 34 : r0;
+        __m128 acc[Q8_MAX_ROWS / 2];
+        for (int64_t i = 0; i < groups; i++) acc[i] = _mm_setzero_ps();
+        for (int64_t p = 0; p < pairs; p++) {
+            const uint8_t *b0 = r0 + 68 * p, *b1 = r1 + 68 * p;
+            prefetch_ahead(b0, 68);
+            prefetch_ahead(b1, 68);
+            __m512i w0 = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(load256(b0 + 2)), load256(b0 + 36), 1),
+                                          flip);
+            __m512i w1 = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(load256(b1 + 2)), load256(b1 + 36), 1),
+                                          flip);
+            short h0 = q8_0_scale_bits(b0), h1 = q8_0_scale_bits(b1), h2 = q8_0_scale_bits(b0 + 34),
+                  h3 = q8_0_scale_bits(b1 + 34);
+            __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(h0, h0, h1, h1, h2, h2, h3, h3));
+            for (int64_t i = 0; i < groups; i++) {
+                const q8_0_block *a0 = x + 2 * i * nb + 2 * p, *a1 = 2 * i + 1 < M ? a0 + nb : a0;
+                __m512i x0 = _mm512_inserti64x4(_mm512_castsi256_si512(load256(a0[0].qs)), load256(a0[1].qs), 1);
+                __m512i x1 = _mm512_inserti64x4(_mm512_castsi256_si512(load256(a1[0].qs)), load256(a1[1].qs), 1);
+                __m512i s[4] = {_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x0),
+                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x1),
+                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x0),
+                                _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1, x1)};
+                const q8_0_rows2 *c = &g[i * pairs + p];
+                __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, c->dx),
+                                            _mm256_cvtepi32_ps(_mm256_sub_epi32(q8_0_fold(s), c->corr)));
+                acc[i] = _mm_add_ps(acc[i], _mm256_castps256_ps128(term));
+                acc[i] = _mm_add_ps(acc[i], _mm256_extractf128_ps(term, 1));
+            }
+        }
+        for (int64_t i = 0; i < groups; i++) {
+            float out[4];
+            _mm_storeu_ps(out, acc[i]);
+            for (int j = 0; j < 4; j++) {
+                int64_t m = 2 * i + j % 2, row = n + j / 2;
+                if (m >= M || row >= n1) continue;
+                float v = out[j];
+                if (nb % 2) v = v + q8_0_term((j < 2 ? r0 : r1) + 34 * (nb - 1), x + m * nb + nb - 1);
+                y[m * N + row] = v;
+            }
+        }
+    }
+    free(g);
+    return 0;
+}
+#endif
+
 static void wide_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
                       int64_t n0, int64_t n1) {
     int64_t nb = K / 256;
@@ -1444,7 +1520,11 @@ int qdot8_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *
         case 10: if (K % 256) return -1; rows8_q2_k(w, N, K, xq, M, y, n0, n1); return 0;
         case 12: if (K % 256) return -1; rows8_q4_k(w, N, K, xq, M, y, n0, n1); return 0;
 #endif
+#if defined(WIDE_ROWS) && defined(__F16C__)
+        case 8: if (K % 32) return -1; return wide_q8_0(w, N, K, xq, M, y, n0, n1);
+#else
         case 8: if (K % 32) return -1; rows8_q8_0(w, N, K, xq, M, y, n0, n1); return 0;
+#endif
         default: break;
         }
     }
