@@ -14,21 +14,21 @@ weight row is multiplied with it in integers; floats only combine whole blocks:
 - **F16** (activations of F16 weights, llama.cpp's `vec_dot_type` for F16): each value rounded to the nearest
   f16 (halves to even); the products of two f16 values are exact in float32.
 
-Per weight block the dot is an exact integer sum; the float combination, in block order along the row:
-IQ2_XXS `acc += (d_w d_x) bsum` (bsum = sum over groups of (2 ls + 1) times the group's integer dot), and
-0.125 acc at the end; Q2_K, Q4_K, Q5_K `acc += (d_x d) isum - (d_x dmin) msum` (isum = sum over sub-blocks of
-scale times the sub-block's integer dot, msum = sum of min times bsums); Q3_K, Q6_K (signed sub-block scales,
-no mins) and IQ4_XS (isum = sum of (ls - 32) times each 32's integer dot) `acc += (d_w d_x) isum`; Q8_0 the
-same in whole blocks (isum the block's integer dot), as llama.cpp's generic kernel and prefill's `qgemm8` (one float
-step per block and row, which AMX tiles give every row of a verify at about the cost of one); in 8 lanes as
-llama.cpp's AVX2 kernel (lane l adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values 4l..4l+3 of each 32,
-block after block; then the lanes in order) the types whose 32 values are integer codes times one scale: Q4_0 (q - 8), Q5_0 (q - 16), IQ4_NL (its table), MXFP4 (twice the E2M1 value; the scale
-2^(e - 128)); Q4_1 and Q5_1 (unsigned codes, a min `m`) as those, then `+ summs` at the end (summs adds
-`m_w s_x` block after block); F16 in 32 lanes (lane l adds the products of values l, l + 32, l + 64, ... in
-order; then the lanes in order). These are the formulas of llama.cpp's `ggml_vec_dot_<type>_q8_K` /
-`ggml_vec_dot_<type>_q8_0` / `_q8_1` / `ggml_vec_dot_f16` (per-block integers equal; IQ2_XXS, Q2_K and Q8_0 add the
-block terms in the generic version's float order; llama.cpp's SIMD variants use other float orders). The C
-kernel matches this reference bit for bit.
+Per weight block the dot is an exact integer sum; the float combination, in block order along the row: IQ2_XXS
+`acc += (d_w d_x) bsum` (bsum = sum over groups of (2 ls + 1) times the group's integer dot), and 0.125 acc at the
+end; Q2_K, Q4_K, Q5_K `acc += (d_x d) isum - (d_x dmin) msum` (isum = sum over sub-blocks of scale times the
+sub-block's integer dot, msum = sum of min times bsums); Q3_K, Q6_K (signed sub-block scales, no mins) and IQ4_XS
+(isum = sum of (ls - 32) times each 32's integer dot) `acc += (d_w d_x) isum`; Q8_0 the same in whole blocks (isum
+the block's integer dot), as llama.cpp's generic kernel and prefill's `qgemm8` (one float step per block and row,
+which AMX tiles give every row of a verify at about the cost of one); in 8 lanes as llama.cpp's AVX2 kernel (lane l
+adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values 4l..4l+3 of each 32, block after block; then the lanes in
+order) the types whose 32 values are integer codes times one scale: Q4_0 (q - 8), Q5_0 (q - 16), IQ4_NL (its table),
+MXFP4 (twice the E2M1 value; the scale 2^(e - 128)); Q4_1 and Q5_1 (unsigned codes, a min `m`) as those, then
+`+ summs` at the end (summs adds `m_w s_x` block after block); F16 in 32 lanes (lane l adds the products of values
+l, l + 32, l + 64, ... in order; then the lanes in order). These are the formulas of llama.cpp's
+`ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_<type>_q8_0` / `_q8_1` / `ggml_vec_dot_f16` (per-block integers equal;
+IQ2_XXS, Q2_K and Q8_0 add the block terms in the generic version's float order; llama.cpp's SIMD variants use other
+float orders). The C kernel matches this reference bit for bit.
 """
 from __future__ import annotations
 

@@ -460,7 +460,7 @@ static int amx_q8_0(const uint8_t *w, int64_t N, int64_t nb, const uint8_t *xq, 
  * back as tiles, the B tiles reloaded per block) outweighs the rows it saves. 17 for a type it does not serve. */
 static int amx_from(int type) {
     switch (type) {
-    case 8: return 2;       /* Q8_0 */
+    case 8: return 2;       /* Q8_0: nothing unpacked, faster from 2 rows (docs/cpu.md, session 12) */
     case 12: return 9;      /* Q4_K */
     case 10: return 5;      /* Q2_K */
     case 16: return 5;      /* IQ2_XXS */
