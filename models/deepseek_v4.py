@@ -437,11 +437,8 @@ class DeepseekV4:
 
     def hc_pre(self, X: Array, hc: HyperConnection, norm: Array) -> tuple[Array, Array, Array]:
         """HC pre step of a sub-layer, returning the normed sub-layer input, post and comb."""
-        a, ops = self.args, self.ops
-        M, S, D = X.shape
-        mixes = ops.qmatmul(ops.rms_norm(X.reshape(M, S * D), None, a.rms_eps), hc.fn)
-        x, post, comb = ops.hc_pre(X, mixes, hc.scale, hc.base, a.hc_sinkhorn_iters, a.hc_eps)
-        return ops.rms_norm(x, norm, a.rms_eps), post, comb
+        a = self.args
+        return self.ops.hc_pre_norm(X, hc.fn, hc.scale, hc.base, norm, a.hc_sinkhorn_iters, a.hc_eps, a.rms_eps)
 
     def store_kv(self, cache_rows: Array, slots: Array, kv: Array) -> Array:
         """KV rows as stored: FP8-simulated no-RoPE dims (switch kv_fp8_sim), optionally F16-rounded."""
@@ -461,11 +458,10 @@ class DeepseekV4:
         """Attention sub-layer output [M, D] for normed inputs `a_in` [M, D]."""
         args, ops = self.args, self.ops
         M, hd, eps = a_in.shape[0], args.head_dim, args.rms_eps
-        q_lat = ops.rms_norm(ops.qmatmul(a_in, L.q_a), L.q_a_norm, eps)
-        q = ops.rms_norm(ops.qmatmul(q_lat, L.q_b).reshape(M, -1, hd), None, eps)   # this rank's heads (tp)
-        q = ops.rope_tail(q, plan.pos, L.freqs)
-        kv = ops.rms_norm(ops.qmatmul(a_in, L.kv), L.kv_norm, eps)
-        cache.rows = self.store_kv(cache.rows, plan.raw_slots, ops.rope_tail(kv, plan.pos, L.freqs))
+        q_lat = ops.qmatmul_norm_rope(a_in, L.q_a, L.q_a_norm, eps)
+        q = ops.qmatmul_norm_rope(q_lat, L.q_b, None, eps, hd, plan.pos, L.freqs).reshape(M, -1, hd)  # rank's heads
+        kv = ops.qmatmul_norm_rope(a_in, L.kv, L.kv_norm, eps, hd, plan.pos, L.freqs)
+        cache.rows = self.store_kv(cache.rows, plan.raw_slots, kv)
 
         rows = AttnRows(plan.raw_rows, plan.n_raw)
         if L.ratio:

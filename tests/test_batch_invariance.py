@@ -119,12 +119,27 @@ def grouped_case(M: int, seed: int) -> tuple[tuple, list[tuple]]:
     return (x, w), [(x[m:m + 1], w) for m in range(M)]
 
 
+def fused_case(op: str, M: int, seed: int) -> tuple[tuple, list[tuple]]:
+    """The fused ops (hc_pre_norm; qmatmul_norm_rope with per-head norms and RoPE) on M rows and on each row alone."""
+    S, D = 4, 64
+    if op == "hc_pre_norm":
+        fn = QTensor.quantize(randn(2 * S + S * S, S * D, seed=10) / 16, "F16", "hc_fn")
+        args = (randn(M, S, D, seed=seed), fn, randn(3, seed=2), randn(2 * S + S * S, seed=3), randn(D, seed=4), 20,
+                1e-6, 1e-6)
+    else:
+        w = QTensor.quantize(randn(4 * 32, D, seed=11) / 8, "Q8_0", "attn_q_b.weight")
+        args = (randn(M, D, seed=seed), w, None, 1e-6, 32, torch.arange(seed, seed + M) * 37, randn(8, seed=4).abs())
+    rows = (0, 5) if op == "qmatmul_norm_rope" else (0,)
+    return args, [tuple(a[m:m + 1] if i in rows else a for i, a in enumerate(args)) for m in range(M)]
+
+
 CASES = {"sparse_attention": attention_case, "grouped_qmatmul": grouped_case,
          "moe": lambda M, seed: moe_case(M, seed, hashed=False),
          "moe_hashed": lambda M, seed: moe_case(M, seed, hashed=True), "index_scores": index_case,
          "shared_expert": shared_expert_case, "store_rows": store_case,
          **{op: (lambda M, seed, op=op: row_case(op, M, seed)) for op in ("hc_pre", "hc_post", "rope_tail",
-                                                                           "compress", "hc_head", "embed")}}
+                                                                           "compress", "hc_head", "embed")},
+         **{op: (lambda M, seed, op=op: fused_case(op, M, seed)) for op in ("hc_pre_norm", "qmatmul_norm_rope")}}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -462,3 +462,32 @@ int glue_moe_rows(const product_t *p, int q8_kind, void *hq, const float *w, int
     glue_sum_rows(p[2].y, M, k, p[2].N, out);
     return 0;
 }
+
+/* Fused ops (ops/hc_pre_norm.py, ops/qmatmul_norm_rope.py): the glue functions above chained in one call, so the
+ * bits are those of the separate calls. */
+
+/* hc_pre_norm: flat [M, S·D] = glue_rms_norm(X) (no weight), under q8 (q8_kind >= 0) rounded by qdot8.c into the
+ * product's rows p->x, the product p (the HC weight: mixes = p->y), glue_hc_pre, then x normed in place by norm. */
+int glue_hc_pre_norm(const product_t *p, int q8_kind, const float *X, float *flat, const float *scale,
+                     const float *base, const float *norm, int64_t M, int64_t S, int64_t D, int64_t iters,
+                     float hc_eps, float rms_eps, float *x, float *post, float *comb, int threads) {
+    glue_rms_norm(X, M, S * D, NULL, rms_eps, flat);
+    if (q8_kind >= 0 && q8_quantize(q8_kind, flat, M, S * D, (void *)p->x)) return -1;
+    int rc = glue_products(p, 1, threads);
+    if (rc) return rc;
+    rc = glue_hc_pre(X, p->y, scale, base, M, S, D, iters, hc_eps, x, post, comb);
+    if (rc) return rc;
+    glue_rms_norm(x, M, D, norm, rms_eps, x);
+    return 0;
+}
+
+/* qmatmul_norm_rope: the product p (y [M, N]), each group of `width` outputs normed into out (by norm when not NULL),
+ * then, when cos_ is not NULL, each group's tail rotated in place by cos/sin [M, P]. */
+int glue_qmatmul_norm_rope(const product_t *p, int threads, const float *norm, int64_t width, float eps,
+                           const float *cos_, const float *sin_, int64_t P, float *out) {
+    int rc = glue_products(p, 1, threads);
+    if (rc) return rc;
+    glue_rms_norm(p->y, p->M * (p->N / width), width, norm, eps, out);
+    if (cos_) glue_rope(out, p->M, p->N / width, width, cos_, sin_, P, 0, out);
+    return 0;
+}

@@ -1,7 +1,8 @@
 """Python side of glue.c: the small ops of a decode step as one C call each (rms_norm, hc_pre, hc_post, the HC
-stream sums, rope_tail's rotation, sparse_attention, store_rows, the routed experts' selection), each the bits of its
-reference in ops/ (docs/cpu.md, "Per-step overhead"). `ready()` is False where the kernel library cannot be built and
-inside a compiled step (Inductor fuses the torch ops instead); the callers then take their torch paths."""
+stream sums, rope_tail's rotation, sparse_attention, store_rows, the routed experts' selection; the fused hc_pre_norm
+and qmatmul_norm_rope), each the bits of its reference in ops/ (docs/cpu.md, "Per-step overhead"). `ready()` is False
+where the kernel library cannot be built and inside a compiled step (Inductor fuses the torch ops instead); the
+callers then take their torch paths."""
 from __future__ import annotations
 
 import ctypes
@@ -38,6 +39,10 @@ def _lib() -> ctypes.CDLL:
                                     ctypes.c_int]
         k.glue_route.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
         k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
+        k.glue_hc_pre_norm.restype = k.glue_qmatmul_norm_rope.restype = ctypes.c_int
+        k.glue_hc_pre_norm.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
+                                       ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
+        k.glue_qmatmul_norm_rope.argtypes = [ptr, ctypes.c_int, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr]
         _bound = k
     return _bound
 
@@ -303,4 +308,64 @@ def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen:
                          None if weights is None else weights.data_ptr(), clamp is not None,
                          0.0 if clamp is None else clamp, h.data_ptr(), M, k, out.data_ptr(), kernels.threads()):
         raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
+    return out
+
+
+def row_kernel(dot: str) -> int:
+    """The address of the row kernel a product takes: qdot8_rows (`dot="q8"`) or qgemv."""
+    k = _lib()
+    return ctypes.cast(k.qdot8_rows if dot == "q8" else k.qgemv, ctypes.c_void_p).value
+
+
+def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, norm: torch.Tensor,
+                iters: int, hc_eps: float, rms_eps: float,
+                dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """ops.hc_pre_norm's sequence as the cpu backend runs it op by op (rms_norm, the product, hc_pre, rms_norm), in
+    one C call (glue.c's glue_hc_pre_norm) and with its bits; None where `products` would not serve the product."""
+    X, scale, base, norm = f32(X), f32(scale), f32(base), f32(norm)
+    M, S, D = X.shape
+    flat = torch.empty((M, S * D), dtype=torch.float32)
+    if not ready() or not served(flat, fn, None, dot):
+        return None
+    q8 = dot == "q8"
+    kind = kernels.Q8_TYPES[fn.qtype.name] if q8 else -1
+    if q8:
+        block, block_bytes = kernels.Q8_ACTIVATION[kind]
+        rows = torch.empty(M * (S * D // block) * block_bytes, dtype=torch.uint8)
+    else:
+        rows = flat
+    alive: list = []
+    mixes = torch.empty((M, fn.shape[0]), dtype=torch.float32)
+    args = product_args(row_kernel(dot), rows, fn, None, mixes, alive)
+    x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
+    rc = _lib().glue_hc_pre_norm(ctypes.byref(args), kind, X.data_ptr(), flat.data_ptr(), scale.data_ptr(),
+                                 base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
+                                 post.data_ptr(), comb.data_ptr(), kernels.threads())
+    if rc == -2:
+        raise MemoryError(f"hc_pre_norm: no memory for the gates of {M} rows")
+    if rc:
+        raise ValueError(f"hc_pre_norm: unsupported call ({fn.qtype.name}, dot={dot})")
+    return x, post, comb
+
+
+def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, eps: float, width: int,
+                      cos_sin: tuple[torch.Tensor, torch.Tensor] | None, dot: str = "exact") -> torch.Tensor | None:
+    """ops.qmatmul_norm_rope's sequence as the cpu backend runs it op by op (the product, rms_norm per group of
+    `width`, the rotation by `cos_sin` [M, P] each), in one C call (glue.c's glue_qmatmul_norm_rope) and with its
+    bits; None where `products` would not serve the product."""
+    if not ready() or not served(x, w, None, dot):
+        return None
+    x = f32(x)
+    rows = kernels.q8_quantize(x, w.qtype.name) if dot == "q8" else x
+    M, N = x.shape[0], w.shape[0]
+    alive: list = []
+    y, out = torch.empty((M, N), dtype=torch.float32), torch.empty((M, N), dtype=torch.float32)
+    args = product_args(row_kernel(dot), rows, w, None, y, alive)
+    w_norm = None if norm is None else f32(norm)
+    cos, sin = (None, None) if cos_sin is None else (f32(cos_sin[0]), f32(cos_sin[1]))
+    angles = (None, None, 0) if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
+    norm_ptr = None if w_norm is None else w_norm.data_ptr()
+    lib = _lib()
+    if lib.glue_qmatmul_norm_rope(ctypes.byref(args), kernels.threads(), norm_ptr, width, eps, *angles, out.data_ptr()):
+        raise ValueError(f"qmatmul_norm_rope: unsupported call ({w.qtype.name}, dot={dot})")
     return out

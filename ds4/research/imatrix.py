@@ -2,7 +2,8 @@
 the squares of the rows fed to it (llama.cpp's `llama-imatrix`, llama.cpp #4861 and #9400 for the file).
 
 `RecordingOps` wraps the model's OpSet: each `qmatmul`, `grouped_qmatmul`, `moe` and `shared_expert` call records
-its inputs and then calls the wrapped op unchanged, so the forward's numerics are the plain model's.
+its inputs (`qmatmul_norm_rope` and `hc_pre_norm` those of their product) and then calls the wrapped op unchanged,
+so the forward's numerics are the plain model's.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ops.grouped_qmatmul import group_rows
 from ops.moe import Experts, route
 from ops.qmatmul import qmatmul
 from ops.quants import QTensor
+from ops.rms_norm import rms_norm
 
 _ROWS = re.compile(r"^(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")  # row views (ops.grouped_qmatmul): "W[a:b]"
 
@@ -52,6 +54,16 @@ class RecordingOps:
     def qmatmul(self, x: Any, w: QTensor) -> Any:
         self.record(w, x)
         return self._inner.qmatmul(x, w)
+
+    def qmatmul_norm_rope(self, x: Any, w: QTensor, *args: Any) -> Any:
+        self.record(w, x)
+        return self._inner.qmatmul_norm_rope(x, w, *args)
+
+    def hc_pre_norm(self, X: Any, fn: QTensor, scale: Any, base: Any, norm: Any, iters: int, hc_eps: float,
+                    rms_eps: float) -> Any:
+        rows = self._rows(X.reshape(X.shape[0], -1))
+        self.record(fn, rms_norm(rows, None, rms_eps))
+        return self._inner.hc_pre_norm(X, fn, scale, base, norm, iters, hc_eps, rms_eps)
 
     def grouped_qmatmul(self, x: Any, w: QTensor) -> Any:
         groups = x.shape[1]

@@ -1,0 +1,46 @@
+"""The fused ops on the CPU (contracts: ops/hc_pre_norm.py, ops/qmatmul_norm_rope.py): each sequence in one C call
+(backends/cpu/glue.c: the product through the kernel pool, the norms, hc_pre and the rotation chained), the bits of
+the cpu backend's own ops called one by one. Where the kernels do not serve the product (F32 weights, more than 16
+rows, no library, a compiled step) the sequence runs as those ops. Row-wise, so batch-invariant."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from backends.cpu.hc import hc_pre
+from backends.cpu.qmatmul import qmatmul
+from backends.cpu.rowops import cos_sin, rms_norm, rope_tail
+from backends.registry import register
+from ops.hc_pre_norm import hc_pre_norm_of
+from ops.qmatmul_norm_rope import check_width, qmatmul_norm_rope_of
+from ops.quants import QTensor
+
+from . import glue
+
+
+@register("hc_pre_norm", "cpu", batch_invariant=True)
+def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, norm: torch.Tensor,
+                iters: int, hc_eps: float, rms_eps: float,
+                dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The normed sub-layer input, post and comb of HC state `X`; `dot` as in qmatmul."""
+    out = glue.hc_pre_norm(X, fn, scale, base, norm, iters, hc_eps, rms_eps, dot)
+    if out is not None:
+        return out
+    return hc_pre_norm_of(rms_norm, partial(qmatmul, dot=dot), hc_pre)(X, fn, scale, base, norm, iters, hc_eps,
+                                                                       rms_eps)
+
+
+@register("qmatmul_norm_rope", "cpu", batch_invariant=True)
+def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, eps: float, width: int | None = None,
+                      positions: torch.Tensor | None = None, freqs: torch.Tensor | None = None,
+                      dot: str = "exact") -> torch.Tensor:
+    """`x @ W.T`, RMS-normed per group of `width` outputs, the groups' tails rotated at `positions`; `dot` as in
+    qmatmul."""
+    width = check_width(w.shape[0], width, w.name or "weight")
+    angles = None if positions is None or not glue.ready() else cos_sin(positions, freqs)
+    out = glue.qmatmul_norm_rope(x, w, norm, eps, width, angles, dot)
+    if out is not None:
+        return out
+    return qmatmul_norm_rope_of(partial(qmatmul, dot=dot), rms_norm, rope_tail)(x, w, norm, eps, width, positions,
+                                                                                freqs)
