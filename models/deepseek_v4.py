@@ -480,9 +480,8 @@ class DeepseekV4:
                 rows = AttnRows(plan.raw_rows, plan.n_raw, plan.comp_rows, plan.visible)
 
         o = ops.sparse_attention(q, cache.rows, rows, L.sinks, 1 / math.sqrt(hd))
-        o = ops.rope_tail(o, plan.pos, L.freqs, inverse=True).reshape(M, L.output_a.shape[0] // args.o_lora_rank, -1)
-        u = ops.grouped_qmatmul(o, L.output_a)
-        return self.tp_sum(ops.qmatmul(u, L.output_b))
+        groups = L.output_a.shape[0] // args.o_lora_rank
+        return self.tp_sum(ops.attention_output(o, plan.pos, L.freqs, L.output_a, L.output_b, groups))
 
     def compress(self, L: Block, c: Compressor, a_in: Array, plan: CompressorPlan, kv_ring: Array,
                  score_ring: Array, out_rows: Array, out_offset: int, d: int, store) -> tuple[Array, Array, Array]:
@@ -490,8 +489,7 @@ class DeepseekV4:
         rows complete at `out_offset + block` of `out_rows`; returns the updated (kv_ring, score_ring,
         out_rows)."""
         ops, ratio = self.ops, L.ratio
-        kv_ring = ops.store_rows(kv_ring, plan.slots, ops.qmatmul(a_in, c.kv))
-        score_ring = ops.store_rows(score_ring, plan.slots, ops.qmatmul(a_in, c.gate) + c.ape[plan.ape])
+        kv_ring, score_ring = ops.compressor_store(a_in, c.kv, c.gate, c.ape, plan.ape, plan.slots, kv_ring, score_ring)
         if plan.blocks is None:
             return kv_ring, score_ring, out_rows
         kv, score = kv_ring[plan.tokens], score_ring[plan.tokens]

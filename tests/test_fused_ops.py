@@ -1,6 +1,7 @@
-"""The fused ops (ops/hc_pre_norm.py, ops/qmatmul_norm_rope.py): the reference is the sequence of references; the cpu
-backend's one C call is the bits of its own ops called one by one (exact and q8, 1/2/3 kernel threads, M = 1..17, the
-last past the kernels' 16 rows); Triton (interpreter) and MLX close to the reference; and the model calls them."""
+"""The fused ops (ops/hc_pre_norm.py, ops/qmatmul_norm_rope.py, ops/attention_output.py, ops/compressor_store.py):
+the reference is the sequence of references; the cpu backend's one C call is the bits of its own ops called one by one
+(exact and q8, 1/2/3 kernel threads, M = 1..17, the last past the kernels' 16 rows); Triton (interpreter) and MLX close
+to the reference."""
 from __future__ import annotations
 
 from functools import partial
@@ -10,6 +11,9 @@ import torch
 
 from backends.cpu import glue, kernels
 from backends.registry import implementations
+from ops.attention_output import attention_output, attention_output_of
+from ops.compressor_store import compressor_store, compressor_store_of
+from ops.grouped_qmatmul import grouped_qmatmul
 from ops.hc_pre import hc_pre
 from ops.hc_pre_norm import hc_pre_norm, hc_pre_norm_of
 from ops.qmatmul import qmatmul
@@ -17,6 +21,7 @@ from ops.qmatmul_norm_rope import qmatmul_norm_rope, qmatmul_norm_rope_of
 from ops.quants import QTensor
 from ops.rms_norm import rms_norm
 from ops.rope_tail import rope_freqs, rope_tail
+from ops.store_rows import store_rows
 
 S, D, HD = 4, 64, 32     # streams, hidden, head width (the head's tail of 16 values rotated)
 
@@ -39,6 +44,24 @@ def projection_case(M: int, qtype: str = "Q8_0", seed: int = 0, n: int = 4 * HD,
             torch.arange(M) * 37 + seed, rope_freqs(16, 10000.0))
 
 
+def output_case(M: int, qtype: str = "Q8_0", seed: int = 0, groups: int = 2) -> tuple:
+    """Heads [M, 4, HD] rotated back, 2 groups of 64 values projected to 32 rows each, then to D."""
+    g = torch.Generator().manual_seed(seed)
+    wa = QTensor.quantize(torch.randn(groups * 32, 4 * HD // groups, generator=g) / 8, qtype, "attn_output_a.weight")
+    wb = QTensor.quantize(torch.randn(D, groups * 32, generator=g) / 8, qtype, "attn_output_b.weight")
+    return torch.randn(M, 4, HD, generator=g), torch.arange(M) * 37 + seed, rope_freqs(16, 10000.0), wa, wb, groups
+
+
+def compressor_case(M: int, qtype: str = "F16", seed: int = 0) -> tuple:
+    """Two projections of 256 values into rings of 12 rows of 64, the rows at distinct slots."""
+    g = torch.Generator().manual_seed(seed)
+    kv, gate = (QTensor.quantize(torch.randn(64, 256, generator=g) / 16, qtype, name)
+                for name in ("attn_compressor_kv.weight", "attn_compressor_gate.weight"))
+    slots = torch.randperm(24, generator=g)[:M]
+    return (torch.randn(M, 256, generator=g), kv, gate, torch.randn(4, 64, generator=g), torch.arange(M) % 4, slots,
+            torch.zeros(24, 64), torch.zeros(24, 64))
+
+
 def test_references_are_the_unfused_sequences():
     X, fn, scale, base, norm, iters, hc_eps, rms_eps = hc_case(3)
     mixes = qmatmul(rms_norm(X.reshape(3, S * D), None, rms_eps), fn)
@@ -52,6 +75,14 @@ def test_references_are_the_unfused_sequences():
     assert torch.equal(qmatmul_norm_rope(x, w, None, eps), whole)
     with pytest.raises(ValueError, match="groups of 48 do not divide the 128 outputs of attn_q_b.weight"):
         qmatmul_norm_rope(x, w, None, eps, 48)
+    o, pos, freqs, wa, wb, groups = output_case(3)
+    u = grouped_qmatmul(rope_tail(o, pos, freqs, inverse=True).reshape(3, groups, -1), wa)
+    assert torch.equal(attention_output(o, pos, freqs, wa, wb, groups), qmatmul(u, wb))
+    x, kv, gate, ape, ape_rows, slots, kv_ring, score_ring = compressor_case(3)
+    want = (store_rows(kv_ring.clone(), slots, qmatmul(x, kv)),
+            store_rows(score_ring.clone(), slots, qmatmul(x, gate) + ape[ape_rows]))
+    got = compressor_store(x, kv, gate, ape, ape_rows, slots, kv_ring, score_ring)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and got[0].abs().sum() > 0
 
 
 def unfused_cpu(op: str, dot: str):
@@ -59,13 +90,26 @@ def unfused_cpu(op: str, dot: str):
     mm = partial(impl("qmatmul", "cpu"), dot=dot)
     if op == "hc_pre_norm":
         return hc_pre_norm_of(impl("rms_norm", "cpu"), mm, impl("hc_pre", "cpu"))
+    if op == "attention_output":
+        return attention_output_of(impl("rope_tail", "cpu"), partial(impl("grouped_qmatmul", "cpu"), dot=dot), mm)
+    if op == "compressor_store":
+        return compressor_store_of(mm, impl("store_rows", "cpu"))
     return qmatmul_norm_rope_of(mm, impl("rms_norm", "cpu"), impl("rope_tail", "cpu"))
+
+
+CASE = {"hc_pre_norm": hc_case, "qmatmul_norm_rope": projection_case, "attention_output": output_case,
+        "compressor_store": compressor_case}
+REFERENCE = {"hc_pre_norm": hc_pre_norm, "qmatmul_norm_rope": qmatmul_norm_rope, "attention_output": attention_output,
+             "compressor_store": compressor_store}
 
 
 CPU_CASES = [("hc_pre_norm", "F16", "exact"), ("hc_pre_norm", "F16", "q8"), ("hc_pre_norm", "Q8_0", "exact"),
              ("qmatmul_norm_rope", "Q8_0", "exact"), ("qmatmul_norm_rope", "Q8_0", "q8"),
              ("qmatmul_norm_rope", "Q4_K", "exact"), ("qmatmul_norm_rope", "Q4_K", "q8"),
-             ("qmatmul_norm_rope", "F16", "q8")]
+             ("qmatmul_norm_rope", "F16", "q8"), ("attention_output", "Q8_0", "exact"),
+             ("attention_output", "Q8_0", "q8"), ("attention_output", "F16", "q8"),
+             ("attention_output", "F32", "exact"), ("compressor_store", "F16", "exact"),
+             ("compressor_store", "F16", "q8"), ("compressor_store", "Q8_0", "q8")]
 
 
 @pytest.mark.parametrize("op,qtype,dot", CPU_CASES)
@@ -78,26 +122,31 @@ def test_cpu_is_the_unfused_cpu_ops_bits(op, qtype, dot, monkeypatch):
     fused_c = getattr(glue, op)
     monkeypatch.setattr(glue, op, lambda *a: called.append(fused_c(*a)) or called[-1])
     fused, unfused = partial(impl(op, "cpu"), dot=dot), unfused_cpu(op, dot)
-    reference = hc_pre_norm if op == "hc_pre_norm" else qmatmul_norm_rope
+    reference = REFERENCE[op]
+    served = {"attention_output": (1, 2, 5) if qtype != "F32" else ()}.get(op, (1, 2, 5, 16))  # 2 groups: <= 8
+    # rows; F32 weights take BLAS
+
+    def case(M: int) -> tuple:     # fresh arguments for each call (compressor_store writes its rings)
+        args = CASE[op](M, qtype, M)
+        if op == "qmatmul_norm_rope" and M == 2:
+            return args[0], args[1], None, args[3]     # no rotation, the whole row normed without a weight
+        return args
+
     try:
         for n in (1, 2, 3):
             kernels.set_threads(n)
             for M in (1, 2, 5, 16, 17):
-                args = hc_case(M, qtype, M) if op == "hc_pre_norm" else projection_case(M, qtype, M)
-                if op == "qmatmul_norm_rope" and M == 2:
-                    args = args[:4]     # no rotation, the whole row normed without a weight
-                    args = (args[0], args[1], None, args[3])
-                got, want = fused(*args), unfused(*args)
+                got, want = fused(*case(M)), unfused(*case(M))
                 got, want = ((o,) if isinstance(o, torch.Tensor) else o for o in (got, want))
                 assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (n, M)
                 if dot == "exact":
-                    ref = reference(*args)
+                    ref = reference(*case(M))
                     torch.testing.assert_close(got, (ref,) if isinstance(ref, torch.Tensor) else ref, rtol=1e-4,
                                                atol=1e-4)
     finally:
         kernels.set_threads(1)
         kernels._pool_threads = 0
-    assert [out is not None for out in called] == [True, True, True, True, False] * 3    # M <= 16: one C call
+    assert [out is not None for out in called] == [M in served for M in (1, 2, 5, 16, 17)] * 3   # one C call
 
 
 @pytest.mark.on_device
@@ -106,9 +155,9 @@ def test_triton_is_close_to_the_reference():
         for got, want in zip(impl("hc_pre_norm", "triton")(*hc_case(M, "Q8_0")), hc_pre_norm(*hc_case(M, "Q8_0")),
                              strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        args = projection_case(M)
-        torch.testing.assert_close(impl("qmatmul_norm_rope", "triton")(*args), qmatmul_norm_rope(*args),
-                                   rtol=1e-4, atol=1e-4)
+        for op in ("qmatmul_norm_rope", "attention_output", "compressor_store"):
+            got, want = impl(op, "triton")(*CASE[op](M, "Q8_0")), REFERENCE[op](*CASE[op](M, "Q8_0"))
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_mlx_is_close_to_the_reference():
@@ -131,3 +180,11 @@ def test_mlx_is_close_to_the_reference():
     got = impl("qmatmul_norm_rope", "mlx")(m(x), place(w), m(norm), eps, width, m(pos), m(freqs))
     torch.testing.assert_close(torch_of(got), qmatmul_norm_rope(x, w, norm, eps, width, pos, freqs), rtol=1e-4,
                                atol=1e-4)
+    o, pos, freqs, wa, wb, groups = output_case(3)
+    got = impl("attention_output", "mlx")(m(o), m(pos), m(freqs), place(wa), place(wb), groups)
+    torch.testing.assert_close(torch_of(got), attention_output(o, pos, freqs, wa, wb, groups), rtol=1e-4, atol=1e-4)
+    x, kv, gate, ape, ape_rows, slots, kv_ring, score_ring = compressor_case(3, "Q8_0")
+    got = impl("compressor_store", "mlx")(m(x), place(kv), place(gate), m(ape), m(ape_rows), m(slots), m(kv_ring),
+                                          m(score_ring))
+    for a, b in zip(got, compressor_store(*compressor_case(3, "Q8_0")), strict=True):
+        torch.testing.assert_close(torch_of(a), b, rtol=1e-4, atol=1e-4)

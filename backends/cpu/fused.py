@@ -1,7 +1,8 @@
-"""The fused ops on the CPU (contracts: ops/hc_pre_norm.py, ops/qmatmul_norm_rope.py): each sequence in one C call
-(backends/cpu/glue.c: the product through the kernel pool, the norms, hc_pre and the rotation chained), the bits of
-the cpu backend's own ops called one by one. Where the kernels do not serve the product (F32 weights, more than 16
-rows, no library, a compiled step) the sequence runs as those ops. Row-wise, so batch-invariant."""
+"""The fused ops on the CPU (contracts: ops/hc_pre_norm.py, ops/qmatmul_norm_rope.py, ops/attention_output.py,
+ops/compressor_store.py): each sequence in one C call (backends/cpu/glue.c: the products through the kernel pool, the
+norms, hc_pre, the rotations and the ring writes chained), the bits of the cpu backend's own ops called one by one.
+Where the kernels do not serve a product (F32 weights, more than 16 rows, no library, a compiled step) the sequence
+runs as those ops. Row-wise, so batch-invariant."""
 from __future__ import annotations
 
 from functools import partial
@@ -9,9 +10,11 @@ from functools import partial
 import torch
 
 from backends.cpu.hc import hc_pre
-from backends.cpu.qmatmul import qmatmul
-from backends.cpu.rowops import cos_sin, rms_norm, rope_tail
+from backends.cpu.qmatmul import grouped_qmatmul, qmatmul
+from backends.cpu.rowops import cos_sin, rms_norm, rope_tail, store_rows
 from backends.registry import register
+from ops.attention_output import attention_output_of
+from ops.compressor_store import compressor_store_of
 from ops.hc_pre_norm import hc_pre_norm_of
 from ops.qmatmul_norm_rope import check_width, qmatmul_norm_rope_of
 from ops.quants import QTensor
@@ -44,3 +47,26 @@ def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, ep
         return out
     return qmatmul_norm_rope_of(partial(qmatmul, dot=dot), rms_norm, rope_tail)(x, w, norm, eps, width, positions,
                                                                                 freqs)
+
+
+@register("attention_output", "cpu", batch_invariant=True)
+def attention_output(o: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, wa: QTensor, wb: QTensor,
+                     groups: int, dot: str = "exact") -> torch.Tensor:
+    """The attention sub-layer's output from the heads' outputs `o`; `dot` as in qmatmul."""
+    out = None if not glue.ready() else glue.attention_output(o, cos_sin(positions, freqs), wa, wb, groups, dot)
+    if out is not None:
+        return out
+    return attention_output_of(rope_tail, partial(grouped_qmatmul, dot=dot), partial(qmatmul, dot=dot))(
+        o, positions, freqs, wa, wb, groups)
+
+
+@register("compressor_store", "cpu", batch_invariant=True)
+def compressor_store(x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torch.Tensor, ape_rows: torch.Tensor,
+                     slots: torch.Tensor, kv_ring: torch.Tensor, score_ring: torch.Tensor,
+                     dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
+    """The rings with the rows' compressor kv and score written at `slots`; `dot` as in qmatmul."""
+    out = glue.compressor_store(x, kv, gate, ape, ape_rows, slots, kv_ring, score_ring, dot)
+    if out is not None:
+        return out
+    return compressor_store_of(partial(qmatmul, dot=dot), store_rows)(x, kv, gate, ape, ape_rows, slots, kv_ring,
+                                                                      score_ring)

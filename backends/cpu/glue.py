@@ -1,8 +1,8 @@
 """Python side of glue.c: the small ops of a decode step as one C call each (rms_norm, hc_pre, hc_post, the HC
-stream sums, rope_tail's rotation, sparse_attention, store_rows, the routed experts' selection; the fused hc_pre_norm
-and qmatmul_norm_rope), each the bits of its reference in ops/ (docs/cpu.md, "Per-step overhead"). `ready()` is False
-where the kernel library cannot be built and inside a compiled step (Inductor fuses the torch ops instead); the
-callers then take their torch paths."""
+stream sums, rope_tail's rotation, sparse_attention, store_rows, the routed experts' selection; the fused hc_pre_norm,
+qmatmul_norm_rope, attention_output and compressor_store), each the bits of its reference in ops/ (docs/cpu.md,
+"Per-step overhead"). `ready()` is False where the kernel library cannot be built and inside a compiled step
+(Inductor fuses the torch ops instead); the callers then take their torch paths."""
 from __future__ import annotations
 
 import ctypes
@@ -43,6 +43,10 @@ def _lib() -> ctypes.CDLL:
         k.glue_hc_pre_norm.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
                                        ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
         k.glue_qmatmul_norm_rope.argtypes = [ptr, ctypes.c_int, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr]
+        k.glue_attention_output.restype = k.glue_compressor_store.restype = ctypes.c_int
+        k.glue_attention_output.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64,
+                                            ptr, ptr, ptr, ctypes.c_int]
+        k.glue_compressor_store.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ptr]
         _bound = k
     return _bound
 
@@ -369,3 +373,70 @@ def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, ep
     if lib.glue_qmatmul_norm_rope(ctypes.byref(args), kernels.threads(), norm_ptr, width, eps, *angles, out.data_ptr()):
         raise ValueError(f"qmatmul_norm_rope: unsupported call ({w.qtype.name}, dot={dot})")
     return out
+
+
+def q8_rows(x: torch.Tensor, w: QTensor, dot: str) -> tuple[int, torch.Tensor]:
+    """The activation kind of weight `w` under q8 (-1 exact) and the buffer its rounded rows x [M, K] go to (x itself
+    when exact), for a C call that rounds them."""
+    if dot != "q8":
+        return -1, x
+    kind = kernels.Q8_TYPES[w.qtype.name]
+    block, block_bytes = kernels.Q8_ACTIVATION[kind]
+    return kind, torch.empty(x.shape[0] * (x.shape[1] // block) * block_bytes, dtype=torch.uint8)
+
+
+def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], wa: QTensor, wb: QTensor,
+                     groups: int, dot: str = "exact") -> torch.Tensor | None:
+    """ops.attention_output's sequence as the cpu backend runs it op by op (the inverse rotation by `cos_sin`, the
+    grouped product over the groups as a stack of experts, the output product), in one C call (glue.c's
+    glue_attention_output) and with its bits; None where `products` would not serve both products as that."""
+    o = f32(o)
+    M, H, hd = o.shape
+    K, n = H * hd // groups, wa.shape[0] // groups
+    stack = QTensor(wa.qtype, (groups, n, K), wa.data.reshape(groups, n, -1), wa.name)
+    experts = torch.arange(groups).repeat_interleave(M)
+    xs, u = torch.empty((groups * M, K), dtype=torch.float32), torch.empty((M, groups * n), dtype=torch.float32)
+    if not ready() or not served(xs, stack, experts, dot) or not served(u, wb, None, dot):
+        return None
+    (kind_a, rows_a), (kind_b, rows_b) = q8_rows(xs, stack, dot), q8_rows(u, wb, dot)
+    alive: list = []
+    y, out = torch.empty((groups * M, n), dtype=torch.float32), torch.empty((M, wb.shape[0]), dtype=torch.float32)
+    kernel = row_kernel(dot)
+    args = (ProductArgs * 2)(product_args(kernel, rows_a, stack, experts, y, alive),
+                             product_args(kernel, rows_b, wb, None, out, alive))
+    cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
+    rot = torch.empty_like(o)
+    if _lib().glue_attention_output(args, kind_a, kind_b, o.data_ptr(), M, H, hd, cos.data_ptr(), sin.data_ptr(),
+                                    cos.shape[-1], groups, rot.data_ptr(), xs.data_ptr(), u.data_ptr(),
+                                    kernels.threads()):
+        raise ValueError(f"attention_output: unsupported call ({wa.qtype.name}, {wb.qtype.name}, dot={dot})")
+    return out
+
+
+def compressor_store(x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torch.Tensor, ape_rows: torch.Tensor,
+                     slots: torch.Tensor, kv_ring: torch.Tensor, score_ring: torch.Tensor,
+                     dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ops.compressor_store's sequence as the cpu backend runs it op by op (both products, the position bias added,
+    the two ring writes), in one C call (glue.c's glue_compressor_store, the products in one pool pass) and with its
+    bits; None where `products` would not serve both products or the rings are not contiguous float32."""
+    rings = (kv_ring, score_ring)
+    if not ready() or not all(served(x, w, None, dot) for w in (kv, gate)) or kv.shape != gate.shape \
+            or any(r.dtype != torch.float32 or not r.is_contiguous() or r.shape[1:] != kv.shape[:1] for r in rings):
+        return None
+    x, ape = f32(x), f32(ape)
+    rows = {kind: kernels.q8_quantize(x, w.qtype.name) if dot == "q8" else x
+            for kind, w in ((kernels.Q8_TYPES.get(w.qtype.name), w) for w in (gate, kv))}
+    alive: list = []
+    ys = [torch.empty((x.shape[0], kv.shape[0]), dtype=torch.float32) for _ in rings]
+    kernel = row_kernel(dot)
+    args = (ProductArgs * 2)(*(product_args(kernel, rows[kernels.Q8_TYPES.get(w.qtype.name)], w, None, y, alive)
+                               for w, y in zip((kv, gate), ys, strict=True)))
+    ids, at = ape_rows.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    if ids.shape != (x.shape[0],) or at.shape != ids.shape or ape.shape[1:] != kv.shape[:1]:
+        raise ValueError(f"compressor_store: ape {tuple(ape.shape)}, ape_rows {tuple(ape_rows.shape)}, slots "
+                         f"{tuple(slots.shape)} for {x.shape[0]} rows of {kv.shape[0]} values")
+    if _lib().glue_compressor_store(args, kernels.threads(), ape.data_ptr(), ape.shape[0], ids.data_ptr(),
+                                    at.data_ptr(), kv_ring.shape[0], kv_ring.data_ptr(), score_ring.data_ptr()):
+        raise ValueError(f"compressor_store: a slot outside the rings' {kv_ring.shape[0]} rows or an ape row outside "
+                         f"its {ape.shape[0]}")
+    return kv_ring, score_ring
