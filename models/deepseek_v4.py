@@ -426,10 +426,12 @@ class DeepseekV4:
         return self.ops.all_reduce(x) if self.tensor_parallel else x
 
     def block(self, L: Block, X: Array, ids: Array, plan: Plan, cache: LayerCache) -> Array:
-        """One decoder block: attention then FFN, each wrapped in HC pre/post."""
+        """One decoder block: attention then FFN, each wrapped in HC pre/post (the attention's post and the FFN's pre
+        in one op)."""
+        a, hc = self.args, L.hc_ffn
         x, post, comb = self.hc_pre(X, L.hc_attn, L.attn_norm)
-        X = self.ops.hc_post(X, self.attention(L, x, plan, cache), post, comb)
-        x, post, comb = self.hc_pre(X, L.hc_ffn, L.ffn_norm)
+        X, x, post, comb = self.ops.hc_post_pre_norm(X, self.attention(L, x, plan, cache), post, comb, hc.fn, hc.scale,
+                                                     hc.base, L.ffn_norm, a.hc_sinkhorn_iters, a.hc_eps, a.rms_eps)
         routed, shared = self.ops.moe(x, ids, L.experts), self.ops.shared_expert(x, *L.shared, L.shared_clamp)
         # the ranks' routed experts summed (ep), with their shared expert rows too (tp)
         ffn = self.tp_sum(routed + shared) if self.tensor_parallel else self.ops.all_reduce(routed) + shared

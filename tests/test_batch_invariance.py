@@ -120,8 +120,8 @@ def grouped_case(M: int, seed: int) -> tuple[tuple, list[tuple]]:
 
 
 def fused_case(op: str, M: int, seed: int) -> tuple[tuple, list[tuple]]:
-    """The fused ops (hc_pre_norm; qmatmul_norm_rope with per-head norms and RoPE; attention_output; compressor_store
-    at distinct slots, fresh rings per call) on M rows and on each row alone."""
+    """The fused ops (hc_pre_norm, hc_post_pre_norm; qmatmul_norm_rope with per-head norms and RoPE;
+    attention_output; compressor_store at distinct slots, fresh rings per call) on M rows and on each row alone."""
     S, D = 4, 64
     positions, freqs = torch.arange(seed, seed + M) * 37, randn(8, seed=4).abs()
     if op == "hc_pre_norm":
@@ -129,6 +129,12 @@ def fused_case(op: str, M: int, seed: int) -> tuple[tuple, list[tuple]]:
         args = (randn(M, S, D, seed=seed), fn, randn(3, seed=2), randn(2 * S + S * S, seed=3), randn(D, seed=4), 20,
                 1e-6, 1e-6)
         rows = (0,)
+    elif op == "hc_post_pre_norm":
+        fn = QTensor.quantize(randn(2 * S + S * S, S * D, seed=10) / 16, "F16", "hc_fn")
+        args = (randn(M, S, D, seed=seed), randn(M, D, seed=seed + 1), randn(M, S, seed=seed + 2),
+                randn(M, S, S, seed=seed + 3), fn, randn(3, seed=2), randn(2 * S + S * S, seed=3), randn(D, seed=4), 20,
+                1e-6, 1e-6)
+        rows = (0, 1, 2, 3)
     elif op == "qmatmul_norm_rope":
         w = QTensor.quantize(randn(4 * 32, D, seed=11) / 8, "Q8_0", "attn_q_b.weight")
         args, rows = (randn(M, D, seed=seed), w, None, 1e-6, 32, positions, freqs), (0, 5)
@@ -149,7 +155,7 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-FUSED = ("hc_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store")
+FUSED = ("hc_pre_norm", "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store")
 CASES = {"sparse_attention": attention_case, "grouped_qmatmul": grouped_case,
          "moe": lambda M, seed: moe_case(M, seed, hashed=False),
          "moe_hashed": lambda M, seed: moe_case(M, seed, hashed=True), "index_scores": index_case,

@@ -1,7 +1,7 @@
-"""The fused ops (ops/hc_pre_norm.py, ops/qmatmul_norm_rope.py, ops/attention_output.py, ops/compressor_store.py):
-the reference is the sequence of references; the cpu backend's one C call is the bits of its own ops called one by one
-(exact and q8, 1/2/3 kernel threads, M = 1..17, the last past the kernels' 16 rows); Triton (interpreter) and MLX close
-to the reference."""
+"""The fused ops (ops/hc_pre_norm.py, ops/hc_post_pre_norm.py, ops/qmatmul_norm_rope.py, ops/attention_output.py,
+ops/compressor_store.py): the reference is the sequence of references; the cpu backend's one C call is the bits of its
+own ops called one by one (exact and q8, 1/2/3 kernel threads, M = 1..17, the last past the kernels' 16 rows); Triton
+(interpreter) and MLX close to the reference."""
 from __future__ import annotations
 
 from functools import partial
@@ -14,6 +14,8 @@ from backends.registry import implementations
 from ops.attention_output import attention_output, attention_output_of
 from ops.compressor_store import compressor_store, compressor_store_of
 from ops.grouped_qmatmul import grouped_qmatmul
+from ops.hc_post import hc_post
+from ops.hc_post_pre_norm import hc_post_pre_norm, hc_post_pre_norm_of
 from ops.hc_pre import hc_pre
 from ops.hc_pre_norm import hc_pre_norm, hc_pre_norm_of
 from ops.qmatmul import qmatmul
@@ -35,6 +37,13 @@ def hc_case(M: int, qtype: str = "F16", seed: int = 0) -> tuple:
     fn = QTensor.quantize(torch.randn(2 * S + S * S, S * D, generator=g) / 16, qtype, "hc_fn")
     return (torch.randn(M, S, D, generator=g), fn, torch.rand(3, generator=g) + 0.5,
             torch.randn(2 * S + S * S, generator=g), torch.rand(D, generator=g) + 0.5, 20, 1e-6, 1e-6)
+
+
+def post_case(M: int, qtype: str = "F16", seed: int = 0) -> tuple:
+    """hc_post's arguments (sub-layer output, post, comb), then the next sub-layer's hc_pre_norm arguments."""
+    g = torch.Generator().manual_seed(seed + 100)
+    X, *rest = hc_case(M, qtype, seed)
+    return (X, torch.randn(M, D, generator=g), torch.rand(M, S, generator=g), torch.rand(M, S, S, generator=g), *rest)
 
 
 def projection_case(M: int, qtype: str = "Q8_0", seed: int = 0, n: int = 4 * HD, k: int = 256) -> tuple:
@@ -75,6 +84,10 @@ def test_references_are_the_unfused_sequences():
     assert torch.equal(qmatmul_norm_rope(x, w, None, eps), whole)
     with pytest.raises(ValueError, match="groups of 48 do not divide the 128 outputs of attn_q_b.weight"):
         qmatmul_norm_rope(x, w, None, eps, 48)
+    X, y, post, comb, *rest = post_case(3)
+    Xn = hc_post(X, y, post, comb)
+    assert all(torch.equal(a, b) for a, b in zip(hc_post_pre_norm(*post_case(3)), (Xn, *hc_pre_norm(Xn, *rest)),
+                                                 strict=True))
     o, pos, freqs, wa, wb, groups = output_case(3)
     u = grouped_qmatmul(rope_tail(o, pos, freqs, inverse=True).reshape(3, groups, -1), wa)
     assert torch.equal(attention_output(o, pos, freqs, wa, wb, groups), qmatmul(u, wb))
@@ -90,6 +103,8 @@ def unfused_cpu(op: str, dot: str):
     mm = partial(impl("qmatmul", "cpu"), dot=dot)
     if op == "hc_pre_norm":
         return hc_pre_norm_of(impl("rms_norm", "cpu"), mm, impl("hc_pre", "cpu"))
+    if op == "hc_post_pre_norm":
+        return hc_post_pre_norm_of(impl("hc_post", "cpu"), unfused_cpu("hc_pre_norm", dot))
     if op == "attention_output":
         return attention_output_of(impl("rope_tail", "cpu"), partial(impl("grouped_qmatmul", "cpu"), dot=dot), mm)
     if op == "compressor_store":
@@ -97,13 +112,14 @@ def unfused_cpu(op: str, dot: str):
     return qmatmul_norm_rope_of(mm, impl("rms_norm", "cpu"), impl("rope_tail", "cpu"))
 
 
-CASE = {"hc_pre_norm": hc_case, "qmatmul_norm_rope": projection_case, "attention_output": output_case,
-        "compressor_store": compressor_case}
-REFERENCE = {"hc_pre_norm": hc_pre_norm, "qmatmul_norm_rope": qmatmul_norm_rope, "attention_output": attention_output,
-             "compressor_store": compressor_store}
+CASE = {"hc_pre_norm": hc_case, "hc_post_pre_norm": post_case, "qmatmul_norm_rope": projection_case,
+        "attention_output": output_case, "compressor_store": compressor_case}
+REFERENCE = {"hc_pre_norm": hc_pre_norm, "hc_post_pre_norm": hc_post_pre_norm, "qmatmul_norm_rope": qmatmul_norm_rope,
+             "attention_output": attention_output, "compressor_store": compressor_store}
 
 
 CPU_CASES = [("hc_pre_norm", "F16", "exact"), ("hc_pre_norm", "F16", "q8"), ("hc_pre_norm", "Q8_0", "exact"),
+             ("hc_post_pre_norm", "F16", "exact"), ("hc_post_pre_norm", "F16", "q8"),
              ("qmatmul_norm_rope", "Q8_0", "exact"), ("qmatmul_norm_rope", "Q8_0", "q8"),
              ("qmatmul_norm_rope", "Q4_K", "exact"), ("qmatmul_norm_rope", "Q4_K", "q8"),
              ("qmatmul_norm_rope", "F16", "q8"), ("attention_output", "Q8_0", "exact"),
@@ -119,8 +135,9 @@ def test_cpu_is_the_unfused_cpu_ops_bits(op, qtype, dot, monkeypatch):
     the reference."""
     monkeypatch.setattr(kernels, "SPLIT_BYTES", 1 << 12)
     called = []
-    fused_c = getattr(glue, op)
-    monkeypatch.setattr(glue, op, lambda *a: called.append(fused_c(*a)) or called[-1])
+    name = "hc_pre_norm" if op == "hc_post_pre_norm" else op      # its C call: glue.hc_pre_norm(..., after=)
+    fused_c = getattr(glue, name)
+    monkeypatch.setattr(glue, name, lambda *a, **k: called.append(fused_c(*a, **k)) or called[-1])
     fused, unfused = partial(impl(op, "cpu"), dot=dot), unfused_cpu(op, dot)
     reference = REFERENCE[op]
     served = {"attention_output": (1, 2, 5) if qtype != "F32" else ()}.get(op, (1, 2, 5, 16))  # 2 groups: <= 8
@@ -146,7 +163,7 @@ def test_cpu_is_the_unfused_cpu_ops_bits(op, qtype, dot, monkeypatch):
     finally:
         kernels.set_threads(1)
         kernels._pool_threads = 0
-    assert [out is not None for out in called] == [M in served for M in (1, 2, 5, 16, 17)] * 3   # one C call
+    assert sum(out is not None for out in called) == 3 * len(served)    # one C call for each M served
 
 
 @pytest.mark.on_device
@@ -155,7 +172,7 @@ def test_triton_is_close_to_the_reference():
         for got, want in zip(impl("hc_pre_norm", "triton")(*hc_case(M, "Q8_0")), hc_pre_norm(*hc_case(M, "Q8_0")),
                              strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for op in ("qmatmul_norm_rope", "attention_output", "compressor_store"):
+        for op in ("hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store"):
             got, want = impl(op, "triton")(*CASE[op](M, "Q8_0")), REFERENCE[op](*CASE[op](M, "Q8_0"))
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -175,6 +192,11 @@ def test_mlx_is_close_to_the_reference():
     X, fn, scale, base, norm, iters, hc_eps, rms_eps = hc_case(3, "Q8_0")
     got = impl("hc_pre_norm", "mlx")(m(X), place(fn), m(scale), m(base), m(norm), iters, hc_eps, rms_eps)
     for a, b in zip(got, hc_pre_norm(*hc_case(3, "Q8_0")), strict=True):
+        torch.testing.assert_close(torch_of(a), b, rtol=1e-4, atol=1e-4)
+    X, y, post, comb, fn, scale, base, norm, iters, hc_eps, rms_eps = post_case(3, "Q8_0")
+    got = impl("hc_post_pre_norm", "mlx")(m(X), m(y), m(post), m(comb), place(fn), m(scale), m(base), m(norm), iters,
+                                          hc_eps, rms_eps)
+    for a, b in zip(got, hc_post_pre_norm(*post_case(3, "Q8_0")), strict=True):
         torch.testing.assert_close(torch_of(a), b, rtol=1e-4, atol=1e-4)
     x, w, norm, eps, width, pos, freqs = projection_case(3)
     got = impl("qmatmul_norm_rope", "mlx")(m(x), place(w), m(norm), eps, width, m(pos), m(freqs))

@@ -1,20 +1,21 @@
-"""The fused ops on the CPU (contracts: ops/hc_pre_norm.py, ops/qmatmul_norm_rope.py, ops/attention_output.py,
-ops/compressor_store.py): each sequence in one C call (backends/cpu/glue.c: the products through the kernel pool, the
-norms, hc_pre, the rotations and the ring writes chained), the bits of the cpu backend's own ops called one by one.
-Where the kernels do not serve a product (F32 weights, more than 16 rows, no library, a compiled step) the sequence
-runs as those ops. Row-wise, so batch-invariant."""
+"""The fused ops on the CPU (contracts: ops/hc_pre_norm.py, ops/hc_post_pre_norm.py, ops/qmatmul_norm_rope.py,
+ops/attention_output.py, ops/compressor_store.py): each sequence in one C call (backends/cpu/glue.c: the
+products through the kernel pool, the norms, the HC steps, the rotations and the ring writes chained), the bits of the
+cpu backend's own ops called one by one. Where the kernels do not serve a product (F32 weights, more than 16 rows, no
+library, a compiled step) the sequence runs as those ops. Row-wise, so batch-invariant."""
 from __future__ import annotations
 
 from functools import partial
 
 import torch
 
-from backends.cpu.hc import hc_pre
+from backends.cpu.hc import hc_post, hc_pre
 from backends.cpu.qmatmul import grouped_qmatmul, qmatmul
 from backends.cpu.rowops import cos_sin, rms_norm, rope_tail, store_rows
 from backends.registry import register
 from ops.attention_output import attention_output_of
 from ops.compressor_store import compressor_store_of
+from ops.hc_post_pre_norm import hc_post_pre_norm_of
 from ops.hc_pre_norm import hc_pre_norm_of
 from ops.qmatmul_norm_rope import check_width, qmatmul_norm_rope_of
 from ops.quants import QTensor
@@ -32,6 +33,18 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
         return out
     return hc_pre_norm_of(rms_norm, partial(qmatmul, dot=dot), hc_pre)(X, fn, scale, base, norm, iters, hc_eps,
                                                                        rms_eps)
+
+
+@register("hc_post_pre_norm", "cpu", batch_invariant=True)
+def hc_post_pre_norm(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: QTensor,
+                     scale: torch.Tensor, base: torch.Tensor, norm: torch.Tensor, iters: int, hc_eps: float,
+                     rms_eps: float, dot: str = "exact") -> tuple[torch.Tensor, ...]:
+    """The new HC state and the next sub-layer's normed input, post and comb; `dot` as in qmatmul."""
+    out = glue.hc_pre_norm(X, fn, scale, base, norm, iters, hc_eps, rms_eps, dot, after=(y, post, comb))
+    if out is not None:
+        return out
+    return hc_post_pre_norm_of(hc_post, partial(hc_pre_norm, dot=dot))(X, y, post, comb, fn, scale, base, norm, iters,
+                                                                       hc_eps, rms_eps)
 
 
 @register("qmatmul_norm_rope", "cpu", batch_invariant=True)

@@ -531,3 +531,14 @@ int glue_compressor_store(const product_t *p, int threads, const float *ape, int
     }
     return 0;
 }
+
+/* hc_post_pre_norm: Xn = glue_hc_post(X, y, post, comb), then glue_hc_pre_norm on Xn (post and comb of the next
+ * sub-layer into post2 and comb2). */
+int glue_hc_post_pre_norm(const product_t *p, int q8_kind, const float *X, const float *y, const float *post,
+                          const float *comb, float *Xn, float *flat, const float *scale, const float *base,
+                          const float *norm, int64_t M, int64_t S, int64_t D, int64_t iters, float hc_eps,
+                          float rms_eps, float *x, float *post2, float *comb2, int threads) {
+    glue_hc_post(X, y, post, comb, M, S, D, Xn);
+    return glue_hc_pre_norm(p, q8_kind, Xn, flat, scale, base, norm, M, S, D, iters, hc_eps, rms_eps, x, post2, comb2,
+                            threads);
+}

@@ -1,8 +1,8 @@
 """Python side of glue.c: the small ops of a decode step as one C call each (rms_norm, hc_pre, hc_post, the HC
 stream sums, rope_tail's rotation, sparse_attention, store_rows, the routed experts' selection; the fused hc_pre_norm,
-qmatmul_norm_rope, attention_output and compressor_store), each the bits of its reference in ops/ (docs/cpu.md,
-"Per-step overhead"). `ready()` is False where the kernel library cannot be built and inside a compiled step
-(Inductor fuses the torch ops instead); the callers then take their torch paths."""
+hc_post_pre_norm, qmatmul_norm_rope, attention_output and compressor_store), each the bits of its reference in ops/
+(docs/cpu.md, "Per-step overhead"). `ready()` is False where the kernel library cannot be built and inside a compiled
+step (Inductor fuses the torch ops instead); the callers then take their torch paths."""
 from __future__ import annotations
 
 import ctypes
@@ -47,6 +47,9 @@ def _lib() -> ctypes.CDLL:
         k.glue_attention_output.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64,
                                             ptr, ptr, ptr, ctypes.c_int]
         k.glue_compressor_store.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ptr]
+        k.glue_hc_post_pre_norm.restype = ctypes.c_int
+        k.glue_hc_post_pre_norm.argtypes = [ptr, ctypes.c_int, *[ptr] * 9, i64, i64, i64, i64, ctypes.c_float,
+                                            ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
         _bound = k
     return _bound
 
@@ -322,34 +325,38 @@ def row_kernel(dot: str) -> int:
 
 
 def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, norm: torch.Tensor,
-                iters: int, hc_eps: float, rms_eps: float,
-                dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                iters: int, hc_eps: float, rms_eps: float, dot: str = "exact",
+                after: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...] | None:
     """ops.hc_pre_norm's sequence as the cpu backend runs it op by op (rms_norm, the product, hc_pre, rms_norm), in
-    one C call (glue.c's glue_hc_pre_norm) and with its bits; None where `products` would not serve the product."""
+    one C call (glue.c's glue_hc_pre_norm) and with its bits; None where `products` would not serve the product.
+    `after` = (y, post, comb): hc_post(X, y, post, comb) first, in the same call (glue_hc_post_pre_norm), and its
+    state returned first (ops.hc_post_pre_norm)."""
     X, scale, base, norm = f32(X), f32(scale), f32(base), f32(norm)
     M, S, D = X.shape
     flat = torch.empty((M, S * D), dtype=torch.float32)
     if not ready() or not served(flat, fn, None, dot):
         return None
-    q8 = dot == "q8"
-    kind = kernels.Q8_TYPES[fn.qtype.name] if q8 else -1
-    if q8:
-        block, block_bytes = kernels.Q8_ACTIVATION[kind]
-        rows = torch.empty(M * (S * D // block) * block_bytes, dtype=torch.uint8)
-    else:
-        rows = flat
+    kind, rows = q8_rows(flat, fn, dot)
     alive: list = []
     mixes = torch.empty((M, fn.shape[0]), dtype=torch.float32)
     args = product_args(row_kernel(dot), rows, fn, None, mixes, alive)
     x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
-    rc = _lib().glue_hc_pre_norm(ctypes.byref(args), kind, X.data_ptr(), flat.data_ptr(), scale.data_ptr(),
-                                 base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
-                                 post.data_ptr(), comb.data_ptr(), kernels.threads())
+    tail = (scale.data_ptr(), base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
+            post.data_ptr(), comb.data_ptr(), kernels.threads())
+    if after is None:
+        rc = _lib().glue_hc_pre_norm(ctypes.byref(args), kind, X.data_ptr(), flat.data_ptr(), *tail)
+        out = (x, post, comb)
+    else:
+        y, post_in, comb_in = (f32(t) for t in after)
+        Xn = torch.empty_like(X)
+        rc = _lib().glue_hc_post_pre_norm(ctypes.byref(args), kind, X.data_ptr(), y.data_ptr(), post_in.data_ptr(),
+                                          comb_in.data_ptr(), Xn.data_ptr(), flat.data_ptr(), *tail)
+        out = (Xn, x, post, comb)
     if rc == -2:
         raise MemoryError(f"hc_pre_norm: no memory for the gates of {M} rows")
     if rc:
         raise ValueError(f"hc_pre_norm: unsupported call ({fn.qtype.name}, dot={dot})")
-    return x, post, comb
+    return out
 
 
 def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, eps: float, width: int,
