@@ -17,11 +17,21 @@ from ops.rope_tail import rope_tail as reference_rope_tail
 BATCH_INVARIANT = True
 
 
+def check_groups(o, wa, groups: int) -> None:
+    """ValueError unless `groups` divides the rows of `wa` and the heads' values of a row of `o` into its columns."""
+    values = o.shape[1] * o.shape[2]
+    if groups < 1 or wa.shape[0] % groups or values != groups * wa.shape[1]:
+        raise ValueError(f"attention_output: {groups} groups do not fit heads {tuple(o.shape[1:])} and "
+                         f"{wa.name or 'weight'} {tuple(wa.shape)} (rows a multiple of the groups, "
+                         f"{values} values = groups x {wa.shape[1]})")
+
+
 def attention_output_of(rope_tail: Callable, grouped_qmatmul: Callable, qmatmul: Callable) -> Callable:
     """`attention_output` made of the given implementations of its three ops (a backend passes its own)."""
 
     def attention_output(o, positions, freqs, wa, wb, groups: int):
         """The attention sub-layer's output [M, D'] from the heads' outputs `o` [M, H, hd]."""
+        check_groups(o, wa, groups)
         M = o.shape[0]
         u = grouped_qmatmul(rope_tail(o, positions, freqs, inverse=True).reshape(M, groups, -1), wa)
         return qmatmul(u, wb)

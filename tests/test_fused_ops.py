@@ -91,6 +91,9 @@ def test_references_are_the_unfused_sequences():
     o, pos, freqs, wa, wb, groups = output_case(3)
     u = grouped_qmatmul(rope_tail(o, pos, freqs, inverse=True).reshape(3, groups, -1), wa)
     assert torch.equal(attention_output(o, pos, freqs, wa, wb, groups), qmatmul(u, wb))
+    for fn in (attention_output, impl("attention_output", "cpu")):
+        with pytest.raises(ValueError, match="3 groups do not fit heads"):
+            fn(o, pos, freqs, wa, wb, 3)
     x, kv, gate, ape, ape_rows, slots, kv_ring, score_ring = compressor_case(3)
     want = (store_rows(kv_ring.clone(), slots, qmatmul(x, kv)),
             store_rows(score_ring.clone(), slots, qmatmul(x, gate) + ape[ape_rows]))

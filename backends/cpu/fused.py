@@ -13,7 +13,7 @@ from backends.cpu.hc import hc_post, hc_pre
 from backends.cpu.qmatmul import grouped_qmatmul, qmatmul
 from backends.cpu.rowops import cos_sin, rms_norm, rope_tail, store_rows
 from backends.registry import register
-from ops.attention_output import attention_output_of
+from ops.attention_output import attention_output_of, check_groups
 from ops.compressor_store import compressor_store_of
 from ops.hc_post_pre_norm import hc_post_pre_norm_of
 from ops.hc_pre_norm import hc_pre_norm_of
@@ -66,6 +66,7 @@ def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, ep
 def attention_output(o: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, wa: QTensor, wb: QTensor,
                      groups: int, dot: str = "exact") -> torch.Tensor:
     """The attention sub-layer's output from the heads' outputs `o`; `dot` as in qmatmul."""
+    check_groups(o, wa, groups)
     out = None if not glue.ready() else glue.attention_output(o, cos_sin(positions, freqs), wa, wb, groups, dot)
     if out is not None:
         return out
