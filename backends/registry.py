@@ -43,11 +43,15 @@ OPS = (
     "qmatmul", "moe", "indexer_topk", "verify_argmax",
     "embed", "rms_norm", "rope_tail", "hc_pre", "hc_post", "hc_head", "compress", "index_scores",
     "sparse_attention", "store_rows", "shared_expert", "fp8_sim", "fp4_sim", "hadamard", "grouped_qmatmul",
+    "hc_pre_norm", "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store",   # fused: a
+    # sequence of the ops above in one call (docs/cpu.md, "Fused decode ops")
 )
 
-WEIGHT_OPS = ("qmatmul", "moe", "shared_expert", "embed", "hc_head", "grouped_qmatmul")  # ops reading quantized weights
+WEIGHT_OPS = ("qmatmul", "moe", "shared_expert", "embed", "hc_head", "grouped_qmatmul", "hc_pre_norm",   # ops
+              "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store")  # reading weights
 CPU_DOTS = ("exact", "q8")   # the cpu backend's dot products: exact float (default), 8-bit activations
-CPU_DOT_OPS = ("qmatmul", "moe", "shared_expert", "grouped_qmatmul")  # the cpu ops that take `dot=`
+CPU_DOT_OPS = ("qmatmul", "moe", "shared_expert", "grouped_qmatmul", "hc_pre_norm", "hc_post_pre_norm",
+               "qmatmul_norm_rope", "attention_output", "compressor_store")  # the cpu ops that take `dot=`
 
 
 @dataclass(frozen=True)

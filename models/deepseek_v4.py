@@ -426,10 +426,12 @@ class DeepseekV4:
         return self.ops.all_reduce(x) if self.tensor_parallel else x
 
     def block(self, L: Block, X: Array, ids: Array, plan: Plan, cache: LayerCache) -> Array:
-        """One decoder block: attention then FFN, each wrapped in HC pre/post."""
+        """One decoder block: attention then FFN, each wrapped in HC pre/post (the attention's post and the FFN's pre
+        in one op)."""
+        a, hc = self.args, L.hc_ffn
         x, post, comb = self.hc_pre(X, L.hc_attn, L.attn_norm)
-        X = self.ops.hc_post(X, self.attention(L, x, plan, cache), post, comb)
-        x, post, comb = self.hc_pre(X, L.hc_ffn, L.ffn_norm)
+        X, x, post, comb = self.ops.hc_post_pre_norm(X, self.attention(L, x, plan, cache), post, comb, hc.fn, hc.scale,
+                                                     hc.base, L.ffn_norm, a.hc_sinkhorn_iters, a.hc_eps, a.rms_eps)
         routed, shared = self.ops.moe(x, ids, L.experts), self.ops.shared_expert(x, *L.shared, L.shared_clamp)
         # the ranks' routed experts summed (ep), with their shared expert rows too (tp)
         ffn = self.tp_sum(routed + shared) if self.tensor_parallel else self.ops.all_reduce(routed) + shared
@@ -437,11 +439,8 @@ class DeepseekV4:
 
     def hc_pre(self, X: Array, hc: HyperConnection, norm: Array) -> tuple[Array, Array, Array]:
         """HC pre step of a sub-layer, returning the normed sub-layer input, post and comb."""
-        a, ops = self.args, self.ops
-        M, S, D = X.shape
-        mixes = ops.qmatmul(ops.rms_norm(X.reshape(M, S * D), None, a.rms_eps), hc.fn)
-        x, post, comb = ops.hc_pre(X, mixes, hc.scale, hc.base, a.hc_sinkhorn_iters, a.hc_eps)
-        return ops.rms_norm(x, norm, a.rms_eps), post, comb
+        a = self.args
+        return self.ops.hc_pre_norm(X, hc.fn, hc.scale, hc.base, norm, a.hc_sinkhorn_iters, a.hc_eps, a.rms_eps)
 
     def store_kv(self, cache_rows: Array, slots: Array, kv: Array) -> Array:
         """KV rows as stored: FP8-simulated no-RoPE dims (switch kv_fp8_sim), optionally F16-rounded."""
@@ -461,11 +460,10 @@ class DeepseekV4:
         """Attention sub-layer output [M, D] for normed inputs `a_in` [M, D]."""
         args, ops = self.args, self.ops
         M, hd, eps = a_in.shape[0], args.head_dim, args.rms_eps
-        q_lat = ops.rms_norm(ops.qmatmul(a_in, L.q_a), L.q_a_norm, eps)
-        q = ops.rms_norm(ops.qmatmul(q_lat, L.q_b).reshape(M, -1, hd), None, eps)   # this rank's heads (tp)
-        q = ops.rope_tail(q, plan.pos, L.freqs)
-        kv = ops.rms_norm(ops.qmatmul(a_in, L.kv), L.kv_norm, eps)
-        cache.rows = self.store_kv(cache.rows, plan.raw_slots, ops.rope_tail(kv, plan.pos, L.freqs))
+        q_lat = ops.qmatmul_norm_rope(a_in, L.q_a, L.q_a_norm, eps)
+        q = ops.qmatmul_norm_rope(q_lat, L.q_b, None, eps, hd, plan.pos, L.freqs).reshape(M, -1, hd)  # rank's heads
+        kv = ops.qmatmul_norm_rope(a_in, L.kv, L.kv_norm, eps, hd, plan.pos, L.freqs)
+        cache.rows = self.store_kv(cache.rows, plan.raw_slots, kv)
 
         rows = AttnRows(plan.raw_rows, plan.n_raw)
         if L.ratio:
@@ -484,9 +482,8 @@ class DeepseekV4:
                 rows = AttnRows(plan.raw_rows, plan.n_raw, plan.comp_rows, plan.visible)
 
         o = ops.sparse_attention(q, cache.rows, rows, L.sinks, 1 / math.sqrt(hd))
-        o = ops.rope_tail(o, plan.pos, L.freqs, inverse=True).reshape(M, L.output_a.shape[0] // args.o_lora_rank, -1)
-        u = ops.grouped_qmatmul(o, L.output_a)
-        return self.tp_sum(ops.qmatmul(u, L.output_b))
+        groups = L.output_a.shape[0] // args.o_lora_rank
+        return self.tp_sum(ops.attention_output(o, plan.pos, L.freqs, L.output_a, L.output_b, groups))
 
     def compress(self, L: Block, c: Compressor, a_in: Array, plan: CompressorPlan, kv_ring: Array,
                  score_ring: Array, out_rows: Array, out_offset: int, d: int, store) -> tuple[Array, Array, Array]:
@@ -494,8 +491,7 @@ class DeepseekV4:
         rows complete at `out_offset + block` of `out_rows`; returns the updated (kv_ring, score_ring,
         out_rows)."""
         ops, ratio = self.ops, L.ratio
-        kv_ring = ops.store_rows(kv_ring, plan.slots, ops.qmatmul(a_in, c.kv))
-        score_ring = ops.store_rows(score_ring, plan.slots, ops.qmatmul(a_in, c.gate) + c.ape[plan.ape])
+        kv_ring, score_ring = ops.compressor_store(a_in, c.kv, c.gate, c.ape, plan.ape, plan.slots, kv_ring, score_ring)
         if plan.blocks is None:
             return kv_ring, score_ring, out_rows
         kv, score = kv_ring[plan.tokens], score_ring[plan.tokens]

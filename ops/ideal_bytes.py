@@ -4,8 +4,8 @@ Every byte the op needs is read once and every output byte written once: all ten
 their stored blocks) and the outputs, except where the contract reads a subset, which `IDEAL` states per op:
 embed reads only the asked rows of its table; moe only its router and the experts the rows pick;
 sparse_attention only the listed cache rows; index_scores the keys some query sees; indexer_topk the scores
-of visible columns; store_rows writes only its rows into the cache. The traffic benchmark divides a kernel's
-measured bytes by this figure (its re-read ratio).
+of visible columns; store_rows writes only its rows into the cache, compressor_store only its rows into its
+rings. The traffic benchmark divides a kernel's measured bytes by this figure (its re-read ratio).
 """
 from __future__ import annotations
 
@@ -75,9 +75,16 @@ def store_rows(out, cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor
     return nbytes((slots, rows)) + rows.numel() * cache.element_size()
 
 
+def compressor_store(out, x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torch.Tensor, ape_rows: torch.Tensor,
+                     slots: torch.Tensor, kv_ring: torch.Tensor, score_ring: torch.Tensor) -> int:
+    """x, both weights, the position-bias rows used, the index arrays, the rows written into both rings."""
+    written = 2 * slots.numel() * kv_ring.shape[-1] * kv_ring.element_size()
+    return nbytes((x, kv, gate, ape_rows, slots)) + ape_rows.numel() * ape.shape[-1] * ape.element_size() + written
+
+
 IDEAL: dict[str, Callable[..., int]] = {  # op -> ideal bytes (output first, then the op's arguments)
     "embed": embed, "moe": moe, "sparse_attention": sparse_attention, "index_scores": index_scores,
-    "indexer_topk": indexer_topk, "store_rows": store_rows,
+    "indexer_topk": indexer_topk, "store_rows": store_rows, "compressor_store": compressor_store,
 }
 
 

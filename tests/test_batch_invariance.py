@@ -119,12 +119,50 @@ def grouped_case(M: int, seed: int) -> tuple[tuple, list[tuple]]:
     return (x, w), [(x[m:m + 1], w) for m in range(M)]
 
 
+def fused_case(op: str, M: int, seed: int) -> tuple[tuple, list[tuple]]:
+    """The fused ops (hc_pre_norm, hc_post_pre_norm; qmatmul_norm_rope with per-head norms and RoPE;
+    attention_output; compressor_store at distinct slots, fresh rings per call) on M rows and on each row alone."""
+    S, D = 4, 64
+    positions, freqs = torch.arange(seed, seed + M) * 37, randn(8, seed=4).abs()
+    if op == "hc_pre_norm":
+        fn = QTensor.quantize(randn(2 * S + S * S, S * D, seed=10) / 16, "F16", "hc_fn")
+        args = (randn(M, S, D, seed=seed), fn, randn(3, seed=2), randn(2 * S + S * S, seed=3), randn(D, seed=4), 20,
+                1e-6, 1e-6)
+        rows = (0,)
+    elif op == "hc_post_pre_norm":
+        fn = QTensor.quantize(randn(2 * S + S * S, S * D, seed=10) / 16, "F16", "hc_fn")
+        args = (randn(M, S, D, seed=seed), randn(M, D, seed=seed + 1), randn(M, S, seed=seed + 2),
+                randn(M, S, S, seed=seed + 3), fn, randn(3, seed=2), randn(2 * S + S * S, seed=3), randn(D, seed=4), 20,
+                1e-6, 1e-6)
+        rows = (0, 1, 2, 3)
+    elif op == "qmatmul_norm_rope":
+        w = QTensor.quantize(randn(4 * 32, D, seed=11) / 8, "Q8_0", "attn_q_b.weight")
+        args, rows = (randn(M, D, seed=seed), w, None, 1e-6, 32, positions, freqs), (0, 5)
+    elif op == "attention_output":
+        wa = QTensor.quantize(randn(2 * 32, 64, seed=12) / 8, "Q8_0", "attn_output_a.weight")
+        wb = QTensor.quantize(randn(D, 2 * 32, seed=13) / 8, "Q8_0", "attn_output_b.weight")
+        args, rows = (randn(M, 4, 32, seed=seed), positions, freqs, wa, wb, 2), (0, 1)
+    else:
+        kv, gate = (QTensor.quantize(randn(32, D, seed=s) / 8, "F16", f"w{s}") for s in (14, 15))
+        x, ape, slots = randn(M, D, seed=seed), randn(4, 32, seed=16), torch.randperm(32, generator=gen(seed))[:M]
+        return ((x, kv, gate, ape, torch.arange(M) % 4, slots, torch.zeros(32, 32), torch.zeros(32, 32)),
+                [(x[m:m + 1], kv, gate, ape, torch.tensor([m % 4]), slots[m:m + 1], torch.zeros(32, 32),
+                  torch.zeros(32, 32)) for m in range(M)])
+    return args, [tuple(a[m:m + 1] if i in rows else a for i, a in enumerate(args)) for m in range(M)]
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+FUSED = ("hc_pre_norm", "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store")
 CASES = {"sparse_attention": attention_case, "grouped_qmatmul": grouped_case,
          "moe": lambda M, seed: moe_case(M, seed, hashed=False),
          "moe_hashed": lambda M, seed: moe_case(M, seed, hashed=True), "index_scores": index_case,
          "shared_expert": shared_expert_case, "store_rows": store_case,
          **{op: (lambda M, seed, op=op: row_case(op, M, seed)) for op in ("hc_pre", "hc_post", "rope_tail",
-                                                                           "compress", "hc_head", "embed")}}
+                                                                           "compress", "hc_head", "embed")},
+         **{op: (lambda M, seed, op=op: fused_case(op, M, seed)) for op in FUSED}}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -137,9 +175,10 @@ def test_op_rows_equal_one_row_calls(case):
         batched = op.fn(*batched_args)
         for m, args in enumerate(single_args):
             single = op.fn(*args)
-            if case == "store_rows":  # compare the rows written, not the whole cache
-                batched_row, single = batched[batched_args[1][m:m + 1]], single[args[1]]
-                assert torch.equal(batched_row, single), (case, M, m)
+            if case in ("store_rows", "compressor_store"):  # compare the rows written, not the whole cache
+                at = batched_args[1 if case == "store_rows" else 5][m:m + 1]
+                for b, s in zip(*(o if isinstance(o, tuple) else (o,) for o in (batched, single)), strict=True):
+                    assert torch.equal(b[at], s[at]), (case, M, m)
                 continue
             for b, s in zip(*(o if isinstance(o, tuple) else (o,) for o in (batched, single)), strict=True):
                 assert torch.equal(b[m:m + 1], s), (case, M, m)

@@ -23,8 +23,9 @@ from ops.quants import QTensor, get
 from tests.test_batch_invariance import CASES
 
 CPU_OPS = sorted(op for op in ("qmatmul", "moe", "shared_expert", "sparse_attention", "index_scores", "hc_pre",
-                               "hc_head", "hc_post", "rms_norm", "rope_tail", "grouped_qmatmul")
-                 if "cpu" in implementations(op))
+                               "hc_head", "hc_post", "rms_norm", "rope_tail", "grouped_qmatmul", "hc_pre_norm",
+                               "qmatmul_norm_rope", "attention_output", "hc_post_pre_norm")   # compressor_store:
+                 if "cpu" in implementations(op))   # tests/test_fused_ops.py
 
 
 def cpu(op: str):
@@ -52,8 +53,9 @@ def test_fused_kernel_is_built_here():
 
 
 def test_cpu_backend_serves_auto_on_cpu_only():
-    assert CPU_OPS == ["grouped_qmatmul", "hc_head", "hc_post", "hc_pre", "index_scores", "moe", "qmatmul", "rms_norm",
-                       "rope_tail", "shared_expert", "sparse_attention"]
+    assert CPU_OPS == ["attention_output", "grouped_qmatmul", "hc_head", "hc_post", "hc_post_pre_norm", "hc_pre",
+                       "hc_pre_norm", "index_scores", "moe", "qmatmul", "qmatmul_norm_rope", "rms_norm", "rope_tail",
+                       "shared_expert", "sparse_attention"]
     assert OpSet().resolve("moe")[0].backend == "cpu"
     assert OpSet("torch").resolve("moe")[0].backend == "torch"
     assert OpSet().batch_invariant()

@@ -1,4 +1,4 @@
 """The CPU fast path (`cpu` backend, docs/cpu.md): batch-invariant ops without row-by-row loops and a
 quantized matmul that dequantizes one weight tile at a time. Importing this package registers its ops;
 `auto` uses them for CPU tensors, `--backend torch` still runs the pure references (the oracle)."""
-from . import attention, ffn, hc, qmatmul, rowops  # noqa: F401  (registers the ops)
+from . import attention, ffn, fused, hc, qmatmul, rowops  # noqa: F401  (registers the ops)

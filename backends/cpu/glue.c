@@ -462,3 +462,83 @@ int glue_moe_rows(const product_t *p, int q8_kind, void *hq, const float *w, int
     glue_sum_rows(p[2].y, M, k, p[2].N, out);
     return 0;
 }
+
+/* Fused ops (ops/hc_pre_norm.py, ops/qmatmul_norm_rope.py): the glue functions above chained in one call, so the
+ * bits are those of the separate calls. */
+
+/* hc_pre_norm: flat [M, S·D] = glue_rms_norm(X) (no weight), under q8 (q8_kind >= 0) rounded by qdot8.c into the
+ * product's rows p->x, the product p (the HC weight: mixes = p->y), glue_hc_pre, then x normed in place by norm. */
+int glue_hc_pre_norm(const product_t *p, int q8_kind, const float *X, float *flat, const float *scale,
+                     const float *base, const float *norm, int64_t M, int64_t S, int64_t D, int64_t iters,
+                     float hc_eps, float rms_eps, float *x, float *post, float *comb, int threads) {
+    glue_rms_norm(X, M, S * D, NULL, rms_eps, flat);
+    if (q8_kind >= 0 && q8_quantize(q8_kind, flat, M, S * D, (void *)p->x)) return -1;
+    int rc = glue_products(p, 1, threads);
+    if (rc) return rc;
+    rc = glue_hc_pre(X, p->y, scale, base, M, S, D, iters, hc_eps, x, post, comb);
+    if (rc) return rc;
+    glue_rms_norm(x, M, D, norm, rms_eps, x);
+    return 0;
+}
+
+/* qmatmul_norm_rope: the product p (y [M, N]), each group of `width` outputs normed into out (by norm when not NULL),
+ * then, when cos_ is not NULL, each group's tail rotated in place by cos/sin [M, P]. */
+int glue_qmatmul_norm_rope(const product_t *p, int threads, const float *norm, int64_t width, float eps,
+                           const float *cos_, const float *sin_, int64_t P, float *out) {
+    int rc = glue_products(p, 1, threads);
+    if (rc) return rc;
+    glue_rms_norm(p->y, p->M * (p->N / width), width, norm, eps, out);
+    if (cos_) glue_rope(out, p->M, p->N / width, width, cos_, sin_, P, 0, out);
+    return 0;
+}
+
+/* attention_output: o [M, H, hd] rotated back (glue_rope, inverse) into rot, its rows regrouped into xs [G, M, K]
+ * (K = H·hd / G: group g of row m is row g·M + m), under q8 (q8_a >= 0) rounded into p[0].x; p[0] the grouped product
+ * (the groups as a stack of G experts, y [G·M, n]); its rows gathered back into u [M, G·n], under q8 (q8_b >= 0)
+ * rounded into p[1].x; p[1] the output product. */
+int glue_attention_output(const product_t *p, int q8_a, int q8_b, const float *o, int64_t M, int64_t H, int64_t hd,
+                          const float *cos_, const float *sin_, int64_t P, int64_t G, float *rot, float *xs, float *u,
+                          int threads) {
+    int64_t K = H * hd / G, n = p[0].N;
+    glue_rope(o, M, H, hd, cos_, sin_, P, 1, rot);
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) xs[(g * M + m) * K + k] = rot[m * H * hd + g * K + k];
+    if (q8_a >= 0 && q8_quantize(q8_a, xs, G * M, K, (void *)p[0].x)) return -1;
+    int rc = glue_products(p, 1, threads);
+    if (rc) return rc;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < n; j++) u[m * G * n + g * n + j] = p[0].y[(g * M + m) * n + j];
+    if (q8_b >= 0 && q8_quantize(q8_b, u, M, G * n, (void *)p[1].x)) return -1;
+    return glue_products(p + 1, 1, threads);
+}
+
+/* compressor_store: the products p[0] (kv) and p[1] (gate) of the same rows in one pool pass, then kv_ring[slots[m]] =
+ * p[0].y[m] and score_ring[slots[m]] = p[1].y[m] + ape[ape_rows[m]] (rings of N rows of c values, ape of ape_n
+ * rows). Returns -1 (nothing written) when a slot is outside [0, N) or an ape row outside [0, ape_n). */
+int glue_compressor_store(const product_t *p, int threads, const float *ape, int64_t ape_n, const int64_t *ape_rows,
+                          const int64_t *slots, int64_t N, float *kv_ring, float *score_ring) {
+    int64_t M = p[0].M, c = p[0].N;
+    for (int64_t m = 0; m < M; m++)
+        if (slots[m] < 0 || slots[m] >= N || ape_rows[m] < 0 || ape_rows[m] >= ape_n) return -1;
+    int rc = glue_products(p, 2, threads);
+    if (rc) return rc;
+    for (int64_t m = 0; m < M; m++) {
+        const float *kv = p[0].y + m * c, *gate = p[1].y + m * c, *bias = ape + ape_rows[m] * c;
+        float *k = kv_ring + slots[m] * c, *s = score_ring + slots[m] * c;
+        for (int64_t i = 0; i < c; i++) k[i] = kv[i], s[i] = gate[i] + bias[i];
+    }
+    return 0;
+}
+
+/* hc_post_pre_norm: Xn = glue_hc_post(X, y, post, comb), then glue_hc_pre_norm on Xn (post and comb of the next
+ * sub-layer into post2 and comb2). */
+int glue_hc_post_pre_norm(const product_t *p, int q8_kind, const float *X, const float *y, const float *post,
+                          const float *comb, float *Xn, float *flat, const float *scale, const float *base,
+                          const float *norm, int64_t M, int64_t S, int64_t D, int64_t iters, float hc_eps,
+                          float rms_eps, float *x, float *post2, float *comb2, int threads) {
+    glue_hc_post(X, y, post, comb, M, S, D, Xn);
+    return glue_hc_pre_norm(p, q8_kind, Xn, flat, scale, base, norm, M, S, D, iters, hc_eps, rms_eps, x, post2, comb2,
+                            threads);
+}

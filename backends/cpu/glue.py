@@ -1,7 +1,8 @@
 """Python side of glue.c: the small ops of a decode step as one C call each (rms_norm, hc_pre, hc_post, the HC
-stream sums, rope_tail's rotation, sparse_attention, store_rows, the routed experts' selection), each the bits of its
-reference in ops/ (docs/cpu.md, "Per-step overhead"). `ready()` is False where the kernel library cannot be built and
-inside a compiled step (Inductor fuses the torch ops instead); the callers then take their torch paths."""
+stream sums, rope_tail's rotation, sparse_attention, store_rows, the routed experts' selection; the fused hc_pre_norm,
+hc_post_pre_norm, qmatmul_norm_rope, attention_output and compressor_store), each the bits of its reference in ops/
+(docs/cpu.md, "Per-step overhead"). `ready()` is False where the kernel library cannot be built and inside a compiled
+step (Inductor fuses the torch ops instead); the callers then take their torch paths."""
 from __future__ import annotations
 
 import ctypes
@@ -38,6 +39,17 @@ def _lib() -> ctypes.CDLL:
                                     ctypes.c_int]
         k.glue_route.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
         k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
+        k.glue_hc_pre_norm.restype = k.glue_qmatmul_norm_rope.restype = ctypes.c_int
+        k.glue_hc_pre_norm.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
+                                       ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
+        k.glue_qmatmul_norm_rope.argtypes = [ptr, ctypes.c_int, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr]
+        k.glue_attention_output.restype = k.glue_compressor_store.restype = ctypes.c_int
+        k.glue_attention_output.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64,
+                                            ptr, ptr, ptr, ctypes.c_int]
+        k.glue_compressor_store.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ptr]
+        k.glue_hc_post_pre_norm.restype = ctypes.c_int
+        k.glue_hc_post_pre_norm.argtypes = [ptr, ctypes.c_int, *[ptr] * 9, i64, i64, i64, i64, ctypes.c_float,
+                                            ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
         _bound = k
     return _bound
 
@@ -304,3 +316,134 @@ def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen:
                          0.0 if clamp is None else clamp, h.data_ptr(), M, k, out.data_ptr(), kernels.threads()):
         raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
     return out
+
+
+def row_kernel(dot: str) -> int:
+    """The address of the row kernel a product takes: qdot8_rows (`dot="q8"`) or qgemv."""
+    k = _lib()
+    return ctypes.cast(k.qdot8_rows if dot == "q8" else k.qgemv, ctypes.c_void_p).value
+
+
+def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, norm: torch.Tensor,
+                iters: int, hc_eps: float, rms_eps: float, dot: str = "exact",
+                after: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...] | None:
+    """ops.hc_pre_norm's sequence as the cpu backend runs it op by op (rms_norm, the product, hc_pre, rms_norm), in
+    one C call (glue.c's glue_hc_pre_norm) and with its bits; None where `products` would not serve the product.
+    `after` = (y, post, comb): hc_post(X, y, post, comb) first, in the same call (glue_hc_post_pre_norm), and its
+    state returned first (ops.hc_post_pre_norm)."""
+    X, scale, base, norm = f32(X), f32(scale), f32(base), f32(norm)
+    M, S, D = X.shape
+    flat = torch.empty((M, S * D), dtype=torch.float32)
+    if not ready() or not served(flat, fn, None, dot):
+        return None
+    kind, rows = q8_rows(flat, fn, dot)
+    alive: list = []
+    mixes = torch.empty((M, fn.shape[0]), dtype=torch.float32)
+    args = product_args(row_kernel(dot), rows, fn, None, mixes, alive)
+    x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
+    tail = (scale.data_ptr(), base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
+            post.data_ptr(), comb.data_ptr(), kernels.threads())
+    if after is None:
+        rc = _lib().glue_hc_pre_norm(ctypes.byref(args), kind, X.data_ptr(), flat.data_ptr(), *tail)
+        out = (x, post, comb)
+    else:
+        y, post_in, comb_in = (f32(t) for t in after)
+        Xn = torch.empty_like(X)
+        rc = _lib().glue_hc_post_pre_norm(ctypes.byref(args), kind, X.data_ptr(), y.data_ptr(), post_in.data_ptr(),
+                                          comb_in.data_ptr(), Xn.data_ptr(), flat.data_ptr(), *tail)
+        out = (Xn, x, post, comb)
+    if rc == -2:
+        raise MemoryError(f"hc_pre_norm: no memory for the gates of {M} rows")
+    if rc:
+        raise ValueError(f"hc_pre_norm: unsupported call ({fn.qtype.name}, dot={dot})")
+    return out
+
+
+def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, eps: float, width: int,
+                      cos_sin: tuple[torch.Tensor, torch.Tensor] | None, dot: str = "exact") -> torch.Tensor | None:
+    """ops.qmatmul_norm_rope's sequence as the cpu backend runs it op by op (the product, rms_norm per group of
+    `width`, the rotation by `cos_sin` [M, P] each), in one C call (glue.c's glue_qmatmul_norm_rope) and with its
+    bits; None where `products` would not serve the product."""
+    if not ready() or not served(x, w, None, dot):
+        return None
+    x = f32(x)
+    rows = kernels.q8_quantize(x, w.qtype.name) if dot == "q8" else x
+    M, N = x.shape[0], w.shape[0]
+    alive: list = []
+    y, out = torch.empty((M, N), dtype=torch.float32), torch.empty((M, N), dtype=torch.float32)
+    args = product_args(row_kernel(dot), rows, w, None, y, alive)
+    w_norm = None if norm is None else f32(norm)
+    cos, sin = (None, None) if cos_sin is None else (f32(cos_sin[0]), f32(cos_sin[1]))
+    angles = (None, None, 0) if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
+    norm_ptr = None if w_norm is None else w_norm.data_ptr()
+    lib = _lib()
+    if lib.glue_qmatmul_norm_rope(ctypes.byref(args), kernels.threads(), norm_ptr, width, eps, *angles, out.data_ptr()):
+        raise ValueError(f"qmatmul_norm_rope: unsupported call ({w.qtype.name}, dot={dot})")
+    return out
+
+
+def q8_rows(x: torch.Tensor, w: QTensor, dot: str) -> tuple[int, torch.Tensor]:
+    """The activation kind of weight `w` under q8 (-1 exact) and the buffer its rounded rows x [M, K] go to (x itself
+    when exact), for a C call that rounds them."""
+    if dot != "q8":
+        return -1, x
+    kind = kernels.Q8_TYPES[w.qtype.name]
+    block, block_bytes = kernels.Q8_ACTIVATION[kind]
+    return kind, torch.empty(x.shape[0] * (x.shape[1] // block) * block_bytes, dtype=torch.uint8)
+
+
+def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], wa: QTensor, wb: QTensor,
+                     groups: int, dot: str = "exact") -> torch.Tensor | None:
+    """ops.attention_output's sequence as the cpu backend runs it op by op (the inverse rotation by `cos_sin`, the
+    grouped product over the groups as a stack of experts, the output product), in one C call (glue.c's
+    glue_attention_output) and with its bits; None where `products` would not serve both products as that."""
+    o = f32(o)
+    M, H, hd = o.shape
+    K, n = H * hd // groups, wa.shape[0] // groups
+    stack = QTensor(wa.qtype, (groups, n, K), wa.data.reshape(groups, n, -1), wa.name)
+    experts = torch.arange(groups).repeat_interleave(M)
+    xs, u = torch.empty((groups * M, K), dtype=torch.float32), torch.empty((M, groups * n), dtype=torch.float32)
+    if not ready() or not served(xs, stack, experts, dot) or not served(u, wb, None, dot):
+        return None
+    (kind_a, rows_a), (kind_b, rows_b) = q8_rows(xs, stack, dot), q8_rows(u, wb, dot)
+    alive: list = []
+    y, out = torch.empty((groups * M, n), dtype=torch.float32), torch.empty((M, wb.shape[0]), dtype=torch.float32)
+    kernel = row_kernel(dot)
+    args = (ProductArgs * 2)(product_args(kernel, rows_a, stack, experts, y, alive),
+                             product_args(kernel, rows_b, wb, None, out, alive))
+    cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
+    rot = torch.empty_like(o)
+    if _lib().glue_attention_output(args, kind_a, kind_b, o.data_ptr(), M, H, hd, cos.data_ptr(), sin.data_ptr(),
+                                    cos.shape[-1], groups, rot.data_ptr(), xs.data_ptr(), u.data_ptr(),
+                                    kernels.threads()):
+        raise ValueError(f"attention_output: unsupported call ({wa.qtype.name}, {wb.qtype.name}, dot={dot})")
+    return out
+
+
+def compressor_store(x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torch.Tensor, ape_rows: torch.Tensor,
+                     slots: torch.Tensor, kv_ring: torch.Tensor, score_ring: torch.Tensor,
+                     dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ops.compressor_store's sequence as the cpu backend runs it op by op (both products, the position bias added,
+    the two ring writes), in one C call (glue.c's glue_compressor_store, the products in one pool pass) and with its
+    bits; None where `products` would not serve both products or the rings are not contiguous float32."""
+    rings = (kv_ring, score_ring)
+    if not ready() or not all(served(x, w, None, dot) for w in (kv, gate)) or kv.shape != gate.shape \
+            or any(r.dtype != torch.float32 or not r.is_contiguous() or r.shape[1:] != kv.shape[:1] for r in rings):
+        return None
+    x, ape = f32(x), f32(ape)
+    rows = {kind: kernels.q8_quantize(x, w.qtype.name) if dot == "q8" else x
+            for kind, w in ((kernels.Q8_TYPES.get(w.qtype.name), w) for w in (gate, kv))}
+    alive: list = []
+    ys = [torch.empty((x.shape[0], kv.shape[0]), dtype=torch.float32) for _ in rings]
+    kernel = row_kernel(dot)
+    args = (ProductArgs * 2)(*(product_args(kernel, rows[kernels.Q8_TYPES.get(w.qtype.name)], w, None, y, alive)
+                               for w, y in zip((kv, gate), ys, strict=True)))
+    ids, at = ape_rows.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    if ids.shape != (x.shape[0],) or at.shape != ids.shape or ape.shape[1:] != kv.shape[:1]:
+        raise ValueError(f"compressor_store: ape {tuple(ape.shape)}, ape_rows {tuple(ape_rows.shape)}, slots "
+                         f"{tuple(slots.shape)} for {x.shape[0]} rows of {kv.shape[0]} values")
+    if _lib().glue_compressor_store(args, kernels.threads(), ape.data_ptr(), ape.shape[0], ids.data_ptr(),
+                                    at.data_ptr(), kv_ring.shape[0], kv_ring.data_ptr(), score_ring.data_ptr()):
+        raise ValueError(f"compressor_store: a slot outside the rings' {kv_ring.shape[0]} rows or an ape row outside "
+                         f"its {ape.shape[0]}")
+    return kv_ring, score_ring

@@ -3,6 +3,7 @@ from . import (
     attention,  # noqa: F401
     cache,  # noqa: F401
     compress,  # noqa: F401
+    fused,  # noqa: F401
     hyper,  # noqa: F401
     indexer,  # noqa: F401
     moe,  # noqa: F401

@@ -2,7 +2,9 @@
 the squares of the rows fed to it (llama.cpp's `llama-imatrix`, llama.cpp #4861 and #9400 for the file).
 
 `RecordingOps` wraps the model's OpSet: each `qmatmul`, `grouped_qmatmul`, `moe` and `shared_expert` call records
-its inputs and then calls the wrapped op unchanged, so the forward's numerics are the plain model's.
+its inputs (the fused `qmatmul_norm_rope`, `hc_pre_norm`, `hc_post_pre_norm`, `attention_output` and
+`compressor_store` those of their products) and then calls the wrapped op unchanged, so the forward's numerics are
+the plain model's.
 """
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ from backends.registry import is_mlx_device
 from ds4.engine import Engine
 from ds4.errors import UsageError
 from ds4.formats.imatrix import Imatrix
-from ops.grouped_qmatmul import group_rows
+from ops.grouped_qmatmul import group_rows, grouped_qmatmul
 from ops.moe import Experts, route
 from ops.qmatmul import qmatmul
 from ops.quants import QTensor
+from ops.rms_norm import rms_norm
+from ops.rope_tail import rope_tail
 
 _ROWS = re.compile(r"^(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")  # row views (ops.grouped_qmatmul): "W[a:b]"
 
@@ -52,6 +56,36 @@ class RecordingOps:
     def qmatmul(self, x: Any, w: QTensor) -> Any:
         self.record(w, x)
         return self._inner.qmatmul(x, w)
+
+    def qmatmul_norm_rope(self, x: Any, w: QTensor, *args: Any) -> Any:
+        self.record(w, x)
+        return self._inner.qmatmul_norm_rope(x, w, *args)
+
+    def hc_pre_norm(self, X: Any, fn: QTensor, scale: Any, base: Any, norm: Any, iters: int, hc_eps: float,
+                    rms_eps: float) -> Any:
+        rows = self._rows(X.reshape(X.shape[0], -1))
+        self.record(fn, rms_norm(rows, None, rms_eps))
+        return self._inner.hc_pre_norm(X, fn, scale, base, norm, iters, hc_eps, rms_eps)
+
+    def hc_post_pre_norm(self, *args: Any) -> Any:
+        out = self._inner.hc_post_pre_norm(*args)
+        fn, rms_eps = args[4], args[10]
+        self.record(fn, rms_norm(self._rows(out[0].reshape(out[0].shape[0], -1)), None, rms_eps))   # the new state
+        return out
+
+    def attention_output(self, o: Any, positions: Any, freqs: Any, wa: QTensor, wb: QTensor, groups: int) -> Any:
+        torch_of = self._inner.to_torch
+        rotated = rope_tail(torch_of(o), torch_of(positions), torch_of(freqs), inverse=True).reshape(o.shape[0],
+                                                                                                      groups, -1)
+        for g in range(groups):
+            self.record(group_rows(wa, g, groups), rotated[:, g])
+        self.record(wb, grouped_qmatmul(rotated, wa))
+        return self._inner.attention_output(o, positions, freqs, wa, wb, groups)
+
+    def compressor_store(self, x: Any, kv: QTensor, gate: QTensor, *args: Any) -> Any:
+        self.record(kv, x)
+        self.record(gate, x)
+        return self._inner.compressor_store(x, kv, gate, *args)
 
     def grouped_qmatmul(self, x: Any, w: QTensor) -> Any:
         groups = x.shape[1]
