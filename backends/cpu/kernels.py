@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import shutil
 import subprocess
 import tempfile
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +33,8 @@ from backends.registry import add_note
 from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
-                                                             "pool.c", "qdot8amx.c", "glue.c"))
+                                                             "pool.c", "qdot8amx.c", "glue.c",
+                                                             "step.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("iq2_xxs_groups.h",))   # included by SOURCES
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
@@ -102,6 +105,7 @@ def _build() -> ctypes.CDLL:
     _bind_gemm8(lib)
     _bind_amx_rows(lib)
     _bind_prefill(lib)
+    _bind_step(lib)
     return lib
 
 
@@ -507,3 +511,77 @@ def dense_product(x: torch.Tensor, w: QTensor) -> torch.Tensor:
                         y.data_ptr(), parts, threads()):
         raise ValueError(f"dense_product: unsupported call ({w.qtype.name}, K={K})")
     return y
+
+
+# The decode step's calls with fewer ctypes calls (step.c): a weight's row-kernel arguments bound once, and the
+# indexer's Hadamard transform and FP4 simulation.
+class BoundArgs(ctypes.Structure):
+    """step.c's bound_t: one weight's arguments of its row kernel (qgemv, or qdot8_rows with the rounding kind)."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("type", ctypes.c_int64), ("w", ctypes.c_void_p), ("N", ctypes.c_int64),
+                ("K", ctypes.c_int64), ("q8_kind", ctypes.c_int64), ("q8_row_bytes", ctypes.c_int64)]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A 2-D weight bound to its row kernel: `bound_product` runs it on a few float32 rows in one ctypes call."""
+
+    lib: ctypes.CDLL        # the library whose kernels `args` names
+    args: BoundArgs
+    address: int            # of `args`, handed to the library
+    data: torch.Tensor      # the contiguous raw blocks `args` points into (kept alive)
+    n: int
+    k: int
+
+
+def _bind_step(k: ctypes.CDLL) -> None:
+    """Declare step.c's entry points."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    k.bound_product.restype = ctypes.c_int
+    k.bound_product.argtypes = [ptr, ptr, i64, ptr, i64, ctypes.c_int]
+    k.index_sim.restype = None
+    k.index_sim.argtypes = [ptr, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr]
+
+
+def bind(w: QTensor, q8: bool) -> Bound:
+    """The product of a 2-D `w` with up to MAX_ROWS rows bound once: the fused kernel (qgemv.c, where `available`) or,
+    `q8`, the 8-bit one (qdot8.c, where `q8_available`) with its rounding of the rows."""
+    if len(w.shape) != 2 or not (q8_available if q8 else available)(w.qtype.name, w.shape[1]):
+        raise ValueError(f"bind: no {'8-bit ' if q8 else ''}kernel for {w.qtype.name} {tuple(w.shape)}")
+    k, data = lib(), w.data.contiguous()
+    kind = Q8_TYPES[w.qtype.name] if q8 else -1
+    row_bytes = w.shape[1] // Q8_ACTIVATION[kind][0] * Q8_ACTIVATION[kind][1] if q8 else 0
+    fn = ctypes.cast(k.qdot8_rows if q8 else k.qgemv, ctypes.c_void_p).value
+    args = BoundArgs(fn, GGML_TYPE[w.qtype.name], data.data_ptr(), w.shape[0], w.shape[1], kind, row_bytes)
+    return Bound(k, args, ctypes.addressof(args), data, w.shape[0], w.shape[1])
+
+
+def current(b: Bound | None) -> bool:
+    """Whether `b` was bound with the library loaded now (a test may turn the library off or rebuild it)."""
+    return b is None or b.lib is _lib
+
+
+def bound_product(b: Bound, x: torch.Tensor) -> torch.Tensor:
+    """`x @ W.T` for contiguous float32 x [M, K] (M <= MAX_ROWS) with the weight `b` binds, split across the pool as
+    `qgemv`/`qdot8` split it: their bits. Float32 [M, N]."""
+    M = x.shape[0]
+    y = torch.empty((M, b.n), dtype=torch.float32)
+    rc = b.lib.bound_product(b.address, x.data_ptr(), M, y.data_ptr(), pool_parts(b.data.numel()), threads())
+    if rc == -2:
+        raise MemoryError(f"qmatmul: no memory for {M} rows of {b.k} values")
+    if rc:
+        raise ValueError(f"qmatmul: unsupported call ({type_name(b.args.type)}, M={M}, K={b.k})")
+    return y
+
+
+def index_sim(x: torch.Tensor, hadamard: bool, fp4: bool) -> torch.Tensor:
+    """ops.fp4_sim.fp4_sim(ops.hadamard.hadamard(x))'s bits for float32 x [..., n] (either step may be left out):
+    the last dim a power of two for `hadamard`, a multiple of 32 for `fp4`."""
+    n = x.shape[-1]
+    if hadamard and n & (n - 1) or fp4 and n % 32:
+        raise ValueError(f"index_sim: {n} values a row are not a power of two (hadamard) or whole blocks of 32")
+    x = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    lib().index_sim(x.data_ptr(), x.numel() // n if n else 0, n, int(hadamard), math.sqrt(n), int(fp4),
+                    out.data_ptr())
+    return out

@@ -28,6 +28,8 @@
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from backends.cpu.rows import grouped_product
@@ -67,10 +69,43 @@ def tile(w: QTensor, start: int, stop: int) -> torch.Tensor:
     return dequantize(QTensor(w.qtype, (stop - start, w.shape[1]), w.data[start:stop]))
 
 
+class BoundWeights:
+    """Each weight's kernel arguments, bound on its first eager product of a few rows (`kernels.bind`), so later calls
+    skip the checks and lookups: a decode step makes ~50 products of small weights, whose Python cost more than
+    their kernels. An entry lives as long as its QTensor and is used only while the QTensor holds the same data."""
+
+    def __init__(self):
+        self.entries: dict[tuple[int, str], tuple[weakref.ref, torch.Tensor, kernels.Bound | None]] = {}
+
+    def get(self, w: QTensor, dot: str) -> kernels.Bound | None:
+        """The bound product of `w` under `dot` (made on first use), None where the kernels do not serve it."""
+        key = (id(w), dot)
+        entry = self.entries.get(key)
+        if entry is not None and entry[0]() is w and entry[1] is w.data and kernels.current(entry[2]):
+            return entry[2]
+        if type(w) is not QTensor or len(w.shape) != 2 or not kernels.built():
+            return None
+        bound = None
+        if dot == "q8" and kernels.q8_available(w.qtype.name, w.shape[1]):
+            bound = kernels.bind(w, q8=True)
+        elif (dense(w) is None or w.data.numel() >= STREAM_BYTES) and kernels.available(w.qtype.name, w.shape[1]):
+            bound = kernels.bind(w, q8=False)
+        self.entries[key] = (weakref.ref(w, lambda _, key=key: self.entries.pop(key, None)), w.data, bound)
+        return bound
+
+
+BOUND = BoundWeights()
+
+
 @register("qmatmul", "cpu", batch_invariant=True)
 def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
     """`x @ W.T` in float32; `dot="q8"`: the types qdot8.c (M <= SMALL_M) or qgemm8.c (larger M, not plain C) reads,
-    with activations rounded to 8 bits."""
+    with activations rounded to 8 bits. Eager calls of up to SMALL_M contiguous float32 rows take the weight's bound
+    kernel call (`BOUND`: the same kernel, the same bits)."""
+    if not torch.compiler.is_compiling() and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= SMALL_M:
+        bound = BOUND.get(w, dot) if isinstance(w, QTensor) else None
+        if bound is not None and x.shape[1] == bound.k and x.is_contiguous() and w.shape[0] == bound.n:
+            return kernels.bound_product(bound, x)
     check_args(x, w)
     x = x.to(torch.float32)
     if dot == "q8" and x.shape[0] <= SMALL_M and kernels.q8_available(w.qtype.name, w.shape[1]):

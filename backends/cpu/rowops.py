@@ -1,11 +1,12 @@
-"""rms_norm, rope_tail, store_rows and embed on the CPU (contracts: ops/rms_norm.py, ops/rope_tail.py,
-ops/store_rows.py, ops/embed.py) in one C call each (backends/cpu/glue.c; embed through the kernel library's
-dequantizer): a decode step makes ~15-45 norms, ~6-20 rotations and a few row writes of a few thousand values
-each, where every torch call costs microseconds of dispatch, tens of microseconds once a large product has evicted
-the caches. rms_norm gives `ops.rms_norm.rms_norm_lanes`' bits; rope_tail the reference's rotation of the angles'
-cos/sin, which are computed once per (positions, frequencies) and reused by the other calls of the step;
-store_rows and embed the reference's. A compiled step and a machine without the kernel library take torch ops.
-Row-wise, so batch-invariant."""
+"""rms_norm, rope_tail, store_rows, embed, hadamard and fp4_sim on the CPU (contracts: ops/rms_norm.py,
+ops/rope_tail.py, ops/store_rows.py, ops/embed.py, ops/hadamard.py, ops/fp4_sim.py) in one C call each
+(backends/cpu/glue.c; embed through the kernel library's dequantizer; hadamard and fp4_sim, the indexer's
+simulation, through step.c's index_sim): a decode step makes ~15-45 norms, ~6-20 rotations and a few row writes of a
+few thousand values each, where every torch call costs microseconds of dispatch, tens of microseconds once a large
+product has evicted the caches. rms_norm gives `ops.rms_norm.rms_norm_lanes`' bits; rope_tail the reference's
+rotation of the angles' cos/sin, which are computed once per (positions, frequencies) and reused by the other calls
+of the step; store_rows, embed, hadamard and fp4_sim the reference's. A compiled step and a machine without the
+kernel library take torch ops. Row-wise, so batch-invariant."""
 from __future__ import annotations
 
 import threading
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 
 from backends.registry import register
 from ops.embed import embed as reference_embed
+from ops.fp4_sim import fp4_sim as reference_fp4_sim
+from ops.hadamard import hadamard as reference_hadamard
 from ops.quants import QTensor
 from ops.store_rows import store_rows as reference_store_rows
 
@@ -87,3 +90,22 @@ def embed(table: QTensor, ids: torch.Tensor) -> torch.Tensor:
     if glue.ready() and table.qtype.name != "F32" and kernels.available(table.qtype.name, table.shape[1]):
         return kernels.dequantize(QTensor(table.qtype, (ids.shape[0], table.shape[1]), table.data[ids], table.name))
     return reference_embed(table, ids)
+
+
+@register("hadamard", "cpu", batch_invariant=True)
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """`x · H_n / sqrt(n)` over the last dim: the reference's butterfly in one C call."""
+    n = x.shape[-1]
+    if glue.ready() and n and not n & (n - 1):
+        return kernels.index_sim(x, hadamard=True, fp4=False)
+    return reference_hadamard(x)
+
+
+@register("fp4_sim", "cpu", batch_invariant=True)
+def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """E2M1 quantize-dequantize with a power-of-two scale per block of 32 in one C call; the scale is the exact
+    power-of-two ceiling of amax / 6, which torch's log2 could round otherwise only within an ulp above a power of
+    two (as store_rows' FP8 scales)."""
+    if glue.ready() and block == 32 and x.shape[-1] and x.shape[-1] % 32 == 0:
+        return kernels.index_sim(x, hadamard=False, fp4=True)
+    return reference_fp4_sim(x, block)

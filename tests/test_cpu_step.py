@@ -1,0 +1,104 @@
+"""The decode step's calls with less Python (backends/cpu/step.c): a weight's product bound once (the same bits as the
+unbound kernel calls, for any thread count and M = 1..16, re-bound when the weight's data or the library changes,
+bad input still refused by name), and the indexer's Hadamard transform and FP4 simulation in C (the references'
+bits, the power-of-two edges of the FP4 scale included)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.cpu import kernels, qmatmul, rowops
+from ops.fp4_sim import fp4_sim
+from ops.hadamard import hadamard
+from ops.quants import QTensor
+
+pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library is off (DS4_CPU_KERNELS=0)")
+
+BOUND_TYPES = ("Q8_0", "Q4_K", "Q2_K", "IQ2_XXS", "F16", "Q6_K", "IQ3_XXS", "BF16")
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, NaN where NaN (of any sign) and infinities of the same sign."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def unbound(x: torch.Tensor, w: QTensor, dot: str) -> torch.Tensor:
+    """The product through the kernels' own calls (kernels.qdot8 / kernels.qgemv), not the bound one."""
+    return kernels.qdot8(x, w) if dot == "q8" and kernels.q8_available(w.qtype.name, w.shape[1]) else \
+        kernels.qgemv(x, w)
+
+
+@pytest.mark.parametrize("dot", ("exact", "q8"))
+def test_bound_product_is_the_kernel_call(dot, monkeypatch):
+    """For each type (IQ3_XXS and BF16: exact under q8 too) the bound call gives the kernel call's bits for M = 1..16
+    on 1, 2 and 3 threads, the output rows split into the most chunks."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
+    before = torch.get_num_threads()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 512, generator=g)
+    try:
+        for qtype in BOUND_TYPES:
+            w = QTensor.quantize(torch.randn(40, 512, generator=g) / 16, qtype, "w")
+            torch.set_num_threads(1)
+            expected = unbound(x, w, dot)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                for M in (1, 2, 5, 16):
+                    assert qmatmul.BOUND.get(w, dot) is not None, qtype
+                    assert torch.equal(qmatmul.qmatmul(x[:M], w, dot), expected[:M]), (qtype, threads, M)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_binding_follows_the_weight_and_the_library(monkeypatch):
+    """A weight given new data is bound afresh (never the old pointer); small F32 weights stay in BLAS (no binding);
+    with the library turned off the torch path serves; bad input is refused as before."""
+    g = torch.Generator().manual_seed(8)
+    w = QTensor.quantize(torch.randn(24, 256, generator=g), "Q8_0", "w")
+    x = torch.randn(1, 256, generator=g)
+    first = qmatmul.qmatmul(x, w)
+    w.data = QTensor.quantize(torch.randn(24, 256, generator=g), "Q8_0").data
+    assert torch.equal(qmatmul.qmatmul(x, w), kernels.qgemv(x, w)) and not torch.equal(qmatmul.qmatmul(x, w), first)
+    assert qmatmul.BOUND.get(QTensor.quantize(torch.randn(8, 64, generator=g), "F32"), "exact") is None
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "_lib", None)
+        assert qmatmul.BOUND.get(w, "exact") is None
+        torch.testing.assert_close(qmatmul.qmatmul(x, w), x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="x has 128 columns"):
+        qmatmul.qmatmul(torch.randn(1, 128), w)
+    with pytest.raises(TypeError, match="x must be float32/float16"):
+        qmatmul.qmatmul(torch.randn(1, 256, dtype=torch.float64), w)
+    with pytest.raises(TypeError, match="must be a 2-D QTensor"):
+        qmatmul.qmatmul(x, w.data)
+    n_entries = len(qmatmul.BOUND.entries)
+    del w
+    assert len(qmatmul.BOUND.entries) < n_entries     # a dead weight's binding goes with it
+
+
+def test_index_sim_is_the_references():
+    """hadamard and fp4_sim (and the pair) on random rows over 80 orders of magnitude, float16 and strided input, and
+    amax / 6 within 40 ulp of every power of two: the references' bits; other lengths take the references."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(400, 4, 128, generator=g) * torch.exp(torch.randn(400, 4, 1, generator=g) * 20)
+    for rows in (x, x[:1, :1, :32], x[:, :, ::2], x[:3].to(torch.float16)):
+        assert same(rowops.hadamard(rows), hadamard(rows))
+        assert same(rowops.fp4_sim(rows), fp4_sim(rows))
+        assert same(rowops.fp4_sim(rowops.hadamard(rows)), fp4_sim(hadamard(rows)))
+    edges = []
+    up = down = torch.tensor([6 * 2.0**k for k in range(-126, 126)])
+    for _ in range(40):
+        up, down = torch.nextafter(up, up * 2), torch.nextafter(down, down * 0)
+        edges += [up, down]
+    amax = torch.cat(edges)
+    blocks = torch.rand(amax.numel(), 32, generator=g) * 2 - 1
+    blocks = blocks * amax[:, None]
+    blocks[:, 0] = amax
+    assert same(rowops.fp4_sim(blocks), fp4_sim(blocks))
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45, 3.0, 6.0, 1.5, 0.25, 0.75,
+                            2.5, 5.0, 7.0, 1e38, 3e38] * 2)
+    for row in (special, special.flip(0), special[special.isfinite()].repeat(2)[:32], torch.zeros(32)):
+        assert same(rowops.fp4_sim(row[None]), fp4_sim(row[None]))
+    assert same(rowops.fp4_sim(x[:2, :, :96], block=16), fp4_sim(x[:2, :, :96], block=16))
+    with pytest.raises(ValueError, match="power-of-two length"):
+        rowops.hadamard(torch.randn(2, 48))
