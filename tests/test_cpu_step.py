@@ -102,3 +102,21 @@ def test_index_sim_is_the_references():
     assert same(rowops.fp4_sim(x[:2, :, :96], block=16), fp4_sim(x[:2, :, :96], block=16))
     with pytest.raises(ValueError, match="power-of-two length"):
         rowops.hadamard(torch.randn(2, 48))
+
+
+def test_verify_argmax_is_the_references():
+    """Top-1 and margin of random rows, ties (the lower index, margin 0), NaN (the first one, margin NaN), infinities
+    and float16 rows over the real vocabulary's width: the reference's values."""
+    from ops.verify_argmax import verify_argmax
+    g = torch.Generator().manual_seed(10)
+    for V in (2, 3, 129280):
+        x = torch.randn(5, V, generator=g)
+        nan = x.clone()
+        nan[0, V // 2] = nan[1, -1] = nan[2, 0] = nan[2, 1] = float("nan")
+        nan[3, 1], nan[4] = float("inf"), -float("inf")
+        tie = x.clone()
+        tie[:, -1] = tie.max(1).values
+        for logits in (x, x.round(), tie, nan, torch.zeros(2, V), torch.full((2, V), float("inf")),
+                       x.to(torch.float16), x.t().contiguous().t()):
+            (top1, margin), (ref_top1, ref_margin) = rowops.verify_argmax(logits), verify_argmax(logits)
+            assert torch.equal(top1, ref_top1) and same(margin, ref_margin), (V, logits)

@@ -541,6 +541,8 @@ def _bind_step(k: ctypes.CDLL) -> None:
     k.bound_product.argtypes = [ptr, ptr, i64, ptr, i64, ctypes.c_int]
     k.index_sim.restype = None
     k.index_sim.argtypes = [ptr, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr]
+    k.verify_argmax.restype = None
+    k.verify_argmax.argtypes = [ptr, i64, i64, ptr, ptr]
 
 
 def bind(w: QTensor, q8: bool) -> Bound:
@@ -585,3 +587,13 @@ def index_sim(x: torch.Tensor, hadamard: bool, fp4: bool) -> torch.Tensor:
     lib().index_sim(x.data_ptr(), x.numel() // n if n else 0, n, int(hadamard), math.sqrt(n), int(fp4),
                     out.data_ptr())
     return out
+
+
+def verify_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.verify_argmax's result for logits [M, V] (V >= 2) in one pass over each row: top-1 [M] int64 (the lowest
+    index on ties) and the top-1 minus top-2 logit [M] float32."""
+    x = logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.to(torch.float32).contiguous()
+    M, V = x.shape
+    top1, margin = torch.empty(M, dtype=torch.int64), torch.empty(M, dtype=torch.float32)
+    lib().verify_argmax(x.data_ptr(), M, V, top1.data_ptr(), margin.data_ptr())
+    return top1, margin

@@ -86,3 +86,26 @@ void index_sim(const float *x, int64_t n_rows, int64_t n, int hadamard, float ro
         }
     }
 }
+
+/* Per row of logits [M, V] (V >= 2): the index of the largest value (the first one on ties; the first NaN where
+ * a row holds one, as torch's argmax) and the largest minus the second largest, duplicates counted (torch.topk's
+ * two values: 0 on a tie; NaN after a NaN, which topk ranks first). */
+void verify_argmax(const float *logits, int64_t M, int64_t V, int64_t *top1, float *margin) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = logits + m * V;
+        int64_t best = 0;
+        float first = row[0], second = -INFINITY;
+        for (int64_t v = 1; v < V && !isnan(first); v++) {
+            float x = row[v];
+            if (x > first || isnan(x)) {
+                second = first;
+                first = x;
+                best = v;
+            } else if (x > second) {
+                second = x;
+            }
+        }
+        top1[m] = best;
+        margin[m] = first - second;
+    }
+}
