@@ -8,6 +8,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef int (*rows_fn)(int, const uint8_t *, int64_t, const int64_t *, int64_t, int64_t, const void *, int64_t,
                        float *, int64_t, int64_t);
@@ -87,25 +90,60 @@ void index_sim(const float *x, int64_t n_rows, int64_t n, int hadamard, float ro
     }
 }
 
+/* The largest of x[0..n) (NaN never wins; -inf for n = 0) and, in *nan, whether x[0..n) holds a NaN; in SIMD lanes
+ * where the target has them (max(a, b) = a > b ? a : b in any order: the same value). */
+static float lanes_max(const float *x, int64_t n, int *nan) {
+    float best = -INFINITY;
+    int64_t k = 0, found = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; k + 16 <= n; k += 16) {
+        __m512 v = _mm512_loadu_ps(x + k);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        acc = _mm512_max_ps(v, acc);
+    }
+    best = _mm512_reduce_max_ps(acc);
+    found = unordered != 0;
+#elif defined(__AVX2__)
+    __m256 acc = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) {
+        __m256 v = _mm256_loadu_ps(x + k);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        acc = _mm256_max_ps(v, acc);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+    found = _mm256_movemask_ps(unordered) != 0;
+#endif
+    for (; k < n; k++) {
+        best = x[k] > best ? x[k] : best;
+        found |= isnan(x[k]);
+    }
+    *nan = (int)found;
+    return best;
+}
+
 /* Per row of logits [M, V] (V >= 2): the index of the largest value (the first one on ties; the first NaN where
  * a row holds one, as torch's argmax) and the largest minus the second largest, duplicates counted (torch.topk's
- * two values: 0 on a tie; NaN after a NaN, which topk ranks first). */
+ * two values: 0 on a tie; NaN after a NaN, which topk ranks first). Three passes a row, each vectorized: the
+ * largest value (and whether a NaN is there), its first index, the largest of the others. */
 void verify_argmax(const float *logits, int64_t M, int64_t V, int64_t *top1, float *margin) {
     for (int64_t m = 0; m < M; m++) {
         const float *row = logits + m * V;
         int64_t best = 0;
-        float first = row[0], second = -INFINITY;
-        for (int64_t v = 1; v < V && !isnan(first); v++) {
-            float x = row[v];
-            if (x > first || isnan(x)) {
-                second = first;
-                first = x;
-                best = v;
-            } else if (x > second) {
-                second = x;
-            }
+        int nan;
+        float first = lanes_max(row, V, &nan);
+        if (nan) {
+            while (row[best] == row[best]) best++;
+            top1[m] = best;
+            margin[m] = NAN;
+            continue;
         }
+        while (row[best] != first) best++;
+        float before = lanes_max(row, best, &nan), after = lanes_max(row + best + 1, V - best - 1, &nan);
         top1[m] = best;
-        margin[m] = first - second;
+        margin[m] = row[best] - (before > after ? before : after);
     }
 }
