@@ -120,3 +120,16 @@ def test_verify_argmax_is_the_references():
                        x.to(torch.float16), x.t().contiguous().t()):
             (top1, margin), (ref_top1, ref_margin) = rowops.verify_argmax(logits), verify_argmax(logits)
             assert torch.equal(top1, ref_top1) and same(margin, ref_margin), (V, logits)
+
+
+def test_index_scores_heads_in_c_are_the_torch_loop(monkeypatch):
+    """The indexer scores with the heads added in one C call (and no mask where every query sees every key) are the
+    bits of the loop over heads with the mask, for a decode step and for verify rows that see different counts."""
+    from backends.cpu import attention, glue
+    g = torch.Generator().manual_seed(11)
+    q, keys, w = torch.randn(5, 8, 128, generator=g), torch.randn(40, 128, generator=g), torch.randn(5, 8, generator=g)
+    cases = [(q[:1], w[:1], (33,)), (q, w, (30, 30, 31, 31, 32)), (q[:3], w[:3], (0, 7, 40))]
+    fast = [attention.index_scores(qq, keys, ww, visible) for qq, ww, visible in cases]
+    monkeypatch.setattr(glue, "ready", lambda: False)
+    for (qq, ww, visible), scores in zip(cases, fast, strict=True):
+        assert torch.equal(scores, attention.index_scores(qq, keys, ww, visible)), visible

@@ -9,7 +9,8 @@ entries get weight exactly 0); the scores, the softmax numerators and the weight
 products over (query, chunk) with fixed shapes, and the chunks are summed one after another. Another
 query's longer list only appends all-zero chunks, and adding an exact zero changes nothing, so each query's
 result is the 1-row call's bit for bit. The indexer scores every query against the keys any of them sees
-with a per-query batched product (`bmm`: each entry alone), masked to its own visible count.
+with a per-query batched product (`bmm`: each entry alone), its heads added in order in one C call
+(`glue.sum_rows`), masked to its own visible count.
 
 Prefill (M > SMALL_M) runs both on chunks of SMALL_M queries, the chunks taken in turn by the kernel pool's
 threads (`rows.row_chunks`): each query's result is its 1-row call's bits, so the output is the same for any
@@ -81,9 +82,15 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: 
     if k.shape[0] < width:
         k = torch.nn.functional.pad(k, (0, 0, 0, width - k.shape[0]))
     s = torch.bmm(q.to(torch.float32), k.T.expand(M, -1, -1))[..., :n].relu() * w[:, :, None]  # [M, Hi, n]
-    total = s[:, 0]
-    for h in range(1, s.shape[1]):
-        total = total + s[:, h]
+    if glue.ready():
+        total = glue.sum_rows(s)            # the heads added in order, as the loop below, in one C call
+    else:
+        total = s[:, 0]
+        for h in range(1, s.shape[1]):
+            total = total + s[:, h]
+    if min(visible) == n:                   # every query sees all n keys (a decode step): nothing to mask
+        scores[:, :n] = total
+        return scores
     seen = torch.arange(n)[None, :] < torch.tensor(visible)[:, None]
     scores[:, :n] = torch.where(seen, total, float("-inf"))
     return scores
