@@ -133,3 +133,28 @@ def test_index_scores_heads_in_c_are_the_torch_loop(monkeypatch):
     monkeypatch.setattr(glue, "ready", lambda: False)
     for (qq, ww, visible), scores in zip(cases, fast, strict=True):
         assert torch.equal(scores, attention.index_scores(qq, keys, ww, visible)), visible
+
+
+@pytest.mark.parametrize("dot", ("exact", "q8"))
+def test_bound_grouped_product_is_glue_products(dot, monkeypatch):
+    """grouped_qmatmul through the bound stack of groups: the bits of `glue.products` (its path before), 8 groups,
+    M = 1 and 2 (16 pairs), on 1 and 3 threads with the most chunks; more pairs (M = 3) and F32 weights take the old
+    path."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
+    before = torch.get_num_threads()
+    g = torch.Generator().manual_seed(12)
+    try:
+        for qtype in ("Q8_0", "Q4_K", "F16", "F32"):
+            w = QTensor.quantize(torch.randn(8 * 24, 256, generator=g) / 16, qtype, "w")
+            for M in (1, 2, 3):
+                x = torch.randn(M, 8, 256, generator=g)
+                for threads in (1, 3):
+                    torch.set_num_threads(threads)
+                    got = qmatmul.grouped_qmatmul(x, w, dot)
+                    with monkeypatch.context() as m:
+                        m.setattr(qmatmul.BOUND, "get", lambda *_: None)
+                        assert torch.equal(got, qmatmul.grouped_qmatmul(x, w, dot)), (qtype, M, threads)
+            assert (qmatmul.BOUND.get(w, dot, 8) is None) == (qtype == "F32")
+    finally:
+        torch.set_num_threads(before)

@@ -519,12 +519,14 @@ class BoundArgs(ctypes.Structure):
     """step.c's bound_t: one weight's arguments of its row kernel (qgemv, or qdot8_rows with the rounding kind)."""
 
     _fields_ = [("fn", ctypes.c_void_p), ("type", ctypes.c_int64), ("w", ctypes.c_void_p), ("N", ctypes.c_int64),
-                ("K", ctypes.c_int64), ("q8_kind", ctypes.c_int64), ("q8_row_bytes", ctypes.c_int64)]
+                ("K", ctypes.c_int64), ("q8_kind", ctypes.c_int64), ("q8_row_bytes", ctypes.c_int64),
+                ("expert_bytes", ctypes.c_int64)]
 
 
 @dataclass(frozen=True)
 class Bound:
-    """A 2-D weight bound to its row kernel: `bound_product` runs it on a few float32 rows in one ctypes call."""
+    """A weight bound to its row kernel (2-D, or a stack of experts): `bound_product` runs it on a few float32 rows in
+    one ctypes call."""
 
     lib: ctypes.CDLL        # the library whose kernels `args` names
     args: BoundArgs
@@ -532,13 +534,14 @@ class Bound:
     data: torch.Tensor      # the contiguous raw blocks `args` points into (kept alive)
     n: int
     k: int
+    read: int               # weight bytes a row reads (one expert's of a stack)
 
 
 def _bind_step(k: ctypes.CDLL) -> None:
     """Declare step.c's entry points."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     k.bound_product.restype = ctypes.c_int
-    k.bound_product.argtypes = [ptr, ptr, i64, ptr, i64, ctypes.c_int]
+    k.bound_product.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int]
     k.index_sim.restype = None
     k.index_sim.argtypes = [ptr, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr]
     k.verify_argmax.restype = None
@@ -546,16 +549,19 @@ def _bind_step(k: ctypes.CDLL) -> None:
 
 
 def bind(w: QTensor, q8: bool) -> Bound:
-    """The product of a 2-D `w` with up to MAX_ROWS rows bound once: the fused kernel (qgemv.c, where `available`) or,
-    `q8`, the 8-bit one (qdot8.c, where `q8_available`) with its rounding of the rows."""
-    if len(w.shape) != 2 or not (q8_available if q8 else available)(w.qtype.name, w.shape[1]):
+    """The product of `w` (2-D, or a stack [E, N, K] of experts) with up to MAX_ROWS rows bound once: the fused kernel
+    (qgemv.c, where `available`) or, `q8`, the 8-bit one (qdot8.c, where `q8_available`) with its rounding of the
+    rows."""
+    K = w.shape[-1]
+    if len(w.shape) not in (2, 3) or not (q8_available if q8 else available)(w.qtype.name, K):
         raise ValueError(f"bind: no {'8-bit ' if q8 else ''}kernel for {w.qtype.name} {tuple(w.shape)}")
     k, data = lib(), w.data.contiguous()
     kind = Q8_TYPES[w.qtype.name] if q8 else -1
-    row_bytes = w.shape[1] // Q8_ACTIVATION[kind][0] * Q8_ACTIVATION[kind][1] if q8 else 0
+    row_bytes = K // Q8_ACTIVATION[kind][0] * Q8_ACTIVATION[kind][1] if q8 else 0
     fn = ctypes.cast(k.qdot8_rows if q8 else k.qgemv, ctypes.c_void_p).value
-    args = BoundArgs(fn, GGML_TYPE[w.qtype.name], data.data_ptr(), w.shape[0], w.shape[1], kind, row_bytes)
-    return Bound(k, args, ctypes.addressof(args), data, w.shape[0], w.shape[1])
+    expert_bytes = data[0].numel() if len(w.shape) == 3 else 0
+    args = BoundArgs(fn, GGML_TYPE[w.qtype.name], data.data_ptr(), w.shape[-2], K, kind, row_bytes, expert_bytes)
+    return Bound(k, args, ctypes.addressof(args), data, w.shape[-2], K, expert_bytes or data.numel())
 
 
 def current(b: Bound | None) -> bool:
@@ -563,12 +569,15 @@ def current(b: Bound | None) -> bool:
     return b is None or b.lib is _lib
 
 
-def bound_product(b: Bound, x: torch.Tensor) -> torch.Tensor:
-    """`x @ W.T` for contiguous float32 x [M, K] (M <= MAX_ROWS) with the weight `b` binds, split across the pool as
-    `qgemv`/`qdot8` split it: their bits. Float32 [M, N]."""
+def bound_product(b: Bound, x: torch.Tensor, experts: torch.Tensor | None = None,
+                  parts: int | None = None) -> torch.Tensor:
+    """`x @ W.T` for contiguous float32 x [M, K] (M <= MAX_ROWS) with the weight `b` binds (row m with expert experts[m]
+    of a stack: contiguous int64 [M]), the output rows cut into `parts` chunks (default: as `qgemv`/`qdot8` cut them)
+    on the pool: their bits. Float32 [M, N]."""
     M = x.shape[0]
     y = torch.empty((M, b.n), dtype=torch.float32)
-    rc = b.lib.bound_product(b.address, x.data_ptr(), M, y.data_ptr(), pool_parts(b.data.numel()), threads())
+    rc = b.lib.bound_product(b.address, x.data_ptr(), M, None if experts is None else experts.data_ptr(), y.data_ptr(),
+                             pool_parts(b.read) if parts is None else parts, threads())
     if rc == -2:
         raise MemoryError(f"qmatmul: no memory for {M} rows of {b.k} values")
     if rc:

@@ -25,14 +25,17 @@ typedef struct {        /* kernels.BoundArgs: one weight's arguments of its row 
     int64_t N, K;
     int64_t q8_kind;    /* -1: the float32 rows as they are; else q8_quantize's activation kind */
     int64_t q8_row_bytes;   /* bytes of one row rounded for that kind */
+    int64_t expert_bytes;   /* a stack [E, N, row bytes]: bytes of one expert (row m takes expert experts[m]); 0: 2-D */
 } bound_t;
 
 static _Thread_local uint8_t *scratch;     /* this thread's rounded activations (kept between calls) */
 static _Thread_local size_t scratch_bytes;
 
-/* y [M, N] = the rows x [M, K] (float32) times the bound weight, the output rows cut into `parts` chunks on
- * `threads` threads; the row kernel's return code, or -2 where the rounded rows find no memory. */
-int bound_product(const bound_t *b, const float *x, int64_t M, float *y, int64_t parts, int threads) {
+/* y [M, N] = the rows x [M, K] (float32) times the bound weight (row m times expert experts[m] of a stack), the
+ * output rows cut into `parts` chunks on `threads` threads; the row kernel's return code, or -2 where the rounded
+ * rows find no memory. */
+int bound_product(const bound_t *b, const float *x, int64_t M, const int64_t *experts, float *y, int64_t parts,
+                  int threads) {
     const void *rows = x;
     if (b->q8_kind >= 0) {
         size_t need = (size_t)(M * b->q8_row_bytes);
@@ -46,7 +49,8 @@ int bound_product(const bound_t *b, const float *x, int64_t M, float *y, int64_t
         if (q8_quantize((int)b->q8_kind, x, M, b->K, scratch)) return -1;
         rows = scratch;
     }
-    return pool_rows(b->fn, (int)b->type, b->w, 0, NULL, b->N, b->K, rows, M, y, b->N, parts, threads);
+    return pool_rows(b->fn, (int)b->type, b->w, b->expert_bytes, experts, b->N, b->K, rows, M, y, b->N, parts,
+                     threads);
 }
 
 /* out [rows, n] = fp4_sim(hadamard(x)) (either step may be off): the butterfly over strides 1, 2, ..., n/2 (a + b,
