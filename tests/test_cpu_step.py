@@ -158,3 +158,20 @@ def test_bound_grouped_product_is_glue_products(dot, monkeypatch):
             assert (qmatmul.BOUND.get(w, dot, 8) is None) == (qtype == "F32")
     finally:
         torch.set_num_threads(before)
+
+
+def test_indexer_topk_is_the_references():
+    """The top-k of rows with ties (rounded scores), -inf and NaN scores, visible counts of 0, below n, n and above,
+    k above n: the reference's columns and padding."""
+    from backends.cpu import attention
+    from ops.indexer_topk import indexer_topk
+    g = torch.Generator().manual_seed(13)
+    for n, k in ((1, 4), (9, 4), (40, 4), (300, 64), (5, 8)):
+        scores = torch.randn(6, n, generator=g)
+        special = scores.clone()
+        special[0, ::3] = -float("inf")
+        special[1, ::4] = float("nan")
+        special[2] = 0.0
+        for s in (scores, scores.round(), special, scores.to(torch.float16)):
+            visible = torch.tensor([0, 1, n // 2, n, n + 3, max(0, n - 1)])
+            assert torch.equal(attention.indexer_topk(s, k, visible), indexer_topk(s, k, visible)), (n, k)

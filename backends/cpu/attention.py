@@ -1,5 +1,6 @@
-"""Sparse attention and indexer scores on the CPU (contracts: ops/sparse_attention.py,
-ops/index_scores.py), batch-invariant for M <= SMALL_M without a loop over queries.
+"""Sparse attention, indexer scores and the indexer's top-k on the CPU (contracts: ops/sparse_attention.py,
+ops/index_scores.py, ops/indexer_topk.py), batch-invariant for M <= SMALL_M without a loop over queries; the top-k
+ranks each row's visible columns in one C call (step.c).
 
 Attention is one C call (backends/cpu/glue.c) where the kernel library is built, outside a compiled step: each
 (query, head) pair over its padded list in a fixed float order (`ops.sparse_attention.sparse_attention_lanes`' bits),
@@ -22,10 +23,11 @@ import torch
 
 from backends.cpu.rows import VEC, row_chunks
 from backends.registry import register
+from ops.indexer_topk import indexer_topk as reference_indexer_topk
 from ops.qmatmul import SMALL_M
 from ops.sparse_attention import AttnRows
 
-from . import glue
+from . import glue, kernels
 
 
 def query_rows(rows: AttnRows, start: int, stop: int) -> AttnRows:
@@ -94,3 +96,12 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: 
     seen = torch.arange(n)[None, :] < torch.tensor(visible)[:, None]
     scores[:, :n] = torch.where(seen, total, float("-inf"))
     return scores
+
+
+@register("indexer_topk", "cpu", batch_invariant=True)
+def indexer_topk(scores: torch.Tensor, k: int, visible: torch.Tensor) -> torch.Tensor:
+    """The k best visible columns of each row (lower index first on ties), -1 padded: one C call ranking each row's
+    visible columns (the reference's mask, stable sort and padding are ~10 torch calls)."""
+    if glue.ready() and scores.dim() == 2 and visible.shape == scores.shape[:1] and k >= 0:
+        return kernels.indexer_topk(scores, k, visible)
+    return reference_indexer_topk(scores, k, visible)

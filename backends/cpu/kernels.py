@@ -546,6 +546,8 @@ def _bind_step(k: ctypes.CDLL) -> None:
     k.index_sim.argtypes = [ptr, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr]
     k.verify_argmax.restype = None
     k.verify_argmax.argtypes = [ptr, i64, i64, ptr, ptr]
+    k.indexer_topk.restype = ctypes.c_int
+    k.indexer_topk.argtypes = [ptr, i64, i64, i64, ptr, ptr]
 
 
 def bind(w: QTensor, q8: bool) -> Bound:
@@ -606,3 +608,15 @@ def verify_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     top1, margin = torch.empty(M, dtype=torch.int64), torch.empty(M, dtype=torch.float32)
     lib().verify_argmax(x.data_ptr(), M, V, top1.data_ptr(), margin.data_ptr())
     return top1, margin
+
+
+def indexer_topk(scores: torch.Tensor, k: int, visible: torch.Tensor) -> torch.Tensor:
+    """ops.indexer_topk's result for scores [M, n] and visible counts [M]: each row's visible columns by descending
+    score (a NaN first, ties to the lower column) in one C call, -1 padded; int64 [M, k]."""
+    x = scores if scores.dtype == torch.float32 and scores.is_contiguous() else scores.to(torch.float32).contiguous()
+    seen = visible.to(torch.int64).contiguous()
+    M, n = x.shape
+    out = torch.empty((M, k), dtype=torch.int64)
+    if lib().indexer_topk(x.data_ptr(), M, n, k, seen.data_ptr(), out.data_ptr()):
+        raise MemoryError(f"indexer_topk: no memory to rank {n} columns")
+    return out

@@ -151,3 +151,33 @@ void verify_argmax(const float *logits, int64_t M, int64_t V, int64_t *top1, flo
         margin[m] = row[best] - (before > after ? before : after);
     }
 }
+
+typedef struct {
+    float score;
+    int64_t index;
+} ranked_t;
+
+/* Descending score, a NaN above every number (torch's descending sort), ties to the lower index. */
+static int by_rank(const void *pa, const void *pb) {
+    const ranked_t *a = pa, *b = pb;
+    int nan_a = isnan(a->score), nan_b = isnan(b->score);
+    if (nan_a != nan_b) return nan_a ? -1 : 1;
+    if (!nan_a && a->score != b->score) return a->score > b->score ? -1 : 1;
+    return a->index < b->index ? -1 : a->index > b->index;
+}
+
+/* out [M, k]: per row of scores [M, n] the columns below visible[m] by descending score (ties: the lower column),
+ * -1 after them (ops/indexer_topk.py). Returns -2 where the row's ranking finds no memory. */
+int indexer_topk(const float *scores, int64_t M, int64_t n, int64_t k, const int64_t *visible, int64_t *out) {
+    ranked_t *ranked = malloc((size_t)(n > 0 ? n : 1) * sizeof(ranked_t));
+    if (!ranked) return -2;
+    for (int64_t m = 0; m < M; m++) {
+        int64_t seen = visible[m] < n ? visible[m] : n;
+        if (seen < 0) seen = 0;
+        for (int64_t j = 0; j < seen; j++) ranked[j] = (ranked_t){scores[m * n + j], j};
+        qsort(ranked, (size_t)seen, sizeof(ranked_t), by_rank);
+        for (int64_t s = 0; s < k; s++) out[m * k + s] = s < seen ? ranked[s].index : -1;
+    }
+    free(ranked);
+    return 0;
+}
