@@ -1,6 +1,7 @@
 """The CPU kernel library: the fused dequantize-and-multiply kernel and its block dequantizer (qgemv.c), the
-8-bit-activation kernel (qdot8.c), prefill's routed experts in one call (qgemm.c) and the hyper-connection
-Sinkhorn (sinkhorn.c), compiled once per machine with the system C compiler and loaded with ctypes.
+8-bit-activation kernel (qdot8.c), prefill's routed experts in one call (qgemm.c), the hyper-connection
+Sinkhorn (sinkhorn.c) and the decode step's bound products, indexer simulation, top-k and greedy choice (step.c),
+compiled once per machine with the system C compiler and loaded with ctypes.
 `built()` and `available()` are False (and the callers take their torch paths: the
 reference's dequantization one tile at a time, the Sinkhorn as torch ops) when the library cannot be built
 (the first use warns with the compiler's error, and the op report says `cpu kernels unavailable: <reason>`)

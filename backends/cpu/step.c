@@ -1,9 +1,10 @@
 /* The decode step's small calls in fewer ctypes calls (backends/cpu/kernels.py, docs/cpu.md "The decode step's
  * Python"): a product of a few rows with one weight whose arguments were bound once (`bound_product`: under q8 the
  * activations rounded by qdot8.c's q8_quantize into a per-thread buffer, then the row kernel through pool.c's
- * pool_rows, exactly the calls kernels.qdot8/qgemv make one by one), and the indexer's Hadamard transform and FP4
+ * pool_rows, exactly the calls kernels.qdot8/qgemv make one by one), the indexer's Hadamard transform and FP4
  * simulation (`index_sim`: the float operations of ops/hadamard.py and ops/fp4_sim.py in their order, so their
- * bits). Built with qgemv.c (-ffp-contract=off).
+ * bits), the greedy top-1 and margin of ops/verify_argmax.py (`verify_argmax`) and the indexer's top-k of
+ * ops/indexer_topk.py (`indexer_topk`). Built with qgemv.c (-ffp-contract=off).
  */
 #include <math.h>
 #include <stdint.h>
