@@ -4,13 +4,20 @@ bad input still refused by name), and the indexer's Hadamard transform and FP4 s
 bits, the power-of-two edges of the FP4 scale included)."""
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
-from backends.cpu import kernels, qmatmul, rowops
+from backends.cpu import attention, glue, kernels, qmatmul, rowops
 from ops.fp4_sim import fp4_sim
 from ops.hadamard import hadamard
+from ops.indexer_topk import indexer_topk
 from ops.quants import QTensor
+from ops.verify_argmax import verify_argmax
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library is off (DS4_CPU_KERNELS=0)")
 
@@ -107,7 +114,6 @@ def test_index_sim_is_the_references():
 def test_verify_argmax_is_the_references():
     """Top-1 and margin of random rows, ties (the lower index, margin 0), NaN (the first one, margin NaN), infinities
     and float16 rows over the real vocabulary's width: the reference's values."""
-    from ops.verify_argmax import verify_argmax
     g = torch.Generator().manual_seed(10)
     for V in (2, 3, 129280):
         x = torch.randn(5, V, generator=g)
@@ -125,7 +131,6 @@ def test_verify_argmax_is_the_references():
 def test_index_scores_heads_in_c_are_the_torch_loop(monkeypatch):
     """The indexer scores with the heads added in one C call (and no mask where every query sees every key) are the
     bits of the loop over heads with the mask, for a decode step and for verify rows that see different counts."""
-    from backends.cpu import attention, glue
     g = torch.Generator().manual_seed(11)
     q, keys, w = torch.randn(5, 8, 128, generator=g), torch.randn(40, 128, generator=g), torch.randn(5, 8, generator=g)
     cases = [(q[:1], w[:1], (33,)), (q, w, (30, 30, 31, 31, 32)), (q[:3], w[:3], (0, 7, 40))]
@@ -163,8 +168,6 @@ def test_bound_grouped_product_is_glue_products(dot, monkeypatch):
 def test_indexer_topk_is_the_references():
     """The top-k of rows with ties (rounded scores), -inf and NaN scores, visible counts of 0, below n, n and above,
     k above n: the reference's columns and padding."""
-    from backends.cpu import attention
-    from ops.indexer_topk import indexer_topk
     g = torch.Generator().manual_seed(13)
     for n, k in ((1, 4), (9, 4), (40, 4), (300, 64), (5, 8)):
         scores = torch.randn(6, n, generator=g)
@@ -175,3 +178,31 @@ def test_indexer_topk_is_the_references():
         for s in (scores, scores.round(), special, scores.to(torch.float16)):
             visible = torch.tensor([0, 1, n // 2, n, n + 3, max(0, n - 1)])
             assert torch.equal(attention.indexer_topk(s, k, visible), indexer_topk(s, k, visible)), (n, k)
+
+
+@pytest.mark.parametrize("flags", ("-mno-avx512f", "-mno-avx512f -mno-avx2"))
+def test_step_kernels_of_avx2_and_plain_c_builds(flags, tmp_path):
+    """step.c built for AVX2 and for plain C (alone, with stubs for the product kernels it calls): its argmax, top-k
+    and indexer simulation give the references' values too."""
+    cc = shutil.which("gcc") or pytest.skip("no gcc")
+    (tmp_path / "stubs.c").write_text("int pool_rows(void) { return -1; }\nint q8_quantize(void) { return -1; }\n")
+    so = tmp_path / "step.so"
+    subprocess.run([cc, "-O3", "-march=native", *flags.split(), "-ffp-contract=off", "-shared", "-fPIC", "-o", str(so),
+                    str(Path(kernels.__file__).with_name("step.c")), str(tmp_path / "stubs.c")], check=True)
+    lib, ptr, i64 = ctypes.CDLL(str(so)), ctypes.c_void_p, ctypes.c_int64
+    lib.verify_argmax.argtypes = [ptr, i64, i64, ptr, ptr]
+    lib.indexer_topk.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+    lib.index_sim.argtypes = [ptr, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr]
+    g = torch.Generator().manual_seed(14)
+    logits = torch.randn(4, 1003, generator=g)
+    logits[1, 7], logits[2] = float("nan"), logits[2].round()
+    top1, margin = torch.empty(4, dtype=torch.int64), torch.empty(4)
+    lib.verify_argmax(logits.data_ptr(), 4, 1003, top1.data_ptr(), margin.data_ptr())
+    ref_top1, ref_margin = verify_argmax(logits)
+    assert torch.equal(top1, ref_top1) and same(margin, ref_margin)
+    scores, visible, out = logits.round(), torch.tensor([0, 5, 1003, 500]), torch.empty((4, 64), dtype=torch.int64)
+    assert lib.indexer_topk(scores.data_ptr(), 4, 1003, 64, visible.data_ptr(), out.data_ptr()) == 0
+    assert torch.equal(out, indexer_topk(scores, 64, visible))
+    x, sim = torch.randn(8, 128, generator=g) * 30, torch.empty(8, 128)
+    lib.index_sim(x.data_ptr(), 8, 128, 1, 128 ** 0.5, 1, sim.data_ptr())
+    assert same(sim, fp4_sim(hadamard(x)))
