@@ -17,6 +17,7 @@ the ranks' partial attention outputs, indexer scores and FFN outputs, and the LM
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -241,11 +242,47 @@ class Plan:
     compressor: CompressorPlan | None = None
 
 
+_KEPT: weakref.WeakKeyDictionary[OpSet, dict[tuple, Array]] = weakref.WeakKeyDictionary()
+KEPT_ARRAYS = 4096   # plan arrays kept per OpSet; all dropped when full
+SMALL_ROWS = 16      # forwards of up to this many rows (decode, verify) slice their ring arrays from kept ones
+
+
+def kept_array(ops: OpSet, key: tuple, values: Callable[[], list], dtype: str = "int64") -> Array:
+    """`ops.array(values(), dtype)`, made once per OpSet and `key` and handed out again after: the plan's index arrays
+    that depend on the ring slots rather than on the absolute position (nothing writes into a plan's arrays)."""
+    arrays = _KEPT.get(ops)
+    if arrays is None:
+        arrays = _KEPT[ops] = {}
+    array = arrays.get(key)
+    if array is None:
+        if len(arrays) >= KEPT_ARRAYS:
+            arrays.clear()
+        array = arrays[key] = ops.array(values(), dtype)
+    return array
+
+
+def residues(ops: OpSet, pos: range, n: int) -> Array:
+    """[p % n for p in pos]: for up to SMALL_ROWS positions a slice of one kept array per n."""
+    if len(pos) > SMALL_ROWS:
+        return ops.array([p % n for p in pos])
+    first = pos.start % n
+    return kept_array(ops, ("mod", n), lambda: [i % n for i in range(n + SMALL_ROWS)])[first:first + len(pos)]
+
+
+def ring_rows(ops: OpSet, cap: int, window: int, pos: range) -> Array:
+    """[[(p - b) % cap for b in range(window)] for p in pos] (the raw ring slots each row attends to, all valid), as
+    slices of one kept array [1, cap + window] per ring: its entry j is (-j) % cap, so the row of p starts at
+    (-p) % cap."""
+    seq = kept_array(ops, ("descending", cap, window), lambda: [[-j % cap for j in range(cap + window)]])
+    rows = [seq[:, -p % cap:-p % cap + window] for p in pos]
+    return rows[0] if len(rows) == 1 else ops.cat(rows)
+
+
 def plan_compressor(ops: OpSet, pos: range, ratio: int, cap: int, scratch: int | None = None) -> CompressorPlan:
     """Ring slots and completed blocks of a compressor of `ratio` with a ring of `cap` slots. With a
     `scratch` row (a fixed-capacity plan) every row pools its own block, and a block that is not complete
     yet is written to that never-read row, so the shapes do not depend on the positions."""
-    slots, ape = ops.array([p % cap for p in pos]), ops.array([p % ratio for p in pos])
+    slots, ape = residues(ops, pos, cap), residues(ops, pos, ratio)
     if scratch is None:
         blocks = [(p + 1) // ratio - 1 for p in pos if (p + 1) % ratio == 0]
         if not blocks:
@@ -254,12 +291,13 @@ def plan_compressor(ops: OpSet, pos: range, ratio: int, cap: int, scratch: int |
     else:
         blocks = [p // ratio for p in pos]
         targets = [b if (p + 1) % ratio == 0 else scratch for p, b in zip(pos, blocks, strict=True)]
-    tokens = [[b * ratio + i for i in range(ratio)] for b in blocks]
-    prev = [[t - ratio for t in row] for row in tokens]
+    tokens = [[b * ratio + i for i in range(ratio)] for b in blocks]     # the ring slots depend on b * ratio % cap
+    ring = (ratio, cap, tuple(b * ratio % cap for b in blocks))
+    prev = kept_array(ops, ("prev", *ring), lambda: [[(t - ratio) % cap for t in row] for row in tokens])
     return CompressorPlan(slots, ape, ops.array(targets), ops.array([b * ratio for b in blocks]),
-                          ops.array([[t % cap for t in row] for row in tokens]),
-                          ops.array([[t % cap for t in row] for row in prev]),
-                          ops.array([[[t >= 0] for t in row] for row in prev], "bool"))
+                          kept_array(ops, ("tokens", *ring), lambda: [[t % cap for t in row] for row in tokens]), prev,
+                          kept_array(ops, ("prev_valid", ratio, tuple(b > 0 for b in blocks)),
+                                     lambda: [[[t >= ratio] for t in row] for row in tokens], "bool"))
 
 
 def plan_positions(ops: OpSet, start: int, M: int, window: int, cache: LayerCache, valid_from: int = 0,
@@ -270,12 +308,18 @@ def plan_positions(ops: OpSet, start: int, M: int, window: int, cache: LayerCach
     `fixed=True` gives the fixed-capacity plan of a compiled step: every shape and count depends only on
     M and the cache's capacities, never on `start` (counts cover the whole width, unused entries are −1,
     the compressed part spans the cache's capacity, and every row pools a block, see plan_compressor).
-    `raw_plan`: the ratio-0 plan of the same rows for a cache of the same raw ring, whose arrays are reused."""
+    `raw_plan`: the ratio-0 plan of the same rows for a cache of the same raw ring, whose arrays are reused.
+    Arrays that depend only on ring slots and counts are made once and kept (`kept_array`), or sliced from kept ones
+    (`ring_rows`, `residues`); the positions are new."""
     pos = range(start, start + M)
     if raw_plan is None:
-        raw = [[(p - b) % cache.raw_cap if p - b >= valid_from else -1 for b in range(window)] for p in pos]
-        n_raw = (window,) * M if fixed else tuple(max(0, min(window, p - valid_from + 1)) for p in pos)
-        raw_plan = Plan(ops.array(list(pos)), ops.array([p % cache.raw_cap for p in pos]), ops.array(raw), n_raw)
+        cap, full = cache.raw_cap, start - valid_from >= window - 1   # full: every row sees `window` rows
+        if full and M <= SMALL_ROWS:
+            raw = ring_rows(ops, cap, window, pos)
+        else:
+            raw = ops.array([[(p - b) % cap if p - b >= valid_from else -1 for b in range(window)] for p in pos])
+        n_raw = (window,) * M if fixed or full else tuple(max(0, min(window, p - valid_from + 1)) for p in pos)
+        raw_plan = Plan(ops.array(list(pos)), residues(ops, pos, cap), raw, n_raw)
     plan = raw_plan
     ratio = cache.ratio
     if not ratio:
@@ -285,16 +329,17 @@ def plan_positions(ops: OpSet, start: int, M: int, window: int, cache: LayerCach
     width = capacity if fixed else max(visible)
     comp = None
     if ratio != 4:
-        comp = ops.array([[cache.raw_cap + c if c < v else -1 for c in range(width)] for v in visible])
-    return replace(plan, visible=(width,) * M if fixed else visible, visible_rows=ops.array(list(visible)),
-                   comp_rows=comp,
+        comp = kept_array(ops, ("comp", cache.raw_cap, width, visible),
+                          lambda: [[cache.raw_cap + c if c < v else -1 for c in range(width)] for v in visible])
+    return replace(plan, visible=(width,) * M if fixed else visible,
+                   visible_rows=kept_array(ops, ("visible", visible), lambda: list(visible)), comp_rows=comp,
                    compressor=plan_compressor(ops, pos, ratio, cache.comp_cap, capacity if fixed else None))
 
 
 def logit_index(ops: OpSet, rows: Sequence[int] | None) -> Array | None:
     """The LM-head rows of a forward as a device array, made before the step (a captured step copies nothing
-    from the host)."""
-    return None if rows is None else ops.array(list(rows))
+    from the host); kept per row list."""
+    return None if rows is None else kept_array(ops, ("logit_rows", tuple(rows)), lambda: list(rows))
 
 
 class DeepseekV4:

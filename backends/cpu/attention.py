@@ -1,5 +1,6 @@
-"""Sparse attention and indexer scores on the CPU (contracts: ops/sparse_attention.py,
-ops/index_scores.py), batch-invariant for M <= SMALL_M without a loop over queries.
+"""Sparse attention, indexer scores and the indexer's top-k on the CPU (contracts: ops/sparse_attention.py,
+ops/index_scores.py, ops/indexer_topk.py), batch-invariant for M <= SMALL_M without a loop over queries; the top-k
+ranks each row's visible columns in one C call (step.c).
 
 Attention is one C call (backends/cpu/glue.c) where the kernel library is built, outside a compiled step: each
 (query, head) pair over its padded list in a fixed float order (`ops.sparse_attention.sparse_attention_lanes`' bits),
@@ -9,7 +10,8 @@ entries get weight exactly 0); the scores, the softmax numerators and the weight
 products over (query, chunk) with fixed shapes, and the chunks are summed one after another. Another
 query's longer list only appends all-zero chunks, and adding an exact zero changes nothing, so each query's
 result is the 1-row call's bit for bit. The indexer scores every query against the keys any of them sees
-with a per-query batched product (`bmm`: each entry alone), masked to its own visible count.
+with a per-query batched product (`bmm`: each entry alone), its heads added in order in one C call
+(`glue.sum_rows`), masked to its own visible count.
 
 Prefill (M > SMALL_M) runs both on chunks of SMALL_M queries, the chunks taken in turn by the kernel pool's
 threads (`rows.row_chunks`): each query's result is its 1-row call's bits, so the output is the same for any
@@ -21,10 +23,11 @@ import torch
 
 from backends.cpu.rows import VEC, row_chunks
 from backends.registry import register
+from ops.indexer_topk import indexer_topk as reference_indexer_topk
 from ops.qmatmul import SMALL_M
 from ops.sparse_attention import AttnRows
 
-from . import glue
+from . import glue, kernels
 
 
 def query_rows(rows: AttnRows, start: int, stop: int) -> AttnRows:
@@ -81,9 +84,24 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: 
     if k.shape[0] < width:
         k = torch.nn.functional.pad(k, (0, 0, 0, width - k.shape[0]))
     s = torch.bmm(q.to(torch.float32), k.T.expand(M, -1, -1))[..., :n].relu() * w[:, :, None]  # [M, Hi, n]
-    total = s[:, 0]
-    for h in range(1, s.shape[1]):
-        total = total + s[:, h]
+    if glue.ready():
+        total = glue.sum_rows(s)            # the heads added in order, as the loop below, in one C call
+    else:
+        total = s[:, 0]
+        for h in range(1, s.shape[1]):
+            total = total + s[:, h]
+    if min(visible) == n:                   # every query sees all n keys (a decode step): nothing to mask
+        scores[:, :n] = total
+        return scores
     seen = torch.arange(n)[None, :] < torch.tensor(visible)[:, None]
     scores[:, :n] = torch.where(seen, total, float("-inf"))
     return scores
+
+
+@register("indexer_topk", "cpu", batch_invariant=True)
+def indexer_topk(scores: torch.Tensor, k: int, visible: torch.Tensor) -> torch.Tensor:
+    """The k best visible columns of each row (lower index first on ties), -1 padded: one C call ranking each row's
+    visible columns (the reference's mask, stable sort and padding are ~10 torch calls)."""
+    if glue.ready() and scores.dim() == 2 and visible.shape == scores.shape[:1] and k >= 0:
+        return kernels.indexer_topk(scores, k, visible)
+    return reference_indexer_topk(scores, k, visible)

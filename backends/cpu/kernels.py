@@ -1,6 +1,7 @@
 """The CPU kernel library: the fused dequantize-and-multiply kernel and its block dequantizer (qgemv.c), the
-8-bit-activation kernel (qdot8.c), prefill's routed experts in one call (qgemm.c) and the hyper-connection
-Sinkhorn (sinkhorn.c), compiled once per machine with the system C compiler and loaded with ctypes.
+8-bit-activation kernel (qdot8.c), prefill's routed experts in one call (qgemm.c), the hyper-connection
+Sinkhorn (sinkhorn.c) and the decode step's bound products, indexer simulation, top-k and greedy choice (step.c),
+compiled once per machine with the system C compiler and loaded with ctypes.
 `built()` and `available()` are False (and the callers take their torch paths: the
 reference's dequantization one tile at a time, the Sinkhorn as torch ops) when the library cannot be built
 (the first use warns with the compiler's error, and the op report says `cpu kernels unavailable: <reason>`)
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import shutil
 import subprocess
 import tempfile
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,7 +34,8 @@ from backends.registry import add_note
 from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
-                                                             "pool.c", "qdot8amx.c", "glue.c"))
+                                                             "pool.c", "qdot8amx.c", "glue.c",
+                                                             "step.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("iq2_xxs_groups.h",))   # included by SOURCES
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
@@ -102,6 +106,7 @@ def _build() -> ctypes.CDLL:
     _bind_gemm8(lib)
     _bind_amx_rows(lib)
     _bind_prefill(lib)
+    _bind_step(lib)
     return lib
 
 
@@ -507,3 +512,112 @@ def dense_product(x: torch.Tensor, w: QTensor) -> torch.Tensor:
                         y.data_ptr(), parts, threads()):
         raise ValueError(f"dense_product: unsupported call ({w.qtype.name}, K={K})")
     return y
+
+
+# The decode step's calls with fewer ctypes calls (step.c): a weight's row-kernel arguments bound once, and the
+# indexer's Hadamard transform and FP4 simulation.
+class BoundArgs(ctypes.Structure):
+    """step.c's bound_t: one weight's arguments of its row kernel (qgemv, or qdot8_rows with the rounding kind)."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("type", ctypes.c_int64), ("w", ctypes.c_void_p), ("N", ctypes.c_int64),
+                ("K", ctypes.c_int64), ("q8_kind", ctypes.c_int64), ("q8_row_bytes", ctypes.c_int64),
+                ("expert_bytes", ctypes.c_int64)]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A weight bound to its row kernel (2-D, or a stack of experts): `bound_product` runs it on a few float32 rows in
+    one ctypes call."""
+
+    lib: ctypes.CDLL        # the library whose kernels `args` names
+    args: BoundArgs
+    address: int            # of `args`, handed to the library
+    data: torch.Tensor      # the contiguous raw blocks `args` points into (kept alive)
+    n: int
+    k: int
+    read: int               # weight bytes a row reads (one expert's of a stack)
+
+
+def _bind_step(k: ctypes.CDLL) -> None:
+    """Declare step.c's entry points."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    k.bound_product.restype = ctypes.c_int
+    k.bound_product.argtypes = [ptr, ptr, i64, ptr, ptr, i64, ctypes.c_int]
+    k.index_sim.restype = None
+    k.index_sim.argtypes = [ptr, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr]
+    k.verify_argmax.restype = None
+    k.verify_argmax.argtypes = [ptr, i64, i64, ptr, ptr]
+    k.indexer_topk.restype = ctypes.c_int
+    k.indexer_topk.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+
+
+def bind(w: QTensor, q8: bool) -> Bound:
+    """The product of `w` (2-D, or a stack [E, N, K] of experts) with up to MAX_ROWS rows bound once: the fused kernel
+    (qgemv.c, where `available`) or, `q8`, the 8-bit one (qdot8.c, where `q8_available`) with its rounding of the
+    rows."""
+    K = w.shape[-1]
+    if len(w.shape) not in (2, 3) or not (q8_available if q8 else available)(w.qtype.name, K):
+        raise ValueError(f"bind: no {'8-bit ' if q8 else ''}kernel for {w.qtype.name} {tuple(w.shape)}")
+    k, data = lib(), w.data.contiguous()
+    kind = Q8_TYPES[w.qtype.name] if q8 else -1
+    row_bytes = K // Q8_ACTIVATION[kind][0] * Q8_ACTIVATION[kind][1] if q8 else 0
+    fn = ctypes.cast(k.qdot8_rows if q8 else k.qgemv, ctypes.c_void_p).value
+    expert_bytes = data[0].numel() if len(w.shape) == 3 else 0
+    args = BoundArgs(fn, GGML_TYPE[w.qtype.name], data.data_ptr(), w.shape[-2], K, kind, row_bytes, expert_bytes)
+    return Bound(k, args, ctypes.addressof(args), data, w.shape[-2], K, expert_bytes or data.numel())
+
+
+def current(b: Bound | None) -> bool:
+    """Whether `b` was bound with the library loaded now (a test may turn the library off or rebuild it)."""
+    return b is None or b.lib is _lib
+
+
+def bound_product(b: Bound, x: torch.Tensor, experts: torch.Tensor | None = None,
+                  parts: int | None = None) -> torch.Tensor:
+    """`x @ W.T` for contiguous float32 x [M, K] (M <= MAX_ROWS) with the weight `b` binds (row m with expert experts[m]
+    of a stack: contiguous int64 [M]), the output rows cut into `parts` chunks (default: as `qgemv`/`qdot8` cut them)
+    on the pool: their bits. Float32 [M, N]."""
+    M = x.shape[0]
+    y = torch.empty((M, b.n), dtype=torch.float32)
+    rc = b.lib.bound_product(b.address, x.data_ptr(), M, None if experts is None else experts.data_ptr(), y.data_ptr(),
+                             pool_parts(b.read) if parts is None else parts, threads())
+    if rc == -2:
+        raise MemoryError(f"qmatmul: no memory for {M} rows of {b.k} values")
+    if rc:
+        raise ValueError(f"qmatmul: unsupported call ({type_name(b.args.type)}, M={M}, K={b.k})")
+    return y
+
+
+def index_sim(x: torch.Tensor, hadamard: bool, fp4: bool) -> torch.Tensor:
+    """ops.fp4_sim.fp4_sim(ops.hadamard.hadamard(x))'s bits for float32 x [..., n] (either step may be left out):
+    the last dim a power of two for `hadamard`, a multiple of 32 for `fp4`."""
+    n = x.shape[-1]
+    if hadamard and n & (n - 1) or fp4 and n % 32:
+        raise ValueError(f"index_sim: {n} values a row are not a power of two (hadamard) or whole blocks of 32")
+    x = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    lib().index_sim(x.data_ptr(), x.numel() // n if n else 0, n, int(hadamard), math.sqrt(n), int(fp4),
+                    out.data_ptr())
+    return out
+
+
+def verify_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.verify_argmax's result for logits [M, V] (V >= 2) in one pass over each row: top-1 [M] int64 (the lowest
+    index on ties) and the top-1 minus top-2 logit [M] float32."""
+    x = logits if logits.dtype == torch.float32 and logits.is_contiguous() else logits.to(torch.float32).contiguous()
+    M, V = x.shape
+    top1, margin = torch.empty(M, dtype=torch.int64), torch.empty(M, dtype=torch.float32)
+    lib().verify_argmax(x.data_ptr(), M, V, top1.data_ptr(), margin.data_ptr())
+    return top1, margin
+
+
+def indexer_topk(scores: torch.Tensor, k: int, visible: torch.Tensor) -> torch.Tensor:
+    """ops.indexer_topk's result for scores [M, n] and visible counts [M]: each row's visible columns by descending
+    score (a NaN first, ties to the lower column) in one C call, -1 padded; int64 [M, k]."""
+    x = scores if scores.dtype == torch.float32 and scores.is_contiguous() else scores.to(torch.float32).contiguous()
+    seen = visible.to(torch.int64).contiguous()
+    M, n = x.shape
+    out = torch.empty((M, k), dtype=torch.int64)
+    if lib().indexer_topk(x.data_ptr(), M, n, k, seen.data_ptr(), out.data_ptr()):
+        raise MemoryError(f"indexer_topk: no memory to rank {n} columns")
+    return out

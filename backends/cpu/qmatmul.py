@@ -28,6 +28,8 @@
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from backends.cpu.rows import grouped_product
@@ -67,10 +69,58 @@ def tile(w: QTensor, start: int, stop: int) -> torch.Tensor:
     return dequantize(QTensor(w.qtype, (stop - start, w.shape[1]), w.data[start:stop]))
 
 
+class BoundWeights:
+    """Each weight's kernel arguments, bound on its first eager product of a few rows (`kernels.bind`), so later calls
+    skip the checks and lookups: a decode step makes ~50 products of small weights, whose Python cost more than
+    their kernels. An entry lives as long as its QTensor and is used only while the QTensor holds the same data."""
+
+    def __init__(self):
+        self.entries: dict[tuple[int, str, int], tuple[weakref.ref, torch.Tensor, kernels.Bound | None]] = {}
+        self.group_ids: dict[tuple[int, int], torch.Tensor] = {}
+
+    def get(self, w: QTensor, dot: str, groups: int = 0) -> kernels.Bound | None:
+        """The bound product of `w` under `dot` (made on first use), None where the kernels do not serve it; with
+        `groups`, of its `groups` groups of rows as a stack of experts (grouped_qmatmul, as `glue.products` serves it:
+        an 8-bit kernel under q8 or none)."""
+        key = (id(w), dot, groups)
+        entry = self.entries.get(key)
+        if entry is not None and entry[0]() is w and entry[1] is w.data and kernels.current(entry[2]):
+            return entry[2]
+        if type(w) is not QTensor or len(w.shape) != 2 or not kernels.built():
+            return None
+        (N, K), name, bound = w.shape, w.qtype.name, None
+        if groups:
+            served = kernels.q8_available if dot == "q8" else kernels.available
+            if name != "F32" and N % groups == 0 and served(name, K):
+                stack = QTensor(w.qtype, (groups, N // groups, K), w.data.reshape(groups, N // groups, -1), w.name)
+                bound = kernels.bind(stack, q8=dot == "q8")
+        elif dot == "q8" and kernels.q8_available(name, K):
+            bound = kernels.bind(w, q8=True)
+        elif (dense(w) is None or w.data.numel() >= STREAM_BYTES) and kernels.available(name, K):
+            bound = kernels.bind(w, q8=False)
+        self.entries[key] = (weakref.ref(w, lambda _, key=key: self.entries.pop(key, None)), w.data, bound)
+        return bound
+
+    def ids(self, groups: int, M: int) -> torch.Tensor:
+        """The expert (group) of each of the groups·M rows of a grouped product: [0]*M + [1]*M + ..."""
+        ids = self.group_ids.get((groups, M))
+        if ids is None:
+            ids = self.group_ids[(groups, M)] = torch.arange(groups).repeat_interleave(M)
+        return ids
+
+
+BOUND = BoundWeights()
+
+
 @register("qmatmul", "cpu", batch_invariant=True)
 def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
     """`x @ W.T` in float32; `dot="q8"`: the types qdot8.c (M <= SMALL_M) or qgemm8.c (larger M, not plain C) reads,
-    with activations rounded to 8 bits."""
+    with activations rounded to 8 bits. Eager calls of up to SMALL_M contiguous float32 rows take the weight's bound
+    kernel call (`BOUND`: the same kernel, the same bits)."""
+    if not torch.compiler.is_compiling() and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= SMALL_M:
+        bound = BOUND.get(w, dot) if isinstance(w, QTensor) else None
+        if bound is not None and x.shape[1] == bound.k and x.is_contiguous() and w.shape[0] == bound.n:
+            return kernels.bound_product(bound, x)
     check_args(x, w)
     x = x.to(torch.float32)
     if dot == "q8" and x.shape[0] <= SMALL_M and kernels.q8_available(w.qtype.name, w.shape[1]):
@@ -104,7 +154,18 @@ def grouped_qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Te
     all groups in one pass of the kernel pool (`glue.products`; a decode step's eight 4.5 MB groups were eight
     calls), each group the bits of its own `qmatmul`; else one `qmatmul` per group. Up to MAX_ROWS (group, row)
     pairs (decode, short verify) are one product over the groups as a stack of experts: the rows are handed over
-    (and rounded, under q8) once. `dot`: as in qmatmul."""
+    (and rounded, under q8) once; eagerly through the weight's bound call (`BOUND`, the same bits). `dot`: as in
+    qmatmul."""
+    if not torch.compiler.is_compiling() and x.dtype == torch.float32 and x.dim() == 3 and \
+            1 <= x.shape[0] * x.shape[1] <= kernels.MAX_ROWS and isinstance(w, QTensor):
+        M, groups, K = x.shape
+        bound = BOUND.get(w, dot, groups)
+        if bound is not None and K == bound.k and w.shape[0] == groups * bound.n:    # the bits of glue.products
+            rows = groups * M
+            parts = 1 if kernels.threads() == 1 else max(1, min(bound.n, kernels.pool_parts(bound.read * rows)))
+            xs = x.transpose(0, 1).reshape(rows, K).contiguous()      # [G·M, K]: each group's rows together
+            y = kernels.bound_product(bound, xs, BOUND.ids(groups, M), parts)
+            return y.reshape(groups, M, bound.n).transpose(0, 1).reshape(M, groups * bound.n)
     check_grouped(x, w)
     M, groups, K = x.shape
     n = w.shape[0] // groups

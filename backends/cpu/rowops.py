@@ -1,11 +1,11 @@
-"""rms_norm, rope_tail, store_rows and embed on the CPU (contracts: ops/rms_norm.py, ops/rope_tail.py,
-ops/store_rows.py, ops/embed.py) in one C call each (backends/cpu/glue.c; embed through the kernel library's
-dequantizer): a decode step makes ~15-45 norms, ~6-20 rotations and a few row writes of a few thousand values
-each, where every torch call costs microseconds of dispatch, tens of microseconds once a large product has evicted
-the caches. rms_norm gives `ops.rms_norm.rms_norm_lanes`' bits; rope_tail the reference's rotation of the angles'
-cos/sin, which are computed once per (positions, frequencies) and reused by the other calls of the step;
-store_rows and embed the reference's. A compiled step and a machine without the kernel library take torch ops.
-Row-wise, so batch-invariant."""
+"""rms_norm, rope_tail, store_rows, embed, hadamard, fp4_sim and verify_argmax on the CPU (contracts: ops/<op>.py)
+in one C call each (backends/cpu/glue.c; embed through the kernel library's dequantizer; hadamard and fp4_sim, the
+indexer's simulation, and verify_argmax through step.c): a decode step makes ~15-45 norms, ~6-20 rotations and a few
+row writes of a few thousand values each, where every torch call costs microseconds of dispatch, tens of
+microseconds once a large product has evicted the caches. rms_norm gives `ops.rms_norm.rms_norm_lanes`' bits;
+rope_tail the reference's rotation of the angles' cos/sin, which are computed once per (positions, frequencies) and
+reused by the other calls of the step; the others the reference's. A compiled step and a machine without the kernel
+library take torch ops. Row-wise, so batch-invariant."""
 from __future__ import annotations
 
 import threading
@@ -15,8 +15,11 @@ import torch.nn.functional as F
 
 from backends.registry import register
 from ops.embed import embed as reference_embed
+from ops.fp4_sim import fp4_sim as reference_fp4_sim
+from ops.hadamard import hadamard as reference_hadamard
 from ops.quants import QTensor
 from ops.store_rows import store_rows as reference_store_rows
+from ops.verify_argmax import verify_argmax as reference_verify_argmax
 
 from . import glue, kernels
 
@@ -85,5 +88,34 @@ def embed(table: QTensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of `table` as float32, dequantized by the kernel library where it reads the type (the reference's
     values, in one call instead of the reference dequantizer's torch ops)."""
     if glue.ready() and table.qtype.name != "F32" and kernels.available(table.qtype.name, table.shape[1]):
-        return kernels.dequantize(QTensor(table.qtype, (ids.shape[0], table.shape[1]), table.data[ids], table.name))
+        # eager: the library's dequantizer without the dispatcher (kernels.dequantize goes through torch.ops)
+        return kernels.dequantize_op(table.data[ids], kernels.GGML_TYPE[table.qtype.name], ids.shape[0], table.shape[1])
     return reference_embed(table, ids)
+
+
+@register("hadamard", "cpu", batch_invariant=True)
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """`x · H_n / sqrt(n)` over the last dim: the reference's butterfly in one C call."""
+    n = x.shape[-1]
+    if glue.ready() and n and not n & (n - 1):
+        return kernels.index_sim(x, hadamard=True, fp4=False)
+    return reference_hadamard(x)
+
+
+@register("fp4_sim", "cpu", batch_invariant=True)
+def fp4_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """E2M1 quantize-dequantize with a power-of-two scale per block of 32 in one C call; the scale is the exact
+    power-of-two ceiling of amax / 6, which torch's log2 could round otherwise only within an ulp above a power of
+    two (as store_rows' FP8 scales)."""
+    if glue.ready() and block == 32 and x.shape[-1] and x.shape[-1] % 32 == 0:
+        return kernels.index_sim(x, hadamard=False, fp4=True)
+    return reference_fp4_sim(x, block)
+
+
+@register("verify_argmax", "cpu", batch_invariant=True)
+def verify_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 token (lowest id on ties) and its margin over the runner-up in one C pass per row (torch's argmax and
+    topk read a 129,280-logit row in ~0.2 and ~0.5 ms on one thread)."""
+    if glue.ready() and logits.dim() == 2 and logits.shape[1] >= 2:
+        return kernels.verify_argmax(logits)
+    return reference_verify_argmax(logits)
