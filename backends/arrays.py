@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backends.precompiled import PrecompiledStep
+from backends.precompiled import PrecompiledStep, wait_warm_up
 from ds4.errors import BackendUnavailable
 from ops.quants import QTensor
 
@@ -105,6 +105,9 @@ class TorchArrays:
         if self.device.type != "cpu":
             raise BackendUnavailable(f"compiled steps run on the CPU only for now, not on {self.device}; "
                                      "use --no-compile")
+        wait_warm_up()     # precompiled.warm_up's imports done before this thread imports dynamo or inductor
+        from backends.cpu import kernels
+        torch.compiler.assume_constant_result(kernels.built)   # traced as its value (ctypes is not traceable)
         # inductor's FX-graph and AOTAutograd caches (keyed by the traced graph, its shapes and torch's version)
         # kept where a later process finds them, and each compiled step saved whole beside them: a warm start
         # loads the step without tracing it (backends/precompiled.py); a graph break is an error, not a slow path
