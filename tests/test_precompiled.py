@@ -81,3 +81,35 @@ def test_two_mixes_of_the_same_sizes_keep_a_file_each(tmp_path):
     path = PrecompiledStep(q4.run, tmp_path).path(sig)
     assert PrecompiledStep(q2.run, tmp_path).path(sig) != path
     assert PrecompiledStep(Model((1, 2), [weight("Q4_K")]).run, tmp_path).path(sig) == path
+
+
+def test_the_warm_up_names_modules_that_exist_and_joins():
+    """warm_up's module lists follow torch's layout (a renamed module would fail the background import)."""
+    import importlib.util
+    import sys
+    for name in precompiled.PROBE_MODULES + precompiled.RUNTIME_MODULES:
+        assert importlib.util.find_spec(name) is not None, name
+    precompiled.warm_up()
+    precompiled.wait_warm_up()
+    assert all(name in sys.modules for name in precompiled.RUNTIME_MODULES)
+
+
+EAGER_RUN = """
+import sys
+import ds4
+engine = ds4.load()
+ids = [t.id for t in engine.generate("def f(x):", max_tokens=2, raw=True)]
+print(len(ids), "torch._dynamo" in sys.modules, "torch._inductor" in sys.modules)
+"""
+
+
+def test_an_eager_run_imports_neither_dynamo_nor_inductor():
+    """Only --compile pays for importing torch.compile's machinery (~1 s of CPU on this project's VM)."""
+    import os
+    import subprocess
+    import sys
+    root = precompiled.ROOT
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", EAGER_RUN], env=env, cwd=root, check=True, capture_output=True,
+                         text=True).stdout.split()
+    assert out == ["2", "False", "False"]
