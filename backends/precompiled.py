@@ -6,9 +6,9 @@ and `save_compiled_function` writes that to one file: a later process loads it w
 `torch.compiler.load_compiled_function` and runs it without tracing the step again (the warm start that
 inductor's caches alone leave to a ~10 s dynamo trace). A file is keyed by the function, its argument
 signature, the model's sizes and the quant type of each of its weights (two mixes of the same sizes keep a file
-each), torch's version and a hash of the sources a step traces (ops/, backends/, models/), so an edit to any of
-them compiles afresh instead of loading a stale step; a loaded step whose guards still reject the arguments
-(another model of the same signature) is compiled again and its file replaced, with a warning.
+each), torch's version, inductor's settings and a hash of the sources a step traces (ops/, backends/, models/),
+so an edit to any of them compiles afresh instead of loading a stale step; a loaded step whose guards still reject
+the arguments (another model of the same signature) is compiled again and its file replaced, with a warning.
 
 `warm_up()` starts in the background what the first step of a process otherwise waits for (dynamo's and inductor's
 runtime imported, inductor's probe of the CPU's vector instructions), so that it overlaps the loading of the weights.
@@ -76,6 +76,13 @@ def source_hash() -> str:
                 h.update(str(path.relative_to(ROOT)).encode())
                 h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def inductor_settings() -> str:
+    """sha256 of inductor's settings (`save_config_portable`: its TORCHINDUCTOR_* switches such as the C++ wrapper),
+    which shape the code a step compiles to."""
+    from torch._inductor import config
+    return hashlib.sha256(repr(sorted(config.save_config_portable().items())).encode()).hexdigest()
 
 
 def signature(value: Any) -> tuple:
@@ -148,7 +155,8 @@ class PrecompiledStep:
         """The file of the step of signature `sig`."""
         sizes = self.owner.args if hasattr(self.owner, "args") else None     # a model's sizes
         types = weight_types(self.owner) if self.owner is not None else None
-        key = repr((getattr(self.fn, "__qualname__", repr(self.fn)), sig, signature(sizes), types, source_hash()))
+        key = repr((getattr(self.fn, "__qualname__", repr(self.fn)), sig, signature(sizes), types, source_hash(),
+                    inductor_settings()))
         return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.step"
 
     def load_or_compile(self, sig: tuple, args: tuple) -> Callable:

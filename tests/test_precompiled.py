@@ -44,12 +44,16 @@ def test_a_saved_step_is_loaded_by_the_next_step_object_and_a_bad_file_replaced(
     assert third.compiled == 1 and files[0].read_bytes() != b"not a step"
 
 
-def test_an_edit_of_the_traced_sources_changes_the_file(tmp_path, monkeypatch):
+def test_an_edit_of_the_traced_sources_or_inductor_settings_changes_the_file(tmp_path, monkeypatch):
     step = PrecompiledStep(double_plus_one, tmp_path)
     sig = signature((torch.zeros(1),))
     before = step.path(sig)
     monkeypatch.setattr(precompiled, "source_hash", lambda: "edited")
-    assert step.path(sig) != before
+    edited = step.path(sig)
+    assert edited != before
+    from torch._inductor import config
+    monkeypatch.setattr(config, "cpp_wrapper", not config.cpp_wrapper)   # TORCHINDUCTOR_CPP_WRAPPER: other code
+    assert step.path(sig) != edited
 
 
 def test_a_torch_without_aot_compile_is_refused_by_name(monkeypatch):
