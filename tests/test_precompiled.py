@@ -52,8 +52,9 @@ def test_an_edit_of_the_traced_sources_or_inductor_settings_changes_the_file(tmp
     edited = step.path(sig)
     assert edited != before
     from torch._inductor import config
-    monkeypatch.setattr(config, "cpp_wrapper", not config.cpp_wrapper)   # TORCHINDUCTOR_CPP_WRAPPER: other code
-    assert step.path(sig) != edited
+    with config.patch(cpp_wrapper=not config.cpp_wrapper):     # TORCHINDUCTOR_CPP_WRAPPER: other code
+        assert step.path(sig) != edited
+    assert step.path(sig) == edited
 
 
 def test_a_torch_without_aot_compile_is_refused_by_name(monkeypatch):
