@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -36,6 +37,26 @@ RUNTIME_MODULES = ("torch._dynamo.aot_compile", "torch._functorch._aot_autograd.
 _warming: threading.Thread | None = None
 
 
+def compile_cache_dir() -> Path:
+    """Where compiled steps are cached across processes: $TORCHINDUCTOR_CACHE_DIR if set to other than
+    inductor's /tmp default (which inductor itself writes into the environment once used), else
+    $DS4_CACHE/inductor (default ~/.cache/ds4py/inductor). Imports inductor only to compare with its default."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        if os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+            return Path(chosen)
+    return Path(os.environ.get("DS4_CACHE", Path.home() / ".cache" / "ds4py")) / "inductor"
+
+
+def use_compile_cache() -> Path:
+    """Point inductor's caches (its FX graphs, kernels and vector-instruction probes) at `compile_cache_dir()`, so a
+    later process finds them; returns it."""
+    cache = compile_cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    return cache
+
+
 def warm_up() -> None:
     """Start, once per process, a background thread importing what a saved step's load needs (RUNTIME_MODULES, ~1.9 s
     of CPU on this project's VM) while a second one runs inductor's probe of the CPU's vector instruction sets
@@ -44,6 +65,7 @@ def warm_up() -> None:
     threads importing those packages' circular imports at once could deadlock)."""
     global _warming
     if _warming is None:
+        use_compile_cache()     # before the probe writes its test libraries
         _warming = threading.Thread(target=_warm, name="ds4-compile-warm-up", daemon=True)
         _warming.start()
 
