@@ -118,3 +118,34 @@ def test_an_eager_run_imports_neither_dynamo_nor_inductor():
     out = subprocess.run([sys.executable, "-c", EAGER_RUN], env=env, cwd=root, check=True, capture_output=True,
                          text=True).stdout.split()
     assert out == ["2", "False", "False"]
+
+
+def test_a_saved_step_whose_guards_reject_the_arguments_warns_and_is_compiled_again(tmp_path, monkeypatch):
+    """Another model of the same signature finds the file but not its guards' assumptions: said on stderr (here
+    torch's load and compile stand-ins, no inductor compile)."""
+    class Step:
+        def __init__(self, accepts: bool):
+            self.accepts = accepts
+
+        def guard_check(self, *args) -> bool:
+            return self.accepts
+
+        def save_compiled_function(self, path: str) -> None:
+            open(path, "w").close()
+
+        def __call__(self, x):
+            return x + 1
+
+    class Compiled:
+        def aot_compile(self, example):
+            return Step(True)
+
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: Step(False))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: Compiled())
+    step = PrecompiledStep(double_plus_one, tmp_path)
+    x = torch.zeros(2)
+    step.path(signature((x,))).write_bytes(b"a step of another model")
+    with pytest.warns(RuntimeWarning, match="guards reject"):
+        assert torch.equal(step(x), x + 1)
+    assert (step.loaded, step.compiled) == (0, 1)
+    assert step.path(signature((x,))).read_bytes() == b""
