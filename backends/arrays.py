@@ -4,30 +4,17 @@ the collectives that sum or gather the ranks' partial results — all on one dev
 framework, a device or a communication library."""
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from backends.precompiled import PrecompiledStep
+from backends.precompiled import PrecompiledStep, use_compile_cache, wait_warm_up
 from ds4.errors import BackendUnavailable
 from ops.quants import QTensor
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64, "bool": torch.bool}
 HOST_DTYPES = {"float32": np.float32, "int64": np.int64, "bool": np.bool_}
-
-
-def compile_cache_dir() -> Path:
-    """Where compiled steps are cached across processes: $TORCHINDUCTOR_CACHE_DIR if set to other than
-    inductor's /tmp default (which inductor itself writes into the environment once used), else
-    $DS4_CACHE/inductor (default ~/.cache/ds4py/inductor)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
-        return Path(chosen)
-    return Path(os.environ.get("DS4_CACHE", Path.home() / ".cache" / "ds4py")) / "inductor"
 
 
 class TorchArrays:
@@ -100,22 +87,25 @@ class TorchArrays:
         """`fn` compiled by torch.compile (inductor) with static shapes: one graph per distinct input shape
         (a step per verify width), traced on first use and replayed after. CPU only: on CUDA, steps are
         recorded in CUDA graphs instead (ds4/cuda_graphs.py). Across ranks the step holds its all_reduces. The
-        compiled steps of a single process are saved on disk (`compile_cache_dir`), so a later process with the
-        same model shapes and code loads them without tracing or compiling (ranks compile their own)."""
+        compiled steps of a single process are saved on disk (`precompiled.compile_cache_dir`), so a later process
+        with the same model shapes and code loads them without tracing or compiling (ranks compile their own)."""
         if self.device.type != "cpu":
             raise BackendUnavailable(f"compiled steps run on the CPU only for now, not on {self.device}; "
                                      "use --no-compile")
+        wait_warm_up()     # precompiled.warm_up's imports done before this thread imports dynamo or inductor
+        from backends.cpu import kernels
+        torch.compiler.assume_constant_result(kernels.built)   # traced as its value (ctypes is not traceable)
         # inductor's FX-graph and AOTAutograd caches (keyed by the traced graph, its shapes and torch's version)
         # kept where a later process finds them, and each compiled step saved whole beside them: a warm start
         # loads the step without tracing it (backends/precompiled.py); a graph break is an error, not a slow path
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir())
+        cache = use_compile_cache()
         if self.world > 1:   # a step holding collectives is compiled in each process (its process group unsaved)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # a graph per width
             return torch.compile(fn, dynamic=False, fullgraph=True)
         if not hasattr(torch.compiler, "load_compiled_function"):
             raise BackendUnavailable(f"--compile saves its steps with torch.compile's aot_compile, which torch "
                                      f"{torch.__version__} lacks (torch >= 2.10); upgrade torch or use --no-compile")
-        return PrecompiledStep(fn, compile_cache_dir() / "steps")
+        return PrecompiledStep(fn, cache / "steps")
 
 
 def best_device() -> str:

@@ -6,15 +6,21 @@ and `save_compiled_function` writes that to one file: a later process loads it w
 `torch.compiler.load_compiled_function` and runs it without tracing the step again (the warm start that
 inductor's caches alone leave to a ~10 s dynamo trace). A file is keyed by the function, its argument
 signature, the model's sizes and the quant type of each of its weights (two mixes of the same sizes keep a file
-each), torch's version and a hash of the sources a step traces (ops/, backends/, models/), so an edit to any of
-them compiles afresh instead of loading a stale step; a loaded step whose guards still reject the arguments
-(another model of the same signature) is compiled again and its file replaced.
+each), torch's version, inductor's settings and a hash of the sources a step traces (ops/, backends/, models/),
+so an edit to any of them compiles afresh instead of loading a stale step; a loaded step whose guards still reject
+the arguments (another model of the same signature) is compiled again and its file replaced, with a warning.
+
+`warm_up()` starts in the background what the first step of a process otherwise waits for (dynamo's and inductor's
+runtime imported, inductor's probe of the CPU's vector instructions), so that it overlaps the loading of the weights.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import hashlib
+import importlib
+import os
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +30,62 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACED_SOURCES = ("ops", "backends", "models")   # what a compiled step's code depends on
+PROBE_MODULES = ("torch._inductor.cpu_vec_isa", "torch._inductor.codecache", "torch.utils.cpp_extension")
+RUNTIME_MODULES = ("torch._dynamo.aot_compile", "torch._functorch._aot_autograd.aot_autograd_result",
+                   "torch._inductor.output_code", "torch._inductor.async_compile", "torch._inductor.select_algorithm",
+                   "torch._inductor.codegen.memory_planning")   # what loading a saved step and its code imports
+_warming: threading.Thread | None = None
+
+
+def compile_cache_dir() -> Path:
+    """Where compiled steps are cached across processes: $TORCHINDUCTOR_CACHE_DIR if set to other than
+    inductor's /tmp default (which inductor itself writes into the environment once used), else
+    $DS4_CACHE/inductor (default ~/.cache/ds4py/inductor). Imports inductor only to compare with its default."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        if os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+            return Path(chosen)
+    return Path(os.environ.get("DS4_CACHE", Path.home() / ".cache" / "ds4py")) / "inductor"
+
+
+def use_compile_cache() -> Path:
+    """Point inductor's caches (its FX graphs, kernels and vector-instruction probes) at `compile_cache_dir()`, so a
+    later process finds them; returns it."""
+    cache = compile_cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    return cache
+
+
+def warm_up() -> None:
+    """Start, once per process, a background thread importing what a saved step's load needs (RUNTIME_MODULES, ~1.9 s
+    of CPU on this project's VM) while a second one runs inductor's probe of the CPU's vector instruction sets
+    (`pick_vec_isa`: ten child processes loading test libraries, ~1.3 s), so that both overlap the loading of the
+    weights; `wait_warm_up` joins them before this process imports anything of dynamo or inductor itself (two
+    threads importing those packages' circular imports at once could deadlock)."""
+    global _warming
+    if _warming is None:
+        use_compile_cache()     # before the probe writes its test libraries
+        _warming = threading.Thread(target=_warm, name="ds4-compile-warm-up", daemon=True)
+        _warming.start()
+
+
+def _warm() -> None:
+    """The warm-up thread: the probe's modules, then the probe on a thread of its own beside the other imports."""
+    for name in PROBE_MODULES:
+        importlib.import_module(name)
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    probe = threading.Thread(target=pick_vec_isa, name="ds4-vec-isa-probe", daemon=True)
+    probe.start()
+    for name in RUNTIME_MODULES:
+        importlib.import_module(name)
+    probe.join()
+
+
+def wait_warm_up() -> None:
+    """Wait for `warm_up`'s threads, if started (an import they failed is repeated by the caller, which reports it)."""
+    if _warming is not None:
+        _warming.join()
 
 
 @functools.cache
@@ -36,6 +98,13 @@ def source_hash() -> str:
                 h.update(str(path.relative_to(ROOT)).encode())
                 h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def inductor_settings() -> str:
+    """sha256 of inductor's settings (`save_config_portable`: its TORCHINDUCTOR_* switches such as the C++ wrapper),
+    which shape the code a step compiles to."""
+    from torch._inductor import config
+    return hashlib.sha256(repr(sorted(config.save_config_portable().items())).encode()).hexdigest()
 
 
 def signature(value: Any) -> tuple:
@@ -108,13 +177,15 @@ class PrecompiledStep:
         """The file of the step of signature `sig`."""
         sizes = self.owner.args if hasattr(self.owner, "args") else None     # a model's sizes
         types = weight_types(self.owner) if self.owner is not None else None
-        key = repr((getattr(self.fn, "__qualname__", repr(self.fn)), sig, signature(sizes), types, source_hash()))
+        key = repr((getattr(self.fn, "__qualname__", repr(self.fn)), sig, signature(sizes), types, source_hash(),
+                    inductor_settings()))
         return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.step"
 
     def load_or_compile(self, sig: tuple, args: tuple) -> Callable:
         """The step of signature `sig`: loaded from its file when one is there and its guards accept `args`,
         else compiled (aot_compile) and saved."""
         path = self.path(sig)
+        wait_warm_up()
         if path.exists():
             try:
                 with path.open("rb") as f:
@@ -127,6 +198,8 @@ class PrecompiledStep:
                 if accepted:
                     self.loaded += 1
                     return step
+                warnings.warn(f"compiled step {path} does not fit these arguments (its guards reject them); "
+                              "compiling it again", RuntimeWarning, stacklevel=3)
         step = torch.compile(self.fn, dynamic=False, fullgraph=True).aot_compile((args, {}))
         self.directory.mkdir(parents=True, exist_ok=True)
         step.save_compiled_function(str(path))

@@ -64,9 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strict", action="store_true", help="speculation bit-identical to plain greedy")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="run decode/verify/MTP steps compiled by torch.compile (CPU; each row count compiles once, "
-                        "about two minutes of CPU on 2 cores, saved in $DS4_CACHE/inductor/steps; a later run with the "
-                        "same model shapes and code loads the saved steps, ~2 s of CPU more than eager; "
-                        "docs/cpu.md; default off)")
+                        "about a minute of CPU, saved in $DS4_CACHE/inductor/steps; a later run with the same model "
+                        "shapes, code and torch loads the saved steps, ~3-4 s of CPU more than eager for importing "
+                        "torch.compile's runtime; docs/cpu.md; default off)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="record decode/verify/MTP steps in CUDA graphs and replay them (CUDA only; untested on "
                         "hardware so far, see docs/kernels.md)")

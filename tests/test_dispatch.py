@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.arrays import compile_cache_dir
+from backends.precompiled import compile_cache_dir
 from backends.registry import OpSet
 from ds4.errors import NonFiniteError
 from ds4.session import check_finite

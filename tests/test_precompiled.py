@@ -44,12 +44,17 @@ def test_a_saved_step_is_loaded_by_the_next_step_object_and_a_bad_file_replaced(
     assert third.compiled == 1 and files[0].read_bytes() != b"not a step"
 
 
-def test_an_edit_of_the_traced_sources_changes_the_file(tmp_path, monkeypatch):
+def test_an_edit_of_the_traced_sources_or_inductor_settings_changes_the_file(tmp_path, monkeypatch):
     step = PrecompiledStep(double_plus_one, tmp_path)
     sig = signature((torch.zeros(1),))
     before = step.path(sig)
     monkeypatch.setattr(precompiled, "source_hash", lambda: "edited")
-    assert step.path(sig) != before
+    edited = step.path(sig)
+    assert edited != before
+    from torch._inductor import config
+    with config.patch(cpp_wrapper=not config.cpp_wrapper):     # TORCHINDUCTOR_CPP_WRAPPER: other code
+        assert step.path(sig) != edited
+    assert step.path(sig) == edited
 
 
 def test_a_torch_without_aot_compile_is_refused_by_name(monkeypatch):
@@ -81,3 +86,66 @@ def test_two_mixes_of_the_same_sizes_keep_a_file_each(tmp_path):
     path = PrecompiledStep(q4.run, tmp_path).path(sig)
     assert PrecompiledStep(q2.run, tmp_path).path(sig) != path
     assert PrecompiledStep(Model((1, 2), [weight("Q4_K")]).run, tmp_path).path(sig) == path
+
+
+def test_the_warm_up_names_modules_that_exist_and_joins():
+    """warm_up's module lists follow torch's layout (a renamed module would fail the background import)."""
+    import importlib.util
+    import sys
+    for name in precompiled.PROBE_MODULES + precompiled.RUNTIME_MODULES:
+        assert importlib.util.find_spec(name) is not None, name
+    precompiled.warm_up()
+    precompiled.wait_warm_up()
+    assert all(name in sys.modules for name in precompiled.RUNTIME_MODULES)
+
+
+EAGER_RUN = """
+import sys
+import ds4
+engine = ds4.load()
+ids = [t.id for t in engine.generate("def f(x):", max_tokens=2, raw=True)]
+print(len(ids), "torch._dynamo" in sys.modules, "torch._inductor" in sys.modules)
+"""
+
+
+def test_an_eager_run_imports_neither_dynamo_nor_inductor():
+    """Only --compile pays for importing torch.compile's machinery (~1 s of CPU on this project's VM)."""
+    import os
+    import subprocess
+    import sys
+    root = precompiled.ROOT
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", EAGER_RUN], env=env, cwd=root, check=True, capture_output=True,
+                         text=True).stdout.split()
+    assert out == ["2", "False", "False"]
+
+
+def test_a_saved_step_whose_guards_reject_the_arguments_warns_and_is_compiled_again(tmp_path, monkeypatch):
+    """Another model of the same signature finds the file but not its guards' assumptions: said on stderr (here
+    torch's load and compile stand-ins, no inductor compile)."""
+    class Step:
+        def __init__(self, accepts: bool):
+            self.accepts = accepts
+
+        def guard_check(self, *args) -> bool:
+            return self.accepts
+
+        def save_compiled_function(self, path: str) -> None:
+            open(path, "w").close()
+
+        def __call__(self, x):
+            return x + 1
+
+    class Compiled:
+        def aot_compile(self, example):
+            return Step(True)
+
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: Step(False))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: Compiled())
+    step = PrecompiledStep(double_plus_one, tmp_path)
+    x = torch.zeros(2)
+    step.path(signature((x,))).write_bytes(b"a step of another model")
+    with pytest.warns(RuntimeWarning, match="guards reject"):
+        assert torch.equal(step(x), x + 1)
+    assert (step.loaded, step.compiled) == (0, 1)
+    assert step.path(signature((x,))).read_bytes() == b""

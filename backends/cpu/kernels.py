@@ -149,9 +149,9 @@ def unavailable_note() -> str | None:
 add_note("cpu", unavailable_note)
 
 
-@torch.compiler.assume_constant_result  # a compiled step asks once, while tracing (building is not traceable)
 def built() -> bool:
-    """Whether the kernel library could be built and loaded here."""
+    """Whether the kernel library could be built and loaded here (a compiled step asks once, while tracing: the
+    OpSet's compile marks it `assume_constant_result`, which imports dynamo, ~1 s an eager process does without)."""
     return lib() is not None
 
 
