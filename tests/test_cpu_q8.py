@@ -398,6 +398,22 @@ def test_rows_of_many_blocks_equal_reference(qtype):
     assert torch.equal(kernels.qdot8(x, stacked, ids), ref.qdot8(x, stacked, ids))
 
 
+@pytest.mark.parametrize("qtype", ("IQ2_XXS", "Q2_K"))
+def test_several_rows_of_many_blocks_equal_reference(qtype):
+    """Rows of 9 blocks (qdot8_rows' AVX-512 paths take 4 blocks at a time for every row, then the ninth) for M =
+    2..16, with the AMX tiles off (those paths for every M) and on: the reference's bits, so row m of an M-row call
+    equals the 1-row call."""
+    w, x = weight(qtype, 12, 2304), activations(16, 2304)
+    expected = ref.qdot8(x, w)
+    try:
+        for on in (False, True):
+            kernels.amx_rows(on)
+            for M in range(2, 17):
+                assert torch.equal(kernels.qdot8(x[:M], w), expected[:M]), (on, M)
+    finally:
+        kernels.amx_rows(True)
+
+
 def rebuild_with(flags: str, tmp_path, monkeypatch) -> None:
     """Make the next kernel call build the library afresh with gcc and `flags` added, into a cache of its own."""
     cc = tmp_path / "cc"
