@@ -1310,6 +1310,83 @@ static void wide_q4_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x
     }
 }
 
+#if defined(IQ2_VECTOR)
+/* IQ2_XXS, several rows of one weight: a block unpacked once for all rows (its grid rows, sign masks and group
+ * scales, as iq2_xxs_sums), each row then multiplied by vpdpbusd into lanes of 4 values (|lane| <= 4 * 43 * 127,
+ * so two steps' lanes pack into int16 words exactly) scaled per group by vpdpwssd: per 64 values one operation on
+ * the multiply port fewer than iq2_xxs_sums' vpmaddubsw and vpdpwssd. */
+typedef struct { __m512i grid[4], scale[2]; __mmask64 negative[4]; } iq2_xxs_unpacked;
+
+static inline void iq2_xxs_unpack(const uint8_t *b, iq2_xxs_unpacked *u) {
+    /* packs_epi32(p[2h], p[2h + 1]): in 128-bit lane L, words 0-3 group 4h + (L >= 2), words 4-7 group 4h + 2 +
+     * (L >= 2); int16 word 4g of `scales` is group g's 2 ls + 1 */
+    static const int16_t pick[2][32] __attribute__((aligned(64))) = {
+        {0, 0, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 8, 8, 8, 4, 4, 4, 4, 12, 12, 12, 12, 4, 4, 4, 4, 12, 12, 12, 12},
+        {16, 16, 16, 16, 24, 24, 24, 24, 16, 16, 16, 16, 24, 24, 24, 24,
+         20, 20, 20, 20, 28, 28, 28, 28, 20, 20, 20, 20, 28, 28, 28, 28}};
+    __m512i v = _mm512_loadu_si512(b + 2);
+    uint64_t negative[4];
+    __m512i pairs01, pairs23;
+    iq2_xxs_groups(v, negative, &pairs01, &pairs23);
+    __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
+    for (int h = 0; h < 2; h++) u->scale[h] = _mm512_permutexvar_epi16(_mm512_load_si512(pick[h]), scales);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i pair = i < 2 ? pairs01 : pairs23;
+        __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
+        u->grid[i] = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
+        u->negative[i] = _cvtu64_mask64(negative[i]);
+    }
+}
+
+static inline __m512i iq2_xxs_row(const iq2_xxs_unpacked *u, const q8k_block *y) {     /* 16 lanes adding to bsum */
+    __m512i p[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i q8 = _mm512_loadu_si512(y->qs + 64 * i);
+        p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u->grid[i],
+                                   _mm512_mask_sub_epi8(q8, u->negative[i], _mm512_setzero_si512(), q8));
+    }
+    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(p[0], p[1]), u->scale[0]);
+    return _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[2], p[3]), u->scale[1]);
+}
+
+/* Rows of one IQ2_XXS weight (M = 2..16): each row's blocks as row_iq2_xxs takes them (4 at a time, their integer
+ * sums reduced together and their float terms as step4_iq2_xxs, then dot_iq2_xxs on the blocks left), so every
+ * output has the one-row call's bits; each 4 blocks unpacked once for all rows. */
+static void rows4_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
+                          int64_t n0, int64_t n1) {
+    int64_t nb = K / 256;
+    for (int64_t n = n0; n < n1; n++) {
+        float acc[Q8_MAX_ROWS] = {0};
+        const uint8_t *row = w + n * nb * 66;
+        int64_t b = 0;
+        for (; b + 4 <= nb; b += 4) {
+            iq2_xxs_unpacked u[4];
+            uint16_t h[4];      /* the blocks' d (f16) */
+            for (int i = 0; i < 4; i++) {
+                prefetch_ahead(row + 66 * (b + i), 66);
+                iq2_xxs_unpack(row + 66 * (b + i), &u[i]);
+                memcpy(&h[i], row + 66 * (b + i), 2);
+            }
+            __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
+            for (int64_t m = 0; m < M; m++) {
+                const q8k_block *a = x + m * nb + b;
+                __m128i sums = sum4_epi32(iq2_xxs_row(&u[0], a), iq2_xxs_row(&u[1], a + 1), iq2_xxs_row(&u[2], a + 2),
+                                          iq2_xxs_row(&u[3], a + 3));
+                __m128 yd = _mm_set_ps(a[3].d, a[2].d, a[1].d, a[0].d);
+                float t[4];
+                _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(d, yd), _mm_cvtepi32_ps(sums)));
+                acc[m] = (((acc[m] + t[0]) + t[1]) + t[2]) + t[3];
+            }
+        }
+        for (; b < nb; b++)
+            for (int64_t m = 0; m < M; m++) acc[m] += dot_iq2_xxs(row + 66 * b, x + m * nb + b);
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = 0.125f * acc[m];
+    }
+}
+#endif
+
 /* Q2_K, several rows of one weight: a block unpacked once for all rows into its 2-bit values times their group's
  * scale (at most 45: one vpdpbusd chain per row gives isum, no per-row scaling) and its mins. */
 typedef struct { __m512i q[4]; __m256i mins; } q2_k_scaled;
@@ -1378,53 +1455,6 @@ static void rows4_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *
     }
 }
 
-#if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
-static void wide_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
-                         int64_t n0, int64_t n1) {
-    int64_t nb = K / 256;
-    for (int64_t n = n0; n < n1; n++) {
-        __m128 acc[Q8_MAX_ROWS / 4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-        const uint8_t *b = w + n * nb * 66;
-        for (int64_t k = 0; k < nb; k++, b += 66) {
-            prefetch_ahead(b, 66);
-            /* dot_iq2_xxs's unpacking, once per block: grid rows, sign masks and scales of the 4 group pairs */
-            __m512i v = _mm512_loadu_si512(b + 2);
-            uint64_t negative[4];
-            __m512i pairs01, pairs23;
-            iq2_xxs_groups(v, negative, &pairs01, &pairs23);
-            __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
-            __m512i grid[4], ls[4];
-            for (int i = 0; i < 4; i++) {
-                __m512i pair = i < 2 ? pairs01 : pairs23;
-                __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
-                grid[i] = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
-                ls[i] = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(8 * i)),
-                                                                    _mm256_set1_epi16((short)(8 * i + 4)), 1), scales);
-            }
-            __m128 d = _mm_set1_ps(q8_half(b));
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                __m256i is[4];
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) {
-                    if (m0 + j >= M) { is[j] = _mm256_setzero_si256(); continue; }
-                    const q8k_block *a = x + (m0 + j) * nb + k;
-                    __m512i sum = _mm512_setzero_si512();
-                    for (int i = 0; i < 4; i++) {
-                        __m512i q8 = _mm512_loadu_si512(a->qs + 64 * i);
-                        __m512i prod = _mm512_maddubs_epi16(grid[i], _mm512_mask_sub_epi8(q8, negative[i],
-                                                                                          _mm512_setzero_si512(), q8));
-                        sum = _mm512_dpwssd_epi32(sum, prod, ls[i]);
-                    }
-                    is[j] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
-                }
-                __m128 terms = _mm_mul_ps(_mm_mul_ps(d, row_scales(x, nb, k, m0, M)), _mm_cvtepi32_ps(fold4(is)));
-                acc[m0 / 4] = _mm_add_ps(acc[m0 / 4], terms);
-            }
-        }
-        store_rows(acc, M, y, N, n, 0.125f);
-    }
-}
-#endif
 #endif
 
 /* qdot8 (same arguments and results, bit for bit) with the rows of a plain weight (experts == NULL, M >= 2)
@@ -1443,7 +1473,7 @@ int qdot8_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *
     if (experts == NULL && M >= 2 && M <= Q8_MAX_ROWS) {
         switch (type) {
 #if defined(WIDE_ROWS) && defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
-        case 16: if (K % 256) return -1; wide_iq2_xxs(w, N, K, xq, M, y, n0, n1); return 0;
+        case 16: if (K % 256) return -1; rows4_iq2_xxs(w, N, K, xq, M, y, n0, n1); return 0;
 #else
         case 16: if (K % 256) return -1; rows8_iq2_xxs(w, N, K, xq, M, y, n0, n1); return 0;
 #endif
