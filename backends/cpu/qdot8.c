@@ -1351,9 +1351,32 @@ static inline __m512i iq2_xxs_row(const iq2_xxs_unpacked *u, const q8k_block *y)
     return _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[2], p[3]), u->scale[1]);
 }
 
-/* Rows of one IQ2_XXS weight (M = 2..16): each row's blocks as row_iq2_xxs takes them (4 at a time, their integer
- * sums reduced together and their float terms as step4_iq2_xxs, then dot_iq2_xxs on the blocks left), so every
- * output has the one-row call's bits; each 4 blocks unpacked once for all rows. */
+/* Blocks b..b + 3 of one IQ2_XXS weight row (wb: block b's bytes) added to the M rows' sums acc, each row as
+ * row_iq2_xxs adds them (step4_iq2_xxs's reduction and float terms), the 4 blocks unpacked once for all rows. */
+static inline void rows_step4_iq2_xxs(const uint8_t *wb, const q8k_block *x, int64_t nb, int64_t b, int64_t M,
+                                      float *acc) {
+    iq2_xxs_unpacked u[4];
+    uint16_t h[4];      /* the blocks' d (f16) */
+    for (int i = 0; i < 4; i++) {
+        prefetch_ahead(wb + 66 * i, 66);
+        iq2_xxs_unpack(wb + 66 * i, &u[i]);
+        memcpy(&h[i], wb + 66 * i, 2);
+    }
+    __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
+    for (int64_t m = 0; m < M; m++) {
+        const q8k_block *a = x + m * nb + b;
+        __m128i sums = sum4_epi32(iq2_xxs_row(&u[0], a), iq2_xxs_row(&u[1], a + 1), iq2_xxs_row(&u[2], a + 2),
+                                  iq2_xxs_row(&u[3], a + 3));
+        __m128 yd = _mm_set_ps(a[3].d, a[2].d, a[1].d, a[0].d);
+        float t[4];
+        _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(d, yd), _mm_cvtepi32_ps(sums)));
+        acc[m] = (((acc[m] + t[0]) + t[1]) + t[2]) + t[3];
+    }
+}
+
+/* Rows of one IQ2_XXS weight (M = 2..16), every output with the one-row call's bits: each weight row's blocks 4 at
+ * a time (rows_step4_iq2_xxs), then dot_iq2_xxs on the blocks left (four streams as rows4_q2_k's measured 3-7%
+ * slower: the arithmetic is the limit here). */
 static void rows4_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
                           int64_t n0, int64_t n1) {
     int64_t nb = K / 256;
@@ -1361,25 +1384,7 @@ static void rows4_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_bloc
         float acc[Q8_MAX_ROWS] = {0};
         const uint8_t *row = w + n * nb * 66;
         int64_t b = 0;
-        for (; b + 4 <= nb; b += 4) {
-            iq2_xxs_unpacked u[4];
-            uint16_t h[4];      /* the blocks' d (f16) */
-            for (int i = 0; i < 4; i++) {
-                prefetch_ahead(row + 66 * (b + i), 66);
-                iq2_xxs_unpack(row + 66 * (b + i), &u[i]);
-                memcpy(&h[i], row + 66 * (b + i), 2);
-            }
-            __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
-            for (int64_t m = 0; m < M; m++) {
-                const q8k_block *a = x + m * nb + b;
-                __m128i sums = sum4_epi32(iq2_xxs_row(&u[0], a), iq2_xxs_row(&u[1], a + 1), iq2_xxs_row(&u[2], a + 2),
-                                          iq2_xxs_row(&u[3], a + 3));
-                __m128 yd = _mm_set_ps(a[3].d, a[2].d, a[1].d, a[0].d);
-                float t[4];
-                _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(d, yd), _mm_cvtepi32_ps(sums)));
-                acc[m] = (((acc[m] + t[0]) + t[1]) + t[2]) + t[3];
-            }
-        }
+        for (; b + 4 <= nb; b += 4) rows_step4_iq2_xxs(row + 66 * b, x, nb, b, M, acc);
         for (; b < nb; b++)
             for (int64_t m = 0; m < M; m++) acc[m] += dot_iq2_xxs(row + 66 * b, x + m * nb + b);
         for (int64_t m = 0; m < M; m++) y[m * N + n] = 0.125f * acc[m];
@@ -1422,36 +1427,49 @@ static inline __m512i q2_k_scaled_row(const q2_k_scaled *u, const q8k_block *y, 
     return acc;
 }
 
-/* Rows of one Q2_K weight (M = 2..16): each row's blocks as row_q2_k takes them (4 at a time, their integer sums
- * reduced together and their float terms as q2_k_terms, then dot_q2_k on the blocks left), so every output has
- * the one-row call's bits; each 4 blocks unpacked once for all rows. */
+/* Blocks b..b + 3 of one Q2_K weight row (wb: block b's bytes) added to the M rows' sums acc, each row as row_q2_k
+ * adds them (step4_q2_k's integer sums, reduction and float terms), the 4 blocks unpacked once for all rows. */
+static inline void rows_step4_q2_k(const uint8_t *wb, const q8k_block *x, int64_t nb, int64_t b, int64_t M,
+                                   float *acc) {
+    q2_k_scaled u[4];
+    for (int i = 0; i < 4; i++) {
+        prefetch_ahead(wb + 84 * i, 84);
+        q2_k_scale_values(wb + 84 * i, &u[i]);
+    }
+    __m256 dmins = q2_k_dmins(wb);
+    for (int64_t m = 0; m < M; m++) {
+        const q8k_block *a = x + m * nb + b;
+        __m512i m0, m1, m2, m3;
+        __m512i s0 = q2_k_scaled_row(&u[0], a, &m0), s1 = q2_k_scaled_row(&u[1], a + 1, &m1);
+        __m512i s2 = q2_k_scaled_row(&u[2], a + 2, &m2), s3 = q2_k_scaled_row(&u[3], a + 3, &m3);
+        float t[4];
+        _mm_storeu_ps(t, q2_k_terms_of(dmins, a, sum4_epi32(s0, s1, s2, s3), sum4_epi32(m0, m1, m2, m3)));
+        acc[m] = (((acc[m] + t[0]) + t[1]) + t[2]) + t[3];
+    }
+}
+
+/* Rows of one Q2_K weight (M = 2..16), every output with the one-row call's bits: each weight row's blocks 4 at a
+ * time (rows_step4_q2_k), then dot_q2_k on the blocks left. For M <= 3, where the weight's fetch rather than the
+ * arithmetic is the limit, weight rows n, n + q, n + 2q, n + 3q (q a quarter of the range) go block step by block
+ * step, so that the weight is fetched as four streams (as own_rows4_q8); with more rows one stream was faster. */
 static void rows4_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
                        int64_t n0, int64_t n1) {
-    int64_t nb = K / 256;
+    const int streams = M <= 3 ? 4 : 1;
+    int64_t nb = K / 256, q = (n1 - n0) / streams;
     for (int64_t n = n0; n < n1; n++) {
-        float acc[Q8_MAX_ROWS] = {0};
-        const uint8_t *row = w + n * nb * 84;
+        if (n >= n0 + q && n < n0 + streams * q) continue;     /* taken with row n - i q */
+        int R = n < n0 + q ? streams : 1;                        /* the rows left after the streams' go alone */
+        float acc[4][Q8_MAX_ROWS] = {{0}};
+        const uint8_t *row[4];
+        for (int i = 0; i < R; i++) row[i] = w + (n + i * q) * nb * 84;
         int64_t b = 0;
-        for (; b + 4 <= nb; b += 4) {
-            q2_k_scaled u[4];
-            for (int i = 0; i < 4; i++) {
-                prefetch_ahead(row + 84 * (b + i), 84);
-                q2_k_scale_values(row + 84 * (b + i), &u[i]);
-            }
-            __m256 dmins = q2_k_dmins(row + 84 * b);
-            for (int64_t m = 0; m < M; m++) {
-                const q8k_block *a = x + m * nb + b;
-                __m512i m0, m1, m2, m3;
-                __m512i s0 = q2_k_scaled_row(&u[0], a, &m0), s1 = q2_k_scaled_row(&u[1], a + 1, &m1);
-                __m512i s2 = q2_k_scaled_row(&u[2], a + 2, &m2), s3 = q2_k_scaled_row(&u[3], a + 3, &m3);
-                float t[4];
-                _mm_storeu_ps(t, q2_k_terms_of(dmins, a, sum4_epi32(s0, s1, s2, s3), sum4_epi32(m0, m1, m2, m3)));
-                acc[m] = (((acc[m] + t[0]) + t[1]) + t[2]) + t[3];
-            }
+        for (; b + 4 <= nb; b += 4)
+            for (int i = 0; i < R; i++) rows_step4_q2_k(row[i] + 84 * b, x, nb, b, M, acc[i]);
+        for (int i = 0; i < R; i++) {
+            for (int64_t k = b; k < nb; k++)
+                for (int64_t m = 0; m < M; m++) acc[i][m] += dot_q2_k(row[i] + 84 * k, x + m * nb + k);
+            for (int64_t m = 0; m < M; m++) y[m * N + n + i * q] = acc[i][m];
         }
-        for (; b < nb; b++)
-            for (int64_t m = 0; m < M; m++) acc[m] += dot_q2_k(row + 84 * b, x + m * nb + b);
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
     }
 }
 
