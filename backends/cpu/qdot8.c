@@ -539,15 +539,16 @@ static inline __m512i q2_k_sums(const uint8_t *b, const q8k_block *y, __m512i *m
     return _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[2], p[3]), _mm512_permutexvar_epi16(scale_hi, scales));
 }
 
-/* The float steps of 4 Q2_K blocks (w: the first one's bytes, y: their activation blocks) from their isum and
- * msum, each lane the scalar (d_x d) isum - (d_x dmin) msum of dot_q2_k (the same operations, so the same bits). */
-static inline __m256 q2_k_dmins(const uint8_t *w) {   /* d0..d3 in lanes 0-3, dmin0..dmin3 in lanes 4-7 */
+/* The d and dmin of 4 Q2_K blocks (w: the first one's bytes): d0..d3 in lanes 0-3, dmin0..dmin3 in lanes 4-7. */
+static inline __m256 q2_k_dmins(const uint8_t *w) {
     uint32_t h[4];      /* each block's d and dmin (f16) */
     for (int i = 0; i < 4; i++) memcpy(&h[i], w + 84 * i + 80, 4);
     __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));       /* d0, dmin0, d1, dmin1, ... */
     return _mm256_permutevar8x32_ps(dm, _mm256_set_epi32(7, 5, 3, 1, 6, 4, 2, 0));
 }
 
+/* The float steps of 4 Q2_K blocks (split: their q2_k_dmins, y: their activation blocks) from their isum and msum,
+ * each lane the scalar (d_x d) isum - (d_x dmin) msum of dot_q2_k (the same operations, so the same bits). */
 static inline __m128 q2_k_terms_of(__m256 split, const q8k_block *y, __m128i isum, __m128i msum) {
     __m128 yd = _mm_set_ps(y[3].d, y[2].d, y[1].d, y[0].d);
     __m128 a = _mm_mul_ps(_mm_mul_ps(yd, _mm256_castps256_ps128(split)), _mm_cvtepi32_ps(isum));
@@ -555,7 +556,7 @@ static inline __m128 q2_k_terms_of(__m256 split, const q8k_block *y, __m128i isu
     return _mm_sub_ps(a, m);
 }
 
-static inline __m128 q2_k_terms(const uint8_t *w, const q8k_block *y, __m128i isum, __m128i msum) {
+static inline __m128 q2_k_terms(const uint8_t *w, const q8k_block *y, __m128i isum, __m128i msum) {   /* w: bytes */
     return q2_k_terms_of(q2_k_dmins(w), y, isum, msum);
 }
 
