@@ -418,6 +418,28 @@ def test_q8_0_whole_blocks_on_every_path_and_in_prefill():
         kernels.amx_rows(True)
 
 
+@pytest.mark.parametrize("qtype", ("IQ2_XXS", "Q2_K"))
+def test_several_rows_of_many_blocks_equal_reference(qtype, monkeypatch):
+    """Rows of 9 blocks (qdot8_rows' AVX-512 paths take 4 blocks at a time for every row, then the ninth; Q2_K's
+    weight rows in four streams for M <= 3, then the rows left alone) for M = 2..16, with the AMX tiles off (those
+    paths for every M) and on, on 1 and 3 threads (chunks of a few rows): the reference's bits, so row m of an M-row
+    call equals the 1-row call."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)     # split even this small weight
+    monkeypatch.setattr(kernels, "_pool_threads", 0)     # the pool follows torch's thread count
+    before = torch.get_num_threads()
+    w, x = weight(qtype, 30, 2304), activations(16, 2304)
+    expected = ref.qdot8(x, w)
+    try:
+        for threads, on in ((1, False), (1, True), (3, False)):
+            torch.set_num_threads(threads)
+            kernels.amx_rows(on)
+            for M in range(2, 17):
+                assert torch.equal(kernels.qdot8(x[:M], w), expected[:M]), (threads, on, M)
+    finally:
+        kernels.amx_rows(True)
+        torch.set_num_threads(before)
+
+
 def rebuild_with(flags: str, tmp_path, monkeypatch) -> None:
     """Make the next kernel call build the library afresh with gcc and `flags` added, into a cache of its own."""
     cc = tmp_path / "cc"

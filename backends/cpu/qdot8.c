@@ -539,17 +539,25 @@ static inline __m512i q2_k_sums(const uint8_t *b, const q8k_block *y, __m512i *m
     return _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[2], p[3]), _mm512_permutexvar_epi16(scale_hi, scales));
 }
 
-/* The float steps of 4 Q2_K blocks (w: the first one's bytes, y: their activation blocks) from their isum and
- * msum, each lane the scalar (d_x d) isum - (d_x dmin) msum of dot_q2_k (the same operations, so the same bits). */
-static inline __m128 q2_k_terms(const uint8_t *w, const q8k_block *y, __m128i isum, __m128i msum) {
+/* The d and dmin of 4 Q2_K blocks (w: the first one's bytes): d0..d3 in lanes 0-3, dmin0..dmin3 in lanes 4-7. */
+static inline __m256 q2_k_dmins(const uint8_t *w) {
     uint32_t h[4];      /* each block's d and dmin (f16) */
     for (int i = 0; i < 4; i++) memcpy(&h[i], w + 84 * i + 80, 4);
     __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));       /* d0, dmin0, d1, dmin1, ... */
-    __m256 split = _mm256_permutevar8x32_ps(dm, _mm256_set_epi32(7, 5, 3, 1, 6, 4, 2, 0));
+    return _mm256_permutevar8x32_ps(dm, _mm256_set_epi32(7, 5, 3, 1, 6, 4, 2, 0));
+}
+
+/* The float steps of 4 Q2_K blocks (split: their q2_k_dmins, y: their activation blocks) from their isum and msum,
+ * each lane the scalar (d_x d) isum - (d_x dmin) msum of dot_q2_k (the same operations, so the same bits). */
+static inline __m128 q2_k_terms_of(__m256 split, const q8k_block *y, __m128i isum, __m128i msum) {
     __m128 yd = _mm_set_ps(y[3].d, y[2].d, y[1].d, y[0].d);
     __m128 a = _mm_mul_ps(_mm_mul_ps(yd, _mm256_castps256_ps128(split)), _mm_cvtepi32_ps(isum));
     __m128 m = _mm_mul_ps(_mm_mul_ps(yd, _mm256_extractf128_ps(split, 1)), _mm_cvtepi32_ps(msum));
     return _mm_sub_ps(a, m);
+}
+
+static inline __m128 q2_k_terms(const uint8_t *w, const q8k_block *y, __m128i isum, __m128i msum) {   /* w: bytes */
+    return q2_k_terms_of(q2_k_dmins(w), y, isum, msum);
 }
 
 /* Blocks w[0..4) (against y[0..4)) added to acc: isum and msum of the 4 reduced together, their float terms
@@ -1411,86 +1419,169 @@ static int wide_q8_0(const uint8_t *w, int64_t N, int64_t K, const q8_0_block *x
 }
 #endif
 
-static void wide_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
-                      int64_t n0, int64_t n1) {
-    int64_t nb = K / 256;
-    const __m256i three = _mm256_set1_epi8(3);
-    __m512i group[4];       /* int16 lane t of vector c: the scale of values 64c + 2t, 2t + 1 (group 4c + t / 8) */
-    for (int c = 0; c < 4; c++) {
-        int16_t idx[32];
-        for (int t = 0; t < 32; t++) idx[t] = (int16_t)(4 * c + t / 8);
-        group[c] = _mm512_loadu_si512(idx);
-    }
-    for (int64_t n = n0; n < n1; n++) {
-        __m128 acc[Q8_MAX_ROWS / 4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-        const uint8_t *b = w + n * nb * 84;
-        for (int64_t k = 0; k < nb; k++, b += 84) {
-            prefetch_ahead(b, 84);
-            __m128i scales = _mm_loadu_si128((const __m128i *)b);
-            __m256i lows = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(scales, 4), _mm_set1_epi8(15)));
-            __m512i low16 = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(scales, _mm_set1_epi8(15))));
-            __m512i q[4], scale[4];
-            for (int h = 0; h < 2; h++) {
-                __m256i q2 = load256(b + 16 + 32 * h);
-                for (int i = 0; i < 4; i += 2)      /* values 128h + 32i .. 128h + 32i + 63 */
-                    q[2 * h + i / 2] = halves512(_mm256_and_si256(_mm256_srli_epi16(q2, 2 * i), three),
-                                                 _mm256_and_si256(_mm256_srli_epi16(q2, 2 * i + 2), three));
-            }
-            for (int c = 0; c < 4; c++) scale[c] = _mm512_permutexvar_epi16(group[c], low16);
-            float d = q8_half(b + 80), dmin = q8_half(b + 82);
-            for (int64_t m0 = 0; m0 < M; m0 += 4)
-                acc[m0 / 4] = _mm_add_ps(acc[m0 / 4], terms4_k(q, scale, lows, d, dmin, x, nb, k, m0, M));
-        }
-        store_rows(acc, M, y, N, n, 1.0f);
+#if defined(IQ2_VECTOR)
+/* IQ2_XXS, several rows of one weight: a block unpacked once for all rows (its grid rows, sign masks and group
+ * scales, as iq2_xxs_sums), each row then multiplied by vpdpbusd into lanes of 4 values (|lane| <= 4 * 43 * 127,
+ * so two steps' lanes pack into int16 words exactly) scaled per group by vpdpwssd: per 64 values one operation on
+ * the multiply port fewer than iq2_xxs_sums' vpmaddubsw and vpdpwssd. */
+typedef struct { __m512i grid[4], scale[2]; __mmask64 negative[4]; } iq2_xxs_unpacked;
+
+static inline void iq2_xxs_unpack(const uint8_t *b, iq2_xxs_unpacked *u) {
+    /* packs_epi32(p[2h], p[2h + 1]): in 128-bit lane L, words 0-3 group 4h + (L >= 2), words 4-7 group 4h + 2 +
+     * (L >= 2); int16 word 4g of `scales` is group g's 2 ls + 1 */
+    static const int16_t pick[2][32] __attribute__((aligned(64))) = {
+        {0, 0, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 8, 8, 8, 4, 4, 4, 4, 12, 12, 12, 12, 4, 4, 4, 4, 12, 12, 12, 12},
+        {16, 16, 16, 16, 24, 24, 24, 24, 16, 16, 16, 16, 24, 24, 24, 24,
+         20, 20, 20, 20, 28, 28, 28, 28, 20, 20, 20, 20, 28, 28, 28, 28}};
+    __m512i v = _mm512_loadu_si512(b + 2);
+    uint64_t negative[4];
+    __m512i pairs01, pairs23;
+    iq2_xxs_groups(v, negative, &pairs01, &pairs23);
+    __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
+    for (int h = 0; h < 2; h++) u->scale[h] = _mm512_permutexvar_epi16(_mm512_load_si512(pick[h]), scales);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i pair = i < 2 ? pairs01 : pairs23;
+        __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
+        u->grid[i] = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
+        u->negative[i] = _cvtu64_mask64(negative[i]);
     }
 }
-#if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
-static void wide_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
-                         int64_t n0, int64_t n1) {
+
+static inline __m512i iq2_xxs_row(const iq2_xxs_unpacked *u, const q8k_block *y) {     /* 16 lanes adding to bsum */
+    __m512i p[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i q8 = _mm512_loadu_si512(y->qs + 64 * i);
+        p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u->grid[i],
+                                   _mm512_mask_sub_epi8(q8, u->negative[i], _mm512_setzero_si512(), q8));
+    }
+    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(p[0], p[1]), u->scale[0]);
+    return _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[2], p[3]), u->scale[1]);
+}
+
+/* Blocks b..b + 3 of one IQ2_XXS weight row (wb: block b's bytes) added to the M rows' sums acc, each row as
+ * row_iq2_xxs adds them (step4_iq2_xxs's reduction and float terms), the 4 blocks unpacked once for all rows. */
+static inline void rows_step4_iq2_xxs(const uint8_t *wb, const q8k_block *x, int64_t nb, int64_t b, int64_t M,
+                                      float *acc) {
+    iq2_xxs_unpacked u[4];
+    uint16_t h[4];      /* the blocks' d (f16) */
+    for (int i = 0; i < 4; i++) {
+        prefetch_ahead(wb + 66 * i, 66);
+        iq2_xxs_unpack(wb + 66 * i, &u[i]);
+        memcpy(&h[i], wb + 66 * i, 2);
+    }
+    __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
+    for (int64_t m = 0; m < M; m++) {
+        const q8k_block *a = x + m * nb + b;
+        __m128i sums = sum4_epi32(iq2_xxs_row(&u[0], a), iq2_xxs_row(&u[1], a + 1), iq2_xxs_row(&u[2], a + 2),
+                                  iq2_xxs_row(&u[3], a + 3));
+        __m128 yd = _mm_set_ps(a[3].d, a[2].d, a[1].d, a[0].d);
+        float t[4];
+        _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(d, yd), _mm_cvtepi32_ps(sums)));
+        acc[m] = (((acc[m] + t[0]) + t[1]) + t[2]) + t[3];
+    }
+}
+
+/* Rows of one IQ2_XXS weight (M = 2..16), every output with the one-row call's bits: each weight row's blocks 4 at
+ * a time (rows_step4_iq2_xxs), then dot_iq2_xxs on the blocks left (four streams as rows4_q2_k's measured 3-7%
+ * slower: the arithmetic is the limit here). */
+static void rows4_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
+                          int64_t n0, int64_t n1) {
     int64_t nb = K / 256;
     for (int64_t n = n0; n < n1; n++) {
-        __m128 acc[Q8_MAX_ROWS / 4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-        const uint8_t *b = w + n * nb * 66;
-        for (int64_t k = 0; k < nb; k++, b += 66) {
-            prefetch_ahead(b, 66);
-            /* dot_iq2_xxs's unpacking, once per block: grid rows, sign masks and scales of the 4 group pairs */
-            __m512i v = _mm512_loadu_si512(b + 2);
-            uint64_t negative[4];
-            __m512i pairs01, pairs23;
-            iq2_xxs_groups(v, negative, &pairs01, &pairs23);
-            __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
-            __m512i grid[4], ls[4];
-            for (int i = 0; i < 4; i++) {
-                __m512i pair = i < 2 ? pairs01 : pairs23;
-                __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
-                grid[i] = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
-                ls[i] = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(8 * i)),
-                                                                    _mm256_set1_epi16((short)(8 * i + 4)), 1), scales);
-            }
-            __m128 d = _mm_set1_ps(q8_half(b));
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                __m256i is[4];
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) {
-                    if (m0 + j >= M) { is[j] = _mm256_setzero_si256(); continue; }
-                    const q8k_block *a = x + (m0 + j) * nb + k;
-                    __m512i sum = _mm512_setzero_si512();
-                    for (int i = 0; i < 4; i++) {
-                        __m512i q8 = _mm512_loadu_si512(a->qs + 64 * i);
-                        __m512i prod = _mm512_maddubs_epi16(grid[i], _mm512_mask_sub_epi8(q8, negative[i],
-                                                                                          _mm512_setzero_si512(), q8));
-                        sum = _mm512_dpwssd_epi32(sum, prod, ls[i]);
-                    }
-                    is[j] = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
-                }
-                __m128 terms = _mm_mul_ps(_mm_mul_ps(d, row_scales(x, nb, k, m0, M)), _mm_cvtepi32_ps(fold4(is)));
-                acc[m0 / 4] = _mm_add_ps(acc[m0 / 4], terms);
-            }
-        }
-        store_rows(acc, M, y, N, n, 0.125f);
+        float acc[Q8_MAX_ROWS] = {0};
+        const uint8_t *row = w + n * nb * 66;
+        int64_t b = 0;
+        for (; b + 4 <= nb; b += 4) rows_step4_iq2_xxs(row + 66 * b, x, nb, b, M, acc);
+        for (; b < nb; b++)
+            for (int64_t m = 0; m < M; m++) acc[m] += dot_iq2_xxs(row + 66 * b, x + m * nb + b);
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = 0.125f * acc[m];
     }
 }
 #endif
+
+/* Q2_K, several rows of one weight: a block unpacked once for all rows into its 2-bit values times their group's
+ * scale (at most 45: one vpdpbusd chain per row gives isum, no per-row scaling) and its mins. */
+typedef struct { __m512i q[4]; __m256i mins; } q2_k_scaled;
+
+static inline void q2_k_scale_values(const uint8_t *b, q2_k_scaled *u) {
+    __m128i sc = _mm_loadu_si128((const __m128i *)b);
+    u->mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), _mm_set1_epi8(15)));
+    __m512i low = _mm512_broadcast_i32x4(_mm_and_si128(sc, _mm_set1_epi8(15)));
+    const __m512i three = _mm512_set1_epi8(3);
+    /* shuffle control of 128-bit lane L: each int16 word = byte L (plus 4j below), its high byte zeroed */
+    const __m512i lane = _mm512_set_epi32(0x80038003, 0x80038003, 0x80038003, 0x80038003, 0x80028002, 0x80028002,
+                                          0x80028002, 0x80028002, 0x80018001, 0x80018001, 0x80018001, 0x80018001,
+                                          0x80008000, 0x80008000, 0x80008000, 0x80008000);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {       /* values 64j..64j+63 (128-bit lane L: group 4j + L) */
+        __m512i shift = _mm512_set_epi64(4 * (j % 2) + 2, 4 * (j % 2) + 2, 4 * (j % 2) + 2, 4 * (j % 2) + 2,
+                                         4 * (j % 2), 4 * (j % 2), 4 * (j % 2), 4 * (j % 2));
+        __m512i q = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(load256(b + 16 + 32 * (j / 2))), shift),
+                                     three);
+        /* int16 word of lane L: the group's scale (byte 4j + L, high byte zeroed); q < 4 and scale < 16, so one
+         * 16-bit multiply scales both bytes of a word */
+        __m512i pick = _mm512_add_epi32(lane, _mm512_set1_epi32(4 * j * 0x10001));
+        u->q[j] = _mm512_mullo_epi16(q, _mm512_shuffle_epi8(low, pick));
+    }
+}
+
+/* One activation row's isum (the return value's 16 lanes) and msum (`msum`'s 8 lanes) of an unpacked block. */
+static inline __m512i q2_k_scaled_row(const q2_k_scaled *u, const q8k_block *y, __m512i *msum) {
+    *msum = _mm512_castsi256_si512(_mm256_madd_epi16(u->mins, load256(y->bsums)));
+    __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u->q[0], _mm512_loadu_si512(y->qs));
+#pragma GCC unroll 3
+    for (int j = 1; j < 4; j++) acc = _mm512_dpbusd_epi32(acc, u->q[j], _mm512_loadu_si512(y->qs + 64 * j));
+    return acc;
+}
+
+/* Blocks b..b + 3 of one Q2_K weight row (wb: block b's bytes) added to the M rows' sums acc, each row as row_q2_k
+ * adds them (step4_q2_k's integer sums, reduction and float terms), the 4 blocks unpacked once for all rows. */
+static inline void rows_step4_q2_k(const uint8_t *wb, const q8k_block *x, int64_t nb, int64_t b, int64_t M,
+                                   float *acc) {
+    q2_k_scaled u[4];
+    for (int i = 0; i < 4; i++) {
+        prefetch_ahead(wb + 84 * i, 84);
+        q2_k_scale_values(wb + 84 * i, &u[i]);
+    }
+    __m256 dmins = q2_k_dmins(wb);
+    for (int64_t m = 0; m < M; m++) {
+        const q8k_block *a = x + m * nb + b;
+        __m512i m0, m1, m2, m3;
+        __m512i s0 = q2_k_scaled_row(&u[0], a, &m0), s1 = q2_k_scaled_row(&u[1], a + 1, &m1);
+        __m512i s2 = q2_k_scaled_row(&u[2], a + 2, &m2), s3 = q2_k_scaled_row(&u[3], a + 3, &m3);
+        float t[4];
+        _mm_storeu_ps(t, q2_k_terms_of(dmins, a, sum4_epi32(s0, s1, s2, s3), sum4_epi32(m0, m1, m2, m3)));
+        acc[m] = (((acc[m] + t[0]) + t[1]) + t[2]) + t[3];
+    }
+}
+
+/* Rows of one Q2_K weight (M = 2..16), every output with the one-row call's bits: each weight row's blocks 4 at a
+ * time (rows_step4_q2_k), then dot_q2_k on the blocks left. For M <= 3, where the weight's fetch rather than the
+ * arithmetic is the limit, weight rows n, n + q, n + 2q, n + 3q (q a quarter of the range) go block step by block
+ * step, so that the weight is fetched as four streams (as own_rows4_q8); with more rows one stream was faster. */
+static void rows4_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,
+                       int64_t n0, int64_t n1) {
+    const int streams = M <= 3 ? 4 : 1;
+    int64_t nb = K / 256, q = (n1 - n0) / streams;
+    for (int64_t n = n0; n < n1; n++) {
+        if (n >= n0 + q && n < n0 + streams * q) continue;     /* taken with row n - i q */
+        int R = n < n0 + q ? streams : 1;                        /* the rows left after the streams' go alone */
+        float acc[4][Q8_MAX_ROWS] = {{0}};
+        const uint8_t *row[4];
+        for (int i = 0; i < R; i++) row[i] = w + (n + i * q) * nb * 84;
+        int64_t b = 0;
+        for (; b + 4 <= nb; b += 4)
+            for (int i = 0; i < R; i++) rows_step4_q2_k(row[i] + 84 * b, x, nb, b, M, acc[i]);
+        for (int i = 0; i < R; i++) {
+            for (int64_t k = b; k < nb; k++)
+                for (int64_t m = 0; m < M; m++) acc[i][m] += dot_q2_k(row[i] + 84 * k, x + m * nb + k);
+            for (int64_t m = 0; m < M; m++) y[m * N + n + i * q] = acc[i][m];
+        }
+    }
+}
+
 #endif
 
 /* qdot8 (same arguments and results, bit for bit) with the rows of a plain weight (experts == NULL, M >= 2)
@@ -1509,12 +1600,12 @@ int qdot8_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *
     if (experts == NULL && M >= 2 && M <= Q8_MAX_ROWS) {
         switch (type) {
 #if defined(WIDE_ROWS) && defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
-        case 16: if (K % 256) return -1; wide_iq2_xxs(w, N, K, xq, M, y, n0, n1); return 0;
+        case 16: if (K % 256) return -1; rows4_iq2_xxs(w, N, K, xq, M, y, n0, n1); return 0;
 #else
         case 16: if (K % 256) return -1; rows8_iq2_xxs(w, N, K, xq, M, y, n0, n1); return 0;
 #endif
 #if defined(WIDE_ROWS)
-        case 10: if (K % 256) return -1; wide_q2_k(w, N, K, xq, M, y, n0, n1); return 0;
+        case 10: if (K % 256) return -1; rows4_q2_k(w, N, K, xq, M, y, n0, n1); return 0;
         case 12: if (K % 256) return -1; wide_q4_k(w, N, K, xq, M, y, n0, n1); return 0;
 #else
         case 10: if (K % 256) return -1; rows8_q2_k(w, N, K, xq, M, y, n0, n1); return 0;

@@ -462,8 +462,8 @@ static int amx_from(int type) {
     switch (type) {
     case 8: return 2;       /* Q8_0: nothing unpacked, faster from 2 rows (docs/cpu.md, session 12) */
     case 12: return 9;      /* Q4_K */
-    case 10: return 5;      /* Q2_K */
-    case 16: return 5;      /* IQ2_XXS */
+    case 10: return 6;      /* Q2_K (its AVX-512 rows share each block's unpacking: qdot8.c's rows4_q2_k) */
+    case 16: return 6;      /* IQ2_XXS (likewise: rows4_iq2_xxs) */
     default: return TILE + 1;
     }
 }
