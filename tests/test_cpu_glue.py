@@ -255,3 +255,23 @@ def test_moe_rows_is_the_separate_calls(qtype, dot, threads, monkeypatch):
             m.setattr(glue, "moe_rows", lambda *a, **k: None)
             separate = cpu("shared_expert")(x, *shared, clamp, dot)
         assert fused is None or torch.equal(fused, separate)
+
+
+def test_moe_rows_binding_follows_the_weights():
+    """glue.moe_rows binds its weights on first use (glue.EXPERTS): a weight given new data is bound again (the new
+    weight's bits), F32 weights and shapes the kernels do not serve give None, and a freed weight's entry goes."""
+    g, D, n = gen(12), 256, 256
+    shared = [QTensor.quantize(torch.randn(*shape, generator=g) * 0.1, "Q4_K") for shape in ((n, D), (n, D), (D, n))]
+    x = torch.randn(2, D, generator=g)
+    first = glue.moe_rows(x, *shared, None, None, None)
+    shared[0].data = QTensor.quantize(torch.randn(n, D, generator=g) * 0.1, "Q4_K").data
+    again = glue.moe_rows(x, *shared, None, None, None)
+    assert not torch.equal(first, again)
+    assert torch.equal(again, cpu("shared_expert")(x, *(QTensor(t.qtype, t.shape, t.data.clone()) for t in shared),
+                                                    None))
+    f32 = QTensor.quantize(torch.randn(n, D, generator=g), "F32")
+    assert glue.moe_rows(x, f32, *shared[1:], None, None, None) is None
+    assert glue.moe_rows(x, *shared, torch.zeros((2, 1), dtype=torch.int64), torch.ones(2, 1), None) is None
+    entries = len(glue.EXPERTS.entries)
+    del shared[0], f32
+    assert len(glue.EXPERTS.entries) < entries

@@ -6,6 +6,8 @@ step (Inductor fuses the torch ops instead); the callers then take their torch p
 from __future__ import annotations
 
 import ctypes
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -280,40 +282,108 @@ def route(p: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | None, table: 
     return chosen, w
 
 
+@dataclass
+class BoundExpert:
+    """The three weights of an expert call (routed stacks, or the shared expert's 2-D weights) bound to glue_moe_rows'
+    arguments once: `args` holds each product's kernel, type, weight pointer and sizes, and a call fills in only its
+    rows, experts and outputs."""
+
+    lib: ctypes.CDLL
+    args: ctypes.Array      # ProductArgs * 3: gate, up, down
+    data: tuple[torch.Tensor, ...]      # the contiguous raw blocks `args` points into (kept alive)
+    reads: tuple[int, ...]  # weight bytes a row reads of each (one expert's of a stack)
+    q8_rows: str | None     # the weight type whose rounding the rows take (`dot="q8"`), else None
+    q8_down: int            # the rounding kind of the down product's rows (`dot="q8"`), else -1
+    hq_row_bytes: int       # bytes of one rounded row of the down product's input
+
+
+class BoundExperts:
+    """Each expert call's `BoundExpert`, made on its first eager call; an entry lives as long as its gate QTensor and is
+    used only while the three QTensors hold the same data (the ids of the three in its key)."""
+
+    def __init__(self):
+        self.entries: dict[tuple[int, int, int, str, bool], tuple[weakref.ref, tuple[torch.Tensor, ...],
+                                                            BoundExpert | None]] = {}
+
+    def get(self, gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: bool) -> BoundExpert | None:
+        """The bound call of the three weights under `dot`, None where the kernels do not serve one of them."""
+        key = (id(gate), id(up), id(down), dot, routed)
+        weights = (gate, up, down)
+        entry = self.entries.get(key)
+        if (entry is not None and entry[0]() is gate
+                and all(d is t.data for d, t in zip(entry[1], weights, strict=True))
+                and (entry[2] is None or entry[2].lib is _lib())):
+            return entry[2]
+        bound = bind_expert(gate, up, down, dot, routed)
+        self.entries[key] = (weakref.ref(gate, lambda _, key=key: self.entries.pop(key, None)),
+                             tuple(t.data for t in weights), bound)
+        return bound
+
+
+def bind_expert(gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: bool) -> BoundExpert | None:
+    """glue_moe_rows' arguments of the three weights (`routed`: stacks [E, N, K] of experts, else 2-D), or None where
+    the kernels do not serve them."""
+    served = kernels.q8_available if dot == "q8" else kernels.available
+    K, inner = gate.shape[-1], gate.shape[-2]
+    if not all(type(t) is QTensor and len(t.shape) == (3 if routed else 2) and t.qtype.name != "F32" for t in
+               (gate, up, down)):
+        return None
+    if up.shape != gate.shape or down.shape[-1] != inner or down.shape[:-2] != gate.shape[:-2]:
+        return None
+    if not (served(gate.qtype.name, K) and served(up.qtype.name, K) and served(down.qtype.name, inner)):
+        return None
+    if dot == "q8" and kernels.Q8_TYPES[up.qtype.name] != kernels.Q8_TYPES[gate.qtype.name]:
+        return None
+    lib, kernel = _lib(), row_kernel(dot)
+    data = tuple(t.data.contiguous() for t in (gate, up, down))
+    args = (ProductArgs * 3)(*(ProductArgs(kernel, kernels.GGML_TYPE[t.qtype.name], d.data_ptr(),
+                                           d[0].numel() if routed else 0, None, t.shape[-2], t.shape[-1], None, 0,
+                                           None, 1) for t, d in zip((gate, up, down), data, strict=True)))
+    q8_down, hq_row_bytes = -1, 0
+    if dot == "q8":
+        q8_down = kernels.Q8_TYPES[down.qtype.name]
+        block, block_bytes = kernels.Q8_ACTIVATION[q8_down]
+        hq_row_bytes = inner // block * block_bytes
+    return BoundExpert(lib, args, data, tuple(d[0].numel() if routed else d.numel() for d in data),
+                       gate.qtype.name if dot == "q8" else None, q8_down, hq_row_bytes)
+
+
+EXPERTS = BoundExperts()
+
+
 def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen: torch.Tensor | None,
              w: torch.Tensor | None, clamp: float | None, dot: str = "exact") -> torch.Tensor | None:
     """The routed experts of rows x [M, D] over their chosen experts [M, k] (stack indices, -1 = not held here) with
     routing weights w [M, k] in one C call (glue.c's glue_moe_rows): the gate and up products of the M * k (row,
     expert) pairs in one pool pass, the weighted swiglu, the down product, each row's experts added in order; the
     bits of the separate calls (`products`, `swiglu`, the down product's kernel call, `sum_rows`). `chosen` None:
-    the shared expert's 2-D weights, no routing weight. None where the kernels do not serve the three weights or the
-    pairs are more than MAX_ROWS."""
+    the shared expert's 2-D weights, no routing weight. The weights' arguments are bound on first use (`EXPERTS`).
+    None where the kernels do not serve the three weights or the pairs are more than MAX_ROWS."""
     M, k = (x.shape[0], 1) if chosen is None else chosen.shape
-    flat = None if chosen is None else chosen.reshape(-1)
+    if not ready() or x.dim() != 2 or x.shape[1] != gate.shape[-1] or M * k > kernels.MAX_ROWS:
+        return None
+    bound = EXPERTS.get(gate, up, down, dot, chosen is not None)
+    if bound is None:
+        return None
+    flat = None if chosen is None else chosen.reshape(-1).to(torch.int64).contiguous()
     xs = f32(x) if chosen is None else f32(x).repeat_interleave(k, dim=0)
-    P, inner = xs.shape[0], gate.shape[-2]
+    P, inner, n = xs.shape[0], gate.shape[-2], down.shape[-2]
+    rows = xs if bound.q8_rows is None else kernels.q8_quantize(xs, bound.q8_rows)
     h = torch.empty((P, inner), dtype=torch.float32)
-    if not ready() or not all(served(rows, weight, flat, dot) for rows, weight in ((xs, gate), (xs, up), (h, down))):
-        return None
-    lib = _lib()
-    kernel = ctypes.cast(lib.qdot8_rows if dot == "q8" else lib.qgemv, ctypes.c_void_p).value
-    if dot == "q8" and kernels.Q8_TYPES[up.qtype.name] != kernels.Q8_TYPES[gate.qtype.name]:
-        return None
-    rows = kernels.q8_quantize(xs, gate.qtype.name) if dot == "q8" else xs
-    hq = torch.empty(0, dtype=torch.uint8)
-    if dot == "q8":
-        block, block_bytes = kernels.Q8_ACTIVATION[kernels.Q8_TYPES[down.qtype.name]]
-        hq = torch.empty(P * (inner // block) * block_bytes, dtype=torch.uint8)
-    alive: list = []
-    ys = [torch.empty((P, t.shape[-2]), dtype=torch.float32) for t in (gate, up, down)]
-    args = (ProductArgs * 3)(product_args(kernel, rows, gate, flat, ys[0], alive),
-                             product_args(kernel, rows, up, flat, ys[1], alive),
-                             product_args(kernel, hq if dot == "q8" else h, down, flat, ys[2], alive))
+    hq = torch.empty(P * bound.hq_row_bytes, dtype=torch.uint8)
+    ys = (torch.empty((P, inner), dtype=torch.float32), torch.empty((P, inner), dtype=torch.float32),
+          torch.empty((P, n), dtype=torch.float32))
+    threads, experts = kernels.threads(), None if flat is None else flat.data_ptr()
+    for arg, src, y, read in zip(bound.args, (rows, rows, hq if bound.q8_down >= 0 else h), ys, bound.reads,
+                                 strict=True):
+        arg.x, arg.M, arg.y, arg.experts = src.data_ptr(), P, y.data_ptr(), experts
+        arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if flat is not None
+                                                                                 else read)))
     weights = None if w is None else f32(w.reshape(-1))
-    out = torch.empty((M, ys[2].shape[1]), dtype=torch.float32)
-    if lib.glue_moe_rows(args, kernels.Q8_TYPES[down.qtype.name] if dot == "q8" else -1, hq.data_ptr(),
-                         None if weights is None else weights.data_ptr(), clamp is not None,
-                         0.0 if clamp is None else clamp, h.data_ptr(), M, k, out.data_ptr(), kernels.threads()):
+    out = torch.empty((M, n), dtype=torch.float32)
+    if bound.lib.glue_moe_rows(bound.args, bound.q8_down, hq.data_ptr(),
+                               None if weights is None else weights.data_ptr(), clamp is not None,
+                               0.0 if clamp is None else clamp, h.data_ptr(), M, k, out.data_ptr(), threads):
         raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
     return out
 
