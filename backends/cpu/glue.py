@@ -6,7 +6,6 @@ step (Inductor fuses the torch ops instead); the callers then take their torch p
 from __future__ import annotations
 
 import ctypes
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -206,8 +205,7 @@ def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
     do not serve one of them (F32 weights, more than MAX_ROWS rows)."""
     if not ready() or not all(served(x, w, experts, dot) for x, w, experts in calls):
         return None
-    k = _lib()
-    kernel = ctypes.cast(k.qdot8_rows if dot == "q8" else k.qgemv, ctypes.c_void_p).value
+    k, kernel = _lib(), kernels.row_kernel(dot == "q8")
     prepared: dict[tuple[int, int | None], torch.Tensor] = {}
     alive, outs = [], []    # the tensors whose pointers the call reads
     args = (ProductArgs * len(calls))()
@@ -288,36 +286,12 @@ class BoundExpert:
     arguments once: `args` holds each product's kernel, type, weight pointer and sizes, and a call fills in only its
     rows, experts and outputs."""
 
-    lib: ctypes.CDLL
     args: ctypes.Array      # ProductArgs * 3: gate, up, down
     data: tuple[torch.Tensor, ...]      # the contiguous raw blocks `args` points into (kept alive)
     reads: tuple[int, ...]  # weight bytes a row reads of each (one expert's of a stack)
     q8_rows: str | None     # the weight type whose rounding the rows take (`dot="q8"`), else None
     q8_down: int            # the rounding kind of the down product's rows (`dot="q8"`), else -1
     hq_row_bytes: int       # bytes of one rounded row of the down product's input
-
-
-class BoundExperts:
-    """Each expert call's `BoundExpert`, made on its first eager call; an entry lives as long as its gate QTensor and is
-    used only while the three QTensors hold the same data (the ids of the three in its key)."""
-
-    def __init__(self):
-        self.entries: dict[tuple[int, int, int, str, bool], tuple[weakref.ref, tuple[torch.Tensor, ...],
-                                                            BoundExpert | None]] = {}
-
-    def get(self, gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: bool) -> BoundExpert | None:
-        """The bound call of the three weights under `dot`, None where the kernels do not serve one of them."""
-        key = (id(gate), id(up), id(down), dot, routed)
-        weights = (gate, up, down)
-        entry = self.entries.get(key)
-        if (entry is not None and entry[0]() is gate
-                and all(d is t.data for d, t in zip(entry[1], weights, strict=True))
-                and (entry[2] is None or entry[2].lib is _lib())):
-            return entry[2]
-        bound = bind_expert(gate, up, down, dot, routed)
-        self.entries[key] = (weakref.ref(gate, lambda _, key=key: self.entries.pop(key, None)),
-                             tuple(t.data for t in weights), bound)
-        return bound
 
 
 def bind_expert(gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: bool) -> BoundExpert | None:
@@ -334,21 +308,18 @@ def bind_expert(gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: boo
         return None
     if dot == "q8" and kernels.Q8_TYPES[up.qtype.name] != kernels.Q8_TYPES[gate.qtype.name]:
         return None
-    lib, kernel = _lib(), row_kernel(dot)
+    kernel = kernels.row_kernel(dot == "q8")
     data = tuple(t.data.contiguous() for t in (gate, up, down))
     args = (ProductArgs * 3)(*(ProductArgs(kernel, kernels.GGML_TYPE[t.qtype.name], d.data_ptr(),
                                            d[0].numel() if routed else 0, None, t.shape[-2], t.shape[-1], None, 0,
                                            None, 1) for t, d in zip((gate, up, down), data, strict=True)))
-    q8_down, hq_row_bytes = -1, 0
-    if dot == "q8":
-        q8_down = kernels.Q8_TYPES[down.qtype.name]
-        block, block_bytes = kernels.Q8_ACTIVATION[q8_down]
-        hq_row_bytes = inner // block * block_bytes
-    return BoundExpert(lib, args, data, tuple(d[0].numel() if routed else d.numel() for d in data),
-                       gate.qtype.name if dot == "q8" else None, q8_down, hq_row_bytes)
+    q8_down = kernels.Q8_TYPES[down.qtype.name] if dot == "q8" else -1
+    return BoundExpert(args, data, tuple(d[0].numel() if routed else d.numel() for d in data),
+                       gate.qtype.name if dot == "q8" else None, q8_down,
+                       kernels.q8_row_bytes(q8_down, inner) if dot == "q8" else 0)
 
 
-EXPERTS = BoundExperts()
+EXPERTS = kernels.PerWeight()   # the bound expert calls, per (gate, up, down) and (dot, routed)
 
 
 def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen: torch.Tensor | None,
@@ -362,7 +333,8 @@ def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen:
     M, k = (x.shape[0], 1) if chosen is None else chosen.shape
     if not ready() or x.dim() != 2 or x.shape[1] != gate.shape[-1] or M * k > kernels.MAX_ROWS:
         return None
-    bound = EXPERTS.get(gate, up, down, dot, chosen is not None)
+    routed = chosen is not None
+    bound = EXPERTS.value((gate, up, down), (dot, routed), lambda: bind_expert(gate, up, down, dot, routed))
     if bound is None:
         return None
     flat = None if chosen is None else chosen.reshape(-1).to(torch.int64).contiguous()
@@ -381,17 +353,11 @@ def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen:
                                                                                  else read)))
     weights = None if w is None else f32(w.reshape(-1))
     out = torch.empty((M, n), dtype=torch.float32)
-    if bound.lib.glue_moe_rows(bound.args, bound.q8_down, hq.data_ptr(),
-                               None if weights is None else weights.data_ptr(), clamp is not None,
-                               0.0 if clamp is None else clamp, h.data_ptr(), M, k, out.data_ptr(), threads):
+    if _lib().glue_moe_rows(bound.args, bound.q8_down, hq.data_ptr(), None if weights is None else weights.data_ptr(),
+                            clamp is not None, 0.0 if clamp is None else clamp, h.data_ptr(), M, k, out.data_ptr(),
+                            threads):
         raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
     return out
-
-
-def row_kernel(dot: str) -> int:
-    """The address of the row kernel a product takes: qdot8_rows (`dot="q8"`) or qgemv."""
-    k = _lib()
-    return ctypes.cast(k.qdot8_rows if dot == "q8" else k.qgemv, ctypes.c_void_p).value
 
 
 def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, norm: torch.Tensor,
@@ -409,7 +375,7 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
     kind, rows = q8_rows(flat, fn, dot)
     alive: list = []
     mixes = torch.empty((M, fn.shape[0]), dtype=torch.float32)
-    args = product_args(row_kernel(dot), rows, fn, None, mixes, alive)
+    args = product_args(kernels.row_kernel(dot == "q8"), rows, fn, None, mixes, alive)
     x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
     tail = (scale.data_ptr(), base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
             post.data_ptr(), comb.data_ptr(), kernels.threads())
@@ -441,7 +407,7 @@ def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, ep
     M, N = x.shape[0], w.shape[0]
     alive: list = []
     y, out = torch.empty((M, N), dtype=torch.float32), torch.empty((M, N), dtype=torch.float32)
-    args = product_args(row_kernel(dot), rows, w, None, y, alive)
+    args = product_args(kernels.row_kernel(dot == "q8"), rows, w, None, y, alive)
     w_norm = None if norm is None else f32(norm)
     cos, sin = (None, None) if cos_sin is None else (f32(cos_sin[0]), f32(cos_sin[1]))
     angles = (None, None, 0) if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
@@ -458,8 +424,7 @@ def q8_rows(x: torch.Tensor, w: QTensor, dot: str) -> tuple[int, torch.Tensor]:
     if dot != "q8":
         return -1, x
     kind = kernels.Q8_TYPES[w.qtype.name]
-    block, block_bytes = kernels.Q8_ACTIVATION[kind]
-    return kind, torch.empty(x.shape[0] * (x.shape[1] // block) * block_bytes, dtype=torch.uint8)
+    return kind, torch.empty(x.shape[0] * kernels.q8_row_bytes(kind, x.shape[1]), dtype=torch.uint8)
 
 
 def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], wa: QTensor, wb: QTensor,
@@ -478,7 +443,7 @@ def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
     (kind_a, rows_a), (kind_b, rows_b) = q8_rows(xs, stack, dot), q8_rows(u, wb, dot)
     alive: list = []
     y, out = torch.empty((groups * M, n), dtype=torch.float32), torch.empty((M, wb.shape[0]), dtype=torch.float32)
-    kernel = row_kernel(dot)
+    kernel = kernels.row_kernel(dot == "q8")
     args = (ProductArgs * 2)(product_args(kernel, rows_a, stack, experts, y, alive),
                              product_args(kernel, rows_b, wb, None, out, alive))
     cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
@@ -505,7 +470,7 @@ def compressor_store(x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torch.Ten
             for kind, w in ((kernels.Q8_TYPES.get(w.qtype.name), w) for w in (gate, kv))}
     alive: list = []
     ys = [torch.empty((x.shape[0], kv.shape[0]), dtype=torch.float32) for _ in rings]
-    kernel = row_kernel(dot)
+    kernel = kernels.row_kernel(dot == "q8")
     args = (ProductArgs * 2)(*(product_args(kernel, rows[kernels.Q8_TYPES.get(w.qtype.name)], w, None, y, alive)
                                for w, y in zip((kv, gate), ys, strict=True)))
     ids, at = ape_rows.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()

@@ -24,9 +24,11 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -350,12 +352,17 @@ def q8_quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
     256 int8 quants, float32 d, 16 int16 sums of 16 quants and padding to 320 bytes; Q8_0 float32 d, 32 int8; Q8_1
     float32 d and s, 32 int8; for F16 weights each value rounded to the nearest f16, as float32."""
     kind = Q8_TYPES[qtype]
-    block, block_bytes = Q8_ACTIVATION[kind]
     M, K = x.shape
-    out = torch.empty(M * (K // block) * block_bytes, dtype=torch.uint8)
+    out = torch.empty(M * q8_row_bytes(kind, K), dtype=torch.uint8)
     if lib().q8_quantize(kind, x.data_ptr(), M, K, out.data_ptr()):
-        raise ValueError(f"q8_quantize: rows of {K} values are not whole blocks of {block}")
+        raise ValueError(f"q8_quantize: rows of {K} values are not whole blocks of {Q8_ACTIVATION[kind][0]}")
     return out
+
+
+def q8_row_bytes(kind: int, k: int) -> int:
+    """Bytes of one row of `k` values rounded by qdot8.c as activation `kind` (whole blocks)."""
+    block, block_bytes = Q8_ACTIVATION[kind]
+    return k // block * block_bytes
 
 
 _ops.define("qdot8(Tensor x, Tensor data, int ggml_type, int n, Tensor? experts) -> Tensor")
@@ -560,16 +567,37 @@ def bind(w: QTensor, q8: bool) -> Bound:
         raise ValueError(f"bind: no {'8-bit ' if q8 else ''}kernel for {w.qtype.name} {tuple(w.shape)}")
     k, data = lib(), w.data.contiguous()
     kind = Q8_TYPES[w.qtype.name] if q8 else -1
-    row_bytes = K // Q8_ACTIVATION[kind][0] * Q8_ACTIVATION[kind][1] if q8 else 0
-    fn = ctypes.cast(k.qdot8_rows if q8 else k.qgemv, ctypes.c_void_p).value
     expert_bytes = data[0].numel() if len(w.shape) == 3 else 0
-    args = BoundArgs(fn, GGML_TYPE[w.qtype.name], data.data_ptr(), w.shape[-2], K, kind, row_bytes, expert_bytes)
+    args = BoundArgs(row_kernel(q8), GGML_TYPE[w.qtype.name], data.data_ptr(), w.shape[-2], K, kind,
+                     q8_row_bytes(kind, K) if q8 else 0, expert_bytes)
     return Bound(k, args, ctypes.addressof(args), data, w.shape[-2], K, expert_bytes or data.numel())
 
 
-def current(b: Bound | None) -> bool:
-    """Whether `b` was bound with the library loaded now (a test may turn the library off or rebuild it)."""
-    return b is None or b.lib is _lib
+def row_kernel(q8: bool) -> int:
+    """The address of the row kernel a product takes: qdot8_rows (`q8`) or qgemv."""
+    k = lib()
+    return ctypes.cast(k.qdot8_rows if q8 else k.qgemv, ctypes.c_void_p).value
+
+
+class PerWeight:
+    """Values made once per set of weights (a weight's bound call, `Bound`, or glue.py's bound expert call), kept as
+    long as the first weight lives and used only while every weight holds the same data and the library loaded now is
+    the one they were made with (a test may turn the library off or rebuild it)."""
+
+    def __init__(self):
+        self.entries: dict[tuple, tuple[weakref.ref, tuple[torch.Tensor, ...], Any, Any]] = {}
+
+    def value(self, weights: tuple[QTensor, ...], key: tuple, make: Callable[[], Any]) -> Any:
+        """The value of `weights` under `key`, made by `make()` on first use or when stale."""
+        full = (*(id(w) for w in weights), *key)
+        entry = self.entries.get(full)
+        if (entry is not None and entry[0]() is weights[0] and entry[2] is _lib
+                and all(d is w.data for d, w in zip(entry[1], weights, strict=True))):
+            return entry[3]
+        value = make()      # may load the library
+        self.entries[full] = (weakref.ref(weights[0], lambda _, full=full: self.entries.pop(full, None)),
+                              tuple(w.data for w in weights), _lib, value)
+        return value
 
 
 def bound_product(b: Bound, x: torch.Tensor, experts: torch.Tensor | None = None,

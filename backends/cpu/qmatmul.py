@@ -28,8 +28,6 @@
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from backends.cpu.rows import grouped_product
@@ -69,37 +67,20 @@ def tile(w: QTensor, start: int, stop: int) -> torch.Tensor:
     return dequantize(QTensor(w.qtype, (stop - start, w.shape[1]), w.data[start:stop]))
 
 
-class BoundWeights:
+class BoundWeights(kernels.PerWeight):
     """Each weight's kernel arguments, bound on its first eager product of a few rows (`kernels.bind`), so later calls
     skip the checks and lookups: a decode step makes ~50 products of small weights, whose Python cost more than
     their kernels. An entry lives as long as its QTensor and is used only while the QTensor holds the same data."""
 
     def __init__(self):
-        self.entries: dict[tuple[int, str, int], tuple[weakref.ref, torch.Tensor, kernels.Bound | None]] = {}
+        super().__init__()
         self.group_ids: dict[tuple[int, int], torch.Tensor] = {}
 
     def get(self, w: QTensor, dot: str, groups: int = 0) -> kernels.Bound | None:
         """The bound product of `w` under `dot` (made on first use), None where the kernels do not serve it; with
         `groups`, of its `groups` groups of rows as a stack of experts (grouped_qmatmul, as `glue.products` serves it:
         an 8-bit kernel under q8 or none)."""
-        key = (id(w), dot, groups)
-        entry = self.entries.get(key)
-        if entry is not None and entry[0]() is w and entry[1] is w.data and kernels.current(entry[2]):
-            return entry[2]
-        if type(w) is not QTensor or len(w.shape) != 2 or not kernels.built():
-            return None
-        (N, K), name, bound = w.shape, w.qtype.name, None
-        if groups:
-            served = kernels.q8_available if dot == "q8" else kernels.available
-            if name != "F32" and N % groups == 0 and served(name, K):
-                stack = QTensor(w.qtype, (groups, N // groups, K), w.data.reshape(groups, N // groups, -1), w.name)
-                bound = kernels.bind(stack, q8=dot == "q8")
-        elif dot == "q8" and kernels.q8_available(name, K):
-            bound = kernels.bind(w, q8=True)
-        elif (dense(w) is None or w.data.numel() >= STREAM_BYTES) and kernels.available(name, K):
-            bound = kernels.bind(w, q8=False)
-        self.entries[key] = (weakref.ref(w, lambda _, key=key: self.entries.pop(key, None)), w.data, bound)
-        return bound
+        return self.value((w,), (dot, groups), lambda: bind(w, dot, groups))
 
     def ids(self, groups: int, M: int) -> torch.Tensor:
         """The expert (group) of each of the groups·M rows of a grouped product: [0]*M + [1]*M + ..."""
@@ -107,6 +88,23 @@ class BoundWeights:
         if ids is None:
             ids = self.group_ids[(groups, M)] = torch.arange(groups).repeat_interleave(M)
         return ids
+
+
+def bind(w: QTensor, dot: str, groups: int) -> kernels.Bound | None:
+    """`w`'s bound product under `dot` (`BoundWeights.get`), None where the kernels do not serve it."""
+    if type(w) is not QTensor or len(w.shape) != 2 or not kernels.built():
+        return None
+    (N, K), name = w.shape, w.qtype.name
+    if groups:
+        served = kernels.q8_available if dot == "q8" else kernels.available
+        if name != "F32" and N % groups == 0 and served(name, K):
+            stack = QTensor(w.qtype, (groups, N // groups, K), w.data.reshape(groups, N // groups, -1), w.name)
+            return kernels.bind(stack, q8=dot == "q8")
+    elif dot == "q8" and kernels.q8_available(name, K):
+        return kernels.bind(w, q8=True)
+    elif (dense(w) is None or w.data.numel() >= STREAM_BYTES) and kernels.available(name, K):
+        return kernels.bind(w, q8=False)
+    return None
 
 
 BOUND = BoundWeights()
