@@ -13,6 +13,7 @@ import torch
 from ops.quants import QTensor
 
 from . import kernels
+from .scratch import SCRATCH
 
 _bound: ctypes.CDLL | None = None
 
@@ -36,18 +37,20 @@ def _lib() -> ctypes.CDLL:
         k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
         k.glue_products.restype = k.glue_route.restype = k.glue_moe_rows.restype = ctypes.c_int
-        k.glue_moe_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ctypes.c_float, ptr, i64, i64, ptr,
-                                    ctypes.c_int]
+        k.glue_moe_rows.argtypes = [ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, ctypes.c_int, ctypes.c_float,
+                                    ptr, i64, i64, ptr, ctypes.c_int]
         k.glue_route.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
         k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
         k.glue_hc_pre_norm.restype = k.glue_qmatmul_norm_rope.restype = ctypes.c_int
         k.glue_hc_pre_norm.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
                                        ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
-        k.glue_qmatmul_norm_rope.argtypes = [ptr, ctypes.c_int, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr]
+        k.glue_qmatmul_norm_rope.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, ctypes.c_float, ptr, ptr,
+                                             i64, ptr]
         k.glue_attention_output.restype = k.glue_compressor_store.restype = ctypes.c_int
         k.glue_attention_output.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64,
                                             ptr, ptr, ptr, ctypes.c_int]
-        k.glue_compressor_store.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ptr]
+        k.glue_compressor_store.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64,
+                                            ptr, ptr]
         k.glue_hc_post_pre_norm.restype = ctypes.c_int
         k.glue_hc_post_pre_norm.argtypes = [ptr, ctypes.c_int, *[ptr] * 9, i64, i64, i64, i64, ctypes.c_float,
                                             ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
@@ -172,25 +175,30 @@ class ProductArgs(ctypes.Structure):
 
 def served(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None, dot: str) -> bool:
     """Whether `products` serves rows x with the quantized weight w (2-D, or stacked [E, N, K] with `experts`)."""
-    K = w.shape[-1]
-    kernel = kernels.q8_available(w.qtype.name, K) if dot == "q8" else kernels.available(w.qtype.name, K)
-    shapes = len(w.shape) == 2 if experts is None else len(w.shape) == 3 and experts.shape == x.shape[:1]
-    return kernel and shapes and w.qtype.name != "F32" and x.shape[0] <= kernels.MAX_ROWS and x.shape[-1] == K
+    stacked = experts is not None
+    return (not stacked or experts.shape == x.shape[:1]) and serves(x.shape[0], x.shape[-1], w, stacked, dot)
 
 
-def product_args(kernel: int, rows: torch.Tensor, w: QTensor, experts: torch.Tensor | None, y: torch.Tensor,
+def serves(M: int, K: int, w: QTensor, stacked: bool, dot: str) -> bool:
+    """Whether `products` serves M rows of K values with the quantized weight w (2-D, or `stacked` [E, N, K])."""
+    name = w.qtype.name
+    kernel = kernels.q8_available(name, K) if dot == "q8" else kernels.available(name, K)
+    return kernel and len(w.shape) == 2 + stacked and name != "F32" and M <= kernels.MAX_ROWS and w.shape[-1] == K
+
+
+def product_args(kernel: int, w: QTensor, experts: torch.Tensor | None, M: int, rows: int, y: int,
                  alive: list) -> ProductArgs:
-    """One product of a `glue_products` call: the prepared `rows` (float32, or q8's rounded blocks) of y [M, N] times
-    the weight `w` (row m: expert experts[m] of a stack); the tensors whose pointers it holds are appended to
-    `alive`."""
+    """One product of a `glue_products` call: M prepared rows at address `rows` (float32, or q8's rounded blocks)
+    times the weight `w` (row m: expert experts[m] of a stack) into float32 [M, N] at address `y`; the tensors whose
+    pointers it holds are appended to `alive`."""
     data = w.data.contiguous()
     ids = None if experts is None else experts.to(torch.int64).contiguous()
-    (M, N), K = y.shape, w.shape[-1]
-    expert_bytes = 0 if ids is None else data[0].numel()
+    N, K = w.shape[-2], w.shape[-1]
+    expert_bytes = 0 if ids is None else data.numel() // data.shape[0]
     read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
-    alive += [rows, data, ids, y]
+    alive += [data, ids]
     return ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], data.data_ptr(), expert_bytes,
-                       None if ids is None else ids.data_ptr(), N, K, rows.data_ptr(), M, y.data_ptr(),
+                       None if ids is None else ids.data_ptr(), N, K, rows, M, y,
                        1 if kernels.threads() == 1 else max(1, min(N, kernels.pool_parts(read))))
 
 
@@ -214,7 +222,7 @@ def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
         if key not in prepared:
             prepared[key] = kernels.q8_quantize(f32(x), w.qtype.name) if dot == "q8" else f32(x)
         y = torch.empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
-        args[i] = product_args(kernel, prepared[key], w, experts, y, alive)
+        args[i] = product_args(kernel, w, experts, x.shape[0], prepared[key].data_ptr(), y.data_ptr(), alive)
         outs.append(y)
     if k.glue_products(args, len(calls), kernels.threads()):
         raise ValueError(f"products: unsupported call ({', '.join(w.qtype.name for _, w, _ in calls)}, dot={dot})")
@@ -289,9 +297,10 @@ class BoundExpert:
     args: ctypes.Array      # ProductArgs * 3: gate, up, down
     data: tuple[torch.Tensor, ...]      # the contiguous raw blocks `args` points into (kept alive)
     reads: tuple[int, ...]  # weight bytes a row reads of each (one expert's of a stack)
-    q8_rows: str | None     # the weight type whose rounding the rows take (`dot="q8"`), else None
+    q8_rows: int            # the rounding kind of the gate and up products' rows (`dot="q8"`), else -1
     q8_down: int            # the rounding kind of the down product's rows (`dot="q8"`), else -1
-    hq_row_bytes: int       # bytes of one rounded row of the down product's input
+    xq_row_bytes: int       # bytes of one rounded row of the gate and up products' input (`dot="q8"`), else 0
+    hq_row_bytes: int       # bytes of one rounded row of the down product's input (`dot="q8"`), else 0
 
 
 def bind_expert(gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: bool) -> BoundExpert | None:
@@ -313,22 +322,24 @@ def bind_expert(gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: boo
     args = (ProductArgs * 3)(*(ProductArgs(kernel, kernels.GGML_TYPE[t.qtype.name], d.data_ptr(),
                                            d[0].numel() if routed else 0, None, t.shape[-2], t.shape[-1], None, 0,
                                            None, 1) for t, d in zip((gate, up, down), data, strict=True)))
-    q8_down = kernels.Q8_TYPES[down.qtype.name] if dot == "q8" else -1
-    return BoundExpert(args, data, tuple(d[0].numel() if routed else d.numel() for d in data),
-                       gate.qtype.name if dot == "q8" else None, q8_down,
+    q8_rows, q8_down = (q8_kind(gate, dot), q8_kind(down, dot))
+    return BoundExpert(args, data, tuple(d[0].numel() if routed else d.numel() for d in data), q8_rows, q8_down,
+                       kernels.q8_row_bytes(q8_rows, K) if dot == "q8" else 0,
                        kernels.q8_row_bytes(q8_down, inner) if dot == "q8" else 0)
 
 
 EXPERTS = kernels.PerWeight()   # the bound expert calls, per (gate, up, down) and (dot, routed)
+FLOAT_BYTES = 4     # of a float32
 
 
 def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen: torch.Tensor | None,
              w: torch.Tensor | None, clamp: float | None, dot: str = "exact") -> torch.Tensor | None:
     """The routed experts of rows x [M, D] over their chosen experts [M, k] (stack indices, -1 = not held here) with
-    routing weights w [M, k] in one C call (glue.c's glue_moe_rows): the gate and up products of the M * k (row,
-    expert) pairs in one pool pass, the weighted swiglu, the down product, each row's experts added in order; the
-    bits of the separate calls (`products`, `swiglu`, the down product's kernel call, `sum_rows`). `chosen` None:
-    the shared expert's 2-D weights, no routing weight. The weights' arguments are bound on first use (`EXPERTS`).
+    routing weights w [M, k] in one C call (glue.c's glue_moe_rows): each row repeated for its k experts and (q8)
+    rounded, the gate and up products of the M * k (row, expert) pairs in one pool pass, the weighted swiglu, the down
+    product, each row's experts added in order; the bits of the separate calls (`products`, `swiglu`, the down
+    product's kernel call, `sum_rows`). `chosen` None: the shared expert's 2-D weights, no routing weight. The
+    weights' arguments are bound on first use (`EXPERTS`); the temporaries are the thread's scratch (`SCRATCH`).
     None where the kernels do not serve the three weights or the pairs are more than MAX_ROWS."""
     M, k = (x.shape[0], 1) if chosen is None else chosen.shape
     if not ready() or x.dim() != 2 or x.shape[1] != gate.shape[-1] or M * k > kernels.MAX_ROWS:
@@ -338,26 +349,35 @@ def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen:
     if bound is None:
         return None
     flat = None if chosen is None else chosen.reshape(-1).to(torch.int64).contiguous()
-    xs = f32(x) if chosen is None else f32(x).repeat_interleave(k, dim=0)
-    P, inner, n = xs.shape[0], gate.shape[-2], down.shape[-2]
-    rows = xs if bound.q8_rows is None else kernels.q8_quantize(xs, bound.q8_rows)
-    h = torch.empty((P, inner), dtype=torch.float32)
-    hq = torch.empty(P * bound.hq_row_bytes, dtype=torch.uint8)
-    ys = (torch.empty((P, inner), dtype=torch.float32), torch.empty((P, inner), dtype=torch.float32),
-          torch.empty((P, n), dtype=torch.float32))
-    threads, experts = kernels.threads(), None if flat is None else flat.data_ptr()
-    for arg, src, y, read in zip(bound.args, (rows, rows, hq if bound.q8_down >= 0 else h), ys, bound.reads,
-                                 strict=True):
-        arg.x, arg.M, arg.y, arg.experts = src.data_ptr(), P, y.data_ptr(), experts
-        arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if flat is not None
-                                                                                 else read)))
+    x = f32(x)
+    P, K, inner, n = M * k, x.shape[1], gate.shape[-2], down.shape[-2]
     weights = None if w is None else f32(w.reshape(-1))
     out = torch.empty((M, n), dtype=torch.float32)
-    if _lib().glue_moe_rows(bound.args, bound.q8_down, hq.data_ptr(), None if weights is None else weights.data_ptr(),
-                            clamp is not None, 0.0 if clamp is None else clamp, h.data_ptr(), M, k, out.data_ptr(),
-                            threads):
+    threads, experts = kernels.threads(), None if flat is None else flat.data_ptr()
+    f = FLOAT_BYTES * P
+    with SCRATCH(f * K if k > 1 else 0, P * bound.xq_row_bytes, f * inner, P * bound.hq_row_bytes, f * inner, f * inner,
+                 f * n) as (xs, xq, h, hq, *ys):
+        src = xs if k > 1 else x.data_ptr()
+        for arg, rows, y, read in zip(bound.args, (src, src, h) if dot != "q8" else (xq, xq, hq), ys, bound.reads,
+                                      strict=True):
+            arg.x, arg.M, arg.y, arg.experts = rows, P, y, experts
+            arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if routed else read)))
+        rc = _lib().glue_moe_rows(bound.args, x.data_ptr(), src, bound.q8_rows, bound.q8_down, hq,
+                                  None if weights is None else weights.data_ptr(), clamp is not None,
+                                  0.0 if clamp is None else clamp, h, M, k, out.data_ptr(), threads)
+    if rc:
         raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
     return out
+
+
+def q8_kind(w: QTensor, dot: str) -> int:
+    """The rounding kind of the rows of a product with weight `w` under q8 (qdot8.c's q8_quantize), else -1."""
+    return kernels.Q8_TYPES[w.qtype.name] if dot == "q8" else -1
+
+
+def q8_bytes(kind: int, M: int, K: int) -> int:
+    """Bytes of M rows of K values rounded as activation `kind` (0 for -1: exact rows are not rounded)."""
+    return 0 if kind < 0 else M * kernels.q8_row_bytes(kind, K)
 
 
 def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, norm: torch.Tensor,
@@ -366,28 +386,28 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
     """ops.hc_pre_norm's sequence as the cpu backend runs it op by op (rms_norm, the product, hc_pre, rms_norm), in
     one C call (glue.c's glue_hc_pre_norm) and with its bits; None where `products` would not serve the product.
     `after` = (y, post, comb): hc_post(X, y, post, comb) first, in the same call (glue_hc_post_pre_norm), and its
-    state returned first (ops.hc_post_pre_norm)."""
-    X, scale, base, norm = f32(X), f32(scale), f32(base), f32(norm)
+    state returned first (ops.hc_post_pre_norm). The flat state, its rounding and the mixes are the thread's
+    scratch."""
     M, S, D = X.shape
-    flat = torch.empty((M, S * D), dtype=torch.float32)
-    if not ready() or not served(flat, fn, None, dot):
+    if not ready() or not serves(M, S * D, fn, False, dot):
         return None
-    kind, rows = q8_rows(flat, fn, dot)
+    X, scale, base, norm = f32(X), f32(scale), f32(base), f32(norm)
+    kind = q8_kind(fn, dot)
     alive: list = []
-    mixes = torch.empty((M, fn.shape[0]), dtype=torch.float32)
-    args = product_args(kernels.row_kernel(dot == "q8"), rows, fn, None, mixes, alive)
     x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
-    tail = (scale.data_ptr(), base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
-            post.data_ptr(), comb.data_ptr(), kernels.threads())
-    if after is None:
-        rc = _lib().glue_hc_pre_norm(ctypes.byref(args), kind, X.data_ptr(), flat.data_ptr(), *tail)
-        out = (x, post, comb)
-    else:
-        y, post_in, comb_in = (f32(t) for t in after)
-        Xn = torch.empty_like(X)
-        rc = _lib().glue_hc_post_pre_norm(ctypes.byref(args), kind, X.data_ptr(), y.data_ptr(), post_in.data_ptr(),
-                                          comb_in.data_ptr(), Xn.data_ptr(), flat.data_ptr(), *tail)
-        out = (Xn, x, post, comb)
+    with SCRATCH(FLOAT_BYTES * M * S * D, q8_bytes(kind, M, S * D), FLOAT_BYTES * M * fn.shape[0]) as (flat, xq, mixes):
+        args = product_args(kernels.row_kernel(dot == "q8"), fn, None, M, flat if kind < 0 else xq, mixes, alive)
+        tail = (scale.data_ptr(), base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
+                post.data_ptr(), comb.data_ptr(), kernels.threads())
+        if after is None:
+            rc = _lib().glue_hc_pre_norm(ctypes.byref(args), kind, X.data_ptr(), flat, *tail)
+            out = (x, post, comb)
+        else:
+            y, post_in, comb_in = (f32(t) for t in after)
+            Xn = torch.empty_like(X)
+            rc = _lib().glue_hc_post_pre_norm(ctypes.byref(args), kind, X.data_ptr(), y.data_ptr(), post_in.data_ptr(),
+                                              comb_in.data_ptr(), Xn.data_ptr(), flat, *tail)
+            out = (Xn, x, post, comb)
     if rc == -2:
         raise MemoryError(f"hc_pre_norm: no memory for the gates of {M} rows")
     if rc:
@@ -398,59 +418,66 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
 def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, eps: float, width: int,
                       cos_sin: tuple[torch.Tensor, torch.Tensor] | None, dot: str = "exact") -> torch.Tensor | None:
     """ops.qmatmul_norm_rope's sequence as the cpu backend runs it op by op (the product, rms_norm per group of
-    `width`, the rotation by `cos_sin` [M, P] each), in one C call (glue.c's glue_qmatmul_norm_rope) and with its
-    bits; None where `products` would not serve the product."""
+    `width`, the rotation by `cos_sin` [M, P] each), in one C call (glue.c's glue_qmatmul_norm_rope, which also rounds
+    the rows under q8) and with its bits; None where `products` would not serve the product."""
     if not ready() or not served(x, w, None, dot):
         return None
     x = f32(x)
-    rows = kernels.q8_quantize(x, w.qtype.name) if dot == "q8" else x
-    M, N = x.shape[0], w.shape[0]
-    alive: list = []
-    y, out = torch.empty((M, N), dtype=torch.float32), torch.empty((M, N), dtype=torch.float32)
-    args = product_args(kernels.row_kernel(dot == "q8"), rows, w, None, y, alive)
+    (M, K), N, kind = x.shape, w.shape[0], q8_kind(w, dot)
+    out = torch.empty((M, N), dtype=torch.float32)
     w_norm = None if norm is None else f32(norm)
     cos, sin = (None, None) if cos_sin is None else (f32(cos_sin[0]), f32(cos_sin[1]))
     angles = (None, None, 0) if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
     norm_ptr = None if w_norm is None else w_norm.data_ptr()
-    lib = _lib()
-    if lib.glue_qmatmul_norm_rope(ctypes.byref(args), kernels.threads(), norm_ptr, width, eps, *angles, out.data_ptr()):
+    alive: list = []
+    with SCRATCH(FLOAT_BYTES * M * N, q8_bytes(kind, M, K)) as (y, xq):
+        args = product_args(kernels.row_kernel(dot == "q8"), w, None, M, x.data_ptr() if kind < 0 else xq, y, alive)
+        rc = _lib().glue_qmatmul_norm_rope(ctypes.byref(args), kind, x.data_ptr(), kernels.threads(), norm_ptr, width,
+                                           eps, *angles, out.data_ptr())
+    if rc:
         raise ValueError(f"qmatmul_norm_rope: unsupported call ({w.qtype.name}, dot={dot})")
     return out
 
 
-def q8_rows(x: torch.Tensor, w: QTensor, dot: str) -> tuple[int, torch.Tensor]:
-    """The activation kind of weight `w` under q8 (-1 exact) and the buffer its rounded rows x [M, K] go to (x itself
-    when exact), for a C call that rounds them."""
-    if dot != "q8":
-        return -1, x
-    kind = kernels.Q8_TYPES[w.qtype.name]
-    return kind, torch.empty(x.shape[0] * kernels.q8_row_bytes(kind, x.shape[1]), dtype=torch.uint8)
+GROUP_IDS: dict[tuple[int, int], torch.Tensor] = {}     # (groups, M) -> each grouped row's group (read only)
+
+
+def group_ids(groups: int, M: int) -> torch.Tensor:
+    """[0]*M + [1]*M + ... + [groups-1]*M as int64, made once per (groups, M) (M <= MAX_ROWS, so few)."""
+    ids = GROUP_IDS.get((groups, M))
+    if ids is None:
+        ids = GROUP_IDS[groups, M] = torch.arange(groups).repeat_interleave(M)
+    return ids
 
 
 def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], wa: QTensor, wb: QTensor,
                      groups: int, dot: str = "exact") -> torch.Tensor | None:
     """ops.attention_output's sequence as the cpu backend runs it op by op (the inverse rotation by `cos_sin`, the
     grouped product over the groups as a stack of experts, the output product), in one C call (glue.c's
-    glue_attention_output) and with its bits; None where `products` would not serve both products as that."""
-    o = f32(o)
+    glue_attention_output) and with its bits; None where `products` would not serve both products as that. The
+    rotated, regrouped and rounded rows and the grouped product's output are the thread's scratch."""
     M, H, hd = o.shape
     K, n = H * hd // groups, wa.shape[0] // groups
-    stack = QTensor(wa.qtype, (groups, n, K), wa.data.reshape(groups, n, -1), wa.name)
-    experts = torch.arange(groups).repeat_interleave(M)
-    xs, u = torch.empty((groups * M, K), dtype=torch.float32), torch.empty((M, groups * n), dtype=torch.float32)
-    if not ready() or not served(xs, stack, experts, dot) or not served(u, wb, None, dot):
+    if M * groups > kernels.MAX_ROWS or not ready():
         return None
-    (kind_a, rows_a), (kind_b, rows_b) = q8_rows(xs, stack, dot), q8_rows(u, wb, dot)
-    alive: list = []
-    y, out = torch.empty((groups * M, n), dtype=torch.float32), torch.empty((M, wb.shape[0]), dtype=torch.float32)
-    kernel = kernels.row_kernel(dot == "q8")
-    args = (ProductArgs * 2)(product_args(kernel, rows_a, stack, experts, y, alive),
-                             product_args(kernel, rows_b, wb, None, out, alive))
+    stack = QTensor(wa.qtype, (groups, n, K), wa.data.reshape(groups, n, -1), wa.name)
+    if not serves(groups * M, K, stack, True, dot) or not serves(M, groups * n, wb, False, dot):
+        return None
+    o = f32(o)
+    kind_a, kind_b = q8_kind(stack, dot), q8_kind(wb, dot)
+    out = torch.empty((M, wb.shape[0]), dtype=torch.float32)
     cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
-    rot = torch.empty_like(o)
-    if _lib().glue_attention_output(args, kind_a, kind_b, o.data_ptr(), M, H, hd, cos.data_ptr(), sin.data_ptr(),
-                                    cos.shape[-1], groups, rot.data_ptr(), xs.data_ptr(), u.data_ptr(),
-                                    kernels.threads()):
+    kernel = kernels.row_kernel(dot == "q8")
+    alive: list = []
+    f = FLOAT_BYTES * groups * M
+    with SCRATCH(FLOAT_BYTES * o.numel(), f * K, f * n, f * n, q8_bytes(kind_a, groups * M, K),
+                 q8_bytes(kind_b, M, groups * n)) as (rot, xs, u, y, xq, uq):
+        args = (ProductArgs * 2)(product_args(kernel, stack, group_ids(groups, M), groups * M,
+                                              xs if kind_a < 0 else xq, y, alive),
+                                 product_args(kernel, wb, None, M, u if kind_b < 0 else uq, out.data_ptr(), alive))
+        rc = _lib().glue_attention_output(args, kind_a, kind_b, o.data_ptr(), M, H, hd, cos.data_ptr(), sin.data_ptr(),
+                                          cos.shape[-1], groups, rot, xs, u, kernels.threads())
+    if rc:
         raise ValueError(f"attention_output: unsupported call ({wa.qtype.name}, {wb.qtype.name}, dot={dot})")
     return out
 
@@ -459,26 +486,35 @@ def compressor_store(x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torch.Ten
                      slots: torch.Tensor, kv_ring: torch.Tensor, score_ring: torch.Tensor,
                      dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor] | None:
     """ops.compressor_store's sequence as the cpu backend runs it op by op (both products, the position bias added,
-    the two ring writes), in one C call (glue.c's glue_compressor_store, the products in one pool pass) and with its
-    bits; None where `products` would not serve both products or the rings are not contiguous float32."""
+    the two ring writes), in one C call (glue.c's glue_compressor_store, the rows rounded once per rounding kind under
+    q8, the products in one pool pass) and with its bits; None where `products` would not serve both products or the
+    rings are not contiguous float32."""
     rings = (kv_ring, score_ring)
     if not ready() or not all(served(x, w, None, dot) for w in (kv, gate)) or kv.shape != gate.shape \
             or any(r.dtype != torch.float32 or not r.is_contiguous() or r.shape[1:] != kv.shape[:1] for r in rings):
         return None
     x, ape = f32(x), f32(ape)
-    rows = {kind: kernels.q8_quantize(x, w.qtype.name) if dot == "q8" else x
-            for kind, w in ((kernels.Q8_TYPES.get(w.qtype.name), w) for w in (gate, kv))}
-    alive: list = []
-    ys = [torch.empty((x.shape[0], kv.shape[0]), dtype=torch.float32) for _ in rings]
-    kernel = kernels.row_kernel(dot == "q8")
-    args = (ProductArgs * 2)(*(product_args(kernel, rows[kernels.Q8_TYPES.get(w.qtype.name)], w, None, y, alive)
-                               for w, y in zip((kv, gate), ys, strict=True)))
     ids, at = ape_rows.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
     if ids.shape != (x.shape[0],) or at.shape != ids.shape or ape.shape[1:] != kv.shape[:1]:
         raise ValueError(f"compressor_store: ape {tuple(ape.shape)}, ape_rows {tuple(ape_rows.shape)}, slots "
                          f"{tuple(slots.shape)} for {x.shape[0]} rows of {kv.shape[0]} values")
-    if _lib().glue_compressor_store(args, kernels.threads(), ape.data_ptr(), ape.shape[0], ids.data_ptr(),
-                                    at.data_ptr(), kv_ring.shape[0], kv_ring.data_ptr(), score_ring.data_ptr()):
+    (M, K), c = x.shape, kv.shape[0]
+    kind_kv, kind_gate = q8_kind(kv, dot), q8_kind(gate, dot)
+    shared = kind_gate == kind_kv       # one rounding for both products
+    kernel = kernels.row_kernel(dot == "q8")
+    alive: list = []
+    with SCRATCH(FLOAT_BYTES * M * c, FLOAT_BYTES * M * c, q8_bytes(kind_kv, M, K),
+                 0 if shared else q8_bytes(kind_gate, M, K)) as (y_kv, y_gate, xq_kv, xq_gate):
+        rows_kv = x.data_ptr() if kind_kv < 0 else xq_kv
+        rows_gate = rows_kv if shared else xq_gate
+        args = (ProductArgs * 2)(product_args(kernel, kv, None, M, rows_kv, y_kv, alive),
+                                 product_args(kernel, gate, None, M, rows_gate, y_gate, alive))
+        rc = _lib().glue_compressor_store(args, kind_kv, kind_gate, x.data_ptr(), kernels.threads(), ape.data_ptr(),
+                                          ape.shape[0], ids.data_ptr(), at.data_ptr(), kv_ring.shape[0],
+                                          kv_ring.data_ptr(), score_ring.data_ptr())
+    if rc == 1:
         raise ValueError(f"compressor_store: a slot outside the rings' {kv_ring.shape[0]} rows or an ape row outside "
                          f"its {ape.shape[0]}")
+    if rc:
+        raise ValueError(f"compressor_store: unsupported call ({kv.qtype.name}, {gate.qtype.name}, dot={dot})")
     return kv_ring, score_ring
