@@ -375,9 +375,46 @@ def q8_kind(w: QTensor, dot: str) -> int:
     return kernels.Q8_TYPES[w.qtype.name] if dot == "q8" else -1
 
 
-def q8_bytes(kind: int, M: int, K: int) -> int:
-    """Bytes of M rows of K values rounded as activation `kind` (0 for -1: exact rows are not rounded)."""
-    return 0 if kind < 0 else M * kernels.q8_row_bytes(kind, K)
+@dataclass
+class BoundProducts:
+    """The products of a fused op's weights bound to glue_products' arguments once (kernel, type, weight pointer,
+    sizes): a call fills in only its rows, outputs and row count (`rows`)."""
+
+    args: ctypes.Array      # ProductArgs * n
+    data: tuple[torch.Tensor, ...]      # the contiguous raw blocks `args` points into (kept alive)
+    kinds: tuple[int, ...]  # each product's rounding kind of its rows (`dot="q8"`), else -1
+    row_bytes: tuple[int, ...]  # bytes of one rounded row of each product's input (`dot="q8"`), else 0
+    reads: tuple[int, ...]  # weight bytes of each product (of a stack: one expert's, read once per row)
+    stacked: tuple[bool, ...]
+
+    def rows(self, counts: tuple[int, ...], rows: tuple[int, ...], outs: tuple[int, ...]) -> None:
+        """Product i takes counts[i] rows at address rows[i] into outs[i]; on several threads each is cut into
+        `kernels.pool_parts` of the weight bytes it reads (as `product_args`)."""
+        threads = kernels.threads()
+        for arg, M, x, y, read, stacked in zip(self.args, counts, rows, outs, self.reads, self.stacked, strict=True):
+            arg.x, arg.M, arg.y = x, M, y
+            arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * M if stacked else read)))
+
+
+def bind_products(weights: tuple[QTensor, ...], stacked: tuple[bool, ...], dot: str) -> BoundProducts | None:
+    """`weights`' products (2-D, or stacked [E, N, K] experts) bound once, or None where `products` would not serve one
+    of them."""
+    if not all(serves(1, w.shape[-1], w, s, dot) for w, s in zip(weights, stacked, strict=True)):
+        return None
+    kernel = kernels.row_kernel(dot == "q8")
+    data = tuple(w.data.contiguous() for w in weights)
+    per_row = tuple(d.numel() // d.shape[0] if s else 0 for d, s in zip(data, stacked, strict=True))
+    args = (ProductArgs * len(weights))(*(ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], d.data_ptr(), e, None,
+                                                      w.shape[-2], w.shape[-1], None, 0, None, 1)
+                                          for w, d, e in zip(weights, data, per_row, strict=True)))
+    kinds = tuple(q8_kind(w, dot) for w in weights)
+    return BoundProducts(args, data, kinds,
+                         tuple(kernels.q8_row_bytes(k, w.shape[-1]) if k >= 0 else 0 for k, w in zip(kinds, weights,
+                                                                                                     strict=True)),
+                         tuple(e or d.numel() for d, e in zip(data, per_row, strict=True)), stacked)
+
+
+FUSED = kernels.PerWeight()     # the fused ops' bound products, per weights and (op, dot, ...)
 
 
 def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, norm: torch.Tensor,
@@ -386,26 +423,28 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
     """ops.hc_pre_norm's sequence as the cpu backend runs it op by op (rms_norm, the product, hc_pre, rms_norm), in
     one C call (glue.c's glue_hc_pre_norm) and with its bits; None where `products` would not serve the product.
     `after` = (y, post, comb): hc_post(X, y, post, comb) first, in the same call (glue_hc_post_pre_norm), and its
-    state returned first (ops.hc_post_pre_norm). The flat state, its rounding and the mixes are the thread's
-    scratch."""
+    state returned first (ops.hc_post_pre_norm). The product is bound once (`FUSED`); the flat state, its rounding
+    and the mixes are the thread's scratch."""
     M, S, D = X.shape
-    if not ready() or not serves(M, S * D, fn, False, dot):
+    if not ready() or M > kernels.MAX_ROWS or fn.shape[-1] != S * D:
+        return None
+    bound = FUSED.value((fn,), ("hc_pre_norm", dot), lambda: bind_products((fn,), (False,), dot))
+    if bound is None:
         return None
     X, scale, base, norm = f32(X), f32(scale), f32(base), f32(norm)
-    kind = q8_kind(fn, dot)
-    alive: list = []
+    kind = bound.kinds[0]
     x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
-    with SCRATCH(FLOAT_BYTES * M * S * D, q8_bytes(kind, M, S * D), FLOAT_BYTES * M * fn.shape[0]) as (flat, xq, mixes):
-        args = product_args(kernels.row_kernel(dot == "q8"), fn, None, M, flat if kind < 0 else xq, mixes, alive)
+    with SCRATCH(FLOAT_BYTES * M * S * D, M * bound.row_bytes[0], FLOAT_BYTES * M * fn.shape[0]) as (flat, xq, mixes):
+        bound.rows((M,), (flat if kind < 0 else xq,), (mixes,))
         tail = (scale.data_ptr(), base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
                 post.data_ptr(), comb.data_ptr(), kernels.threads())
         if after is None:
-            rc = _lib().glue_hc_pre_norm(ctypes.byref(args), kind, X.data_ptr(), flat, *tail)
+            rc = _lib().glue_hc_pre_norm(bound.args, kind, X.data_ptr(), flat, *tail)
             out = (x, post, comb)
         else:
             y, post_in, comb_in = (f32(t) for t in after)
             Xn = torch.empty_like(X)
-            rc = _lib().glue_hc_post_pre_norm(ctypes.byref(args), kind, X.data_ptr(), y.data_ptr(), post_in.data_ptr(),
+            rc = _lib().glue_hc_post_pre_norm(bound.args, kind, X.data_ptr(), y.data_ptr(), post_in.data_ptr(),
                                               comb_in.data_ptr(), Xn.data_ptr(), flat, *tail)
             out = (Xn, x, post, comb)
     if rc == -2:
@@ -419,21 +458,24 @@ def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, ep
                       cos_sin: tuple[torch.Tensor, torch.Tensor] | None, dot: str = "exact") -> torch.Tensor | None:
     """ops.qmatmul_norm_rope's sequence as the cpu backend runs it op by op (the product, rms_norm per group of
     `width`, the rotation by `cos_sin` [M, P] each), in one C call (glue.c's glue_qmatmul_norm_rope, which also rounds
-    the rows under q8) and with its bits; None where `products` would not serve the product."""
-    if not ready() or not served(x, w, None, dot):
+    the rows under q8) and with its bits; None where `products` would not serve the product. The product is bound
+    once (`FUSED`); its output and rounded rows are the thread's scratch."""
+    if not ready() or x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS or x.shape[1] != w.shape[-1]:
+        return None
+    bound = FUSED.value((w,), ("qmatmul_norm_rope", dot), lambda: bind_products((w,), (False,), dot))
+    if bound is None:
         return None
     x = f32(x)
-    (M, K), N, kind = x.shape, w.shape[0], q8_kind(w, dot)
+    M, N, kind = x.shape[0], w.shape[0], bound.kinds[0]
     out = torch.empty((M, N), dtype=torch.float32)
     w_norm = None if norm is None else f32(norm)
     cos, sin = (None, None) if cos_sin is None else (f32(cos_sin[0]), f32(cos_sin[1]))
     angles = (None, None, 0) if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
-    norm_ptr = None if w_norm is None else w_norm.data_ptr()
-    alive: list = []
-    with SCRATCH(FLOAT_BYTES * M * N, q8_bytes(kind, M, K)) as (y, xq):
-        args = product_args(kernels.row_kernel(dot == "q8"), w, None, M, x.data_ptr() if kind < 0 else xq, y, alive)
-        rc = _lib().glue_qmatmul_norm_rope(ctypes.byref(args), kind, x.data_ptr(), kernels.threads(), norm_ptr, width,
-                                           eps, *angles, out.data_ptr())
+    with SCRATCH(FLOAT_BYTES * M * N, M * bound.row_bytes[0]) as (y, xq):
+        bound.rows((M,), (x.data_ptr() if kind < 0 else xq,), (y,))
+        rc = _lib().glue_qmatmul_norm_rope(bound.args, kind, x.data_ptr(), kernels.threads(),
+                                           None if w_norm is None else w_norm.data_ptr(), width, eps, *angles,
+                                           out.data_ptr())
     if rc:
         raise ValueError(f"qmatmul_norm_rope: unsupported call ({w.qtype.name}, dot={dot})")
     return out
@@ -450,33 +492,38 @@ def group_ids(groups: int, M: int) -> torch.Tensor:
     return ids
 
 
+def bind_output(wa: QTensor, wb: QTensor, groups: int, dot: str) -> BoundProducts | None:
+    """attention_output's two products bound: the groups of `wa` as a stack of experts, then `wb`."""
+    n, K = wa.shape[0] // groups, wa.shape[1]
+    stack = QTensor(wa.qtype, (groups, n, K), wa.data.reshape(groups, n, -1), wa.name)
+    return bind_products((stack, wb), (True, False), dot)
+
+
 def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], wa: QTensor, wb: QTensor,
                      groups: int, dot: str = "exact") -> torch.Tensor | None:
     """ops.attention_output's sequence as the cpu backend runs it op by op (the inverse rotation by `cos_sin`, the
     grouped product over the groups as a stack of experts, the output product), in one C call (glue.c's
     glue_attention_output) and with its bits; None where `products` would not serve both products as that. The
-    rotated, regrouped and rounded rows and the grouped product's output are the thread's scratch."""
+    products are bound once (`FUSED`); the rotated, regrouped and rounded rows and the grouped product's output are
+    the thread's scratch."""
     M, H, hd = o.shape
     K, n = H * hd // groups, wa.shape[0] // groups
-    if M * groups > kernels.MAX_ROWS or not ready():
+    if M * groups > kernels.MAX_ROWS or not ready() or wa.shape[1] != K or wb.shape[-1] != groups * n:
         return None
-    stack = QTensor(wa.qtype, (groups, n, K), wa.data.reshape(groups, n, -1), wa.name)
-    if not serves(groups * M, K, stack, True, dot) or not serves(M, groups * n, wb, False, dot):
+    bound = FUSED.value((wa, wb), ("attention_output", groups, dot), lambda: bind_output(wa, wb, groups, dot))
+    if bound is None:
         return None
     o = f32(o)
-    kind_a, kind_b = q8_kind(stack, dot), q8_kind(wb, dot)
+    (kind_a, kind_b), (bytes_a, bytes_b) = bound.kinds, bound.row_bytes
     out = torch.empty((M, wb.shape[0]), dtype=torch.float32)
     cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
-    kernel = kernels.row_kernel(dot == "q8")
-    alive: list = []
     f = FLOAT_BYTES * groups * M
-    with SCRATCH(FLOAT_BYTES * o.numel(), f * K, f * n, f * n, q8_bytes(kind_a, groups * M, K),
-                 q8_bytes(kind_b, M, groups * n)) as (rot, xs, u, y, xq, uq):
-        args = (ProductArgs * 2)(product_args(kernel, stack, group_ids(groups, M), groups * M,
-                                              xs if kind_a < 0 else xq, y, alive),
-                                 product_args(kernel, wb, None, M, u if kind_b < 0 else uq, out.data_ptr(), alive))
-        rc = _lib().glue_attention_output(args, kind_a, kind_b, o.data_ptr(), M, H, hd, cos.data_ptr(), sin.data_ptr(),
-                                          cos.shape[-1], groups, rot, xs, u, kernels.threads())
+    with SCRATCH(FLOAT_BYTES * o.numel(), f * K, f * n, f * n, groups * M * bytes_a, M * bytes_b) as (rot, xs, u, y,
+                                                                                                     xq, uq):
+        bound.rows((groups * M, M), (xs if kind_a < 0 else xq, u if kind_b < 0 else uq), (y, out.data_ptr()))
+        bound.args[0].experts = group_ids(groups, M).data_ptr()
+        rc = _lib().glue_attention_output(bound.args, kind_a, kind_b, o.data_ptr(), M, H, hd, cos.data_ptr(),
+                                          sin.data_ptr(), cos.shape[-1], groups, rot, xs, u, kernels.threads())
     if rc:
         raise ValueError(f"attention_output: unsupported call ({wa.qtype.name}, {wb.qtype.name}, dot={dot})")
     return out
@@ -488,30 +535,31 @@ def compressor_store(x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torch.Ten
     """ops.compressor_store's sequence as the cpu backend runs it op by op (both products, the position bias added,
     the two ring writes), in one C call (glue.c's glue_compressor_store, the rows rounded once per rounding kind under
     q8, the products in one pool pass) and with its bits; None where `products` would not serve both products or the
-    rings are not contiguous float32."""
+    rings are not contiguous float32. The products are bound once (`FUSED`); their outputs and rounded rows are the
+    thread's scratch."""
     rings = (kv_ring, score_ring)
-    if not ready() or not all(served(x, w, None, dot) for w in (kv, gate)) or kv.shape != gate.shape \
+    if not ready() or x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS or kv.shape != gate.shape \
+            or x.shape[1] != kv.shape[-1] \
             or any(r.dtype != torch.float32 or not r.is_contiguous() or r.shape[1:] != kv.shape[:1] for r in rings):
+        return None
+    bound = FUSED.value((kv, gate), ("compressor_store", dot), lambda: bind_products((kv, gate), (False, False), dot))
+    if bound is None:
         return None
     x, ape = f32(x), f32(ape)
     ids, at = ape_rows.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
     if ids.shape != (x.shape[0],) or at.shape != ids.shape or ape.shape[1:] != kv.shape[:1]:
         raise ValueError(f"compressor_store: ape {tuple(ape.shape)}, ape_rows {tuple(ape_rows.shape)}, slots "
                          f"{tuple(slots.shape)} for {x.shape[0]} rows of {kv.shape[0]} values")
-    (M, K), c = x.shape, kv.shape[0]
-    kind_kv, kind_gate = q8_kind(kv, dot), q8_kind(gate, dot)
+    M, c = x.shape[0], kv.shape[0]
+    (kind_kv, kind_gate), (bytes_kv, bytes_gate) = bound.kinds, bound.row_bytes
     shared = kind_gate == kind_kv       # one rounding for both products
-    kernel = kernels.row_kernel(dot == "q8")
-    alive: list = []
-    with SCRATCH(FLOAT_BYTES * M * c, FLOAT_BYTES * M * c, q8_bytes(kind_kv, M, K),
-                 0 if shared else q8_bytes(kind_gate, M, K)) as (y_kv, y_gate, xq_kv, xq_gate):
+    with SCRATCH(FLOAT_BYTES * M * c, FLOAT_BYTES * M * c, M * bytes_kv,
+                 0 if shared else M * bytes_gate) as (y_kv, y_gate, xq_kv, xq_gate):
         rows_kv = x.data_ptr() if kind_kv < 0 else xq_kv
-        rows_gate = rows_kv if shared else xq_gate
-        args = (ProductArgs * 2)(product_args(kernel, kv, None, M, rows_kv, y_kv, alive),
-                                 product_args(kernel, gate, None, M, rows_gate, y_gate, alive))
-        rc = _lib().glue_compressor_store(args, kind_kv, kind_gate, x.data_ptr(), kernels.threads(), ape.data_ptr(),
-                                          ape.shape[0], ids.data_ptr(), at.data_ptr(), kv_ring.shape[0],
-                                          kv_ring.data_ptr(), score_ring.data_ptr())
+        bound.rows((M, M), (rows_kv, rows_kv if shared else xq_gate), (y_kv, y_gate))
+        rc = _lib().glue_compressor_store(bound.args, kind_kv, kind_gate, x.data_ptr(), kernels.threads(),
+                                          ape.data_ptr(), ape.shape[0], ids.data_ptr(), at.data_ptr(),
+                                          kv_ring.shape[0], kv_ring.data_ptr(), score_ring.data_ptr())
     if rc == 1:
         raise ValueError(f"compressor_store: a slot outside the rings' {kv_ring.shape[0]} rows or an ape row outside "
                          f"its {ape.shape[0]}")
