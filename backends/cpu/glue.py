@@ -6,6 +6,8 @@ step (Inductor fuses the torch ops instead); the callers then take their torch p
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +53,7 @@ def _lib() -> ctypes.CDLL:
                                             ptr, ptr, ptr, ctypes.c_int]
         k.glue_compressor_store.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64,
                                             ptr, ptr]
+        k.attention_rows = ctypes.cast(k.glue_attention_rows, ctypes.c_void_p)
         k.glue_hc_post_pre_norm.restype = ctypes.c_int
         k.glue_hc_post_pre_norm.argtypes = [ptr, ctypes.c_int, *[ptr] * 9, i64, i64, i64, i64, ctypes.c_float,
                                             ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
@@ -131,7 +134,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, listed: torch.Tensor, sinks: to
     pairs = M * H
     parts = min(pairs, kernels.CHUNKS_PER_THREAD * kernels.threads()) if 2 * pairs * L * D >= ATTENTION_SPLIT else 1
     k = _lib()
-    rc = k.pool_rows(ctypes.cast(k.glue_attention_rows, ctypes.c_void_p), 0, ctypes.addressof(args), 0, None, 0, 0,
+    rc = k.pool_rows(k.attention_rows, 0, ctypes.addressof(args), 0, None, 0, 0,
                      None, M, out.data_ptr(), pairs, parts, kernels.threads())
     if rc:
         raise MemoryError(f"sparse_attention: no memory for the scores of {L} rows")
@@ -328,7 +331,7 @@ def bind_expert(gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: boo
                        kernels.q8_row_bytes(q8_down, inner) if dot == "q8" else 0)
 
 
-EXPERTS = kernels.PerWeight()   # the bound expert calls, per (gate, up, down) and (dot, routed)
+EXPERTS = kernels.PerWeight()   # the bound expert calls, per (gate, up, down) and (dot, routed, thread)
 FLOAT_BYTES = 4     # of a float32
 
 
@@ -345,7 +348,8 @@ def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen:
     if not ready() or x.dim() != 2 or x.shape[1] != gate.shape[-1] or M * k > kernels.MAX_ROWS:
         return None
     routed = chosen is not None
-    bound = EXPERTS.value((gate, up, down), (dot, routed), lambda: bind_expert(gate, up, down, dot, routed))
+    bound = EXPERTS.value((gate, up, down), (dot, routed, threading.get_ident()),
+                          lambda: bind_expert(gate, up, down, dot, routed))
     if bound is None:
         return None
     flat = None if chosen is None else chosen.reshape(-1).to(torch.int64).contiguous()
@@ -378,7 +382,8 @@ def q8_kind(w: QTensor, dot: str) -> int:
 @dataclass
 class BoundProducts:
     """The products of a fused op's weights bound to glue_products' arguments once (kernel, type, weight pointer,
-    sizes): a call fills in only its rows, outputs and row count (`rows`)."""
+    sizes): a call fills in only its rows, outputs and row count (`rows`). One per thread (`FUSED`'s key), since a
+    call writes into it."""
 
     args: ctypes.Array      # ProductArgs * n
     data: tuple[torch.Tensor, ...]      # the contiguous raw blocks `args` points into (kept alive)
@@ -414,7 +419,13 @@ def bind_products(weights: tuple[QTensor, ...], stacked: tuple[bool, ...], dot: 
                          tuple(e or d.numel() for d, e in zip(data, per_row, strict=True)), stacked)
 
 
-FUSED = kernels.PerWeight()     # the fused ops' bound products, per weights and (op, dot, ...)
+FUSED = kernels.PerWeight()     # the fused ops' bound products, per weights and (op, dot, ..., thread)
+
+
+def fused_binding(weights: tuple[QTensor, ...], key: tuple, make: Callable[[], BoundProducts | None]) -> \
+        BoundProducts | None:
+    """The calling thread's bound products of a fused op's `weights` under `key` (made by `make()` once)."""
+    return FUSED.value(weights, (*key, threading.get_ident()), make)
 
 
 def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, norm: torch.Tensor,
@@ -428,7 +439,7 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
     M, S, D = X.shape
     if not ready() or M > kernels.MAX_ROWS or fn.shape[-1] != S * D:
         return None
-    bound = FUSED.value((fn,), ("hc_pre_norm", dot), lambda: bind_products((fn,), (False,), dot))
+    bound = fused_binding((fn,), ("hc_pre_norm", dot), lambda: bind_products((fn,), (False,), dot))
     if bound is None:
         return None
     X, scale, base, norm = f32(X), f32(scale), f32(base), f32(norm)
@@ -462,7 +473,7 @@ def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, ep
     once (`FUSED`); its output and rounded rows are the thread's scratch."""
     if not ready() or x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS or x.shape[1] != w.shape[-1]:
         return None
-    bound = FUSED.value((w,), ("qmatmul_norm_rope", dot), lambda: bind_products((w,), (False,), dot))
+    bound = fused_binding((w,), ("qmatmul_norm_rope", dot), lambda: bind_products((w,), (False,), dot))
     if bound is None:
         return None
     x = f32(x)
@@ -510,7 +521,7 @@ def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
     K, n = H * hd // groups, wa.shape[0] // groups
     if M * groups > kernels.MAX_ROWS or not ready() or wa.shape[1] != K or wb.shape[-1] != groups * n:
         return None
-    bound = FUSED.value((wa, wb), ("attention_output", groups, dot), lambda: bind_output(wa, wb, groups, dot))
+    bound = fused_binding((wa, wb), ("attention_output", groups, dot), lambda: bind_output(wa, wb, groups, dot))
     if bound is None:
         return None
     o = f32(o)
@@ -542,7 +553,7 @@ def compressor_store(x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torch.Ten
             or x.shape[1] != kv.shape[-1] \
             or any(r.dtype != torch.float32 or not r.is_contiguous() or r.shape[1:] != kv.shape[:1] for r in rings):
         return None
-    bound = FUSED.value((kv, gate), ("compressor_store", dot), lambda: bind_products((kv, gate), (False, False), dot))
+    bound = fused_binding((kv, gate), ("compressor_store", dot), lambda: bind_products((kv, gate), (False, False), dot))
     if bound is None:
         return None
     x, ape = f32(x), f32(ape)
