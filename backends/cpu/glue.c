@@ -448,25 +448,47 @@ int glue_route(const float *p, int64_t M, int64_t E, const float *bias, const in
 
 int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out);     /* qdot8.c */
 
+/* glue_route's arguments for glue_moe_rows (the routing of the rows before their experts). */
+typedef struct {
+    const float *p;             /* router scores [M, E] */
+    int64_t E;
+    const float *bias;          /* [E] or NULL */
+    const int64_t *table;       /* [table_rows, k] or NULL */
+    int64_t table_rows;
+    const int64_t *ids;         /* [M] */
+    int64_t normalize;
+    float scale;
+} route_t;
+
 /* The routed experts of M rows x [M, K] over k (row, expert) pairs each (p: the gate, up and down products of the
- * M * k pairs): x's rows each repeated k times into xs (xs == x: taken as they are), under q8 (q8_rows >= 0) rounded by
- * qdot8.c into the rows p[0].x (= p[1].x), the gate and up products in one pool pass, h = glue_swiglu(g, u, clamp, w),
- * under q8 (q8_kind >= 0) h rounded into hq, the down product (its rows h or hq), and out [M, D] each row's k results
- * added in order (glue_sum_rows): the bits of those calls made one by one. */
-int glue_moe_rows(const product_t *p, const float *x, float *xs, int q8_rows, int q8_kind, void *hq, const float *w,
-                  int has_clamp, float clamp, float *h, int64_t M, int64_t k, float *out, int threads) {
-    int64_t K = p[0].K;
+ * M * k pairs, their experts `chosen` [M, k] with routing weights w [M, k]; with `route`, both written first by
+ * glue_route): x's rows each repeated k times into xs (xs == x: taken as they are), under q8 (q8_rows >= 0) rounded
+ * by qdot8.c into the rows p[0].x (= p[1].x), the gate and up products in one pool pass, h = glue_swiglu(g, u, clamp,
+ * w), under q8 (q8_kind >= 0) h rounded into hq, the down product (its rows h or hq), and out [M, D] each row's k
+ * results added in order (glue_sum_rows): the bits of those calls made one by one. Returns 1 where the routing finds
+ * a token id outside its table. */
+int glue_moe_rows(const product_t *p, const route_t *route, int64_t *chosen, float *w, const float *x, float *xs,
+                  int q8_rows, int q8_kind, void *hq, int has_clamp, float clamp, float *h, int64_t M, int64_t k,
+                  float *out, int threads) {
+    product_t q[3];
+    memcpy(q, p, sizeof q);
+    if (route) {
+        if (glue_route(route->p, M, route->E, route->bias, route->table, route->table_rows, route->ids, k,
+                       (int)route->normalize, route->scale, chosen, w)) return 1;
+        for (int i = 0; i < 3; i++) q[i].experts = chosen;
+    }
+    int64_t K = q[0].K;
     if (xs != x)
         for (int64_t m = 0; m < M; m++)
             for (int64_t j = 0; j < k; j++) memcpy(xs + (m * k + j) * K, x + m * K, (size_t)K * sizeof(float));
-    if (q8_rows >= 0 && q8_quantize(q8_rows, xs, p[0].M, K, (void *)p[0].x)) return -1;
-    int rc = glue_products(p, 2, threads);
+    if (q8_rows >= 0 && q8_quantize(q8_rows, xs, q[0].M, K, (void *)q[0].x)) return -1;
+    int rc = glue_products(q, 2, threads);
     if (rc) return rc;
-    glue_swiglu(p[0].y, p[1].y, w, p[0].M, p[0].N, has_clamp, clamp, h);
-    if (q8_kind >= 0 && q8_quantize(q8_kind, h, p[2].M, p[2].K, hq)) return -1;
-    rc = glue_products(p + 2, 1, threads);
+    glue_swiglu(q[0].y, q[1].y, w, q[0].M, q[0].N, has_clamp, clamp, h);
+    if (q8_kind >= 0 && q8_quantize(q8_kind, h, q[2].M, q[2].K, hq)) return -1;
+    rc = glue_products(q + 2, 1, threads);
     if (rc) return rc;
-    glue_sum_rows(p[2].y, M, k, p[2].N, out);
+    glue_sum_rows(q[2].y, M, k, q[2].N, out);
     return 0;
 }
 

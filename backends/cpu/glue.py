@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ops.moe import Experts
 from ops.quants import QTensor
 
 from . import kernels
@@ -39,8 +40,8 @@ def _lib() -> ctypes.CDLL:
         k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
         k.glue_products.restype = k.glue_route.restype = k.glue_moe_rows.restype = ctypes.c_int
-        k.glue_moe_rows.argtypes = [ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, ctypes.c_int, ctypes.c_float,
-                                    ptr, i64, i64, ptr, ctypes.c_int]
+        k.glue_moe_rows.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int,
+                                    ctypes.c_float, ptr, i64, i64, ptr, ctypes.c_int]
         k.glue_route.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
         k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
         k.glue_hc_pre_norm.restype = k.glue_qmatmul_norm_rope.restype = ctypes.c_int
@@ -335,40 +336,82 @@ EXPERTS = kernels.PerWeight()   # the bound expert calls, per (gate, up, down) a
 FLOAT_BYTES = 4     # of a float32
 
 
+class RouteArgs(ctypes.Structure):
+    """glue.c's route_t: glue_route's arguments for a glue_moe_rows call that routes its rows first."""
+
+    _fields_ = [("p", ctypes.c_void_p), ("E", ctypes.c_int64), ("bias", ctypes.c_void_p), ("table", ctypes.c_void_p),
+                ("table_rows", ctypes.c_int64), ("ids", ctypes.c_void_p), ("normalize", ctypes.c_int64),
+                ("scale", ctypes.c_float)]
+
+
 def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen: torch.Tensor | None,
              w: torch.Tensor | None, clamp: float | None, dot: str = "exact") -> torch.Tensor | None:
     """The routed experts of rows x [M, D] over their chosen experts [M, k] (stack indices, -1 = not held here) with
     routing weights w [M, k] in one C call (glue.c's glue_moe_rows): each row repeated for its k experts and (q8)
     rounded, the gate and up products of the M * k (row, expert) pairs in one pool pass, the weighted swiglu, the down
     product, each row's experts added in order; the bits of the separate calls (`products`, `swiglu`, the down
-    product's kernel call, `sum_rows`). `chosen` None: the shared expert's 2-D weights, no routing weight. The
-    weights' arguments are bound on first use (`EXPERTS`); the temporaries are the thread's scratch (`SCRATCH`).
-    None where the kernels do not serve the three weights or the pairs are more than MAX_ROWS."""
+    product's kernel call, `sum_rows`). `chosen` None: the shared expert's 2-D weights, no routing weight. None where
+    the kernels do not serve the three weights or the pairs are more than MAX_ROWS."""
     M, k = (x.shape[0], 1) if chosen is None else chosen.shape
+    flat = None if chosen is None else chosen.reshape(-1).to(torch.int64).contiguous()
+    weights = None if w is None else f32(w.reshape(-1))
+    return expert_rows(x, (gate, up, down), M, k, clamp, dot, flat, weights)
+
+
+def route_moe_rows(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Experts,
+                   dot: str = "exact") -> torch.Tensor | None:
+    """`route`, then `moe_rows` over the experts it chose, in one C call (the routing's ids and weights in the thread's
+    scratch): the bits of the two calls. None where either would not serve the call, or the stacks do not hold every
+    expert (expert parallelism)."""
+    table = ex.tid2eid
+    k = ex.top_k if table is None else table.shape[1]
+    M, E = p.shape
+    if k > ROUTE_MAX_K or not ex.holds_all() or not ready():
+        return None
+    p, b = f32(p), None if ex.bias is None else f32(ex.bias)
+    t = None if table is None else table.to(torch.int64).contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    if ids.shape != (M,) or (b is not None and b.shape != (E,)) or k > E:
+        raise ValueError(f"moe: scores {tuple(p.shape)}, ids {tuple(ids.shape)}, top_k {k}, bias "
+                         f"{None if b is None else tuple(b.shape)}")
+    route = RouteArgs(p.data_ptr(), E, None if b is None else b.data_ptr(), None if t is None else t.data_ptr(),
+                      0 if t is None else t.shape[0], ids.data_ptr(), int(ex.normalize), ex.route_scale)
+    return expert_rows(x, (ex.gate, ex.up, ex.down), M, k, ex.clamp, dot, route=route)
+
+
+def expert_rows(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M: int, k: int, clamp: float | None,
+                dot: str, chosen: torch.Tensor | None = None, w: torch.Tensor | None = None,
+                route: RouteArgs | None = None) -> torch.Tensor | None:
+    """glue_moe_rows on rows x [M, D], k experts a row: chosen [M * k] and w [M * k] given (contiguous int64 and
+    float32), or written by the call's routing (`route`), or neither (the shared expert's 2-D weights). The weights'
+    arguments are bound on first use (`EXPERTS`); the temporaries are the thread's scratch (`SCRATCH`)."""
+    gate, up, down = weights
     if not ready() or x.dim() != 2 or x.shape[1] != gate.shape[-1] or M * k > kernels.MAX_ROWS:
         return None
-    routed = chosen is not None
-    bound = EXPERTS.value((gate, up, down), (dot, routed, threading.get_ident()),
-                          lambda: bind_expert(gate, up, down, dot, routed))
+    routed = chosen is not None or route is not None
+    bound = EXPERTS.value(weights, (dot, routed, threading.get_ident()), lambda: bind_expert(*weights, dot, routed))
     if bound is None:
         return None
-    flat = None if chosen is None else chosen.reshape(-1).to(torch.int64).contiguous()
     x = f32(x)
     P, K, inner, n = M * k, x.shape[1], gate.shape[-2], down.shape[-2]
-    weights = None if w is None else f32(w.reshape(-1))
     out = torch.empty((M, n), dtype=torch.float32)
-    threads, experts = kernels.threads(), None if flat is None else flat.data_ptr()
+    threads = kernels.threads()
     f = FLOAT_BYTES * P
-    with SCRATCH(f * K if k > 1 else 0, P * bound.xq_row_bytes, f * inner, P * bound.hq_row_bytes, f * inner, f * inner,
-                 f * n) as (xs, xq, h, hq, *ys):
+    with SCRATCH(8 * P if route else 0, f if route else 0, f * K if k > 1 else 0, P * bound.xq_row_bytes, f * inner,
+                 P * bound.hq_row_bytes, f * inner, f * inner, f * n) as (picked, picked_w, xs, xq, h, hq, *ys):
         src = xs if k > 1 else x.data_ptr()
+        experts = picked if route else None if chosen is None else chosen.data_ptr()
         for arg, rows, y, read in zip(bound.args, (src, src, h) if dot != "q8" else (xq, xq, hq), ys, bound.reads,
                                       strict=True):
             arg.x, arg.M, arg.y, arg.experts = rows, P, y, experts
             arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if routed else read)))
-        rc = _lib().glue_moe_rows(bound.args, x.data_ptr(), src, bound.q8_rows, bound.q8_down, hq,
-                                  None if weights is None else weights.data_ptr(), clamp is not None,
-                                  0.0 if clamp is None else clamp, h, M, k, out.data_ptr(), threads)
+        rc = _lib().glue_moe_rows(bound.args, None if route is None else ctypes.byref(route), picked,
+                                  picked_w if route else None if w is None else w.data_ptr(), x.data_ptr(), src,
+                                  bound.q8_rows, bound.q8_down, hq, clamp is not None, 0.0 if clamp is None else clamp,
+                                  h, M, k, out.data_ptr(), threads)
+    if rc == 1:
+        raise ValueError(f"moe: a token id outside the {route.table_rows}-row expert table or an expert outside "
+                         f"{route.E}")
     if rc:
         raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
     return out
