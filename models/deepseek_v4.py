@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from backends.registry import OpSet
@@ -242,7 +242,8 @@ class Plan:
     compressor: CompressorPlan | None = None
 
 
-_KEPT: weakref.WeakKeyDictionary[OpSet, dict[tuple, Array]] = weakref.WeakKeyDictionary()
+_KEPT: dict[int, dict[tuple, Array]] = {}   # per OpSet, by id (a plain dict: a decode step asks ~10 times); dropped
+                                            # with the OpSet
 KEPT_ARRAYS = 4096   # plan arrays kept per OpSet; all dropped when full
 SMALL_ROWS = 16      # forwards of up to this many rows (decode, verify) slice their ring arrays from kept ones
 
@@ -250,9 +251,10 @@ SMALL_ROWS = 16      # forwards of up to this many rows (decode, verify) slice t
 def kept_array(ops: OpSet, key: tuple, values: Callable[[], list], dtype: str = "int64") -> Array:
     """`ops.array(values(), dtype)`, made once per OpSet and `key` and handed out again after: the plan's index arrays
     that depend on the ring slots rather than on the absolute position (nothing writes into a plan's arrays)."""
-    arrays = _KEPT.get(ops)
+    arrays = _KEPT.get(id(ops))
     if arrays is None:
-        arrays = _KEPT[ops] = {}
+        arrays = _KEPT[id(ops)] = {}
+        weakref.finalize(ops, _KEPT.pop, id(ops), None)
     array = arrays.get(key)
     if array is None:
         if len(arrays) >= KEPT_ARRAYS:
@@ -331,9 +333,9 @@ def plan_positions(ops: OpSet, start: int, M: int, window: int, cache: LayerCach
     if ratio != 4:
         comp = kept_array(ops, ("comp", cache.raw_cap, width, visible),
                           lambda: [[cache.raw_cap + c if c < v else -1 for c in range(width)] for v in visible])
-    return replace(plan, visible=(width,) * M if fixed else visible,
-                   visible_rows=kept_array(ops, ("visible", visible), lambda: list(visible)), comp_rows=comp,
-                   compressor=plan_compressor(ops, pos, ratio, cache.comp_cap, capacity if fixed else None))
+    return Plan(plan.pos, plan.raw_slots, plan.raw_rows, plan.n_raw, (width,) * M if fixed else visible,
+                kept_array(ops, ("visible", visible), lambda: list(visible)), comp,
+                plan_compressor(ops, pos, ratio, cache.comp_cap, capacity if fixed else None))
 
 
 def logit_index(ops: OpSet, rows: Sequence[int] | None) -> Array | None:
