@@ -446,8 +446,11 @@ class DeepseekV4:
         ops = self.ops
         x = self.embed(token_ids)[:, None, :]
         X = ops.cat([x] * self.args.hc_mult, dim=1)
+        pending = None      # a block's FFN output, post and comb: its HC post runs in the next block's first op
         for L, cache in zip(self.layers, caches, strict=False):
-            X = self.block(L, X, token_ids, plans[L.ratio], cache)
+            X, pending = self.open_block(L, X, token_ids, plans[L.ratio], cache, pending)
+        if pending is not None:
+            X = ops.hc_post(X, *pending)
         logits = None if logit_rows is None else self.logits(X[logit_rows], self.head)
         return X, logits
 
@@ -475,14 +478,28 @@ class DeepseekV4:
     def block(self, L: Block, X: Array, ids: Array, plan: Plan, cache: LayerCache) -> Array:
         """One decoder block: attention then FFN, each wrapped in HC pre/post (the attention's post and the FFN's pre
         in one op)."""
+        X, pending = self.open_block(L, X, ids, plan, cache)
+        return self.ops.hc_post(X, *pending)
+
+    def open_block(self, L: Block, X: Array, ids: Array, plan: Plan, cache: LayerCache,
+                   before: tuple[Array, Array, Array] | None = None) -> tuple[Array, tuple[Array, Array, Array]]:
+        """`block` up to its FFN's HC post: the state after the attention's HC post and the FFN's (output, post,
+        comb), whose hc_post the caller runs (`run`: in the next block's first op). `before`: the previous block's
+        pending (output, post, comb), applied in the same op as this block's HC pre step (ops.hc_post_pre_norm, the
+        bits of hc_post then hc_pre_norm)."""
         a, hc = self.args, L.hc_ffn
-        x, post, comb = self.hc_pre(X, L.hc_attn, L.attn_norm)
+        if before is None:
+            x, post, comb = self.hc_pre(X, L.hc_attn, L.attn_norm)
+        else:
+            h = L.hc_attn
+            X, x, post, comb = self.ops.hc_post_pre_norm(X, *before, h.fn, h.scale, h.base, L.attn_norm,
+                                                         a.hc_sinkhorn_iters, a.hc_eps, a.rms_eps)
         X, x, post, comb = self.ops.hc_post_pre_norm(X, self.attention(L, x, plan, cache), post, comb, hc.fn, hc.scale,
                                                      hc.base, L.ffn_norm, a.hc_sinkhorn_iters, a.hc_eps, a.rms_eps)
         routed, shared = self.ops.moe(x, ids, L.experts), self.ops.shared_expert(x, *L.shared, L.shared_clamp)
         # the ranks' routed experts summed (ep), with their shared expert rows too (tp)
         ffn = self.tp_sum(routed + shared) if self.tensor_parallel else self.ops.all_reduce(routed) + shared
-        return self.ops.hc_post(X, ffn, post, comb)
+        return X, (ffn, post, comb)
 
     def hc_pre(self, X: Array, hc: HyperConnection, norm: Array) -> tuple[Array, Array, Array]:
         """HC pre step of a sub-layer, returning the normed sub-layer input, post and comb."""
