@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from backends.registry import OpSet
@@ -242,7 +242,8 @@ class Plan:
     compressor: CompressorPlan | None = None
 
 
-_KEPT: weakref.WeakKeyDictionary[OpSet, dict[tuple, Array]] = weakref.WeakKeyDictionary()
+_KEPT: dict[int, dict[tuple, Array]] = {}   # per OpSet, by id (a plain dict: a decode step asks ~10 times); dropped
+                                            # with the OpSet
 KEPT_ARRAYS = 4096   # plan arrays kept per OpSet; all dropped when full
 SMALL_ROWS = 16      # forwards of up to this many rows (decode, verify) slice their ring arrays from kept ones
 
@@ -250,9 +251,10 @@ SMALL_ROWS = 16      # forwards of up to this many rows (decode, verify) slice t
 def kept_array(ops: OpSet, key: tuple, values: Callable[[], list], dtype: str = "int64") -> Array:
     """`ops.array(values(), dtype)`, made once per OpSet and `key` and handed out again after: the plan's index arrays
     that depend on the ring slots rather than on the absolute position (nothing writes into a plan's arrays)."""
-    arrays = _KEPT.get(ops)
+    arrays = _KEPT.get(id(ops))
     if arrays is None:
-        arrays = _KEPT[ops] = {}
+        arrays = _KEPT[id(ops)] = {}
+        weakref.finalize(ops, _KEPT.pop, id(ops), None)
     array = arrays.get(key)
     if array is None:
         if len(arrays) >= KEPT_ARRAYS:
@@ -331,9 +333,9 @@ def plan_positions(ops: OpSet, start: int, M: int, window: int, cache: LayerCach
     if ratio != 4:
         comp = kept_array(ops, ("comp", cache.raw_cap, width, visible),
                           lambda: [[cache.raw_cap + c if c < v else -1 for c in range(width)] for v in visible])
-    return replace(plan, visible=(width,) * M if fixed else visible,
-                   visible_rows=kept_array(ops, ("visible", visible), lambda: list(visible)), comp_rows=comp,
-                   compressor=plan_compressor(ops, pos, ratio, cache.comp_cap, capacity if fixed else None))
+    return Plan(plan.pos, plan.raw_slots, plan.raw_rows, plan.n_raw, (width,) * M if fixed else visible,
+                kept_array(ops, ("visible", visible), lambda: list(visible)), comp,
+                plan_compressor(ops, pos, ratio, cache.comp_cap, capacity if fixed else None))
 
 
 def logit_index(ops: OpSet, rows: Sequence[int] | None) -> Array | None:
@@ -444,8 +446,11 @@ class DeepseekV4:
         ops = self.ops
         x = self.embed(token_ids)[:, None, :]
         X = ops.cat([x] * self.args.hc_mult, dim=1)
+        pending = None      # a block's FFN output, post and comb: its HC post runs in the next block's first op
         for L, cache in zip(self.layers, caches, strict=False):
-            X = self.block(L, X, token_ids, plans[L.ratio], cache)
+            X, pending = self.open_block(L, X, token_ids, plans[L.ratio], cache, pending)
+        if pending is not None:
+            X = ops.hc_post(X, *pending)
         logits = None if logit_rows is None else self.logits(X[logit_rows], self.head)
         return X, logits
 
@@ -473,14 +478,28 @@ class DeepseekV4:
     def block(self, L: Block, X: Array, ids: Array, plan: Plan, cache: LayerCache) -> Array:
         """One decoder block: attention then FFN, each wrapped in HC pre/post (the attention's post and the FFN's pre
         in one op)."""
+        X, pending = self.open_block(L, X, ids, plan, cache)
+        return self.ops.hc_post(X, *pending)
+
+    def open_block(self, L: Block, X: Array, ids: Array, plan: Plan, cache: LayerCache,
+                   before: tuple[Array, Array, Array] | None = None) -> tuple[Array, tuple[Array, Array, Array]]:
+        """`block` up to its FFN's HC post: the state after the attention's HC post and the FFN's (output, post,
+        comb), whose hc_post the caller runs (`run`: in the next block's first op). `before`: the previous block's
+        pending (output, post, comb), applied in the same op as this block's HC pre step (ops.hc_post_pre_norm, the
+        bits of hc_post then hc_pre_norm)."""
         a, hc = self.args, L.hc_ffn
-        x, post, comb = self.hc_pre(X, L.hc_attn, L.attn_norm)
+        if before is None:
+            x, post, comb = self.hc_pre(X, L.hc_attn, L.attn_norm)
+        else:
+            h = L.hc_attn
+            X, x, post, comb = self.ops.hc_post_pre_norm(X, *before, h.fn, h.scale, h.base, L.attn_norm,
+                                                         a.hc_sinkhorn_iters, a.hc_eps, a.rms_eps)
         X, x, post, comb = self.ops.hc_post_pre_norm(X, self.attention(L, x, plan, cache), post, comb, hc.fn, hc.scale,
                                                      hc.base, L.ffn_norm, a.hc_sinkhorn_iters, a.hc_eps, a.rms_eps)
         routed, shared = self.ops.moe(x, ids, L.experts), self.ops.shared_expert(x, *L.shared, L.shared_clamp)
         # the ranks' routed experts summed (ep), with their shared expert rows too (tp)
         ffn = self.tp_sum(routed + shared) if self.tensor_parallel else self.ops.all_reduce(routed) + shared
-        return self.ops.hc_post(X, ffn, post, comb)
+        return X, (ffn, post, comb)
 
     def hc_pre(self, X: Array, hc: HyperConnection, norm: Array) -> tuple[Array, Array, Array]:
         """HC pre step of a sub-layer, returning the normed sub-layer input, post and comb."""

@@ -243,7 +243,8 @@ def test_moe_rows_is_the_separate_calls(qtype, dot, threads, monkeypatch):
         assert (fused is None) == (M * 3 > kernels.MAX_ROWS)
         with monkeypatch.context() as m:
             m.setattr(glue, "moe_rows", lambda *a, **k: None)
-            m.setattr(ffn, "route", lambda *a, routed=(chosen, w), **k: routed)
+            m.setattr(glue, "route_moe_rows", lambda *a, **k: None)
+            m.setattr(ffn, "route_scores", lambda *a, routed=(chosen, w), **k: routed)
             separate = cpu("moe")(x, ids, ex, dot)
         assert fused is None or torch.equal(fused, separate)
     shared = [QTensor.quantize(torch.randn(*shape, generator=g) * 0.1, qtype) for shape in ((n, D), (n, D), (D, n))]
@@ -255,6 +256,34 @@ def test_moe_rows_is_the_separate_calls(qtype, dot, threads, monkeypatch):
             m.setattr(glue, "moe_rows", lambda *a, **k: None)
             separate = cpu("shared_expert")(x, *shared, clamp, dot)
         assert fused is None or torch.equal(fused, separate)
+
+
+@pytest.mark.parametrize("qtype,dot", (("Q4_K", "q8"), ("Q2_K", "exact")))
+def test_route_moe_rows_is_route_then_moe_rows(qtype, dot, threads):
+    """glue.route_moe_rows (a decode's routing and its experts in one C call, what the cpu moe op runs) gives the bits
+    of ffn.route then glue.moe_rows: bias routing and hash routing, M = 1..5; a token id outside the hash table is a
+    ValueError, and a rank holding part of the experts, or more than MAX_ROWS pairs, gives None."""
+    from ops.moe import Experts
+    g, E, n, D = gen(13), 8, 256, 256
+    stack = [QTensor.quantize(torch.randn(E, *shape, generator=g) * 0.1, qtype) for shape in ((n, D), (n, D), (D, n))]
+    router = QTensor.quantize(torch.randn(E, D, generator=g) * 0.1, "F16")
+    table = torch.randint(0, E, (50, 3), generator=g)
+    for bias, tid2eid in ((torch.randn(E, generator=g) * 0.1, None), (None, table)):
+        ex = Experts(router, bias, tid2eid, *stack, 3, 1.5, tid2eid is None, 0.7)
+        for M in (1, 2, 5):
+            x, ids = torch.randn(M, D, generator=g), torch.randint(0, 50, (M,), generator=g)
+            fused = glue.route_moe_rows(x, ffn.router_scores(x, ex, dot), ids, ex, dot)
+            chosen, w = ffn.route(x, ids, ex, dot)
+            separate = glue.moe_rows(x, *stack, chosen, w, ex.clamp, dot)
+            assert (fused is None) == (separate is None) == (M * 3 > kernels.MAX_ROWS)
+            assert fused is None or torch.equal(fused, separate)
+            assert fused is None or torch.equal(cpu("moe")(x, ids, ex, dot), fused)
+    x = torch.randn(1, D, generator=g)
+    with pytest.raises(ValueError, match="outside the 50-row expert table"):
+        glue.route_moe_rows(x, ffn.router_scores(x, ex, dot), torch.tensor([50]), ex, dot)
+    part = Experts(router, None, table, *(QTensor(t.qtype, (4, *t.shape[1:]), t.data[2:6]) for t in stack), 3, 1.5,
+                   False, 0.7, first=2)
+    assert glue.route_moe_rows(x, ffn.router_scores(x, part, dot), torch.tensor([1]), part, dot) is None
 
 
 def test_moe_rows_binding_follows_the_weights():

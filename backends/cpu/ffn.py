@@ -66,7 +66,16 @@ def gate_and_up(xs: torch.Tensor, ex: Experts, chosen: torch.Tensor, dot: str = 
 def route(x: torch.Tensor, ids: torch.Tensor, ex: Experts, dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
     """Chosen experts [M, top_k] in increasing id order and their routing weights [M, top_k]; with the kernel library
     the selection, weights and order are one C call (`glue.route`, the bits of `select`)."""
-    p = rowwise(lambda v: torch.sqrt(F.softplus(v)), qmatmul(x, ex.router, dot))
+    return route_scores(router_scores(x, ex, dot), ids, ex)
+
+
+def router_scores(x: torch.Tensor, ex: Experts, dot: str = "exact") -> torch.Tensor:
+    """sqrt(softplus(router · x)) [M, E] (ops.moe's scores)."""
+    return rowwise(lambda v: torch.sqrt(F.softplus(v)), qmatmul(x, ex.router, dot))
+
+
+def route_scores(p: torch.Tensor, ids: torch.Tensor, ex: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` from the router's scores p [M, E]."""
     routed = glue.route(p, ids, ex.bias, ex.tid2eid, ex.top_k, ex.normalize, ex.route_scale) if glue.ready() else None
     if routed is not None:
         return routed
@@ -77,10 +86,16 @@ def route(x: torch.Tensor, ids: torch.Tensor, ex: Experts, dot: str = "exact") -
 
 @register("moe", "cpu", batch_invariant=True)
 def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts, dot: str = "exact") -> torch.Tensor:
-    """Routed-expert output of each row of `x` (shared expert not included); `dot`: as in qmatmul."""
+    """Routed-expert output of each row of `x` (shared expert not included); `dot`: as in qmatmul. A decode's rows are
+    routed and run through their experts in one C call where the kernels serve it (`glue.route_moe_rows`)."""
     M, D = x.shape
     x = x.to(torch.float32)
-    chosen, w = route(x, ids, experts, dot)
+    p = router_scores(x, experts, dot)
+    if M <= SMALL_M:
+        fused = glue.route_moe_rows(x, p, ids, experts, dot)
+        if fused is not None:     # decode: route, then the calls below, in one C call: the same bits
+            return fused
+    chosen, w = route_scores(p, ids, experts)
     if M > SMALL_M:
         return grouped(x, chosen, w, experts, dot)
     chosen, w = owned_pairs(chosen, w, experts, missing=-1)   # expert parallelism: the kernel skips the others

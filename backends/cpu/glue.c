@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include <stdint.h>
 
 #define LANES 16
@@ -447,19 +448,47 @@ int glue_route(const float *p, int64_t M, int64_t E, const float *bias, const in
 
 int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out);     /* qdot8.c */
 
-/* The routed experts of M rows over k (row, expert) pairs each (p: the gate, up and down products of the M * k
- * pairs; the down product's rows are h, or hq where q8_kind >= 0): the gate and up products in one pool pass,
- * h = glue_swiglu(g, u, clamp, w), under q8 h rounded by qdot8.c into hq, the down product, and out [M, D] each row's
- * k results added in order (glue_sum_rows): the bits of those calls made one by one. */
-int glue_moe_rows(const product_t *p, int q8_kind, void *hq, const float *w, int has_clamp, float clamp, float *h,
-                  int64_t M, int64_t k, float *out, int threads) {
-    int rc = glue_products(p, 2, threads);
+/* glue_route's arguments for glue_moe_rows (the routing of the rows before their experts). */
+typedef struct {
+    const float *p;             /* router scores [M, E] */
+    int64_t E;
+    const float *bias;          /* [E] or NULL */
+    const int64_t *table;       /* [table_rows, k] or NULL */
+    int64_t table_rows;
+    const int64_t *ids;         /* [M] */
+    int64_t normalize;
+    float scale;
+} route_t;
+
+/* The routed experts of M rows x [M, K] over k (row, expert) pairs each (p: the gate, up and down products of the
+ * M * k pairs, their experts `chosen` [M, k] with routing weights w [M, k]; with `route`, both written first by
+ * glue_route): x's rows each repeated k times into xs (xs == x: taken as they are), under q8 (q8_rows >= 0) rounded
+ * by qdot8.c into the rows p[0].x (= p[1].x), the gate and up products in one pool pass, h = glue_swiglu(g, u, clamp,
+ * w), under q8 (q8_kind >= 0) h rounded into hq, the down product (its rows h or hq), and out [M, D] each row's k
+ * results added in order (glue_sum_rows): the bits of those calls made one by one. Returns 1 where the routing finds
+ * a token id outside its table. */
+int glue_moe_rows(const product_t *p, const route_t *route, int64_t *chosen, float *w, const float *x, float *xs,
+                  int q8_rows, int q8_kind, void *hq, int has_clamp, float clamp, float *h, int64_t M, int64_t k,
+                  float *out, int threads) {
+    product_t q[3];
+    memcpy(q, p, sizeof q);
+    if (route) {
+        if (glue_route(route->p, M, route->E, route->bias, route->table, route->table_rows, route->ids, k,
+                       (int)route->normalize, route->scale, chosen, w)) return 1;
+        for (int i = 0; i < 3; i++) q[i].experts = chosen;
+    }
+    int64_t K = q[0].K;
+    if (xs != x)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < k; j++) memcpy(xs + (m * k + j) * K, x + m * K, (size_t)K * sizeof(float));
+    if (q8_rows >= 0 && q8_quantize(q8_rows, xs, q[0].M, K, (void *)q[0].x)) return -1;
+    int rc = glue_products(q, 2, threads);
     if (rc) return rc;
-    glue_swiglu(p[0].y, p[1].y, w, p[0].M, p[0].N, has_clamp, clamp, h);
-    if (q8_kind >= 0 && q8_quantize(q8_kind, h, p[2].M, p[2].K, hq)) return -1;
-    rc = glue_products(p + 2, 1, threads);
+    glue_swiglu(q[0].y, q[1].y, w, q[0].M, q[0].N, has_clamp, clamp, h);
+    if (q8_kind >= 0 && q8_quantize(q8_kind, h, q[2].M, q[2].K, hq)) return -1;
+    rc = glue_products(q + 2, 1, threads);
     if (rc) return rc;
-    glue_sum_rows(p[2].y, M, k, p[2].N, out);
+    glue_sum_rows(q[2].y, M, k, q[2].N, out);
     return 0;
 }
 
@@ -481,10 +510,12 @@ int glue_hc_pre_norm(const product_t *p, int q8_kind, const float *X, float *fla
     return 0;
 }
 
-/* qmatmul_norm_rope: the product p (y [M, N]), each group of `width` outputs normed into out (by norm when not NULL),
- * then, when cos_ is not NULL, each group's tail rotated in place by cos/sin [M, P]. */
-int glue_qmatmul_norm_rope(const product_t *p, int threads, const float *norm, int64_t width, float eps,
-                           const float *cos_, const float *sin_, int64_t P, float *out) {
+/* qmatmul_norm_rope: under q8 (q8_kind >= 0) the rows x [M, K] rounded by qdot8.c into the product's rows p->x, the
+ * product p (y [M, N]), each group of `width` outputs normed into out (by norm when not NULL), then, when cos_ is not
+ * NULL, each group's tail rotated in place by cos/sin [M, P]. */
+int glue_qmatmul_norm_rope(const product_t *p, int q8_kind, const float *x, int threads, const float *norm,
+                           int64_t width, float eps, const float *cos_, const float *sin_, int64_t P, float *out) {
+    if (q8_kind >= 0 && q8_quantize(q8_kind, x, p->M, p->K, (void *)p->x)) return -1;
     int rc = glue_products(p, 1, threads);
     if (rc) return rc;
     glue_rms_norm(p->y, p->M * (p->N / width), width, norm, eps, out);
@@ -514,14 +545,19 @@ int glue_attention_output(const product_t *p, int q8_a, int q8_b, const float *o
     return glue_products(p + 1, 1, threads);
 }
 
-/* compressor_store: the products p[0] (kv) and p[1] (gate) of the same rows in one pool pass, then kv_ring[slots[m]] =
- * p[0].y[m] and score_ring[slots[m]] = p[1].y[m] + ape[ape_rows[m]] (rings of N rows of c values, ape of ape_n
- * rows). Returns -1 (nothing written) when a slot is outside [0, N) or an ape row outside [0, ape_n). */
-int glue_compressor_store(const product_t *p, int threads, const float *ape, int64_t ape_n, const int64_t *ape_rows,
-                          const int64_t *slots, int64_t N, float *kv_ring, float *score_ring) {
+/* compressor_store: under q8 the rows x [M, K] rounded by qdot8.c into each product's rows (q8_kv >= 0: p[0].x;
+ * q8_gate >= 0: p[1].x, unless it is p[0].x), the products p[0] (kv) and p[1] (gate) of the same rows in one pool
+ * pass, then kv_ring[slots[m]] = p[0].y[m] and score_ring[slots[m]] = p[1].y[m] + ape[ape_rows[m]] (rings of N rows
+ * of c values, ape of ape_n rows). Returns 1 (nothing written) when a slot is outside [0, N) or an ape row outside
+ * [0, ape_n). */
+int glue_compressor_store(const product_t *p, int q8_kv, int q8_gate, const float *x, int threads, const float *ape,
+                          int64_t ape_n, const int64_t *ape_rows, const int64_t *slots, int64_t N, float *kv_ring,
+                          float *score_ring) {
     int64_t M = p[0].M, c = p[0].N;
     for (int64_t m = 0; m < M; m++)
-        if (slots[m] < 0 || slots[m] >= N || ape_rows[m] < 0 || ape_rows[m] >= ape_n) return -1;
+        if (slots[m] < 0 || slots[m] >= N || ape_rows[m] < 0 || ape_rows[m] >= ape_n) return 1;
+    if (q8_kv >= 0 && q8_quantize(q8_kv, x, M, p[0].K, (void *)p[0].x)) return -1;
+    if (q8_gate >= 0 && p[1].x != p[0].x && q8_quantize(q8_gate, x, M, p[1].K, (void *)p[1].x)) return -1;
     int rc = glue_products(p, 2, threads);
     if (rc) return rc;
     for (int64_t m = 0; m < M; m++) {

@@ -6,13 +6,17 @@ step (Inductor fuses the torch ops instead); the callers then take their torch p
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from ops.moe import Experts
 from ops.quants import QTensor
 
 from . import kernels
+from .scratch import SCRATCH
 
 _bound: ctypes.CDLL | None = None
 
@@ -36,18 +40,21 @@ def _lib() -> ctypes.CDLL:
         k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
         k.glue_products.restype = k.glue_route.restype = k.glue_moe_rows.restype = ctypes.c_int
-        k.glue_moe_rows.argtypes = [ptr, ctypes.c_int, ptr, ptr, ctypes.c_int, ctypes.c_float, ptr, i64, i64, ptr,
-                                    ctypes.c_int]
+        k.glue_moe_rows.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int,
+                                    ctypes.c_float, ptr, i64, i64, ptr, ctypes.c_int]
         k.glue_route.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
         k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
         k.glue_hc_pre_norm.restype = k.glue_qmatmul_norm_rope.restype = ctypes.c_int
         k.glue_hc_pre_norm.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
                                        ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
-        k.glue_qmatmul_norm_rope.argtypes = [ptr, ctypes.c_int, ptr, i64, ctypes.c_float, ptr, ptr, i64, ptr]
+        k.glue_qmatmul_norm_rope.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, ctypes.c_float, ptr, ptr,
+                                             i64, ptr]
         k.glue_attention_output.restype = k.glue_compressor_store.restype = ctypes.c_int
         k.glue_attention_output.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, i64, i64, i64, ptr, ptr, i64, i64,
                                             ptr, ptr, ptr, ctypes.c_int]
-        k.glue_compressor_store.argtypes = [ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64, ptr, ptr]
+        k.glue_compressor_store.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64,
+                                            ptr, ptr]
+        k.attention_rows = ctypes.cast(k.glue_attention_rows, ctypes.c_void_p)
         k.glue_hc_post_pre_norm.restype = ctypes.c_int
         k.glue_hc_post_pre_norm.argtypes = [ptr, ctypes.c_int, *[ptr] * 9, i64, i64, i64, i64, ctypes.c_float,
                                             ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
@@ -128,7 +135,7 @@ def attention(q: torch.Tensor, kv: torch.Tensor, listed: torch.Tensor, sinks: to
     pairs = M * H
     parts = min(pairs, kernels.CHUNKS_PER_THREAD * kernels.threads()) if 2 * pairs * L * D >= ATTENTION_SPLIT else 1
     k = _lib()
-    rc = k.pool_rows(ctypes.cast(k.glue_attention_rows, ctypes.c_void_p), 0, ctypes.addressof(args), 0, None, 0, 0,
+    rc = k.pool_rows(k.attention_rows, 0, ctypes.addressof(args), 0, None, 0, 0,
                      None, M, out.data_ptr(), pairs, parts, kernels.threads())
     if rc:
         raise MemoryError(f"sparse_attention: no memory for the scores of {L} rows")
@@ -172,25 +179,30 @@ class ProductArgs(ctypes.Structure):
 
 def served(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None, dot: str) -> bool:
     """Whether `products` serves rows x with the quantized weight w (2-D, or stacked [E, N, K] with `experts`)."""
-    K = w.shape[-1]
-    kernel = kernels.q8_available(w.qtype.name, K) if dot == "q8" else kernels.available(w.qtype.name, K)
-    shapes = len(w.shape) == 2 if experts is None else len(w.shape) == 3 and experts.shape == x.shape[:1]
-    return kernel and shapes and w.qtype.name != "F32" and x.shape[0] <= kernels.MAX_ROWS and x.shape[-1] == K
+    stacked = experts is not None
+    return (not stacked or experts.shape == x.shape[:1]) and serves(x.shape[0], x.shape[-1], w, stacked, dot)
 
 
-def product_args(kernel: int, rows: torch.Tensor, w: QTensor, experts: torch.Tensor | None, y: torch.Tensor,
+def serves(M: int, K: int, w: QTensor, stacked: bool, dot: str) -> bool:
+    """Whether `products` serves M rows of K values with the quantized weight w (2-D, or `stacked` [E, N, K])."""
+    name = w.qtype.name
+    kernel = kernels.q8_available(name, K) if dot == "q8" else kernels.available(name, K)
+    return kernel and len(w.shape) == 2 + stacked and name != "F32" and M <= kernels.MAX_ROWS and w.shape[-1] == K
+
+
+def product_args(kernel: int, w: QTensor, experts: torch.Tensor | None, M: int, rows: int, y: int,
                  alive: list) -> ProductArgs:
-    """One product of a `glue_products` call: the prepared `rows` (float32, or q8's rounded blocks) of y [M, N] times
-    the weight `w` (row m: expert experts[m] of a stack); the tensors whose pointers it holds are appended to
-    `alive`."""
+    """One product of a `glue_products` call: M prepared rows at address `rows` (float32, or q8's rounded blocks)
+    times the weight `w` (row m: expert experts[m] of a stack) into float32 [M, N] at address `y`; the tensors whose
+    pointers it holds are appended to `alive`."""
     data = w.data.contiguous()
     ids = None if experts is None else experts.to(torch.int64).contiguous()
-    (M, N), K = y.shape, w.shape[-1]
-    expert_bytes = 0 if ids is None else data[0].numel()
+    N, K = w.shape[-2], w.shape[-1]
+    expert_bytes = 0 if ids is None else data.numel() // data.shape[0]
     read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
-    alive += [rows, data, ids, y]
+    alive += [data, ids]
     return ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], data.data_ptr(), expert_bytes,
-                       None if ids is None else ids.data_ptr(), N, K, rows.data_ptr(), M, y.data_ptr(),
+                       None if ids is None else ids.data_ptr(), N, K, rows, M, y,
                        1 if kernels.threads() == 1 else max(1, min(N, kernels.pool_parts(read))))
 
 
@@ -214,7 +226,7 @@ def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
         if key not in prepared:
             prepared[key] = kernels.q8_quantize(f32(x), w.qtype.name) if dot == "q8" else f32(x)
         y = torch.empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
-        args[i] = product_args(kernel, prepared[key], w, experts, y, alive)
+        args[i] = product_args(kernel, w, experts, x.shape[0], prepared[key].data_ptr(), y.data_ptr(), alive)
         outs.append(y)
     if k.glue_products(args, len(calls), kernels.threads()):
         raise ValueError(f"products: unsupported call ({', '.join(w.qtype.name for _, w, _ in calls)}, dot={dot})")
@@ -289,9 +301,10 @@ class BoundExpert:
     args: ctypes.Array      # ProductArgs * 3: gate, up, down
     data: tuple[torch.Tensor, ...]      # the contiguous raw blocks `args` points into (kept alive)
     reads: tuple[int, ...]  # weight bytes a row reads of each (one expert's of a stack)
-    q8_rows: str | None     # the weight type whose rounding the rows take (`dot="q8"`), else None
+    q8_rows: int            # the rounding kind of the gate and up products' rows (`dot="q8"`), else -1
     q8_down: int            # the rounding kind of the down product's rows (`dot="q8"`), else -1
-    hq_row_bytes: int       # bytes of one rounded row of the down product's input
+    xq_row_bytes: int       # bytes of one rounded row of the gate and up products' input (`dot="q8"`), else 0
+    hq_row_bytes: int       # bytes of one rounded row of the down product's input (`dot="q8"`), else 0
 
 
 def bind_expert(gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: bool) -> BoundExpert | None:
@@ -313,51 +326,149 @@ def bind_expert(gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: boo
     args = (ProductArgs * 3)(*(ProductArgs(kernel, kernels.GGML_TYPE[t.qtype.name], d.data_ptr(),
                                            d[0].numel() if routed else 0, None, t.shape[-2], t.shape[-1], None, 0,
                                            None, 1) for t, d in zip((gate, up, down), data, strict=True)))
-    q8_down = kernels.Q8_TYPES[down.qtype.name] if dot == "q8" else -1
-    return BoundExpert(args, data, tuple(d[0].numel() if routed else d.numel() for d in data),
-                       gate.qtype.name if dot == "q8" else None, q8_down,
+    q8_rows, q8_down = (q8_kind(gate, dot), q8_kind(down, dot))
+    return BoundExpert(args, data, tuple(d[0].numel() if routed else d.numel() for d in data), q8_rows, q8_down,
+                       kernels.q8_row_bytes(q8_rows, K) if dot == "q8" else 0,
                        kernels.q8_row_bytes(q8_down, inner) if dot == "q8" else 0)
 
 
-EXPERTS = kernels.PerWeight()   # the bound expert calls, per (gate, up, down) and (dot, routed)
+EXPERTS = kernels.PerWeight()   # the bound expert calls, per (gate, up, down) and (dot, routed, thread)
+FLOAT_BYTES = 4     # of a float32
+
+
+class RouteArgs(ctypes.Structure):
+    """glue.c's route_t: glue_route's arguments for a glue_moe_rows call that routes its rows first."""
+
+    _fields_ = [("p", ctypes.c_void_p), ("E", ctypes.c_int64), ("bias", ctypes.c_void_p), ("table", ctypes.c_void_p),
+                ("table_rows", ctypes.c_int64), ("ids", ctypes.c_void_p), ("normalize", ctypes.c_int64),
+                ("scale", ctypes.c_float)]
 
 
 def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen: torch.Tensor | None,
              w: torch.Tensor | None, clamp: float | None, dot: str = "exact") -> torch.Tensor | None:
     """The routed experts of rows x [M, D] over their chosen experts [M, k] (stack indices, -1 = not held here) with
-    routing weights w [M, k] in one C call (glue.c's glue_moe_rows): the gate and up products of the M * k (row,
-    expert) pairs in one pool pass, the weighted swiglu, the down product, each row's experts added in order; the
-    bits of the separate calls (`products`, `swiglu`, the down product's kernel call, `sum_rows`). `chosen` None:
-    the shared expert's 2-D weights, no routing weight. The weights' arguments are bound on first use (`EXPERTS`).
-    None where the kernels do not serve the three weights or the pairs are more than MAX_ROWS."""
+    routing weights w [M, k] in one C call (glue.c's glue_moe_rows): each row repeated for its k experts and (q8)
+    rounded, the gate and up products of the M * k (row, expert) pairs in one pool pass, the weighted swiglu, the down
+    product, each row's experts added in order; the bits of the separate calls (`products`, `swiglu`, the down
+    product's kernel call, `sum_rows`). `chosen` None: the shared expert's 2-D weights, no routing weight. None where
+    the kernels do not serve the three weights or the pairs are more than MAX_ROWS."""
     M, k = (x.shape[0], 1) if chosen is None else chosen.shape
+    flat = None if chosen is None else chosen.reshape(-1).to(torch.int64).contiguous()
+    weights = None if w is None else f32(w.reshape(-1))
+    return expert_rows(x, (gate, up, down), M, k, clamp, dot, flat, weights)
+
+
+def route_moe_rows(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Experts,
+                   dot: str = "exact") -> torch.Tensor | None:
+    """`route`, then `moe_rows` over the experts it chose, in one C call (the routing's ids and weights in the thread's
+    scratch): the bits of the two calls. None where either would not serve the call, or the stacks do not hold every
+    expert (expert parallelism)."""
+    table = ex.tid2eid
+    k = ex.top_k if table is None else table.shape[1]
+    M, E = p.shape
+    if k > ROUTE_MAX_K or not ex.holds_all() or not ready():
+        return None
+    p, b = f32(p), None if ex.bias is None else f32(ex.bias)
+    t = None if table is None else table.to(torch.int64).contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    if ids.shape != (M,) or (b is not None and b.shape != (E,)) or k > E:
+        raise ValueError(f"moe: scores {tuple(p.shape)}, ids {tuple(ids.shape)}, top_k {k}, bias "
+                         f"{None if b is None else tuple(b.shape)}")
+    route = RouteArgs(p.data_ptr(), E, None if b is None else b.data_ptr(), None if t is None else t.data_ptr(),
+                      0 if t is None else t.shape[0], ids.data_ptr(), int(ex.normalize), ex.route_scale)
+    return expert_rows(x, (ex.gate, ex.up, ex.down), M, k, ex.clamp, dot, route=route)
+
+
+def expert_rows(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M: int, k: int, clamp: float | None,
+                dot: str, chosen: torch.Tensor | None = None, w: torch.Tensor | None = None,
+                route: RouteArgs | None = None) -> torch.Tensor | None:
+    """glue_moe_rows on rows x [M, D], k experts a row: chosen [M * k] and w [M * k] given (contiguous int64 and
+    float32), or written by the call's routing (`route`), or neither (the shared expert's 2-D weights). The weights'
+    arguments are bound on first use (`EXPERTS`); the temporaries are the thread's scratch (`SCRATCH`)."""
+    gate, up, down = weights
     if not ready() or x.dim() != 2 or x.shape[1] != gate.shape[-1] or M * k > kernels.MAX_ROWS:
         return None
-    routed = chosen is not None
-    bound = EXPERTS.value((gate, up, down), (dot, routed), lambda: bind_expert(gate, up, down, dot, routed))
+    routed = chosen is not None or route is not None
+    bound = EXPERTS.value(weights, (dot, routed, threading.get_ident()), lambda: bind_expert(*weights, dot, routed))
     if bound is None:
         return None
-    flat = None if chosen is None else chosen.reshape(-1).to(torch.int64).contiguous()
-    xs = f32(x) if chosen is None else f32(x).repeat_interleave(k, dim=0)
-    P, inner, n = xs.shape[0], gate.shape[-2], down.shape[-2]
-    rows = xs if bound.q8_rows is None else kernels.q8_quantize(xs, bound.q8_rows)
-    h = torch.empty((P, inner), dtype=torch.float32)
-    hq = torch.empty(P * bound.hq_row_bytes, dtype=torch.uint8)
-    ys = (torch.empty((P, inner), dtype=torch.float32), torch.empty((P, inner), dtype=torch.float32),
-          torch.empty((P, n), dtype=torch.float32))
-    threads, experts = kernels.threads(), None if flat is None else flat.data_ptr()
-    for arg, src, y, read in zip(bound.args, (rows, rows, hq if bound.q8_down >= 0 else h), ys, bound.reads,
-                                 strict=True):
-        arg.x, arg.M, arg.y, arg.experts = src.data_ptr(), P, y.data_ptr(), experts
-        arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if flat is not None
-                                                                                 else read)))
-    weights = None if w is None else f32(w.reshape(-1))
+    x = f32(x)
+    P, K, inner, n = M * k, x.shape[1], gate.shape[-2], down.shape[-2]
     out = torch.empty((M, n), dtype=torch.float32)
-    if _lib().glue_moe_rows(bound.args, bound.q8_down, hq.data_ptr(), None if weights is None else weights.data_ptr(),
-                            clamp is not None, 0.0 if clamp is None else clamp, h.data_ptr(), M, k, out.data_ptr(),
-                            threads):
+    threads = kernels.threads()
+    f = FLOAT_BYTES * P
+    with SCRATCH(8 * P if route else 0, f if route else 0, f * K if k > 1 else 0, P * bound.xq_row_bytes, f * inner,
+                 P * bound.hq_row_bytes, f * inner, f * inner, f * n) as (picked, picked_w, xs, xq, h, hq, *ys):
+        src = xs if k > 1 else x.data_ptr()
+        experts = picked if route else None if chosen is None else chosen.data_ptr()
+        for arg, rows, y, read in zip(bound.args, (src, src, h) if dot != "q8" else (xq, xq, hq), ys, bound.reads,
+                                      strict=True):
+            arg.x, arg.M, arg.y, arg.experts = rows, P, y, experts
+            arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if routed else read)))
+        rc = _lib().glue_moe_rows(bound.args, None if route is None else ctypes.byref(route), picked,
+                                  picked_w if route else None if w is None else w.data_ptr(), x.data_ptr(), src,
+                                  bound.q8_rows, bound.q8_down, hq, clamp is not None, 0.0 if clamp is None else clamp,
+                                  h, M, k, out.data_ptr(), threads)
+    if rc == 1:
+        raise ValueError(f"moe: a token id outside the {route.table_rows}-row expert table or an expert outside "
+                         f"{route.E}")
+    if rc:
         raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
     return out
+
+
+def q8_kind(w: QTensor, dot: str) -> int:
+    """The rounding kind of the rows of a product with weight `w` under q8 (qdot8.c's q8_quantize), else -1."""
+    return kernels.Q8_TYPES[w.qtype.name] if dot == "q8" else -1
+
+
+@dataclass
+class BoundProducts:
+    """The products of a fused op's weights bound to glue_products' arguments once (kernel, type, weight pointer,
+    sizes): a call fills in only its rows, outputs and row count (`rows`). One per thread (`FUSED`'s key), since a
+    call writes into it."""
+
+    args: ctypes.Array      # ProductArgs * n
+    data: tuple[torch.Tensor, ...]      # the contiguous raw blocks `args` points into (kept alive)
+    kinds: tuple[int, ...]  # each product's rounding kind of its rows (`dot="q8"`), else -1
+    row_bytes: tuple[int, ...]  # bytes of one rounded row of each product's input (`dot="q8"`), else 0
+    reads: tuple[int, ...]  # weight bytes of each product (of a stack: one expert's, read once per row)
+    stacked: tuple[bool, ...]
+
+    def rows(self, counts: tuple[int, ...], rows: tuple[int, ...], outs: tuple[int, ...]) -> None:
+        """Product i takes counts[i] rows at address rows[i] into outs[i]; on several threads each is cut into
+        `kernels.pool_parts` of the weight bytes it reads (as `product_args`)."""
+        threads = kernels.threads()
+        for arg, M, x, y, read, stacked in zip(self.args, counts, rows, outs, self.reads, self.stacked, strict=True):
+            arg.x, arg.M, arg.y = x, M, y
+            arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * M if stacked else read)))
+
+
+def bind_products(weights: tuple[QTensor, ...], stacked: tuple[bool, ...], dot: str) -> BoundProducts | None:
+    """`weights`' products (2-D, or stacked [E, N, K] experts) bound once, or None where `products` would not serve one
+    of them."""
+    if not all(serves(1, w.shape[-1], w, s, dot) for w, s in zip(weights, stacked, strict=True)):
+        return None
+    kernel = kernels.row_kernel(dot == "q8")
+    data = tuple(w.data.contiguous() for w in weights)
+    per_row = tuple(d.numel() // d.shape[0] if s else 0 for d, s in zip(data, stacked, strict=True))
+    args = (ProductArgs * len(weights))(*(ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], d.data_ptr(), e, None,
+                                                      w.shape[-2], w.shape[-1], None, 0, None, 1)
+                                          for w, d, e in zip(weights, data, per_row, strict=True)))
+    kinds = tuple(q8_kind(w, dot) for w in weights)
+    return BoundProducts(args, data, kinds,
+                         tuple(kernels.q8_row_bytes(k, w.shape[-1]) if k >= 0 else 0 for k, w in zip(kinds, weights,
+                                                                                                     strict=True)),
+                         tuple(e or d.numel() for d, e in zip(data, per_row, strict=True)), stacked)
+
+
+FUSED = kernels.PerWeight()     # the fused ops' bound products, per weights and (op, dot, ..., thread)
+
+
+def fused_binding(weights: tuple[QTensor, ...], key: tuple, make: Callable[[], BoundProducts | None]) -> \
+        BoundProducts | None:
+    """The calling thread's bound products of a fused op's `weights` under `key` (made by `make()` once)."""
+    return FUSED.value(weights, (*key, threading.get_ident()), make)
 
 
 def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, norm: torch.Tensor,
@@ -366,28 +477,30 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
     """ops.hc_pre_norm's sequence as the cpu backend runs it op by op (rms_norm, the product, hc_pre, rms_norm), in
     one C call (glue.c's glue_hc_pre_norm) and with its bits; None where `products` would not serve the product.
     `after` = (y, post, comb): hc_post(X, y, post, comb) first, in the same call (glue_hc_post_pre_norm), and its
-    state returned first (ops.hc_post_pre_norm)."""
-    X, scale, base, norm = f32(X), f32(scale), f32(base), f32(norm)
+    state returned first (ops.hc_post_pre_norm). The product is bound once (`FUSED`); the flat state, its rounding
+    and the mixes are the thread's scratch."""
     M, S, D = X.shape
-    flat = torch.empty((M, S * D), dtype=torch.float32)
-    if not ready() or not served(flat, fn, None, dot):
+    if not ready() or M > kernels.MAX_ROWS or fn.shape[-1] != S * D:
         return None
-    kind, rows = q8_rows(flat, fn, dot)
-    alive: list = []
-    mixes = torch.empty((M, fn.shape[0]), dtype=torch.float32)
-    args = product_args(kernels.row_kernel(dot == "q8"), rows, fn, None, mixes, alive)
+    bound = fused_binding((fn,), ("hc_pre_norm", dot), lambda: bind_products((fn,), (False,), dot))
+    if bound is None:
+        return None
+    X, scale, base, norm = f32(X), f32(scale), f32(base), f32(norm)
+    kind = bound.kinds[0]
     x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
-    tail = (scale.data_ptr(), base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
-            post.data_ptr(), comb.data_ptr(), kernels.threads())
-    if after is None:
-        rc = _lib().glue_hc_pre_norm(ctypes.byref(args), kind, X.data_ptr(), flat.data_ptr(), *tail)
-        out = (x, post, comb)
-    else:
-        y, post_in, comb_in = (f32(t) for t in after)
-        Xn = torch.empty_like(X)
-        rc = _lib().glue_hc_post_pre_norm(ctypes.byref(args), kind, X.data_ptr(), y.data_ptr(), post_in.data_ptr(),
-                                          comb_in.data_ptr(), Xn.data_ptr(), flat.data_ptr(), *tail)
-        out = (Xn, x, post, comb)
+    with SCRATCH(FLOAT_BYTES * M * S * D, M * bound.row_bytes[0], FLOAT_BYTES * M * fn.shape[0]) as (flat, xq, mixes):
+        bound.rows((M,), (flat if kind < 0 else xq,), (mixes,))
+        tail = (scale.data_ptr(), base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
+                post.data_ptr(), comb.data_ptr(), kernels.threads())
+        if after is None:
+            rc = _lib().glue_hc_pre_norm(bound.args, kind, X.data_ptr(), flat, *tail)
+            out = (x, post, comb)
+        else:
+            y, post_in, comb_in = (f32(t) for t in after)
+            Xn = torch.empty_like(X)
+            rc = _lib().glue_hc_post_pre_norm(bound.args, kind, X.data_ptr(), y.data_ptr(), post_in.data_ptr(),
+                                              comb_in.data_ptr(), Xn.data_ptr(), flat, *tail)
+            out = (Xn, x, post, comb)
     if rc == -2:
         raise MemoryError(f"hc_pre_norm: no memory for the gates of {M} rows")
     if rc:
@@ -398,59 +511,74 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
 def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, eps: float, width: int,
                       cos_sin: tuple[torch.Tensor, torch.Tensor] | None, dot: str = "exact") -> torch.Tensor | None:
     """ops.qmatmul_norm_rope's sequence as the cpu backend runs it op by op (the product, rms_norm per group of
-    `width`, the rotation by `cos_sin` [M, P] each), in one C call (glue.c's glue_qmatmul_norm_rope) and with its
-    bits; None where `products` would not serve the product."""
-    if not ready() or not served(x, w, None, dot):
+    `width`, the rotation by `cos_sin` [M, P] each), in one C call (glue.c's glue_qmatmul_norm_rope, which also rounds
+    the rows under q8) and with its bits; None where `products` would not serve the product. The product is bound
+    once (`FUSED`); its output and rounded rows are the thread's scratch."""
+    if not ready() or x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS or x.shape[1] != w.shape[-1]:
+        return None
+    bound = fused_binding((w,), ("qmatmul_norm_rope", dot), lambda: bind_products((w,), (False,), dot))
+    if bound is None:
         return None
     x = f32(x)
-    rows = kernels.q8_quantize(x, w.qtype.name) if dot == "q8" else x
-    M, N = x.shape[0], w.shape[0]
-    alive: list = []
-    y, out = torch.empty((M, N), dtype=torch.float32), torch.empty((M, N), dtype=torch.float32)
-    args = product_args(kernels.row_kernel(dot == "q8"), rows, w, None, y, alive)
+    M, N, kind = x.shape[0], w.shape[0], bound.kinds[0]
+    out = torch.empty((M, N), dtype=torch.float32)
     w_norm = None if norm is None else f32(norm)
     cos, sin = (None, None) if cos_sin is None else (f32(cos_sin[0]), f32(cos_sin[1]))
     angles = (None, None, 0) if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
-    norm_ptr = None if w_norm is None else w_norm.data_ptr()
-    lib = _lib()
-    if lib.glue_qmatmul_norm_rope(ctypes.byref(args), kernels.threads(), norm_ptr, width, eps, *angles, out.data_ptr()):
+    with SCRATCH(FLOAT_BYTES * M * N, M * bound.row_bytes[0]) as (y, xq):
+        bound.rows((M,), (x.data_ptr() if kind < 0 else xq,), (y,))
+        rc = _lib().glue_qmatmul_norm_rope(bound.args, kind, x.data_ptr(), kernels.threads(),
+                                           None if w_norm is None else w_norm.data_ptr(), width, eps, *angles,
+                                           out.data_ptr())
+    if rc:
         raise ValueError(f"qmatmul_norm_rope: unsupported call ({w.qtype.name}, dot={dot})")
     return out
 
 
-def q8_rows(x: torch.Tensor, w: QTensor, dot: str) -> tuple[int, torch.Tensor]:
-    """The activation kind of weight `w` under q8 (-1 exact) and the buffer its rounded rows x [M, K] go to (x itself
-    when exact), for a C call that rounds them."""
-    if dot != "q8":
-        return -1, x
-    kind = kernels.Q8_TYPES[w.qtype.name]
-    return kind, torch.empty(x.shape[0] * kernels.q8_row_bytes(kind, x.shape[1]), dtype=torch.uint8)
+GROUP_IDS: dict[tuple[int, int], torch.Tensor] = {}     # (groups, M) -> each grouped row's group (read only)
+
+
+def group_ids(groups: int, M: int) -> torch.Tensor:
+    """[0]*M + [1]*M + ... + [groups-1]*M as int64, made once per (groups, M) (M <= MAX_ROWS, so few)."""
+    ids = GROUP_IDS.get((groups, M))
+    if ids is None:
+        ids = GROUP_IDS[groups, M] = torch.arange(groups).repeat_interleave(M)
+    return ids
+
+
+def bind_output(wa: QTensor, wb: QTensor, groups: int, dot: str) -> BoundProducts | None:
+    """attention_output's two products bound: the groups of `wa` as a stack of experts, then `wb`."""
+    n, K = wa.shape[0] // groups, wa.shape[1]
+    stack = QTensor(wa.qtype, (groups, n, K), wa.data.reshape(groups, n, -1), wa.name)
+    return bind_products((stack, wb), (True, False), dot)
 
 
 def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], wa: QTensor, wb: QTensor,
                      groups: int, dot: str = "exact") -> torch.Tensor | None:
     """ops.attention_output's sequence as the cpu backend runs it op by op (the inverse rotation by `cos_sin`, the
     grouped product over the groups as a stack of experts, the output product), in one C call (glue.c's
-    glue_attention_output) and with its bits; None where `products` would not serve both products as that."""
-    o = f32(o)
+    glue_attention_output) and with its bits; None where `products` would not serve both products as that. The
+    products are bound once (`FUSED`); the rotated, regrouped and rounded rows and the grouped product's output are
+    the thread's scratch."""
     M, H, hd = o.shape
     K, n = H * hd // groups, wa.shape[0] // groups
-    stack = QTensor(wa.qtype, (groups, n, K), wa.data.reshape(groups, n, -1), wa.name)
-    experts = torch.arange(groups).repeat_interleave(M)
-    xs, u = torch.empty((groups * M, K), dtype=torch.float32), torch.empty((M, groups * n), dtype=torch.float32)
-    if not ready() or not served(xs, stack, experts, dot) or not served(u, wb, None, dot):
+    if M * groups > kernels.MAX_ROWS or not ready() or wa.shape[1] != K or wb.shape[-1] != groups * n:
         return None
-    (kind_a, rows_a), (kind_b, rows_b) = q8_rows(xs, stack, dot), q8_rows(u, wb, dot)
-    alive: list = []
-    y, out = torch.empty((groups * M, n), dtype=torch.float32), torch.empty((M, wb.shape[0]), dtype=torch.float32)
-    kernel = kernels.row_kernel(dot == "q8")
-    args = (ProductArgs * 2)(product_args(kernel, rows_a, stack, experts, y, alive),
-                             product_args(kernel, rows_b, wb, None, out, alive))
+    bound = fused_binding((wa, wb), ("attention_output", groups, dot), lambda: bind_output(wa, wb, groups, dot))
+    if bound is None:
+        return None
+    o = f32(o)
+    (kind_a, kind_b), (bytes_a, bytes_b) = bound.kinds, bound.row_bytes
+    out = torch.empty((M, wb.shape[0]), dtype=torch.float32)
     cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
-    rot = torch.empty_like(o)
-    if _lib().glue_attention_output(args, kind_a, kind_b, o.data_ptr(), M, H, hd, cos.data_ptr(), sin.data_ptr(),
-                                    cos.shape[-1], groups, rot.data_ptr(), xs.data_ptr(), u.data_ptr(),
-                                    kernels.threads()):
+    f = FLOAT_BYTES * groups * M
+    with SCRATCH(FLOAT_BYTES * o.numel(), f * K, f * n, f * n, groups * M * bytes_a, M * bytes_b) as (rot, xs, u, y,
+                                                                                                     xq, uq):
+        bound.rows((groups * M, M), (xs if kind_a < 0 else xq, u if kind_b < 0 else uq), (y, out.data_ptr()))
+        bound.args[0].experts = group_ids(groups, M).data_ptr()
+        rc = _lib().glue_attention_output(bound.args, kind_a, kind_b, o.data_ptr(), M, H, hd, cos.data_ptr(),
+                                          sin.data_ptr(), cos.shape[-1], groups, rot, xs, u, kernels.threads())
+    if rc:
         raise ValueError(f"attention_output: unsupported call ({wa.qtype.name}, {wb.qtype.name}, dot={dot})")
     return out
 
@@ -459,26 +587,36 @@ def compressor_store(x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torch.Ten
                      slots: torch.Tensor, kv_ring: torch.Tensor, score_ring: torch.Tensor,
                      dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor] | None:
     """ops.compressor_store's sequence as the cpu backend runs it op by op (both products, the position bias added,
-    the two ring writes), in one C call (glue.c's glue_compressor_store, the products in one pool pass) and with its
-    bits; None where `products` would not serve both products or the rings are not contiguous float32."""
+    the two ring writes), in one C call (glue.c's glue_compressor_store, the rows rounded once per rounding kind under
+    q8, the products in one pool pass) and with its bits; None where `products` would not serve both products or the
+    rings are not contiguous float32. The products are bound once (`FUSED`); their outputs and rounded rows are the
+    thread's scratch."""
     rings = (kv_ring, score_ring)
-    if not ready() or not all(served(x, w, None, dot) for w in (kv, gate)) or kv.shape != gate.shape \
+    if not ready() or x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS or kv.shape != gate.shape \
+            or x.shape[1] != kv.shape[-1] \
             or any(r.dtype != torch.float32 or not r.is_contiguous() or r.shape[1:] != kv.shape[:1] for r in rings):
         return None
+    bound = fused_binding((kv, gate), ("compressor_store", dot), lambda: bind_products((kv, gate), (False, False), dot))
+    if bound is None:
+        return None
     x, ape = f32(x), f32(ape)
-    rows = {kind: kernels.q8_quantize(x, w.qtype.name) if dot == "q8" else x
-            for kind, w in ((kernels.Q8_TYPES.get(w.qtype.name), w) for w in (gate, kv))}
-    alive: list = []
-    ys = [torch.empty((x.shape[0], kv.shape[0]), dtype=torch.float32) for _ in rings]
-    kernel = kernels.row_kernel(dot == "q8")
-    args = (ProductArgs * 2)(*(product_args(kernel, rows[kernels.Q8_TYPES.get(w.qtype.name)], w, None, y, alive)
-                               for w, y in zip((kv, gate), ys, strict=True)))
     ids, at = ape_rows.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
     if ids.shape != (x.shape[0],) or at.shape != ids.shape or ape.shape[1:] != kv.shape[:1]:
         raise ValueError(f"compressor_store: ape {tuple(ape.shape)}, ape_rows {tuple(ape_rows.shape)}, slots "
                          f"{tuple(slots.shape)} for {x.shape[0]} rows of {kv.shape[0]} values")
-    if _lib().glue_compressor_store(args, kernels.threads(), ape.data_ptr(), ape.shape[0], ids.data_ptr(),
-                                    at.data_ptr(), kv_ring.shape[0], kv_ring.data_ptr(), score_ring.data_ptr()):
+    M, c = x.shape[0], kv.shape[0]
+    (kind_kv, kind_gate), (bytes_kv, bytes_gate) = bound.kinds, bound.row_bytes
+    shared = kind_gate == kind_kv       # one rounding for both products
+    with SCRATCH(FLOAT_BYTES * M * c, FLOAT_BYTES * M * c, M * bytes_kv,
+                 0 if shared else M * bytes_gate) as (y_kv, y_gate, xq_kv, xq_gate):
+        rows_kv = x.data_ptr() if kind_kv < 0 else xq_kv
+        bound.rows((M, M), (rows_kv, rows_kv if shared else xq_gate), (y_kv, y_gate))
+        rc = _lib().glue_compressor_store(bound.args, kind_kv, kind_gate, x.data_ptr(), kernels.threads(),
+                                          ape.data_ptr(), ape.shape[0], ids.data_ptr(), at.data_ptr(),
+                                          kv_ring.shape[0], kv_ring.data_ptr(), score_ring.data_ptr())
+    if rc == 1:
         raise ValueError(f"compressor_store: a slot outside the rings' {kv_ring.shape[0]} rows or an ape row outside "
                          f"its {ape.shape[0]}")
+    if rc:
+        raise ValueError(f"compressor_store: unsupported call ({kv.qtype.name}, {gate.qtype.name}, dot={dot})")
     return kv_ring, score_ring

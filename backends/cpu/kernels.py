@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import math
+import operator
 import os
 import shutil
 import subprocess
@@ -579,6 +580,9 @@ def row_kernel(q8: bool) -> int:
     return ctypes.cast(k.qdot8_rows if q8 else k.qgemv, ctypes.c_void_p).value
 
 
+DATA = operator.attrgetter("data")
+
+
 class PerWeight:
     """Values made once per set of weights (a weight's bound call, `Bound`, or glue.py's bound expert call), kept as
     long as the first weight lives and used only while every weight holds the same data and the library loaded now is
@@ -589,10 +593,10 @@ class PerWeight:
 
     def value(self, weights: tuple[QTensor, ...], key: tuple, make: Callable[[], Any]) -> Any:
         """The value of `weights` under `key`, made by `make()` on first use or when stale."""
-        full = (*(id(w) for w in weights), *key)
+        full = (*map(id, weights), *key)
         entry = self.entries.get(full)
         if (entry is not None and entry[0]() is weights[0] and entry[2] is _lib
-                and all(d is w.data for d, w in zip(entry[1], weights, strict=True))):
+                and all(map(operator.is_, entry[1], map(DATA, weights)))):
             return entry[3]
         value = make()      # may load the library
         self.entries[full] = (weakref.ref(weights[0], lambda _, full=full: self.entries.pop(full, None)),
