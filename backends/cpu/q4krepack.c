@@ -5,7 +5,8 @@
  *   [0, 32)      the 16 rows' d (f16), [32, 64) their dmin (f16);
  *   [64, 160)    the 128 six-bit scales, entry 16 j + n = row n's scale of sub-block j: 64 bytes of low nibbles (byte t:
  *                entries t and t + 64), 32 bytes of top bits (byte t: entries t, t + 32, t + 64, t + 96, 2 bits each);
- *   [160, 256)   the 128 six-bit mins, the same way;
+ *   [160, 256)   the 128 six-bit mins, the same way but entry 32 i + 2 n + t = row n's min of sub-block 2 i + t (so that
+ *                16-bit pairs of them meet the activations' pairs of sub-block sums in `vpdpwssd`);
  *   [256, 2304)  the nibbles: 64-byte vector 8 p + r holds in bytes 4 n .. 4 n + 3 row n's stored bytes 32 p + 4 r ..
  *                32 p + 4 r + 3, whose low nibbles are values 64 p + 4 r .. + 3 (sub-block 2 p) and high nibbles
  *                values 64 p + 32 + 4 r .. + 3 (sub-block 2 p + 1).
@@ -29,6 +30,7 @@
 #define GB (GROUP * QK_BYTES)       /* a group's block: 2304 bytes */
 #define Q8K_BYTES 320       /* q8_quantize's Q8_K block: int8 qs[256], float d, int16 bsums[16], padding */
 #define Q4KR_TYPE 1012      /* the repacked layout's type code in the kernel library (no GGUF type) */
+#define MIN_AT(j, n) (32 * ((j) / 2) + 2 * (n) + (j) % 2)     /* the min of sub-block j, row n: its entry */
 
 int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
           const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);           /* qdot8.c: the stored layout */
@@ -79,7 +81,7 @@ static void group_pack(const uint8_t *from, uint8_t *to, int64_t nb, int back) {
             if (back) {
                 memcpy(out, g + 2 * n, 2);
                 memcpy(out + 2, g + 32 + 2 * n, 2);
-                for (int j = 0; j < 8; j++) s[j] = sc[16 * j + n], m[j] = mn[16 * j + n];
+                for (int j = 0; j < 8; j++) s[j] = sc[16 * j + n], m[j] = mn[MIN_AT(j, n)];
                 stored_pack(s, m, out + 4);
                 for (int v = 0; v < 32; v++) memcpy(out + 16 + 4 * v, g + 256 + 64 * v + 4 * n, 4);
                 continue;
@@ -87,7 +89,7 @@ static void group_pack(const uint8_t *from, uint8_t *to, int64_t nb, int back) {
             memcpy(o + 2 * n, stored, 2);
             memcpy(o + 32 + 2 * n, stored + 2, 2);
             stored_scales(stored + 4, s, m);
-            for (int j = 0; j < 8; j++) sc[16 * j + n] = s[j], mn[16 * j + n] = m[j];
+            for (int j = 0; j < 8; j++) sc[16 * j + n] = s[j], mn[MIN_AT(j, n)] = m[j];
             for (int v = 0; v < 32; v++) memcpy(o + 256 + 64 * v + 4 * n, stored + 16 + 4 * v, 4);
         }
         if (!back) {
@@ -157,7 +159,7 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
                     dot += q * qs[32 * j + v];
                 }
                 isum += sc[16 * j + n] * dot;
-                msum += mn[16 * j + n] * (bsums[2 * j] + bsums[2 * j + 1]);
+                msum += mn[MIN_AT(j, n)] * (bsums[2 * j] + bsums[2 * j + 1]);
             }
             out[n] += term_of(dx, half_of(gb + 2 * n), half_of(gb + 32 + 2 * n), (float)isum, (float)msum);
         }
@@ -169,7 +171,8 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 #define Q4KR_VNNI 1
 #include <immintrin.h>
 
-typedef struct { __m512 d, dmin, sc[8], mn[8]; } block_scales;     /* a group block's scales, lane n: row n */
+typedef struct { __m512 d, dmin, sc[8]; __m512i mn[4]; } block_scales;  /* lane n: row n; mn[i] its mins of
+                                                                             * sub-blocks 2i, 2i + 1 as int16 pairs */
 
 static inline void six_unpack_v(const uint8_t *in, uint8_t e[128]) {     /* six_unpack, 128 entries at once */
     const __m512i low4 = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
@@ -190,17 +193,18 @@ static inline void scales_of(const uint8_t *gb, block_scales *s) {
     uint8_t e[256] __attribute__((aligned(64)));
     six_unpack_v(gb + 64, e);
     six_unpack_v(gb + 160, e + 128);
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < 8; j++)
         s->sc[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(e + 16 * j))));
-        s->mn[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(e + 128 + 16 * j))));
-    }
+    for (int i = 0; i < 4; i++)
+        s->mn[i] = _mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i *)(e + 128 + 32 * i)));
     s->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
     s->dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32)));
 }
 
 /* One activation block's term for the group's 16 rows: dot[j] the exact sub-block dots (int32, lane n: row n),
- * bs[j] the activation's bsums 2j + 2j+1 (as floats), dx its scale. */
-static inline __m512 block_term(const block_scales *s, const __m512i *dot, const float *bs, float dx) {
+ * bs[i] the activation's sums of sub-blocks 2i and 2i + 1 (bsums 4i + 4i+1 and 4i+2 + 4i+3) as an int16 pair, dx its
+ * scale. */
+static inline __m512 block_term(const block_scales *s, const __m512i *dot, const int32_t *bs, float dx) {
     __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[0]), s->sc[0]);
     __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[4]), s->sc[4]);
     for (int j = 1; j < 4; j++) {           /* exact: every partial sum an integer below 2^24 */
@@ -208,49 +212,79 @@ static inline __m512 block_term(const block_scales *s, const __m512i *dot, const
         b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[4 + j]), s->sc[4 + j], b);
     }
     __m512 isum = _mm512_add_ps(a, b);       /* the exact isum rounded to float, as (float)isum */
-    __m512 msum = _mm512_mul_ps(s->mn[0], _mm512_set1_ps(bs[0]));
-    for (int j = 1; j < 8; j++) msum = _mm512_fmadd_ps(s->mn[j], _mm512_set1_ps(bs[j]), msum);
+    __m512i mi = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) mi = _mm512_dpwssd_epi32(mi, s->mn[i], _mm512_set1_epi32(bs[i]));
+    __m512 msum = _mm512_cvtepi32_ps(mi);
     __m512 vdx = _mm512_set1_ps(dx);
     return _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(vdx, s->d), isum),
                          _mm512_mul_ps(_mm512_mul_ps(vdx, s->dmin), msum));
 }
 
-static inline void bsums_of(const uint8_t *xb, float bs[8]) {     /* bsums 2j + 2j+1 as floats */
-    __m256i v = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(xb + 260)), _mm256_set1_epi16(1));
-    _mm256_storeu_ps(bs, _mm256_cvtepi32_ps(v));
+static inline void bsums_of(const uint8_t *xb, int32_t bs[4]) {     /* block_term's pairs of sub-block sums */
+    __m128i v = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(xb + 260)), _mm_loadu_si128((const __m128i *)(xb + 276)));
+    _mm_storeu_si128((__m128i *)bs, v);
 }
 
+#ifndef AHEAD
 #define AHEAD 2048      /* bytes of the weight stream prefetched ahead */
+#endif
 
-/* One group against one activation row (decode, and each routed expert's rows): `vpdpbusd` with 4 activation
- * bytes broadcast, the nibble vectors straight from the weight. acc lane n: row n. */
-static __m512 group_row(const uint8_t *g, int64_t nb, const uint8_t *x) {
+/* One group block `gb` against one activation block `xb`: `vpdpbusd` with 4 activation bytes broadcast, the nibble
+ * vectors straight from the weight; the term of each of the 16 rows (lane n: row n). */
+static inline __m512 block_row(const uint8_t *gb, const uint8_t *xb) {
     const __m512i low4 = _mm512_set1_epi8(15);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *gb = g + b * GB, *xb = x + b * Q8K_BYTES;
-        for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T0);
-        __m512i dot[8];
-        for (int j = 0; j < 8; j++) dot[j] = _mm512_setzero_si512();
+    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T0);
+    __m512i dot[8];
+    for (int j = 0; j < 8; j++) dot[j] = _mm512_setzero_si512();
 #pragma GCC unroll 32
-        for (int v = 0; v < 32; v++) {        /* v = 8 p + r */
-            int p = v / 8, r = v % 8;
-            __m512i q = _mm512_loadu_si512(gb + 256 + 64 * v);
-            int32_t xl, xh;
-            memcpy(&xl, xb + 64 * p + 4 * r, 4);
-            memcpy(&xh, xb + 64 * p + 32 + 4 * r, 4);
-            dot[2 * p] = _mm512_dpbusd_epi32(dot[2 * p], _mm512_and_si512(q, low4), _mm512_set1_epi32(xl));
-            dot[2 * p + 1] = _mm512_dpbusd_epi32(dot[2 * p + 1], _mm512_and_si512(_mm512_srli_epi16(q, 4), low4),
-                                                 _mm512_set1_epi32(xh));
-        }
-        block_scales s;
-        scales_of(gb, &s);
-        float bs[8], dx;
-        bsums_of(xb, bs);
-        memcpy(&dx, xb + 256, 4);
-        acc = _mm512_add_ps(acc, block_term(&s, dot, bs, dx));
+    for (int v = 0; v < 32; v++) {        /* v = 8 p + r */
+        int p = v / 8, r = v % 8;
+        __m512i q = _mm512_loadu_si512(gb + 256 + 64 * v);
+        int32_t xl, xh;
+        memcpy(&xl, xb + 64 * p + 4 * r, 4);
+        memcpy(&xh, xb + 64 * p + 32 + 4 * r, 4);
+        dot[2 * p] = _mm512_dpbusd_epi32(dot[2 * p], _mm512_and_si512(q, low4), _mm512_set1_epi32(xl));
+        dot[2 * p + 1] = _mm512_dpbusd_epi32(dot[2 * p + 1], _mm512_and_si512(_mm512_srli_epi16(q, 4), low4),
+                                             _mm512_set1_epi32(xh));
     }
-    return acc;
+    block_scales s;
+    scales_of(gb, &s);
+    int32_t bs[4];
+    float dx;
+    bsums_of(xb, bs);
+    memcpy(&dx, xb + 256, 4);
+    return block_term(&s, dot, bs, dx);
+}
+
+/* R groups (1, or 4: four streams of the weight fetched at once, as qdot8.c's own_rows4_q8) against one activation
+ * row each, block by block in turn; each group's terms added in block order (the same bits for any R). */
+static inline __attribute__((always_inline)) void groups_row(const int R, const uint8_t *const *g, int64_t nb,
+                                                             const uint8_t *const *x, __m512 *acc) {
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < R; i++) acc[i] = _mm512_add_ps(acc[i], block_row(g[i] + b * GB, x[i] + b * Q8K_BYTES));
+}
+
+/* Rows [n0, n1) of one activation row's outputs `y` from groups [a0, a1) of the weight at `base` (row_bytes a row):
+ * four groups at a time (a, a + q, a + 2q, a + 3q, q a quarter of the range), the last ones alone. */
+static void own_groups(const uint8_t *base, int64_t row_bytes, int64_t nb, const uint8_t *x, int64_t a0, int64_t a1,
+                       float *y, int64_t n0, int64_t n1) {
+    int64_t q = (a1 - a0) / 4, step = GROUP * row_bytes;
+    float out[4][GROUP];
+    for (int64_t a = a0; a < a1; a++) {
+        int R = a < a0 + q ? 4 : 1;
+        if (a >= a0 + q && a < a0 + 4 * q) continue;      /* taken with a - q, a - 2q or a - 3q */
+        const uint8_t *g[4] = {base + a * step, base + (a + q) * step, base + (a + 2 * q) * step,
+                               base + (a + 3 * q) * step}, *xs[4] = {x, x, x, x};
+        __m512 acc[4];
+        if (R == 4) groups_row(4, g, nb, xs, acc);
+        else groups_row(1, g, nb, xs, acc);
+        for (int i = 0; i < R; i++) {
+            _mm512_storeu_ps(out[i], acc[i]);
+            int64_t first = (a + i * q) * GROUP;
+            for (int64_t n = first < n0 ? n0 : first; n < first + GROUP && n < n1; n++) y[n] = out[i][n - first];
+        }
+    }
 }
 
 /* A group block's nibbles as sub-block operands: u[j][r] (64 bytes) = values 32 j + 4 r .. + 3 of the 16 rows. */
@@ -286,7 +320,8 @@ static void group_rows(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M
                     memcpy(&xv, xb + 32 * j + 4 * r, 4);
                     dot[j] = _mm512_dpbusd_epi32(dot[j], _mm512_load_si512(u[j][r]), _mm512_set1_epi32(xv));
                 }
-            float bs[8], dx;
+            int32_t bs[4];
+    float dx;
             bsums_of(xb, bs);
             memcpy(&dx, xb + 256, 4);
             acc[m] = _mm512_add_ps(acc[m], block_term(&s, dot, bs, dx));
@@ -342,7 +377,8 @@ static void group_tiles(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t 
             const uint8_t *xb = x + (m * nb + pb) * Q8K_BYTES;
             __m512i dot[8];
             for (int j = 0; j < 8; j++) dot[j] = _mm512_load_si512(cb[j][m]);
-            float bs[8], dx;
+            int32_t bs[4];
+    float dx;
             bsums_of(xb, bs);
             memcpy(&dx, xb + 256, 4);
             acc[m] = _mm512_add_ps(acc[m], block_term(&s, dot, bs, dx));
@@ -352,7 +388,7 @@ static void group_tiles(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t 
 #endif
 #endif
 
-static int amx_rows_from = 2;       /* q4kr_amx_from: the fewest rows that take the tiles */
+static int amx_rows_from = 6;       /* q4kr_amx_from: the fewest rows that take the tiles */
 
 /* The fewest activation rows for which a plain weight's groups take the AMX tiles (`from` >= 2 sets it; 17: never);
  * returns it. */
@@ -381,7 +417,10 @@ static void group_product(int path, const uint8_t *const *bases, int own, int64_
 #if defined(Q4KR_VNNI)
     __m512 acc[GROUP];
     if (own || M == 1)
-        for (int64_t m = 0; m < M; m++) acc[m] = group_row(bases[own ? m : 0], nb, x + m * nb * Q8K_BYTES);
+        for (int64_t m = 0; m < M; m++) {
+            const uint8_t *xm = x + m * nb * Q8K_BYTES;
+            groups_row(1, &bases[own ? m : 0], nb, &xm, &acc[m]);
+        }
     else if (path == 1) group_rows(bases[0], nb, x, M, acc);
 #if defined(Q4KR_AMX)
     else group_tiles(bases[0], nb, x, M, acc);
@@ -425,6 +464,16 @@ int q4kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
         for (int64_t i = 0; i < rows; i++)
             memcpy(xs + i * nb * Q8K_BYTES, x + live[i] * nb * Q8K_BYTES, (size_t)(nb * Q8K_BYTES));
     }
+#if defined(Q4KR_VNNI)
+    if (own || rows == 1) {         /* a weight row of its own: four streams of groups */
+        for (int64_t i = 0; i < rows; i++)
+            own_groups(w + (own ? experts[live[i]] * expert_bytes : 0), row_bytes, nb,
+                       (xs != NULL ? xs : x) + i * nb * Q8K_BYTES, n0 / GROUP, (n1 + GROUP - 1) / GROUP,
+                       y + live[i] * N, n0, n1);
+        free(xs);
+        return 0;
+    }
+#endif
     int path = path_for(own ? 1 : rows);
 #if defined(Q4KR_AMX)
     if (path == 2 && n0 < n1) tiles_for(rows);
