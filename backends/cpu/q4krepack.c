@@ -225,35 +225,40 @@ static inline void bsums_of(const uint8_t *xb, int32_t bs[4]) {     /* block_ter
     _mm_storeu_si128((__m128i *)bs, v);
 }
 
-#ifndef AHEAD
-#define AHEAD 2048      /* bytes of the weight stream prefetched ahead */
-#endif
+#define AHEAD 1024      /* bytes of each weight stream prefetched ahead: one row (four streams), */
+#define AHEAD_ROWS 8192 /* several rows (one stream; measured: docs/cpu.md) */
 
-/* One group block `gb` against one activation block `xb`: `vpdpbusd` with 4 activation bytes broadcast, the nibble
- * vectors straight from the weight; the term of each of the 16 rows (lane n: row n). */
-static inline __m512 block_row(const uint8_t *gb, const uint8_t *xb) {
+/* One group block `gb` against R activation blocks xb[r] (R = 1, 2): `vpdpbusd` with 4 activation bytes broadcast, the
+ * nibble vectors straight from the weight (shared by the R rows); adds each row's term to acc[r] (lane n: row n). */
+static inline __attribute__((always_inline)) void block_row(const int R, const uint8_t *gb, const uint8_t *const *xb,
+                                                            __m512 *acc) {
     const __m512i low4 = _mm512_set1_epi8(15);
     for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T0);
-    __m512i dot[8];
-    for (int j = 0; j < 8; j++) dot[j] = _mm512_setzero_si512();
+    __m512i dot[2][8];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 8; j++) dot[r][j] = _mm512_setzero_si512();
 #pragma GCC unroll 32
     for (int v = 0; v < 32; v++) {        /* v = 8 p + r */
-        int p = v / 8, r = v % 8;
+        int p = v / 8, k = v % 8;
         __m512i q = _mm512_loadu_si512(gb + 256 + 64 * v);
-        int32_t xl, xh;
-        memcpy(&xl, xb + 64 * p + 4 * r, 4);
-        memcpy(&xh, xb + 64 * p + 32 + 4 * r, 4);
-        dot[2 * p] = _mm512_dpbusd_epi32(dot[2 * p], _mm512_and_si512(q, low4), _mm512_set1_epi32(xl));
-        dot[2 * p + 1] = _mm512_dpbusd_epi32(dot[2 * p + 1], _mm512_and_si512(_mm512_srli_epi16(q, 4), low4),
-                                             _mm512_set1_epi32(xh));
+        __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+        for (int r = 0; r < R; r++) {
+            int32_t xl, xh;
+            memcpy(&xl, xb[r] + 64 * p + 4 * k, 4);
+            memcpy(&xh, xb[r] + 64 * p + 32 + 4 * k, 4);
+            dot[r][2 * p] = _mm512_dpbusd_epi32(dot[r][2 * p], lo, _mm512_set1_epi32(xl));
+            dot[r][2 * p + 1] = _mm512_dpbusd_epi32(dot[r][2 * p + 1], hi, _mm512_set1_epi32(xh));
+        }
     }
     block_scales s;
     scales_of(gb, &s);
-    int32_t bs[4];
-    float dx;
-    bsums_of(xb, bs);
-    memcpy(&dx, xb + 256, 4);
-    return block_term(&s, dot, bs, dx);
+    for (int r = 0; r < R; r++) {
+        int32_t bs[4];
+        float dx;
+        bsums_of(xb[r], bs);
+        memcpy(&dx, xb[r] + 256, 4);
+        acc[r] = _mm512_add_ps(acc[r], block_term(&s, dot[r], bs, dx));
+    }
 }
 
 /* R groups (1, or 4: four streams of the weight fetched at once, as qdot8.c's own_rows4_q8) against one activation
@@ -262,7 +267,10 @@ static inline __attribute__((always_inline)) void groups_row(const int R, const 
                                                              const uint8_t *const *x, __m512 *acc) {
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++)
-        for (int i = 0; i < R; i++) acc[i] = _mm512_add_ps(acc[i], block_row(g[i] + b * GB, x[i] + b * Q8K_BYTES));
+        for (int i = 0; i < R; i++) {
+            const uint8_t *xb = x[i] + b * Q8K_BYTES;
+            block_row(1, g[i] + b * GB, &xb, acc + i);
+        }
 }
 
 /* Rows [n0, n1) of one activation row's outputs `y` from groups [a0, a1) of the weight at `base` (row_bytes a row):
@@ -297,36 +305,16 @@ static inline void nibbles_of(const uint8_t *gb, uint8_t u[8][8][64]) {
     }
 }
 
-/* One group against M activation rows (2..16) with `vpdpbusd`: each block's nibbles unpacked once, then every row's
- * 64 products from them. acc[m] lane n: row m, weight row n. */
+/* One group against M activation rows, block by block, two rows at a time (block_row, the nibbles loaded once for
+ * both); acc[m] lane n: activation row m, weight row n. */
 static void group_rows(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M, __m512 *acc) {
-    uint8_t u[8][8][64] __attribute__((aligned(64)));
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *gb = g + b * GB;
-        for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T0);
-        nibbles_of(gb, u);
-        block_scales s;
-        scales_of(gb, &s);
-        for (int64_t m = 0; m < M; m++) {
-            const uint8_t *xb = x + (m * nb + b) * Q8K_BYTES;
-            __m512i dot[8];
-            for (int j = 0; j < 8; j++) dot[j] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-            for (int r = 0; r < 8; r++)
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) {
-                    int32_t xv;
-                    memcpy(&xv, xb + 32 * j + 4 * r, 4);
-                    dot[j] = _mm512_dpbusd_epi32(dot[j], _mm512_load_si512(u[j][r]), _mm512_set1_epi32(xv));
-                }
-            int32_t bs[4];
-    float dx;
-            bsums_of(xb, bs);
-            memcpy(&dx, xb + 256, 4);
-            acc[m] = _mm512_add_ps(acc[m], block_term(&s, dot, bs, dx));
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t m = 0; m < M; m += 2) {
+            const uint8_t *xb[2] = {x + (m * nb + b) * Q8K_BYTES, x + ((m + 1) * nb + b) * Q8K_BYTES};
+            if (m + 1 < M) block_row(2, g + b * GB, xb, acc + m);
+            else block_row(1, g + b * GB, xb, acc + m);
         }
-    }
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
@@ -347,48 +335,52 @@ static void tiles_for(int64_t M) {
     _tile_loadconfig(&c);
 }
 
-/* One group against M activation rows on the tiles: per sub-block one `tdpbsud` (activations signed, nibbles
- * unsigned) gives the M x 16 dots; the float steps of block b run while the tiles take block b + 1. */
+/* Block b of one group (`gb`) on the tiles: per sub-block one `tdpbsud` (activations signed, nibbles unsigned) gives
+ * the M x 16 dots, stored to c[j]. */
+static inline void block_tiles(const uint8_t *gb, const uint8_t *xb, int64_t ldx, uint8_t u[8][8][64],
+                               int32_t c[8][GROUP][GROUP]) {
+    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD_ROWS, _MM_HINT_T0);
+    nibbles_of(gb, u);
+#define SUB(j, ta, tb, tc) _tile_loadd(ta, xb + 32 * (j), ldx); _tile_loadd(tb, u[j], 64); _tile_zero(tc); \
+    _tile_dpbsud(tc, ta, tb); _tile_stored(tc, c[j], 64);
+    SUB(0, 0, 2, 4) SUB(1, 1, 3, 5) SUB(2, 0, 2, 6) SUB(3, 1, 3, 7)
+    SUB(4, 0, 2, 4) SUB(5, 1, 3, 5) SUB(6, 0, 2, 6) SUB(7, 1, 3, 7)
+#undef SUB
+}
+
+/* The float steps of block b of one group from its tile sums c (block_tiles'). */
+static inline void block_sums(const uint8_t *gb, const uint8_t *x, int64_t nb, int64_t b, int64_t M,
+                              int32_t c[8][GROUP][GROUP], __m512 *acc) {
+    block_scales s;
+    scales_of(gb, &s);
+    for (int64_t m = 0; m < M; m++) {
+        const uint8_t *xb = x + (m * nb + b) * Q8K_BYTES;
+        __m512i dot[8];
+        for (int j = 0; j < 8; j++) dot[j] = _mm512_load_si512(c[j][m]);
+        int32_t bs[4];
+        float dx;
+        bsums_of(xb, bs);
+        memcpy(&dx, xb + 256, 4);
+        acc[m] = _mm512_add_ps(acc[m], block_term(&s, dot, bs, dx));
+    }
+}
+
+/* One group against M activation rows on the tiles, block by block; the float steps of block b run while the tiles
+ * take block b + 1; acc as group_rows'. */
 static void group_tiles(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M, __m512 *acc) {
-    uint8_t u[2][8][8][64] __attribute__((aligned(64)));
+    uint8_t u[8][8][64] __attribute__((aligned(64)));
     int32_t c[2][8][GROUP][GROUP] __attribute__((aligned(64)));
     const int64_t ldx = nb * Q8K_BYTES;
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b <= nb; b++) {
-        if (b < nb) {
-            const uint8_t *gb = g + b * GB, *xb = x + b * Q8K_BYTES;
-            for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T0);
-            uint8_t (*ub)[8][64] = u[b & 1];
-            int32_t (*cb)[GROUP][GROUP] = c[b & 1];
-            nibbles_of(gb, ub);
-#define SUB(j, ta, tb, tc) _tile_loadd(ta, xb + 32 * (j), ldx); _tile_loadd(tb, ub[j], 64); _tile_zero(tc); \
-            _tile_dpbsud(tc, ta, tb); _tile_stored(tc, cb[j], 64);
-            SUB(0, 0, 2, 4) SUB(1, 1, 3, 5) SUB(2, 0, 2, 6) SUB(3, 1, 3, 7)
-            SUB(4, 0, 2, 4) SUB(5, 1, 3, 5) SUB(6, 0, 2, 6) SUB(7, 1, 3, 7)
-#undef SUB
-        }
-        if (b == 0) continue;
-        const int64_t pb = b - 1;
-        const uint8_t *gb = g + pb * GB;
-        int32_t (*cb)[GROUP][GROUP] = c[pb & 1];
-        block_scales s;
-        scales_of(gb, &s);
-        for (int64_t m = 0; m < M; m++) {
-            const uint8_t *xb = x + (m * nb + pb) * Q8K_BYTES;
-            __m512i dot[8];
-            for (int j = 0; j < 8; j++) dot[j] = _mm512_load_si512(cb[j][m]);
-            int32_t bs[4];
-    float dx;
-            bsums_of(xb, bs);
-            memcpy(&dx, xb + 256, 4);
-            acc[m] = _mm512_add_ps(acc[m], block_term(&s, dot, bs, dx));
-        }
+        if (b < nb) block_tiles(g + b * GB, x + b * Q8K_BYTES, ldx, u, c[b & 1]);
+        if (b > 0) block_sums(g + (b - 1) * GB, x, nb, b - 1, M, c[(b - 1) & 1], acc);
     }
 }
 #endif
 #endif
 
-static int amx_rows_from = 6;       /* q4kr_amx_from: the fewest rows that take the tiles */
+static int amx_rows_from = 10;      /* q4kr_amx_from: the fewest rows that take the tiles */
 
 /* The fewest activation rows for which a plain weight's groups take the AMX tiles (`from` >= 2 sets it; 17: never);
  * returns it. */
@@ -410,26 +402,29 @@ static int path_for(int64_t M) {
 #endif
 }
 
-/* One group of rows against rows m of `x` (M of them, each `own`: with its own weight `bases[m]`, else all with
- * bases[0]) into out[m][n], on `path` (path_for). */
-static void group_product(int path, const uint8_t *const *bases, int own, int64_t nb, const uint8_t *x, int64_t M,
-                          float out[GROUP][GROUP]) {
+/* Rows [n0, n1) of y [M, N] from groups [a0, a1) of the weight `w` against M activation rows on `path`
+ * (path_for), one group after another. */
+static void rows_groups(int path, const uint8_t *w, int64_t row_bytes, int64_t nb, const uint8_t *x, int64_t M,
+                        int64_t a0, int64_t a1, float *y, int64_t N, int64_t n0, int64_t n1) {
+    for (int64_t a = a0; a < a1; a++) {
+        const uint8_t *g = w + a * GROUP * row_bytes;
+        float out[GROUP][GROUP];
 #if defined(Q4KR_VNNI)
-    __m512 acc[GROUP];
-    if (own || M == 1)
-        for (int64_t m = 0; m < M; m++) {
-            const uint8_t *xm = x + m * nb * Q8K_BYTES;
-            groups_row(1, &bases[own ? m : 0], nb, &xm, &acc[m]);
-        }
-    else if (path == 1) group_rows(bases[0], nb, x, M, acc);
+        __m512 acc[GROUP];
 #if defined(Q4KR_AMX)
-    else group_tiles(bases[0], nb, x, M, acc);
+        if (path == 2) group_tiles(g, nb, x, M, acc);
+        else
 #endif
-    for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out[m], acc[m]);
+        group_rows(g, nb, x, M, acc);
+        for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out[m], acc[m]);
 #else
-    (void)path;
-    for (int64_t m = 0; m < M; m++) group_row_c(bases[own ? m : 0], nb, x + m * nb * Q8K_BYTES, out[m]);
+        (void)path;
+        for (int64_t m = 0; m < M; m++) group_row_c(g, nb, x + m * nb * Q8K_BYTES, out[m]);
 #endif
+        int64_t first = a * GROUP;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = first < n0 ? n0 : first; n < first + GROUP && n < n1; n++) y[m * N + n] = out[m][n - first];
+    }
 }
 
 /* y [M, N] rows [n0, n1) = x @ W.T for a Q4_K weight whose whole groups q4kr_repack rewrote (type Q4KR_TYPE), the
@@ -448,7 +443,6 @@ int q4kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
     }
     int own = experts != NULL;
     int64_t live[GROUP], rows = 0;          /* the activation rows computed: all, or those with an expert */
-    const uint8_t *bases[GROUP];
     for (int64_t m = 0; m < M; m++) {
         if (own && experts[m] < 0) {
             for (int64_t n = n0; n < n1; n++) y[m * N + n] = 0.0f;
@@ -478,14 +472,11 @@ int q4kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
 #if defined(Q4KR_AMX)
     if (path == 2 && n0 < n1) tiles_for(rows);
 #endif
-    for (int64_t g = n0 / GROUP * GROUP; g < n1; g += GROUP) {
-        float out[GROUP][GROUP];
+    if (!own) rows_groups(path, w, row_bytes, nb, x, rows, n0 / GROUP, (n1 + GROUP - 1) / GROUP, y, N, n0, n1);
+    else            /* the plain C build's rows with a weight of their own */
         for (int64_t i = 0; i < rows; i++)
-            bases[i] = w + (own ? experts[live[i]] * expert_bytes : 0) + g * row_bytes;
-        group_product(path, bases, own, nb, xs != NULL ? xs : x, rows, out);
-        for (int64_t i = 0; i < rows; i++)
-            for (int64_t n = g < n0 ? n0 : g; n < g + GROUP && n < n1; n++) y[live[i] * N + n] = out[i][n - g];
-    }
+            rows_groups(path, w + experts[live[i]] * expert_bytes, row_bytes, nb, (xs != NULL ? xs : x) + i * nb *
+                        Q8K_BYTES, 1, n0 / GROUP, (n1 + GROUP - 1) / GROUP, y + live[i] * N, N, n0, n1);
 #if defined(Q4KR_AMX)
     if (path == 2 && n0 < n1) _tile_release();
 #endif
