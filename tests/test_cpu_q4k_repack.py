@@ -115,3 +115,44 @@ def test_build_without_avx512(tmp_path, monkeypatch):
     r = repacked(w)
     for M in (1, 2, 16):
         assert torch.equal(repack.product(x[:M], r), expected[:M]), (flags, M)
+
+
+@pytest.fixture(scope="module")
+def q4_tiny(tmp_path_factory) -> str:
+    """A tiny random model in ds4's q4 mix with rows of 256 values, so that its routed experts are Q4_K stacks of
+    whole groups (8 experts of 256 x 256)."""
+    from ds4.tiny.build import write_tiny
+    path = str(tmp_path_factory.mktemp("q4") / "tiny-q4.gguf")
+    write_tiny(path, mix="q4", dim=256, moe_inter_dim=256, n_layers=2, n_hash_layers=1, compress_ratios=(0, 4))
+    return path
+
+
+def run(path: str, weights: str, prompt: int = 20, tokens: int = 5) -> tuple[list[int], list[torch.Tensor], object]:
+    """Greedy ids of a q8 run, the logits behind each (a prompt prefilled in one chunk, then decode steps) and the
+    engine."""
+    import ds4
+    engine = ds4.load(path, weights=weights, cpu_dot="q8", prefill_chunk=32)
+    logits: list[torch.Tensor] = []
+    ids = [t.id for t in engine.generate(list(range(3, 3 + prompt)), raw=True, max_tokens=tokens, mtp_draft=0,
+                                         on_logits=logits.append) if t.id >= 0]
+    return ids, logits, engine
+
+
+def test_model_on_repacked_weights_equals_mapped(q4_tiny):
+    """`--weights memory --cpu-dot q8` repacks the routed Q4_K stacks at load (typed, in place); prefill (the routed
+    experts' groups), decode and a 3-row verify (more than 16 (row, expert) pairs) give the mapped weights' tokens and
+    logits bit for bit; `--weights mmap` and the exact path keep the stored blocks."""
+    ids, logits, mapped = run(q4_tiny, "mmap")
+    ids2, logits2, copied = run(q4_tiny, "memory")
+    stacks = [w for L in copied.model.layers for w in (L.experts.gate, L.experts.up, L.experts.down)]
+    assert all(type(w) is repack.RepackedQ4K for w in stacks) == repack.worthwhile()
+    assert all(type(w) is QTensor for L in mapped.model.layers for w in (L.experts.gate, L.experts.down))
+    assert ids == ids2 and len(ids) == 5
+    import ds4
+    exact = ds4.load(q4_tiny, weights="memory")
+    assert all(type(L.experts.gate) is QTensor for L in exact.model.layers)
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits2, strict=True))
+    from backends.cpu import ffn
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(9))    # 9 rows x top-2: the unfused path
+    outs = [ffn.moe(x, torch.arange(5, 14), engine.model.layers[1].experts, "q8") for engine in (mapped, copied)]
+    assert torch.equal(outs[0], outs[1])

@@ -13,6 +13,7 @@ import torch
 from ops.quants import QTensor
 
 from . import kernels
+from .repack import RepackedQ4K, repacked_rows
 
 _bound: ctypes.CDLL | None = None
 
@@ -170,31 +171,44 @@ class ProductArgs(ctypes.Structure):
                 ("parts", ctypes.c_int64)]
 
 
-def served(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None, dot: str) -> bool:
+def type_name(w: QTensor | RepackedQ4K) -> str:
+    """The quant type of w's values (a repacked Q4_K weight's is Q4_K)."""
+    return "Q4_K" if type(w) is RepackedQ4K else w.qtype.name
+
+
+def row_kernel(w: QTensor | RepackedQ4K, dot: str) -> tuple[int, int]:
+    """The address of w's row kernel under `dot` and the type code it takes (a repacked weight: its own, q8 only)."""
+    if type(w) is RepackedQ4K:
+        return repacked_rows(dot)
+    return kernels.row_kernel(dot == "q8"), kernels.GGML_TYPE[w.qtype.name]
+
+
+def served(x: torch.Tensor, w: QTensor | RepackedQ4K, experts: torch.Tensor | None, dot: str) -> bool:
     """Whether `products` serves rows x with the quantized weight w (2-D, or stacked [E, N, K] with `experts`)."""
-    K = w.shape[-1]
-    kernel = kernels.q8_available(w.qtype.name, K) if dot == "q8" else kernels.available(w.qtype.name, K)
+    K, name = w.shape[-1], type_name(w)
+    kernel = kernels.q8_available(name, K) if dot == "q8" else kernels.available(name, K)
     shapes = len(w.shape) == 2 if experts is None else len(w.shape) == 3 and experts.shape == x.shape[:1]
-    return kernel and shapes and w.qtype.name != "F32" and x.shape[0] <= kernels.MAX_ROWS and x.shape[-1] == K
+    return kernel and shapes and name != "F32" and x.shape[0] <= kernels.MAX_ROWS and x.shape[-1] == K
 
 
-def product_args(kernel: int, rows: torch.Tensor, w: QTensor, experts: torch.Tensor | None, y: torch.Tensor,
-                 alive: list) -> ProductArgs:
+def product_args(kernel: int | None, rows: torch.Tensor, w: QTensor | RepackedQ4K, experts: torch.Tensor | None,
+                 y: torch.Tensor, alive: list, dot: str = "exact") -> ProductArgs:
     """One product of a `glue_products` call: the prepared `rows` (float32, or q8's rounded blocks) of y [M, N] times
-    the weight `w` (row m: expert experts[m] of a stack); the tensors whose pointers it holds are appended to
-    `alive`."""
+    the weight `w` (row m: expert experts[m] of a stack) through `kernel` (None: w's row kernel under `dot`); the
+    tensors whose pointers it holds are appended to `alive`."""
     data = w.data.contiguous()
     ids = None if experts is None else experts.to(torch.int64).contiguous()
     (M, N), K = y.shape, w.shape[-1]
     expert_bytes = 0 if ids is None else data[0].numel()
     read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
     alive += [rows, data, ids, y]
-    return ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], data.data_ptr(), expert_bytes,
+    kernel, code = row_kernel(w, dot) if kernel is None else (kernel, kernels.GGML_TYPE[w.qtype.name])
+    return ProductArgs(kernel, code, data.data_ptr(), expert_bytes,
                        None if ids is None else ids.data_ptr(), N, K, rows.data_ptr(), M, y.data_ptr(),
                        1 if kernels.threads() == 1 else max(1, min(N, kernels.pool_parts(read))))
 
 
-def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
+def products(calls: list[tuple[torch.Tensor, QTensor | RepackedQ4K, torch.Tensor | None]],
              dot: str = "exact") -> list[torch.Tensor] | None:
     """[x @ W.T for each (x [M, K], W, experts)] in one pass of the kernel pool (glue.c's glue_products): a thread
     that finishes its chunks of one weight goes on to the next, and the pool's threads are handed work once. With
@@ -210,14 +224,15 @@ def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
     alive, outs = [], []    # the tensors whose pointers the call reads
     args = (ProductArgs * len(calls))()
     for i, (x, w, experts) in enumerate(calls):
-        key = (id(x), kernels.Q8_TYPES[w.qtype.name] if dot == "q8" else None)    # q8: one rounding per kind
+        name = type_name(w)
+        key = (id(x), kernels.Q8_TYPES[name] if dot == "q8" else None)    # q8: one rounding per kind
         if key not in prepared:
-            prepared[key] = kernels.q8_quantize(f32(x), w.qtype.name) if dot == "q8" else f32(x)
+            prepared[key] = kernels.q8_quantize(f32(x), name) if dot == "q8" else f32(x)
         y = torch.empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
-        args[i] = product_args(kernel, prepared[key], w, experts, y, alive)
+        args[i] = product_args(None if type(w) is RepackedQ4K else kernel, prepared[key], w, experts, y, alive, dot)
         outs.append(y)
     if k.glue_products(args, len(calls), kernels.threads()):
-        raise ValueError(f"products: unsupported call ({', '.join(w.qtype.name for _, w, _ in calls)}, dot={dot})")
+        raise ValueError(f"products: unsupported call ({', '.join(type_name(w) for _, w, _ in calls)}, dot={dot})")
     return outs
 
 
@@ -294,28 +309,30 @@ class BoundExpert:
     hq_row_bytes: int       # bytes of one rounded row of the down product's input
 
 
-def bind_expert(gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: bool) -> BoundExpert | None:
-    """glue_moe_rows' arguments of the three weights (`routed`: stacks [E, N, K] of experts, else 2-D), or None where
-    the kernels do not serve them."""
+def bind_expert(gate: QTensor | RepackedQ4K, up: QTensor | RepackedQ4K, down: QTensor | RepackedQ4K, dot: str,
+                routed: bool) -> BoundExpert | None:
+    """glue_moe_rows' arguments of the three weights (`routed`: stacks [E, N, K] of experts, else 2-D; a repacked
+    Q4_K stack takes its own row kernel), or None where the kernels do not serve them."""
     served = kernels.q8_available if dot == "q8" else kernels.available
     K, inner = gate.shape[-1], gate.shape[-2]
-    if not all(type(t) is QTensor and len(t.shape) == (3 if routed else 2) and t.qtype.name != "F32" for t in
-               (gate, up, down)):
+    names = tuple(type_name(t) for t in (gate, up, down))
+    if not all(type(t) in (QTensor, RepackedQ4K) and len(t.shape) == (3 if routed else 2) and name != "F32"
+               for t, name in zip((gate, up, down), names, strict=True)):
         return None
     if up.shape != gate.shape or down.shape[-1] != inner or down.shape[:-2] != gate.shape[:-2]:
         return None
-    if not (served(gate.qtype.name, K) and served(up.qtype.name, K) and served(down.qtype.name, inner)):
+    if not (served(names[0], K) and served(names[1], K) and served(names[2], inner)):
         return None
-    if dot == "q8" and kernels.Q8_TYPES[up.qtype.name] != kernels.Q8_TYPES[gate.qtype.name]:
+    if dot == "q8" and kernels.Q8_TYPES[names[1]] != kernels.Q8_TYPES[names[0]]:
         return None
-    kernel = kernels.row_kernel(dot == "q8")
     data = tuple(t.data.contiguous() for t in (gate, up, down))
-    args = (ProductArgs * 3)(*(ProductArgs(kernel, kernels.GGML_TYPE[t.qtype.name], d.data_ptr(),
-                                           d[0].numel() if routed else 0, None, t.shape[-2], t.shape[-1], None, 0,
-                                           None, 1) for t, d in zip((gate, up, down), data, strict=True)))
-    q8_down = kernels.Q8_TYPES[down.qtype.name] if dot == "q8" else -1
+    kernel_types = tuple(row_kernel(t, dot) for t in (gate, up, down))
+    args = (ProductArgs * 3)(*(ProductArgs(kernel, code, d.data_ptr(), d[0].numel() if routed else 0, None,
+                                           t.shape[-2], t.shape[-1], None, 0, None, 1)
+                               for t, d, (kernel, code) in zip((gate, up, down), data, kernel_types, strict=True)))
+    q8_down = kernels.Q8_TYPES[names[2]] if dot == "q8" else -1
     return BoundExpert(args, data, tuple(d[0].numel() if routed else d.numel() for d in data),
-                       gate.qtype.name if dot == "q8" else None, q8_down,
+                       names[0] if dot == "q8" else None, q8_down,
                        kernels.q8_row_bytes(q8_down, inner) if dot == "q8" else 0)
 
 
@@ -356,7 +373,7 @@ def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen:
     if _lib().glue_moe_rows(bound.args, bound.q8_down, hq.data_ptr(), None if weights is None else weights.data_ptr(),
                             clamp is not None, 0.0 if clamp is None else clamp, h.data_ptr(), M, k, out.data_ptr(),
                             threads):
-        raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
+        raise ValueError(f"moe: unsupported call ({type_name(gate)}, {type_name(up)}, {type_name(down)}, dot={dot})")
     return out
 
 

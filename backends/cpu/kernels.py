@@ -665,3 +665,4 @@ def _bind_q4kr(k: ctypes.CDLL) -> None:
     k.q4kr_rows.argtypes = k.qdot8.argtypes
     k.q4kr_amx_from.restype = ctypes.c_int
     k.q4kr_amx_from.argtypes = [ctypes.c_int]
+    k.q4kr_vector.restype = ctypes.c_int

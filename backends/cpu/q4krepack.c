@@ -389,6 +389,16 @@ int q4kr_amx_from(int from) {
     return amx_rows_from;
 }
 
+/* Whether the repacked kernels are the vector ones here (AVX-512 VNNI; else the plain C loop, slower than qdot8's
+ * kernels on the stored layout, so a weight is worth repacking only where this is 1). */
+int q4kr_vector(void) {
+#if defined(Q4KR_VNNI)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Which path serves M rows here: 2 AMX tiles, 1 AVX-512 VNNI, 0 plain C. */
 static int path_for(int64_t M) {
 #if defined(Q4KR_AMX)

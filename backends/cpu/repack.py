@@ -5,10 +5,12 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from ops.moe import Experts
 from ops.quants import QTensor, get
 
 from . import kernels
@@ -75,9 +77,33 @@ def product(x: torch.Tensor, w: RepackedQ4K, experts: torch.Tensor | None = None
     return y
 
 
+def experts_product(x: torch.Tensor, w: RepackedQ4K, ids: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """Prefill's routed experts of a repacked stack in one library call, as `kernels.experts_product(..., "q8")` on
+    the stored stack (the same bits)."""
+    x = x.to(torch.float32).contiguous()
+    P, K = x.shape
+    rows = kernels.q8_quantize(x, "Q4_K")
+    data, ids, first = w.data.contiguous(), ids.to(torch.int64).contiguous(), first.to(torch.int64).contiguous()
+    y = torch.empty((P, w.shape[-2]), dtype=torch.float32)
+    rc = kernels.lib().experts_gemm_pool(1, kernels.Q4KR_TYPE, data.data_ptr(), data[0].numel(), ids.data_ptr(),
+                                         first.data_ptr(), w.shape[-2], K, rows.data_ptr(),
+                                         rows.numel() // max(P, 1), y.data_ptr(), ids.shape[0], kernels.threads())
+    if rc:
+        raise ValueError(f"repacked experts_product: unsupported call (K={K}, rc={rc})")
+    return y
+
+
 def kernel() -> ctypes._CFuncPtr:
     """The library's row kernel of repacked weights (q4kr_rows: qdot8_rows' arguments)."""
     return kernels.lib().q4kr_rows
+
+
+def repacked_rows(dot: str) -> tuple[int, int]:
+    """The address of the repacked row kernel and its type code; ValueError off q8 (a repacked weight has only the
+    8-bit kernels: the exact ones read the stored layout)."""
+    if dot != "q8":
+        raise ValueError(f"a repacked Q4_K weight is multiplied under --cpu-dot q8 only, not {dot!r}")
+    return ctypes.cast(kernel(), ctypes.c_void_p).value, kernels.Q4KR_TYPE
 
 
 def bind(w: RepackedQ4K) -> kernels.Bound:
@@ -95,3 +121,15 @@ def amx_from(rows: int | None = None) -> int:
     """The fewest rows a repacked weight's product takes on the AMX tiles (where the CPU has them); `rows` sets it
     (17: never)."""
     return kernels.lib().q4kr_amx_from(rows or 0)
+
+
+def worthwhile() -> bool:
+    """Whether repacking pays here: the library is built with its vector kernels (AVX-512 VNNI)."""
+    return kernels.built() and bool(kernels.lib().q4kr_vector())
+
+
+def repack_experts(experts: Experts) -> Experts:
+    """`experts` with its Q4_K stacks repacked in place (`repack`; the other stacks as they are)."""
+    stacks = {name: getattr(experts, name) for name in ("gate", "up", "down")}
+    new = {name: repack(w) for name, w in stacks.items() if repackable(w) and len(w.shape) == 3}
+    return dataclasses.replace(experts, **new) if new else experts
