@@ -8,7 +8,8 @@ ops run on rows padded to whole vectors (`rows.rowwise`), and each row sums its 
 expert id order (with the kernel library: the gated activation and the sum over experts are one C call each,
 backends/cpu/glue.c, the bits of ops.exp_poly.swiglu_poly). So row r equals the 1-row call bit for bit with no loop
 over rows. Prefill (larger M)
-groups each expert's rows, all the experts of a layer in one kernel call per projection (qgemm.c).
+groups each expert's rows, all the experts of a layer in one kernel call per projection (qgemm.c). Expert stacks
+repacked at load (`repack.RepackedQ4K`, `--cpu-dot q8` with the weights in memory) take their own kernels.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ops.moe import Experts, check_owned, owned_pairs, select
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
 
-from . import glue, kernels
+from . import glue, kernels, repack
 
 
 def gathered(w: QTensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -38,6 +39,11 @@ def pairs_product(x: torch.Tensor, w: QTensor, chosen: torch.Tensor, dot: str = 
     """[P, out] products of rows x [P, in] with the experts `chosen` [P] of a stacked [E, out, in] weight; an
     expert -1 (another rank's) gives 0 from the kernel, and the last expert's products on the gathered path,
     which its routing weight 0 cancels; `dot="q8"`: 8-bit activations where qdot8.c reads the type."""
+    if type(w) is repack.RepackedQ4K:
+        repack.repacked_rows(dot)       # q8 only
+        out = [repack.product(x[i:i + kernels.MAX_ROWS], w, chosen[i:i + kernels.MAX_ROWS])
+               for i in range(0, x.shape[0], kernels.MAX_ROWS)]
+        return out[0] if len(out) == 1 else torch.cat(out)
     if dot == "q8" and kernels.q8_available(w.qtype.name, w.shape[-1]):
         out = [kernels.qdot8(x[i:i + kernels.MAX_ROWS], w, chosen[i:i + kernels.MAX_ROWS])
                for i in range(0, x.shape[0], kernels.MAX_ROWS)]
@@ -123,7 +129,8 @@ def grouped(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts,
     not read take `grouped_loop`. Rounding may depend on M; `dot="q8"`: 8-bit activations where qdot8.c reads
     the type."""
     check_owned(ex)
-    if not all(kernels.available(t.qtype.name, t.shape[-1]) for t in (ex.gate, ex.up, ex.down)):
+    if not all(type(t) is repack.RepackedQ4K or kernels.available(t.qtype.name, t.shape[-1])
+               for t in (ex.gate, ex.up, ex.down)):
         return grouped_loop(x, chosen, w, ex, dot)
     k = chosen.shape[1]
     local = chosen.reshape(-1) - ex.first
@@ -134,11 +141,19 @@ def grouped(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts,
     torch.cumsum(counts, 0, out=first[1:])
     rows = order // k
     xs = x[rows]
-    g = kernels.experts_product(xs, ex.gate, ids, first, dot).clamp(max=ex.clamp)
-    u = kernels.experts_product(xs, ex.up, ids, first, dot).clamp(-ex.clamp, ex.clamp)
+    g = experts_product(xs, ex.gate, ids, first, dot).clamp(max=ex.clamp)
+    u = experts_product(xs, ex.up, ids, first, dot).clamp(-ex.clamp, ex.clamp)
     h = F.silu(g) * u * w.reshape(-1)[order, None]
-    return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, rows, kernels.experts_product(h, ex.down, ids,
-                                                                                                first, dot))
+    return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, rows, experts_product(h, ex.down, ids, first, dot))
+
+
+def experts_product(x: torch.Tensor, w: QTensor | repack.RepackedQ4K, ids: torch.Tensor, first: torch.Tensor,
+                    dot: str) -> torch.Tensor:
+    """`kernels.experts_product`, or a repacked stack's (q8 only: the same bits as the stored stack's)."""
+    if type(w) is repack.RepackedQ4K:
+        repack.repacked_rows(dot)
+        return repack.experts_product(x, w, ids, first)
+    return kernels.experts_product(x, w, ids, first, dot)
 
 
 def grouped_loop(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts,

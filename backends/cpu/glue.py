@@ -16,6 +16,7 @@ from ops.moe import Experts
 from ops.quants import QTensor
 
 from . import kernels
+from .repack import RepackedQ4K, repacked_rows
 from .scratch import SCRATCH
 
 _bound: ctypes.CDLL | None = None
@@ -177,36 +178,49 @@ class ProductArgs(ctypes.Structure):
                 ("parts", ctypes.c_int64)]
 
 
-def served(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None, dot: str) -> bool:
+def type_name(w: QTensor | RepackedQ4K) -> str:
+    """The quant type of w's values (a repacked Q4_K weight's is Q4_K)."""
+    return "Q4_K" if type(w) is RepackedQ4K else w.qtype.name
+
+
+def row_kernel(w: QTensor | RepackedQ4K, dot: str) -> tuple[int, int]:
+    """The address of w's row kernel under `dot` and the type code it takes (a repacked weight: its own, q8 only)."""
+    if type(w) is RepackedQ4K:
+        return repacked_rows(dot)
+    return kernels.row_kernel(dot == "q8"), kernels.GGML_TYPE[w.qtype.name]
+
+
+def served(x: torch.Tensor, w: QTensor | RepackedQ4K, experts: torch.Tensor | None, dot: str) -> bool:
     """Whether `products` serves rows x with the quantized weight w (2-D, or stacked [E, N, K] with `experts`)."""
     stacked = experts is not None
     return (not stacked or experts.shape == x.shape[:1]) and serves(x.shape[0], x.shape[-1], w, stacked, dot)
 
 
-def serves(M: int, K: int, w: QTensor, stacked: bool, dot: str) -> bool:
+def serves(M: int, K: int, w: QTensor | RepackedQ4K, stacked: bool, dot: str) -> bool:
     """Whether `products` serves M rows of K values with the quantized weight w (2-D, or `stacked` [E, N, K])."""
-    name = w.qtype.name
+    name = type_name(w)
     kernel = kernels.q8_available(name, K) if dot == "q8" else kernels.available(name, K)
     return kernel and len(w.shape) == 2 + stacked and name != "F32" and M <= kernels.MAX_ROWS and w.shape[-1] == K
 
 
-def product_args(kernel: int, w: QTensor, experts: torch.Tensor | None, M: int, rows: int, y: int,
-                 alive: list) -> ProductArgs:
+def product_args(kernel: int | None, w: QTensor | RepackedQ4K, experts: torch.Tensor | None, M: int, rows: int,
+                 y: int, alive: list, dot: str = "exact") -> ProductArgs:
     """One product of a `glue_products` call: M prepared rows at address `rows` (float32, or q8's rounded blocks)
-    times the weight `w` (row m: expert experts[m] of a stack) into float32 [M, N] at address `y`; the tensors whose
-    pointers it holds are appended to `alive`."""
+    times the weight `w` (row m: expert experts[m] of a stack) into float32 [M, N] at address `y`, through `kernel`
+    (None: w's row kernel under `dot`); the tensors whose pointers it holds are appended to `alive`."""
     data = w.data.contiguous()
     ids = None if experts is None else experts.to(torch.int64).contiguous()
     N, K = w.shape[-2], w.shape[-1]
     expert_bytes = 0 if ids is None else data.numel() // data.shape[0]
     read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
     alive += [data, ids]
-    return ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], data.data_ptr(), expert_bytes,
+    kernel, code = row_kernel(w, dot) if kernel is None else (kernel, kernels.GGML_TYPE[w.qtype.name])
+    return ProductArgs(kernel, code, data.data_ptr(), expert_bytes,
                        None if ids is None else ids.data_ptr(), N, K, rows, M, y,
                        1 if kernels.threads() == 1 else max(1, min(N, kernels.pool_parts(read))))
 
 
-def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
+def products(calls: list[tuple[torch.Tensor, QTensor | RepackedQ4K, torch.Tensor | None]],
              dot: str = "exact") -> list[torch.Tensor] | None:
     """[x @ W.T for each (x [M, K], W, experts)] in one pass of the kernel pool (glue.c's glue_products): a thread
     that finishes its chunks of one weight goes on to the next, and the pool's threads are handed work once. With
@@ -222,14 +236,16 @@ def products(calls: list[tuple[torch.Tensor, QTensor, torch.Tensor | None]],
     alive, outs = [], []    # the tensors whose pointers the call reads
     args = (ProductArgs * len(calls))()
     for i, (x, w, experts) in enumerate(calls):
-        key = (id(x), kernels.Q8_TYPES[w.qtype.name] if dot == "q8" else None)    # q8: one rounding per kind
+        name = type_name(w)
+        key = (id(x), kernels.Q8_TYPES[name] if dot == "q8" else None)    # q8: one rounding per kind
         if key not in prepared:
-            prepared[key] = kernels.q8_quantize(f32(x), w.qtype.name) if dot == "q8" else f32(x)
+            prepared[key] = kernels.q8_quantize(f32(x), name) if dot == "q8" else f32(x)
         y = torch.empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
-        args[i] = product_args(kernel, w, experts, x.shape[0], prepared[key].data_ptr(), y.data_ptr(), alive)
+        args[i] = product_args(None if type(w) is RepackedQ4K else kernel, w, experts, x.shape[0],
+                               prepared[key].data_ptr(), y.data_ptr(), alive, dot)
         outs.append(y)
     if k.glue_products(args, len(calls), kernels.threads()):
-        raise ValueError(f"products: unsupported call ({', '.join(w.qtype.name for _, w, _ in calls)}, dot={dot})")
+        raise ValueError(f"products: unsupported call ({', '.join(type_name(w) for _, w, _ in calls)}, dot={dot})")
     return outs
 
 
@@ -307,25 +323,27 @@ class BoundExpert:
     hq_row_bytes: int       # bytes of one rounded row of the down product's input (`dot="q8"`), else 0
 
 
-def bind_expert(gate: QTensor, up: QTensor, down: QTensor, dot: str, routed: bool) -> BoundExpert | None:
-    """glue_moe_rows' arguments of the three weights (`routed`: stacks [E, N, K] of experts, else 2-D), or None where
-    the kernels do not serve them."""
+def bind_expert(gate: QTensor | RepackedQ4K, up: QTensor | RepackedQ4K, down: QTensor | RepackedQ4K, dot: str,
+                routed: bool) -> BoundExpert | None:
+    """glue_moe_rows' arguments of the three weights (`routed`: stacks [E, N, K] of experts, else 2-D; a repacked
+    Q4_K stack takes its own row kernel), or None where the kernels do not serve them."""
     served = kernels.q8_available if dot == "q8" else kernels.available
     K, inner = gate.shape[-1], gate.shape[-2]
-    if not all(type(t) is QTensor and len(t.shape) == (3 if routed else 2) and t.qtype.name != "F32" for t in
-               (gate, up, down)):
+    names = tuple(type_name(t) for t in (gate, up, down))
+    if not all(type(t) in (QTensor, RepackedQ4K) and len(t.shape) == (3 if routed else 2) and name != "F32"
+               for t, name in zip((gate, up, down), names, strict=True)):
         return None
     if up.shape != gate.shape or down.shape[-1] != inner or down.shape[:-2] != gate.shape[:-2]:
         return None
-    if not (served(gate.qtype.name, K) and served(up.qtype.name, K) and served(down.qtype.name, inner)):
+    if not (served(names[0], K) and served(names[1], K) and served(names[2], inner)):
         return None
-    if dot == "q8" and kernels.Q8_TYPES[up.qtype.name] != kernels.Q8_TYPES[gate.qtype.name]:
+    if dot == "q8" and kernels.Q8_TYPES[names[1]] != kernels.Q8_TYPES[names[0]]:
         return None
-    kernel = kernels.row_kernel(dot == "q8")
     data = tuple(t.data.contiguous() for t in (gate, up, down))
-    args = (ProductArgs * 3)(*(ProductArgs(kernel, kernels.GGML_TYPE[t.qtype.name], d.data_ptr(),
-                                           d[0].numel() if routed else 0, None, t.shape[-2], t.shape[-1], None, 0,
-                                           None, 1) for t, d in zip((gate, up, down), data, strict=True)))
+    kernel_types = tuple(row_kernel(t, dot) for t in (gate, up, down))
+    args = (ProductArgs * 3)(*(ProductArgs(kernel, code, d.data_ptr(), d[0].numel() if routed else 0, None,
+                                           t.shape[-2], t.shape[-1], None, 0, None, 1)
+                               for t, d, (kernel, code) in zip((gate, up, down), data, kernel_types, strict=True)))
     q8_rows, q8_down = (q8_kind(gate, dot), q8_kind(down, dot))
     return BoundExpert(args, data, tuple(d[0].numel() if routed else d.numel() for d in data), q8_rows, q8_down,
                        kernels.q8_row_bytes(q8_rows, K) if dot == "q8" else 0,
@@ -413,13 +431,13 @@ def expert_rows(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M: i
         raise ValueError(f"moe: a token id outside the {route.table_rows}-row expert table or an expert outside "
                          f"{route.E}")
     if rc:
-        raise ValueError(f"moe: unsupported call ({gate.qtype.name}, {up.qtype.name}, {down.qtype.name}, dot={dot})")
+        raise ValueError(f"moe: unsupported call ({type_name(gate)}, {type_name(up)}, {type_name(down)}, dot={dot})")
     return out
 
 
-def q8_kind(w: QTensor, dot: str) -> int:
+def q8_kind(w: QTensor | RepackedQ4K, dot: str) -> int:
     """The rounding kind of the rows of a product with weight `w` under q8 (qdot8.c's q8_quantize), else -1."""
-    return kernels.Q8_TYPES[w.qtype.name] if dot == "q8" else -1
+    return kernels.Q8_TYPES[type_name(w)] if dot == "q8" else -1
 
 
 @dataclass

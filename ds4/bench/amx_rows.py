@@ -1,6 +1,7 @@
 """`bench.py amx-rows`: `--cpu-dot q8`'s several-row products (backends/cpu/qdot8amx.c) of a routed expert's and the
 attention's weights, M = 1..16 rows, with the AMX tiles off (qdot8_rows' AVX-512 path), on from the break-even
-row count (the default) and on for every M from 2, the three interleaved call by call.
+row count (the default) and on for every M from 2, the three interleaved call by call; for the Q4_K weights also
+`repacked`: a copy repacked as `--weights memory` would hold it (backends/cpu/repack.py, its own VNNI and AMX paths).
 
 Each time is the minimum over `--rounds` calls of the calling thread's CPU time, one thread, with the weight
 evicted before every call (a buffer larger than the last-level cache summed, as `bench.py cpu --gemv`); `x_M1`
@@ -15,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from backends.cpu import kernels
+from backends.cpu import kernels, repack
 from ds4.bench.cpu_gemv import EVICT_BYTES, weight
 from ds4.errors import BackendUnavailable, UsageError
 
@@ -30,15 +31,18 @@ SHAPES = (  # (type, N, K, what V4 Flash stores in it)
 SETTINGS = {"off": (False, False), "default": (True, False), "every_m": (True, True)}   # amx_rows(on, every_m)
 
 
-def time_rows(w, x: torch.Tensor, rounds: int, evict: np.ndarray) -> dict[str, float]:
-    """Minimum thread CPU seconds of `kernels.qdot8(x, w)` per setting, interleaved, each call after an eviction."""
-    best = dict.fromkeys(SETTINGS, float("inf"))
+def time_rows(w, x: torch.Tensor, rounds: int, evict: np.ndarray,
+              repacked: repack.RepackedQ4K | None) -> dict[str, float]:
+    """Minimum thread CPU seconds of `kernels.qdot8(x, w)` per setting (and of `repack.product(x, repacked)`),
+    interleaved, each call after an eviction."""
+    best = dict.fromkeys([*SETTINGS, *(["repacked"] if repacked is not None else [])], float("inf"))
     for timed in (False, *[True] * rounds):     # a first, untimed round warms up
-        for name, (on, every_m) in SETTINGS.items():
+        for name in best:
+            on, every_m = SETTINGS.get(name, (True, False))
             kernels.amx_rows(on, every_m)
             evict.sum()
             t0 = time.thread_time()
-            kernels.qdot8(x, w)
+            kernels.qdot8(x, w) if repacked is None or name != "repacked" else repack.product(x, repacked)
             if timed:
                 best[name] = min(best[name], time.thread_time() - t0)
     kernels.amx_rows(True)
@@ -58,15 +62,17 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     try:
         for qtype, n, k, what in SHAPES:
             w = weight(qtype, 32 if args.smoke else n, k, 8 if args.smoke else 64)
+            r = repack.repack(weight(qtype, *w.shape, 8 if args.smoke else 64)) if repack.repackable(w) else None
             x = torch.randn(16, k, generator=torch.Generator().manual_seed(1))
             first: dict[str, float] = {}
             for M in args.rows:
-                best = time_rows(w, x[:M], args.rounds, evict)
+                best = time_rows(w, x[:M], args.rounds, evict, r)
                 first = first or best
                 row = {"type": qtype, "shape": f"{w.shape[0]}x{k}", "weight": what, "M": M, "amx": kernels.amx_rows()}
-                for name, seconds in best.items():
-                    row[f"{name}_ms"] = f"{1e3 * seconds:.3f}"
-                    row[f"{name}_x_M1"] = f"{seconds / first[name]:.2f}"
+                for name in (*SETTINGS, "repacked"):
+                    seconds = best.get(name)
+                    row[f"{name}_ms"] = "-" if seconds is None else f"{1e3 * seconds:.3f}"
+                    row[f"{name}_x_M1"] = "-" if seconds is None else f"{seconds / first[name]:.2f}"
                 out.append(row)
     finally:
         kernels.set_threads(pool_before)

@@ -1,0 +1,495 @@
+/* Q4_K repacked at load for `--cpu-dot q8` (docs/cpu.md, "Q4_K repacked at load (session 13)"). A weight's rows
+ * are taken 16 at a time (a group: 16 x row_bytes contiguous bytes, the same region before and after), and each
+ * block of the group's 16 rows (16 x 144 = 2304 bytes) is rewritten as
+ *
+ *   [0, 32)      the 16 rows' d (f16), [32, 64) their dmin (f16);
+ *   [64, 160)    the 128 six-bit scales, entry 16 j + n = row n's scale of sub-block j: 64 bytes of low nibbles (byte t:
+ *                entries t and t + 64), 32 bytes of top bits (byte t: entries t, t + 32, t + 64, t + 96, 2 bits each);
+ *   [160, 256)   the 128 six-bit mins, the same way but entry 32 i + 2 n + t = row n's min of sub-block 2 i + t (so that
+ *                16-bit pairs of them meet the activations' pairs of sub-block sums in `vpdpwssd`);
+ *   [256, 2304)  the nibbles: 64-byte vector 8 p + r holds in bytes 4 n .. 4 n + 3 row n's stored bytes 32 p + 4 r ..
+ *                32 p + 4 r + 3, whose low nibbles are values 64 p + 4 r .. + 3 (sub-block 2 p) and high nibbles
+ *                values 64 p + 32 + 4 r .. + 3 (sub-block 2 p + 1).
+ *
+ * So the same bytes hold the same numbers (no memory grows), and a nibble vector, masked or shifted, is the
+ * operand of `vpdpbusd` against 4 activation bytes broadcast (16 weight rows at once) and a row of an AMX B tile
+ * (`tdpbsud`, 16 weight rows x 4 values per row) with nothing else unpacked. Rows past the last whole group keep the
+ * stored layout (qdot8.c multiplies them). The arithmetic is qdot8.c's Q4_K (ops/q8_activations.py): per row and
+ * block the exact integers isum = sum_j sc_j dot_j and msum = sum_j m_j (bsums 2j + bsums 2j+1), then
+ * acc += (d_x d) isum - (d_x dmin) msum in block order. Here isum is formed in float from exact pieces (a sub-block's
+ * dot times its scale is below 2^22 and four of them below 2^24, so the two halves are exact and their sum rounds as
+ * (float)isum does; msum is below 2^21), so every output has qdot8's bits, for any M and any split of the rows.
+ * Built with qgemv.c by backends/cpu/kernels.py.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 16            /* weight rows repacked together */
+#define QK_BYTES 144        /* a stored Q4_K block */
+#define GB (GROUP * QK_BYTES)       /* a group's block: 2304 bytes */
+#define Q8K_BYTES 320       /* q8_quantize's Q8_K block: int8 qs[256], float d, int16 bsums[16], padding */
+#define Q4KR_TYPE 1012      /* the repacked layout's type code in the kernel library (no GGUF type) */
+#define MIN_AT(j, n) (32 * ((j) / 2) + 2 * (n) + (j) % 2)     /* the min of sub-block j, row n: its entry */
+
+int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+          const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);           /* qdot8.c: the stored layout */
+int qdot8amx_on(int on);                                                         /* qdot8amx.c: the AMX switch */
+
+/* A stored block's 8 scales and 8 mins (6 bits each), as qdot8.c's dot_q4_k unpacks them. */
+static void stored_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[4 + j] & 63;
+        sc[4 + j] = (uint8_t)((s[8 + j] & 15) | ((s[j] >> 6) << 4));
+        mn[4 + j] = (uint8_t)((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
+    }
+}
+
+static void stored_pack(const uint8_t sc[8], const uint8_t mn[8], uint8_t *s) {     /* stored_scales' inverse */
+    for (int j = 0; j < 4; j++) {
+        s[j] = (uint8_t)(sc[j] | ((sc[4 + j] >> 4) << 6));
+        s[4 + j] = (uint8_t)(mn[j] | ((mn[4 + j] >> 4) << 6));
+        s[8 + j] = (uint8_t)((sc[4 + j] & 15) | ((mn[4 + j] & 15) << 4));
+    }
+}
+
+static void six_pack(const uint8_t e[128], uint8_t *out) {          /* 128 six-bit entries -> 96 bytes */
+    for (int t = 0; t < 64; t++) out[t] = (uint8_t)((e[t] & 15) | ((e[t + 64] & 15) << 4));
+    for (int t = 0; t < 32; t++)
+        out[64 + t] = (uint8_t)((e[t] >> 4) | ((e[t + 32] >> 4) << 2) | ((e[t + 64] >> 4) << 4) | ((e[t + 96] >> 4) << 6));
+}
+
+static void six_unpack(const uint8_t *in, uint8_t e[128]) {         /* six_pack's inverse */
+    for (int t = 0; t < 128; t++)
+        e[t] = (uint8_t)(((in[t % 64] >> (4 * (t / 64))) & 15) | (((in[64 + t % 32] >> (2 * (t / 32))) & 3) << 4));
+}
+
+/* One group's nb blocks: `from` (16 stored rows of nb blocks) into `to` (the repacked layout), or back (`back`). */
+static void group_pack(const uint8_t *from, uint8_t *to, int64_t nb, int back) {
+    int64_t row_bytes = nb * QK_BYTES;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = back ? from + b * GB : NULL;
+        uint8_t *o = back ? NULL : to + b * GB, sc[128], mn[128];
+        if (back) {
+            six_unpack(g + 64, sc);
+            six_unpack(g + 160, mn);
+        }
+        for (int n = 0; n < GROUP; n++) {
+            const uint8_t *stored = back ? NULL : from + n * row_bytes + b * QK_BYTES;
+            uint8_t *out = back ? to + n * row_bytes + b * QK_BYTES : NULL, s[8], m[8];
+            if (back) {
+                memcpy(out, g + 2 * n, 2);
+                memcpy(out + 2, g + 32 + 2 * n, 2);
+                for (int j = 0; j < 8; j++) s[j] = sc[16 * j + n], m[j] = mn[MIN_AT(j, n)];
+                stored_pack(s, m, out + 4);
+                for (int v = 0; v < 32; v++) memcpy(out + 16 + 4 * v, g + 256 + 64 * v + 4 * n, 4);
+                continue;
+            }
+            memcpy(o + 2 * n, stored, 2);
+            memcpy(o + 32 + 2 * n, stored + 2, 2);
+            stored_scales(stored + 4, s, m);
+            for (int j = 0; j < 8; j++) sc[16 * j + n] = s[j], mn[MIN_AT(j, n)] = m[j];
+            for (int v = 0; v < 32; v++) memcpy(o + 256 + 64 * v + 4 * n, stored + 16 + 4 * v, 4);
+        }
+        if (!back) {
+            six_pack(sc, o + 64);
+            six_pack(mn, o + 160);
+        }
+    }
+}
+
+/* Rewrite the whole groups of a [N, K] Q4_K weight in place into the repacked layout (`back` 0) or back to the
+ * stored one (`back` 1); rows past N / 16 * 16 are left as they are. Returns 0, -1 for K not whole blocks, -2 out
+ * of memory. */
+int q4kr_repack(uint8_t *w, int64_t N, int64_t K, int back) {
+    if (K % 256 || K <= 0) return -1;
+    int64_t nb = K / 256, bytes = GROUP * nb * QK_BYTES;
+    uint8_t *tmp = malloc((size_t)bytes);
+    if (tmp == NULL) return -2;
+    for (int64_t g = 0; g + GROUP <= N; g += GROUP) {
+        uint8_t *region = w + g * nb * QK_BYTES;
+        memcpy(tmp, region, (size_t)bytes);
+        group_pack(tmp, region, nb, back);
+    }
+    free(tmp);
+    return 0;
+}
+
+/* The float terms of one row pair (weight row n, activation block): shared by every path below, scalar form. */
+static inline float term_of(float dx, float d, float dmin, float isum, float msum) {
+    return (dx * d) * isum - (dx * dmin) * msum;
+}
+
+static inline float half_of(const uint8_t *p) {            /* f16 -> f32, exact */
+    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8), sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f,
+             mant = h & 0x3ff, bits;
+    if (exp == 31) bits = sign | 0x7f800000u | (mant << 13);
+    else if (exp == 0 && mant == 0) bits = sign;
+    else if (exp == 0) {
+        exp = 127 - 15 + 1;
+        while (!(mant & 0x400)) { mant <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    } else bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+#if !(defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__))
+/* One group (16 weight rows at `g`, nb repacked blocks) against one activation row `x`: out[n], plain C. */
+static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float out[GROUP]) {
+    for (int n = 0; n < GROUP; n++) out[n] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = g + b * GB, *xb = x + b * Q8K_BYTES;
+        const int8_t *qs = (const int8_t *)xb;
+        float dx;
+        int16_t bsums[16];
+        memcpy(&dx, xb + 256, 4);
+        memcpy(bsums, xb + 260, sizeof bsums);
+        uint8_t sc[128], mn[128];
+        six_unpack(gb + 64, sc);
+        six_unpack(gb + 160, mn);
+        for (int n = 0; n < GROUP; n++) {
+            int isum = 0, msum = 0;
+            for (int j = 0; j < 8; j++) {
+                int dot = 0, p = j / 2, high = j % 2;
+                for (int v = 0; v < 32; v++) {
+                    int q = (gb[256 + 64 * (8 * p + v / 4) + 4 * n + v % 4] >> (4 * high)) & 15;
+                    dot += q * qs[32 * j + v];
+                }
+                isum += sc[16 * j + n] * dot;
+                msum += mn[MIN_AT(j, n)] * (bsums[2 * j] + bsums[2 * j + 1]);
+            }
+            out[n] += term_of(dx, half_of(gb + 2 * n), half_of(gb + 32 + 2 * n), (float)isum, (float)msum);
+        }
+    }
+}
+#endif
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
+#define Q4KR_VNNI 1
+#include <immintrin.h>
+
+typedef struct { __m512 d, dmin, sc[8]; __m512i mn[4]; } block_scales;  /* lane n: row n; mn[i] its mins of
+                                                                             * sub-blocks 2i, 2i + 1 as int16 pairs */
+
+static inline void six_unpack_v(const uint8_t *in, uint8_t e[128]) {     /* six_unpack, 128 entries at once */
+    const __m512i low4 = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3);
+    __m512i lo = _mm512_loadu_si512(in);
+    __m256i top = _mm256_loadu_si256((const __m256i *)(in + 64));
+    __m512i hi = _mm512_inserti64x4(_mm512_castsi256_si512(top), top, 1);
+    __m512i s01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);     /* bytes 32..63: >> 2 */
+    __m512i s23 = _mm512_add_epi16(s01, _mm512_set1_epi16(4));
+    __m512i e0 = _mm512_or_si512(_mm512_and_si512(lo, low4),
+                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hi, s01), two), 4));
+    __m512i e1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), low4),
+                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hi, s23), two), 4));
+    _mm512_storeu_si512(e, e0);
+    _mm512_storeu_si512(e + 64, e1);
+}
+
+static inline void scales_of(const uint8_t *gb, block_scales *s) {
+    uint8_t e[256] __attribute__((aligned(64)));
+    six_unpack_v(gb + 64, e);
+    six_unpack_v(gb + 160, e + 128);
+    for (int j = 0; j < 8; j++)
+        s->sc[j] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(e + 16 * j))));
+    for (int i = 0; i < 4; i++)
+        s->mn[i] = _mm512_cvtepu8_epi16(_mm256_load_si256((const __m256i *)(e + 128 + 32 * i)));
+    s->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
+    s->dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32)));
+}
+
+/* One activation block's term for the group's 16 rows: dot[j] the exact sub-block dots (int32, lane n: row n),
+ * bs[i] the activation's sums of sub-blocks 2i and 2i + 1 (bsums 4i + 4i+1 and 4i+2 + 4i+3) as an int16 pair, dx its
+ * scale. */
+static inline __m512 block_term(const block_scales *s, const __m512i *dot, const int32_t *bs, float dx) {
+    __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[0]), s->sc[0]);
+    __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[4]), s->sc[4]);
+    for (int j = 1; j < 4; j++) {           /* exact: every partial sum an integer below 2^24 */
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), s->sc[j], a);
+        b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[4 + j]), s->sc[4 + j], b);
+    }
+    __m512 isum = _mm512_add_ps(a, b);       /* the exact isum rounded to float, as (float)isum */
+    __m512i mi = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) mi = _mm512_dpwssd_epi32(mi, s->mn[i], _mm512_set1_epi32(bs[i]));
+    __m512 msum = _mm512_cvtepi32_ps(mi);
+    __m512 vdx = _mm512_set1_ps(dx);
+    return _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(vdx, s->d), isum),
+                         _mm512_mul_ps(_mm512_mul_ps(vdx, s->dmin), msum));
+}
+
+static inline void bsums_of(const uint8_t *xb, int32_t bs[4]) {     /* block_term's pairs of sub-block sums */
+    __m128i v = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(xb + 260)), _mm_loadu_si128((const __m128i *)(xb + 276)));
+    _mm_storeu_si128((__m128i *)bs, v);
+}
+
+#define AHEAD 1024      /* bytes of each weight stream prefetched ahead: one row (four streams), */
+#define AHEAD_ROWS 8192 /* several rows (one stream; measured: docs/cpu.md) */
+
+/* One group block `gb` against R activation blocks xb[r] (R = 1, 2): `vpdpbusd` with 4 activation bytes broadcast, the
+ * nibble vectors straight from the weight (shared by the R rows); adds each row's term to acc[r] (lane n: row n). */
+static inline __attribute__((always_inline)) void block_row(const int R, const uint8_t *gb, const uint8_t *const *xb,
+                                                            __m512 *acc) {
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T0);
+    __m512i dot[2][8];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 8; j++) dot[r][j] = _mm512_setzero_si512();
+#pragma GCC unroll 32
+    for (int v = 0; v < 32; v++) {        /* v = 8 p + r */
+        int p = v / 8, k = v % 8;
+        __m512i q = _mm512_loadu_si512(gb + 256 + 64 * v);
+        __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+        for (int r = 0; r < R; r++) {
+            int32_t xl, xh;
+            memcpy(&xl, xb[r] + 64 * p + 4 * k, 4);
+            memcpy(&xh, xb[r] + 64 * p + 32 + 4 * k, 4);
+            dot[r][2 * p] = _mm512_dpbusd_epi32(dot[r][2 * p], lo, _mm512_set1_epi32(xl));
+            dot[r][2 * p + 1] = _mm512_dpbusd_epi32(dot[r][2 * p + 1], hi, _mm512_set1_epi32(xh));
+        }
+    }
+    block_scales s;
+    scales_of(gb, &s);
+    for (int r = 0; r < R; r++) {
+        int32_t bs[4];
+        float dx;
+        bsums_of(xb[r], bs);
+        memcpy(&dx, xb[r] + 256, 4);
+        acc[r] = _mm512_add_ps(acc[r], block_term(&s, dot[r], bs, dx));
+    }
+}
+
+/* R groups (1, or 4: four streams of the weight fetched at once, as qdot8.c's own_rows4_q8) against one activation
+ * row each, block by block in turn; each group's terms added in block order (the same bits for any R). */
+static inline __attribute__((always_inline)) void groups_row(const int R, const uint8_t *const *g, int64_t nb,
+                                                             const uint8_t *const *x, __m512 *acc) {
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < R; i++) {
+            const uint8_t *xb = x[i] + b * Q8K_BYTES;
+            block_row(1, g[i] + b * GB, &xb, acc + i);
+        }
+}
+
+/* Rows [n0, n1) of one activation row's outputs `y` from groups [a0, a1) of the weight at `base` (row_bytes a row):
+ * four groups at a time (a, a + q, a + 2q, a + 3q, q a quarter of the range), the last ones alone. */
+static void own_groups(const uint8_t *base, int64_t row_bytes, int64_t nb, const uint8_t *x, int64_t a0, int64_t a1,
+                       float *y, int64_t n0, int64_t n1) {
+    int64_t q = (a1 - a0) / 4, step = GROUP * row_bytes;
+    float out[4][GROUP];
+    for (int64_t a = a0; a < a1; a++) {
+        int R = a < a0 + q ? 4 : 1;
+        if (a >= a0 + q && a < a0 + 4 * q) continue;      /* taken with a - q, a - 2q or a - 3q */
+        const uint8_t *g[4] = {base + a * step, base + (a + q) * step, base + (a + 2 * q) * step,
+                               base + (a + 3 * q) * step}, *xs[4] = {x, x, x, x};
+        __m512 acc[4];
+        if (R == 4) groups_row(4, g, nb, xs, acc);
+        else groups_row(1, g, nb, xs, acc);
+        for (int i = 0; i < R; i++) {
+            _mm512_storeu_ps(out[i], acc[i]);
+            int64_t first = (a + i * q) * GROUP;
+            for (int64_t n = first < n0 ? n0 : first; n < first + GROUP && n < n1; n++) y[n] = out[i][n - first];
+        }
+    }
+}
+
+/* A group block's nibbles as sub-block operands: u[j][r] (64 bytes) = values 32 j + 4 r .. + 3 of the 16 rows. */
+static inline void nibbles_of(const uint8_t *gb, uint8_t u[8][8][64]) {
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int v = 0; v < 32; v++) {
+        __m512i q = _mm512_loadu_si512(gb + 256 + 64 * v);
+        _mm512_store_si512(u[2 * (v / 8)][v % 8], _mm512_and_si512(q, low4));
+        _mm512_store_si512(u[2 * (v / 8) + 1][v % 8], _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+    }
+}
+
+/* One group against M activation rows, block by block, two rows at a time (block_row, the nibbles loaded once for
+ * both); acc[m] lane n: activation row m, weight row n. */
+static void group_rows(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M, __m512 *acc) {
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t m = 0; m < M; m += 2) {
+            const uint8_t *xb[2] = {x + (m * nb + b) * Q8K_BYTES, x + ((m + 1) * nb + b) * Q8K_BYTES};
+            if (m + 1 < M) block_row(2, g + b * GB, xb, acc + m);
+            else block_row(1, g + b * GB, xb, acc + m);
+        }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define Q4KR_AMX 1
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+
+/* tmm0, tmm1: A tiles of M activation rows x 32 bytes (one sub-block); tmm2, tmm3: B tiles of 8 x 64 (the 16 weight
+ * rows' nibbles of a sub-block); tmm4-7: M x 16 int32 sums. */
+static void tiles_for(int64_t M) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = (uint8_t)(t == 2 || t == 3 ? 8 : M);
+        c.colsb[t] = (uint16_t)(t < 2 ? 32 : 64);
+    }
+    asm volatile("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+
+/* Block b of one group (`gb`) on the tiles: per sub-block one `tdpbsud` (activations signed, nibbles unsigned) gives
+ * the M x 16 dots, stored to c[j]. */
+static inline void block_tiles(const uint8_t *gb, const uint8_t *xb, int64_t ldx, uint8_t u[8][8][64],
+                               int32_t c[8][GROUP][GROUP]) {
+    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD_ROWS, _MM_HINT_T0);
+    nibbles_of(gb, u);
+#define SUB(j, ta, tb, tc) _tile_loadd(ta, xb + 32 * (j), ldx); _tile_loadd(tb, u[j], 64); _tile_zero(tc); \
+    _tile_dpbsud(tc, ta, tb); _tile_stored(tc, c[j], 64);
+    SUB(0, 0, 2, 4) SUB(1, 1, 3, 5) SUB(2, 0, 2, 6) SUB(3, 1, 3, 7)
+    SUB(4, 0, 2, 4) SUB(5, 1, 3, 5) SUB(6, 0, 2, 6) SUB(7, 1, 3, 7)
+#undef SUB
+}
+
+/* The float steps of block b of one group from its tile sums c (block_tiles'). */
+static inline void block_sums(const uint8_t *gb, const uint8_t *x, int64_t nb, int64_t b, int64_t M,
+                              int32_t c[8][GROUP][GROUP], __m512 *acc) {
+    block_scales s;
+    scales_of(gb, &s);
+    for (int64_t m = 0; m < M; m++) {
+        const uint8_t *xb = x + (m * nb + b) * Q8K_BYTES;
+        __m512i dot[8];
+        for (int j = 0; j < 8; j++) dot[j] = _mm512_load_si512(c[j][m]);
+        int32_t bs[4];
+        float dx;
+        bsums_of(xb, bs);
+        memcpy(&dx, xb + 256, 4);
+        acc[m] = _mm512_add_ps(acc[m], block_term(&s, dot, bs, dx));
+    }
+}
+
+/* One group against M activation rows on the tiles, block by block; the float steps of block b run while the tiles
+ * take block b + 1; acc as group_rows'. */
+static void group_tiles(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M, __m512 *acc) {
+    uint8_t u[8][8][64] __attribute__((aligned(64)));
+    int32_t c[2][8][GROUP][GROUP] __attribute__((aligned(64)));
+    const int64_t ldx = nb * Q8K_BYTES;
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b <= nb; b++) {
+        if (b < nb) block_tiles(g + b * GB, x + b * Q8K_BYTES, ldx, u, c[b & 1]);
+        if (b > 0) block_sums(g + (b - 1) * GB, x, nb, b - 1, M, c[(b - 1) & 1], acc);
+    }
+}
+#endif
+#endif
+
+static int amx_rows_from = 10;      /* q4kr_amx_from: the fewest rows that take the tiles */
+
+/* The fewest activation rows for which a plain weight's groups take the AMX tiles (`from` >= 2 sets it; 17: never);
+ * returns it. */
+int q4kr_amx_from(int from) {
+    if (from >= 2) amx_rows_from = from;
+    return amx_rows_from;
+}
+
+/* Whether the repacked kernels are the vector ones here (AVX-512 VNNI; else the plain C loop, slower than qdot8's
+ * kernels on the stored layout, so a weight is worth repacking only where this is 1). */
+int q4kr_vector(void) {
+#if defined(Q4KR_VNNI)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Which path serves M rows here: 2 AMX tiles, 1 AVX-512 VNNI, 0 plain C. */
+static int path_for(int64_t M) {
+#if defined(Q4KR_AMX)
+    if (M >= amx_rows_from && qdot8amx_on(-1)) return 2;
+#endif
+    (void)M;
+#if defined(Q4KR_VNNI)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Rows [n0, n1) of y [M, N] from groups [a0, a1) of the weight `w` against M activation rows on `path`
+ * (path_for), one group after another. */
+static void rows_groups(int path, const uint8_t *w, int64_t row_bytes, int64_t nb, const uint8_t *x, int64_t M,
+                        int64_t a0, int64_t a1, float *y, int64_t N, int64_t n0, int64_t n1) {
+    for (int64_t a = a0; a < a1; a++) {
+        const uint8_t *g = w + a * GROUP * row_bytes;
+        float out[GROUP][GROUP];
+#if defined(Q4KR_VNNI)
+        __m512 acc[GROUP];
+#if defined(Q4KR_AMX)
+        if (path == 2) group_tiles(g, nb, x, M, acc);
+        else
+#endif
+        group_rows(g, nb, x, M, acc);
+        for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out[m], acc[m]);
+#else
+        (void)path;
+        for (int64_t m = 0; m < M; m++) group_row_c(g, nb, x + m * nb * Q8K_BYTES, out[m]);
+#endif
+        int64_t first = a * GROUP;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = first < n0 ? n0 : first; n < first + GROUP && n < n1; n++) y[m * N + n] = out[m][n - first];
+    }
+}
+
+/* y [M, N] rows [n0, n1) = x @ W.T for a Q4_K weight whose whole groups q4kr_repack rewrote (type Q4KR_TYPE), the
+ * activations `xq` from q8_quantize kind 0; the arguments as qdot8's (experts: row m uses the weight at
+ * w + experts[m] * expert_bytes, experts[m] < 0 gives 0). A group cut by [n0, n1) is computed whole and only its
+ * rows inside stored. Returns -1 for a call it cannot serve, -2 out of memory. */
+int q4kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+              const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
+    if (type != Q4KR_TYPE || K % 256 || M < 1 || M > GROUP) return -1;
+    const uint8_t *x = xq;
+    int64_t nb = K / 256, row_bytes = nb * QK_BYTES, whole = N / GROUP * GROUP;
+    if (n1 > whole) {           /* the rows past the last group: the stored layout */
+        int rc = qdot8(12, w, expert_bytes, experts, N, K, xq, M, y, n0 > whole ? n0 : whole, n1);
+        if (rc) return rc;
+        n1 = whole;
+    }
+    int own = experts != NULL;
+    int64_t live[GROUP], rows = 0;          /* the activation rows computed: all, or those with an expert */
+    for (int64_t m = 0; m < M; m++) {
+        if (own && experts[m] < 0) {
+            for (int64_t n = n0; n < n1; n++) y[m * N + n] = 0.0f;
+            continue;
+        }
+        live[rows++] = m;
+    }
+    uint8_t *xs = NULL;
+    if (own && rows < M) {          /* the live rows' activations together */
+        if (rows == 0) return 0;
+        xs = malloc((size_t)(rows * nb * Q8K_BYTES));
+        if (xs == NULL) return -2;
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(xs + i * nb * Q8K_BYTES, x + live[i] * nb * Q8K_BYTES, (size_t)(nb * Q8K_BYTES));
+    }
+#if defined(Q4KR_VNNI)
+    if (own || rows == 1) {         /* a weight row of its own: four streams of groups */
+        for (int64_t i = 0; i < rows; i++)
+            own_groups(w + (own ? experts[live[i]] * expert_bytes : 0), row_bytes, nb,
+                       (xs != NULL ? xs : x) + i * nb * Q8K_BYTES, n0 / GROUP, (n1 + GROUP - 1) / GROUP,
+                       y + live[i] * N, n0, n1);
+        free(xs);
+        return 0;
+    }
+#endif
+    int path = path_for(own ? 1 : rows);
+#if defined(Q4KR_AMX)
+    if (path == 2 && n0 < n1) tiles_for(rows);
+#endif
+    if (!own) rows_groups(path, w, row_bytes, nb, x, rows, n0 / GROUP, (n1 + GROUP - 1) / GROUP, y, N, n0, n1);
+    else            /* the plain C build's rows with a weight of their own */
+        for (int64_t i = 0; i < rows; i++)
+            rows_groups(path, w + experts[live[i]] * expert_bytes, row_bytes, nb, (xs != NULL ? xs : x) + i * nb *
+                        Q8K_BYTES, 1, n0 / GROUP, (n1 + GROUP - 1) / GROUP, y + live[i] * N, N, n0, n1);
+#if defined(Q4KR_AMX)
+    if (path == 2 && n0 < n1) _tile_release();
+#endif
+    free(xs);
+    return 0;
+}
