@@ -66,6 +66,35 @@ static inline int q8_nearest(float v) {     /* round to nearest, ties to even (|
     return (int)(q8_float_bits(t) & 0x007fffff) - 0x00400000;
 }
 
+/* One block of 32 values rounded as llama.cpp's quantize_row_q8_0_ref: amax = the largest |x_j| (a NaN ignored, as
+ * fmaxf), d = amax / 127, q_j = roundf(x_j / d) (halves away from zero; 0 where d is 0); returns d (unrounded). With
+ * AVX-512 the same float operations 16 lanes at a time: the maximum is exact in any order, roundf is the truncation
+ * plus one away from zero where the exact remainder is at least a half, and the conversion to int8 keeps the low byte
+ * of the int32 (as the scalar cast does), so the same bits. */
+static inline float q8_0_round(const float *x, int8_t *qs) {
+#if defined(__AVX512F__)
+    __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+    __m512 peak = _mm512_max_ps(_mm512_abs_ps(hi), _mm512_max_ps(_mm512_abs_ps(lo), _mm512_setzero_ps()));
+    float d = _mm512_reduce_max_ps(peak) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512 scale = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    for (int h = 0; h < 2; h++) {
+        __m512 v = _mm512_mul_ps(h ? hi : lo, scale);
+        __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), half, _CMP_GE_OQ);
+        t = _mm512_mask_add_ps(t, up, t, _mm512_castsi512_ps(_mm512_or_si512(
+            _mm512_castps_si512(one), _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)))));
+        _mm_storeu_si128((__m128i *)(qs + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t)));
+    }
+    return d;
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int j = 0; j < 32; j++) qs[j] = (int8_t)roundf(x[j] * id);
+    return d;
+#endif
+}
+
 /* Rows of x [M, K] rounded to Q8_K (kind 0, K % 256 == 0) or Q8_0 (kind 1, K % 32 == 0) blocks into `out`
  * (M * K/256 q8k_block or M * K/32 q8_0_block), Q8_1 (kind 3: M * K/32 q8_1_block) or (kind 2, K % 32 == 0)
  * each value to the nearest f16, as M * K floats. Returns -1 for a kind or K it cannot serve. */
@@ -97,24 +126,16 @@ int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
     if (kind == 1) {
         if (K % 32) return -1;
         q8_0_block *y = out;
-        for (int64_t b = 0; b < M * (K / 32); b++, x += 32) {
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
-            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            y[b].d = q8_round_half(d);
-            for (int j = 0; j < 32; j++) y[b].qs[j] = (int8_t)roundf(x[j] * id);
-        }
+        for (int64_t b = 0; b < M * (K / 32); b++, x += 32) y[b].d = q8_round_half(q8_0_round(x, y[b].qs));
         return 0;
     }
     if (kind == 3) {                /* Q8_1: Q8_0's d and quants, s = f16(d * sum of the quants), d unrounded */
         if (K % 32) return -1;
         q8_1_block *y = out;
         for (int64_t b = 0; b < M * (K / 32); b++, x += 32) {
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
-            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            float d = q8_0_round(x, y[b].qs);
             int sum = 0;
-            for (int j = 0; j < 32; j++) { y[b].qs[j] = (int8_t)roundf(x[j] * id); sum += y[b].qs[j]; }
+            for (int j = 0; j < 32; j++) sum += y[b].qs[j];
             float s = (float)sum * d;
             y[b].d = q8_round_half(d);
             y[b].s = copysignf(q8_round_half(fabsf(s)), s);

@@ -1,0 +1,38 @@
+"""The Q8_0 activation rounding of the 8-bit kernels (qdot8.c's q8_quantize, SIMD) against the reference
+(ops/q8_activations.py, llama.cpp's quantize_row_q8_0_ref): halves away from zero, values just below a half, zero and
+tiny blocks, blocks of many magnitudes; the 8-bit Q8_0 products at the 89M model's small shapes."""
+import pytest
+import torch
+
+from backends.cpu import kernels
+from ops import q8_activations as ref
+
+pytestmark = pytest.mark.skipif(not kernels.built(), reason="no C compiler for the cpu kernels")
+
+
+def awkward_rows() -> torch.Tensor:
+    """Rows of 256 values (8 blocks of 32) that hit the rounding's edges."""
+    g = torch.Generator().manual_seed(24)
+    x = torch.randn(6, 256, generator=g) * torch.logspace(-30, 30, 6)[:, None]
+    halves = torch.arange(-15.5, 16.5, 1.0)             # with a peak of 127, d = 1 and each value is its own quant
+    x[0, :32] = halves
+    x[0, 0] = 127.0
+    x[0, 32:64] = torch.tensor([0.49999997, -0.49999997, 1.4999999, -1.4999999, 126.5, -126.5] + [0.0] * 25 + [127.0])
+    x[1, :32] = 0.0                                     # a zero block: d = 0, every quant 0
+    x[1, 32:64] = -0.0
+    x[1, 64:96] = torch.linspace(-1e-30, 1e-30, 32)     # tiny values, d still a normal float
+    x[2, :32] = -x[2, :32].abs()                        # a negative peak
+    return x
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_q8_0_rounding_equals_reference(qtype):
+    """Every block's d (f16-rounded) and quants are the reference's, for Q8_0 and Q8_1 (Q4_1's) activations."""
+    x = torch.cat([awkward_rows(), torch.randn(16, 256, generator=torch.Generator().manual_seed(3))])
+    expected = ref.quantize_q8_0(x) if qtype == "Q8_0" else ref.quantize_q8_1(x)
+    width = 36 if qtype == "Q8_0" else 40
+    raw = kernels.q8_quantize(x, qtype).reshape(x.shape[0], 8, width)
+    assert torch.equal(raw[..., :4].contiguous().view(torch.float32)[..., 0], expected.d)
+    assert torch.equal(raw[..., width - 32:].contiguous().view(torch.int8).to(torch.int32), expected.q)
+    if qtype == "Q4_1":
+        assert torch.equal(raw[..., 4:8].contiguous().view(torch.float32)[..., 0], expected.s)
