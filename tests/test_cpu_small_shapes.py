@@ -36,3 +36,27 @@ def test_q8_0_rounding_equals_reference(qtype):
     assert torch.equal(raw[..., width - 32:].contiguous().view(torch.int8).to(torch.int32), expected.q)
     if qtype == "Q4_1":
         assert torch.equal(raw[..., 4:8].contiguous().view(torch.float32)[..., 0], expected.s)
+
+
+def test_verify_argmax_in_one_pass_is_the_references():
+    """The one-pass top-2 (SIMD lanes, then the tail): the largest in another lane than its duplicate, the largest or
+    the second in the tail, a row of -inf, a NaN in the tail, widths around the lane count; the reference's values."""
+    from backends.cpu import rowops
+    from ops.verify_argmax import verify_argmax
+
+    g = torch.Generator().manual_seed(13)
+    for V in (2, 15, 16, 17, 33, 47, 129280):
+        x = torch.randn(8, V, generator=g)
+        x[1, -1] = 9.0                                  # the largest last (in the tail where V % 16)
+        x[2, V // 2] = x[2, V // 3] = 9.0               # a duplicate largest: the lower index, margin 0
+        x[3, 0] = 9.0
+        x[3, -1] = 8.5                                  # the second largest last
+        x[4] = -float("inf")
+        x[5, -1] = float("nan")
+        x[6] = x[6].round()                             # many ties below the top
+        x[7, 1:] = -float("inf")
+        top1, margin = rowops.verify_argmax(x)
+        ref_top1, ref_margin = verify_argmax(x)
+        assert torch.equal(top1, ref_top1), V
+        assert torch.equal(margin.isnan(), ref_margin.isnan()), V
+        assert torch.equal(margin.nan_to_num(), ref_margin.nan_to_num()), V
