@@ -6,8 +6,18 @@ import torch
 
 from backends.cpu import kernels
 from ops import q8_activations as ref
+from ops.quants import QTensor
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="no C compiler for the cpu kernels")
+
+
+@pytest.fixture
+def threads(monkeypatch):
+    """The kernel pool follows torch's thread count during the test; restores torch's count after it."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
+    yield
+    torch.set_num_threads(before)
 
 
 def awkward_rows() -> torch.Tensor:
@@ -60,3 +70,22 @@ def test_verify_argmax_in_one_pass_is_the_references():
         assert torch.equal(top1, ref_top1), V
         assert torch.equal(margin.isnan(), ref_margin.isnan()), V
         assert torch.equal(margin.nan_to_num(), ref_margin.nan_to_num()), V
+
+
+@pytest.mark.parametrize("K", (64, 96, 160, 256))
+def test_exact_q8_0_rows_of_few_blocks_are_batch_and_thread_invariant(K, threads, monkeypatch):
+    """Exact Q8_0 at M = 1 with few blocks a row (K = 64: the 89M model's q_b and output_b; four rows' lane sums taken
+    together, or four rows finished together where K is a multiple of 128) against row m of an M-row call (each block
+    dequantized once for every row) on 1, 2 and 3 threads: the same bits; and close to the float64 product."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)     # split even these small weights
+    g = torch.Generator().manual_seed(K)
+    w = QTensor.quantize(torch.randn(23, K, generator=g) / 8, "Q8_0", "w")
+    x = torch.randn(5, K, generator=g)
+    torch.set_num_threads(1)
+    together = kernels.qgemv(x, w)
+    for n in (1, 2, 3):
+        torch.set_num_threads(n)
+        for m in range(5):
+            assert torch.equal(kernels.qgemv(x[m:m + 1], w), together[m:m + 1]), (K, n, m)
+    expected = x.double() @ w.dequantize().double().T
+    assert torch.allclose(together.double(), expected, rtol=1e-5, atol=1e-5)
