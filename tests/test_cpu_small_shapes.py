@@ -89,3 +89,13 @@ def test_exact_q8_0_rows_of_few_blocks_are_batch_and_thread_invariant(K, threads
             assert torch.equal(kernels.qgemv(x[m:m + 1], w), together[m:m + 1]), (K, n, m)
     expected = x.double() @ w.dequantize().double().T
     assert torch.allclose(together.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("K", (64, 96, 4128, 8192))
+def test_q8_q8_0_rows_equal_reference(K):
+    """The 8-bit Q8_0 rows at M = 1 (each activation row's block pairs made once per call: on the stack up to K = 4096,
+    allocated above; an odd block count leaves one block a row to the scalar step) on 9 rows: the reference's bits."""
+    g = torch.Generator().manual_seed(K)
+    w = QTensor.quantize(torch.randn(9, K, generator=g) / 8, "Q8_0", "w")
+    x = torch.randn(1, K, generator=g)
+    assert torch.equal(kernels.qdot8(x, w), ref.qdot8(x, w)), K
