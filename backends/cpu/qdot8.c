@@ -66,6 +66,35 @@ static inline int q8_nearest(float v) {     /* round to nearest, ties to even (|
     return (int)(q8_float_bits(t) & 0x007fffff) - 0x00400000;
 }
 
+/* One block of 32 values rounded as llama.cpp's quantize_row_q8_0_ref: amax = the largest |x_j| (a NaN ignored, as
+ * fmaxf), d = amax / 127, q_j = roundf(x_j / d) (halves away from zero; 0 where d is 0); returns d (unrounded). With
+ * AVX-512 the same float operations 16 lanes at a time: the maximum is exact in any order, roundf is the truncation
+ * plus one away from zero where the exact remainder is at least a half, and the conversion to int8 keeps the low byte
+ * of the int32 (as the scalar cast does), so the same bits. */
+static inline float q8_0_round(const float *x, int8_t *qs) {
+#if defined(__AVX512F__)
+    __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+    __m512 peak = _mm512_max_ps(_mm512_abs_ps(hi), _mm512_max_ps(_mm512_abs_ps(lo), _mm512_setzero_ps()));
+    float d = _mm512_reduce_max_ps(peak) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512 scale = _mm512_set1_ps(id), half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    for (int h = 0; h < 2; h++) {
+        __m512 v = _mm512_mul_ps(h ? hi : lo, scale);
+        __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), half, _CMP_GE_OQ);
+        t = _mm512_mask_add_ps(t, up, t, _mm512_castsi512_ps(_mm512_or_si512(
+            _mm512_castps_si512(one), _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)))));
+        _mm_storeu_si128((__m128i *)(qs + 16 * h), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(t)));
+    }
+    return d;
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int j = 0; j < 32; j++) qs[j] = (int8_t)roundf(x[j] * id);
+    return d;
+#endif
+}
+
 /* Rows of x [M, K] rounded to Q8_K (kind 0, K % 256 == 0) or Q8_0 (kind 1, K % 32 == 0) blocks into `out`
  * (M * K/256 q8k_block or M * K/32 q8_0_block), Q8_1 (kind 3: M * K/32 q8_1_block) or (kind 2, K % 32 == 0)
  * each value to the nearest f16, as M * K floats. Returns -1 for a kind or K it cannot serve. */
@@ -97,24 +126,16 @@ int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
     if (kind == 1) {
         if (K % 32) return -1;
         q8_0_block *y = out;
-        for (int64_t b = 0; b < M * (K / 32); b++, x += 32) {
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
-            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            y[b].d = q8_round_half(d);
-            for (int j = 0; j < 32; j++) y[b].qs[j] = (int8_t)roundf(x[j] * id);
-        }
+        for (int64_t b = 0; b < M * (K / 32); b++, x += 32) y[b].d = q8_round_half(q8_0_round(x, y[b].qs));
         return 0;
     }
     if (kind == 3) {                /* Q8_1: Q8_0's d and quants, s = f16(d * sum of the quants), d unrounded */
         if (K % 32) return -1;
         q8_1_block *y = out;
         for (int64_t b = 0; b < M * (K / 32); b++, x += 32) {
-            float amax = 0.0f;
-            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
-            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            float d = q8_0_round(x, y[b].qs);
             int sum = 0;
-            for (int j = 0; j < 32; j++) { y[b].qs[j] = (int8_t)roundf(x[j] * id); sum += y[b].qs[j]; }
+            for (int j = 0; j < 32; j++) sum += y[b].qs[j];
             float s = (float)sum * d;
             y[b].d = q8_round_half(d);
             y[b].s = copysignf(q8_round_half(fabsf(s)), s);
@@ -694,31 +715,48 @@ static inline __m256i q8_0_fold(const __m512i *s) {
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 
-/* Four rows, two blocks a step: (w + 128) . x by vpdpbusd from -128 sum(x), the 4 x 2 sums folded into one vector,
- * the float steps of the 4 rows in one, block b before b + 1 (the same bits as row_q8_0 row by row). */
-static void rows_q8_0(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
-    const q8_0_block *y = (const q8_0_block *)act;
+/* One activation row's blocks 2p and 2p + 1, made once per call for every weight row: x (the two blocks' int8
+ * values), -128 sum(x) per group of four (vpdpbusd's start) and the two blocks' d, each in four lanes. */
+typedef struct { __m512i x, start; __m256 dx, pad; } q8_0_pair;
+#define Q8_0_STACK_PAIRS 64     /* K <= 4096 without an allocation */
+
+static void q8_0_pairs(const q8_0_block *y, int64_t nb, q8_0_pair *out) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t p = 0; p < nb / 2; p++) {
+        const q8_0_block *b = y + 2 * p;
+        __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(load256(b[0].qs)), load256(b[1].qs), 1);
+        out[p].x = x;
+        out[p].start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, x));
+        out[p].dx = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(b[0].d)), _mm_set1_ps(b[1].d), 1);
+    }
+}
+
+/* Four rows, two blocks a step: (w + 128) . x by vpdpbusd from the pair's start, the 4 x 2 sums folded into one
+ * vector, the 8 weight scales gathered in two 64-bit words (general registers, not 16-bit inserts on the shuffle
+ * port) and converted at once, the float steps of the 4 rows in one vector, block b before b + 1 (the same bits as
+ * row_q8_0 row by row). */
+static void rows_q8_0(const uint8_t *const *r, const q8_0_pair *pairs, const q8_0_block *y, int64_t nb, float *out) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m128 acc = _mm_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(load256(y[b].qs)), load256(y[b + 1].qs), 1);
-        __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, x));
+        const q8_0_pair *pair = pairs + b / 2;
         __m512i s[4];
+        uint64_t lo = 0, hi = 0;
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             const uint8_t *p = r[i] + 34 * b;
             prefetch_ahead(p, 68);
             __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(load256(p + 2)), load256(p + 36), 1);
-            s[i] = _mm512_dpbusd_epi32(start, _mm512_xor_si512(w, flip), x);
+            s[i] = _mm512_dpbusd_epi32(pair->start, _mm512_xor_si512(w, flip), pair->x);
+            uint16_t h0, h1;
+            memcpy(&h0, p, 2);
+            memcpy(&h1, p + 34, 2);
+            lo |= (uint64_t)h0 << (16 * i);
+            hi |= (uint64_t)h1 << (16 * i);
         }
-        const uint8_t *p0 = r[0] + 34 * b, *p1 = r[1] + 34 * b, *p2 = r[2] + 34 * b, *p3 = r[3] + 34 * b;
-        __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(q8_0_scale_bits(p0), q8_0_scale_bits(p1), q8_0_scale_bits(p2),
-                                                   q8_0_scale_bits(p3), q8_0_scale_bits(p0 + 34),
-                                                   q8_0_scale_bits(p1 + 34), q8_0_scale_bits(p2 + 34),
-                                                   q8_0_scale_bits(p3 + 34)));
-        __m256 dx = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(y[b].d)), _mm_set1_ps(y[b + 1].d), 1);
-        __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(q8_0_fold(s)));
+        __m256 dw = _mm256_cvtph_ps(_mm_set_epi64x((long long)hi, (long long)lo));
+        __m256 term = _mm256_mul_ps(_mm256_mul_ps(dw, pair->dx), _mm256_cvtepi32_ps(q8_0_fold(s)));
         acc = _mm_add_ps(acc, _mm256_castps256_ps128(term));
         acc = _mm_add_ps(acc, _mm256_extractf128_ps(term, 1));
     }
@@ -726,6 +764,36 @@ static void rows_q8_0(const uint8_t *const *r, const uint8_t *act, int64_t nb, f
     for (; b < nb; b++)
         for (int i = 0; i < 4; i++) out[i] = out[i] + q8_0_term(r[i] + 34 * b, y + b);
 }
+
+/* own_rows4_q8 for Q8_0: the same rows in the same order, each activation row's pairs made once (q8_0_pairs).
+ * Returns 0, or -2 out of memory. */
+static int own_rows4_q8_0(const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+                          const uint8_t *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
+    int64_t nb = K / 32, row_bytes = nb * 34, q = (n1 - n0) / 4;
+    q8_0_pair stack[Q8_0_STACK_PAIRS], *pairs = stack;
+    if (nb / 2 > Q8_0_STACK_PAIRS && !(pairs = aligned_alloc(64, (size_t)(nb / 2) * sizeof *pairs))) return -2;
+    for (int64_t m = 0; m < M; m++) {
+        float *ym = y + m * N;
+        if (experts != NULL && experts[m] < 0) {        /* another rank's */
+            for (int64_t n = n0; n < n1; n++) ym[n] = 0.0f;
+            continue;
+        }
+        const uint8_t *base = w + (experts == NULL ? 0 : experts[m] * expert_bytes);
+        const q8_0_block *act = (const q8_0_block *)xq + m * nb;
+        if (q > 0) q8_0_pairs(act, nb, pairs);
+        for (int64_t n = n0; n < n0 + q; n++) {
+            const uint8_t *r[4] = {base + n * row_bytes, base + (n + q) * row_bytes, base + (n + 2 * q) * row_bytes,
+                                   base + (n + 3 * q) * row_bytes};
+            float out[4];
+            rows_q8_0(r, pairs, act, nb, out);
+            for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
+        }
+        for (int64_t n = n0 + 4 * q; n < n1; n++) ym[n] = row_q8_0(base + n * row_bytes, (const uint8_t *)act, nb);
+    }
+    if (pairs != stack) free(pairs);
+    return 0;
+}
+#define Q8_0_PAIRS 1
 #else
 static void rows_q8_0(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {  /* 4 rows in turn */
     const q8_0_block *y = (const q8_0_block *)act;
@@ -1102,8 +1170,12 @@ int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
                                 n1); return 0; }
         rows_q8(row_q4_k, 256, 144, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 8: if (K % 32) return -1;
+#if defined(Q8_0_PAIRS)
+        if (own) return own_rows4_q8_0(w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#else
         if (own) { own_rows4_q8(rows_q8_0, row_q8_0, 32, 34, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K,
                                 x, M, y, n0, n1); return 0; }
+#endif
         rows_q8(row_q8_0, 32, 34, (int)sizeof(q8_0_block), w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
     default: break;

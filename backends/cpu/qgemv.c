@@ -544,21 +544,70 @@ static inline __attribute__((always_inline)) void q8_0_dot(v8 *lo, v8 *hi, const
     *hi += (sfloat8(blk + 26) * d) * load8(x + 24);
 }
 
-/* Q8_0 decode (M == 1) rows [n0, n1) in pairs, dequantized in registers: the two rows' lanes are independent
- * chains. Returns the first row not done (an odd last one, left to rows_of). */
-static int64_t q8_0_row_pairs(const uint8_t *w, int64_t K, const float *x, float *y, int64_t n0, int64_t n1) {
+#if defined(__AVX__)
+/* lane_sum of four rows at once (the same bits): the rows' lanes transposed within 128-bit halves (t_j: lane j of
+ * rows 0-3, then lane 4 + j), then added in lane_sum's order, four rows per add. */
+static inline void lane_sum4(const v8 *lo, const v8 *hi, float *out) {
+    __m128 s = _mm_setzero_ps();
+    for (int h = 0; h < 2; h++) {
+        const v8 *v = h ? hi : lo;
+        __m256 a0 = _mm256_unpacklo_ps((__m256)v[0], (__m256)v[1]), a1 = _mm256_unpackhi_ps((__m256)v[0], (__m256)v[1]);
+        __m256 a2 = _mm256_unpacklo_ps((__m256)v[2], (__m256)v[3]), a3 = _mm256_unpackhi_ps((__m256)v[2], (__m256)v[3]);
+        __m256 t[4] = {_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(a0), _mm256_castps_pd(a2))),
+                       _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(a0), _mm256_castps_pd(a2))),
+                       _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(a1), _mm256_castps_pd(a3))),
+                       _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(a1), _mm256_castps_pd(a3)))};
+        for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm256_castps256_ps128(t[j]));
+        for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm256_extractf128_ps(t[j], 1));
+    }
+    _mm_storeu_ps(out, s);
+}
+#define Q8_0_ROWS 4
+#else
+static inline void lane_sum4(const v8 *lo, const v8 *hi, float *out) {
+    for (int i = 0; i < 4; i++) out[i] = lane_sum(lo[i], hi[i]);
+}
+#define Q8_0_ROWS 2
+#endif
+
+/* Q8_0 decode (M == 1) rows [n0, n1) four at a time (two without AVX), dequantized in registers: the rows' lanes
+ * are independent chains, their lane sums taken together (lane_sum4; K = 64, the 89M model's q_b and output_b, was
+ * bound by the per-row lane sums). Returns the first row not done (the last ones, left to rows_of). */
+static int64_t q8_0_rows(const uint8_t *w, int64_t K, const float *x, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / 32, row_bytes = nb * 34, n = n0;
-    for (; n + 2 <= n1; n += 2) {
-        v8 lo0 = {0}, hi0 = {0}, lo1 = {0}, hi1 = {0};
-        const uint8_t *r0 = w + n * row_bytes, *r1 = r0 + row_bytes;
-        for (int64_t b = 0; b < nb; b++) {
-            prefetch_block(r0 + b * 34, 34);
-            prefetch_block(r1 + b * 34, 34);
-            q8_0_dot(&lo0, &hi0, r0 + b * 34, x + b * 32);
-            q8_0_dot(&lo1, &hi1, r1 + b * 34, x + b * 32);
+    for (; n + Q8_0_ROWS <= n1; n += Q8_0_ROWS) {
+        v8 lo[4] = {{0}}, hi[4] = {{0}};
+        const uint8_t *r = w + n * row_bytes;
+#if defined(__AVX512F__)
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t b = 0; b < nb; b++)
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {     /* lanes 0-7 lo's, 8-15 hi's: q8_0_dot's sums, 16 at a time */
+                const uint8_t *blk = r + i * row_bytes + b * 34;
+                prefetch_block(blk, 34);
+                __m512 d = _mm512_set1_ps(half_to_float(blk));
+                for (int h = 0; h < 2; h++) {
+                    __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2 + 16 * h))));
+                    acc[i] = _mm512_add_ps(acc[i], _mm512_mul_ps(_mm512_mul_ps(q, d), _mm512_loadu_ps(x + b * 32 + 16 * h)));
+                }
+            }
+        for (int i = 0; i < 4; i++) {
+            lo[i] = (v8)_mm512_castps512_ps256(acc[i]);
+            hi[i] = (v8)_mm512_extractf32x8_ps(acc[i], 1);
         }
-        y[n] = lane_sum(lo0, hi0);
-        y[n + 1] = lane_sum(lo1, hi1);
+#else
+        for (int64_t b = 0; b < nb; b++)
+#pragma GCC unroll 4
+            for (int i = 0; i < Q8_0_ROWS; i++) {
+                prefetch_block(r + i * row_bytes + b * 34, 34);
+                q8_0_dot(&lo[i], &hi[i], r + i * row_bytes + b * 34, x + b * 32);
+            }
+#endif
+        if (Q8_0_ROWS == 4) {
+            lane_sum4(lo, hi, y + n);
+        } else {
+            for (int i = 0; i < Q8_0_ROWS; i++) y[n + i] = lane_sum(lo[i], hi[i]);
+        }
     }
     return n;
 }
@@ -856,6 +905,30 @@ static inline float finish(const acc_t *a, int lows) {
     return s - t;
 }
 
+#if defined(__AVX512F__)
+/* finish() of four rows without group mins at once (the same bits): each row's p = (part0 + part1) + (part2 + part3),
+ * the four p transposed within 128-bit lanes (t_j lane 4k + i: row i's value 4k + j), then each row's lanes added
+ * in finish's order 0, 1, ..., 15, four rows per add: one chain of 16 adds for the four rows, not a chain of 16
+ * scalar adds (and 15 lane extractions) per row, which bound the rows of few blocks (the 89M model's LM head). */
+static inline void finish4(const acc_t *a, float *out) {
+    __m512 p[4];
+    for (int i = 0; i < 4; i++)
+        p[i] = (__m512)((a[i].part[0] + a[i].part[1]) + (a[i].part[2] + a[i].part[3]));
+    __m512 u0 = _mm512_unpacklo_ps(p[0], p[1]), u1 = _mm512_unpackhi_ps(p[0], p[1]);
+    __m512 u2 = _mm512_unpacklo_ps(p[2], p[3]), u3 = _mm512_unpackhi_ps(p[2], p[3]);
+    __m512 t[4] = {_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u2))),
+                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u2))),
+                   _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u1), _mm512_castps_pd(u3))),
+                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u1), _mm512_castps_pd(u3)))};
+    __m128 s = _mm_setzero_ps();
+    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_castps512_ps128(t[j]));
+    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 1));
+    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 2));
+    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 3));
+    _mm_storeu_ps(out, s);
+}
+#endif
+
 /* Output rows [n0, n1) of y [M, N] (one weight for every row; a row of its own goes through own_rows4) through a
  * grouped unpacker (bs values in bb bytes, groups of G values, each a multiple of ACCS groups per block); xsum:
  * each row's sums of x per group, 16 per block (or NULL). */
@@ -979,7 +1052,13 @@ static inline __attribute__((always_inline)) int own_rows4_ahead(
                         ahead(&a[i], r[i] + (b + 1) * bb, G ? sm + (b + 1) * 16 : NULL, &next[(b + 1) % 2][i]);
                     products(&a[i], r[i] + b * bb, xm + b * bs, &next[b % 2][i]);
                 }
-            for (int i = 0; i < 4; i++) ym[n + i * q] = finish(&a[i], G != 0);
+            if (G == 0) {
+                float out[4];
+                finish4(a, out);
+                for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
+            } else {
+                for (int i = 0; i < 4; i++) ym[n + i * q] = finish(&a[i], 1);
+            }
         }
         for (int64_t n = n0 + 4 * q; n < n1; n++) {     /* the last (n1 - n0) % 4 rows */
             const uint8_t *row = base + n * row_bytes;
@@ -1069,7 +1148,7 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
             rows_grouped(unpack_q8_0x4, 128, 136, 32, w, N, K, x, NULL, M, y, n0, n1);
             return 0;
         }
-        if (M == 1 && experts == NULL) n0 = q8_0_row_pairs(w, K, x, y, n0, n1);
+        if (M == 1 && experts == NULL) n0 = q8_0_rows(w, K, x, y, n0, n1);
         rows_of(deq_q8_0, 32, 34, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;
     case 16:

@@ -95,61 +95,68 @@ void index_sim(const float *x, int64_t n_rows, int64_t n, int hadamard, float ro
     }
 }
 
-/* The largest of x[0..n) (NaN never wins; -inf for n = 0) and, in *nan, whether x[0..n) holds a NaN; in SIMD lanes
- * where the target has them (max(a, b) = a > b ? a : b in any order: the same value). */
-static float lanes_max(const float *x, int64_t n, int *nan) {
-    float best = -INFINITY;
-    int64_t k = 0, found = 0;
+/* The largest of row[0..n) (its first index in *at) and the largest of the others (duplicates counted), where the
+ * row holds no NaN; returns 0 where it holds one. One pass: each SIMD lane keeps its largest value, that value's
+ * first index and its second largest (max(second, min(v, largest))); the lanes are then combined and the scalar tail
+ * added in index order. Only comparisons, so the values are the row's own. */
+static int top2(const float *row, int64_t n, int64_t *at, float *second) {
+    float best = -INFINITY, next = -INFINITY;
+    int64_t k = 0, where = 0;
 #if defined(__AVX512F__)
-    __m512 acc = _mm512_set1_ps(-INFINITY);
-    __mmask16 unordered = 0;
-    for (; k + 16 <= n; k += 16) {
-        __m512 v = _mm512_loadu_ps(x + k);
-        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        acc = _mm512_max_ps(v, acc);
+    if (n >= 16) {
+        __m512 m1 = _mm512_set1_ps(-INFINITY), m2 = m1;
+        __m512i i1 = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), idx = i1;
+        const __m512i step = _mm512_set1_epi32(16);
+        __mmask16 unordered = 0;
+        for (; k + 16 <= n; k += 16, idx = _mm512_add_epi32(idx, step)) {
+            __m512 v = _mm512_loadu_ps(row + k);
+            unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            __mmask16 above = _mm512_cmp_ps_mask(v, m1, _CMP_GT_OQ);
+            m2 = _mm512_max_ps(m2, _mm512_min_ps(v, m1));
+            m1 = _mm512_max_ps(v, m1);
+            i1 = _mm512_mask_mov_epi32(i1, above, idx);
+        }
+        if (unordered) return 0;
+        float l1[16], l2[16];
+        int32_t li[16];
+        _mm512_storeu_ps(l1, m1);
+        _mm512_storeu_ps(l2, m2);
+        _mm512_storeu_si512(li, i1);
+        int lane = 0;
+        for (int l = 1; l < 16; l++)
+            if (l1[l] > l1[lane] || (l1[l] == l1[lane] && li[l] < li[lane])) lane = l;
+        best = l1[lane], where = li[lane], next = l2[lane];
+        for (int l = 0; l < 16; l++) next = l != lane && l1[l] > next ? l1[l] : next;
     }
-    best = _mm512_reduce_max_ps(acc);
-    found = unordered != 0;
-#elif defined(__AVX2__)
-    __m256 acc = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
-    for (; k + 8 <= n; k += 8) {
-        __m256 v = _mm256_loadu_ps(x + k);
-        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        acc = _mm256_max_ps(v, acc);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
-    found = _mm256_movemask_ps(unordered) != 0;
 #endif
     for (; k < n; k++) {
-        best = x[k] > best ? x[k] : best;
-        found |= isnan(x[k]);
+        float v = row[k];
+        if (v != v) return 0;
+        if (k == 0) { best = v; continue; }         /* the first value: the largest so far (even -inf) */
+        next = v < best ? (v > next ? v : next) : best > next ? best : next;
+        if (v > best) best = v, where = k;
     }
-    *nan = (int)found;
-    return best;
+    *at = where;
+    *second = next;
+    return 1;
 }
 
 /* Per row of logits [M, V] (V >= 2): the index of the largest value (the first one on ties; the first NaN where
  * a row holds one, as torch's argmax) and the largest minus the second largest, duplicates counted (torch.topk's
- * two values: 0 on a tie; NaN after a NaN, which topk ranks first). Three passes a row, each vectorized: the
- * largest value (and whether a NaN is there), its first index, the largest of the others. */
+ * two values: 0 on a tie; NaN after a NaN, which topk ranks first), in one vectorized pass (`top2`). */
 void verify_argmax(const float *logits, int64_t M, int64_t V, int64_t *top1, float *margin) {
     for (int64_t m = 0; m < M; m++) {
         const float *row = logits + m * V;
         int64_t best = 0;
-        int nan;
-        float first = lanes_max(row, V, &nan);
-        if (nan) {
+        float second;
+        if (!top2(row, V, &best, &second)) {
             while (row[best] == row[best]) best++;
             top1[m] = best;
             margin[m] = NAN;
             continue;
         }
-        while (row[best] != first) best++;
-        float before = lanes_max(row, best, &nan), after = lanes_max(row + best + 1, V - best - 1, &nan);
         top1[m] = best;
-        margin[m] = row[best] - (before > after ? before : after);
+        margin[m] = row[best] - second;
     }
 }
 
