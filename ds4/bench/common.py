@@ -12,7 +12,14 @@ from collections.abc import Callable
 import torch
 
 from ds4.errors import UsageError
+from ds4.session import Session
+from ds4.speculative import row_tops
 from ops.quants import QTensor, get
+
+
+def greedy(s: Session, logits: torch.Tensor) -> int:
+    """The greedy token of a session's one logits row, through its backend's `row_tops` (on cpu one C pass)."""
+    return row_tops(s.model.ops, logits[None])[0]
 
 
 def machine(device: torch.device) -> str:

@@ -26,13 +26,12 @@ import torch
 
 from backends.registry import OpSet
 from ds4.bench import cpu_gemv, full_width
-from ds4.bench.common import machine
+from ds4.bench.common import greedy, machine
 from ds4.engine import open_model
 from ds4.errors import UsageError
 from ds4.formats.convert import convert
 from ds4.formats.vocab import real_v4_tokenizer_json
 from ds4.session import Session
-from ds4.speculative import row_tops
 from ds4.tiny.build import tiny_model_weights
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
@@ -98,10 +97,10 @@ def run_ds4(model, prompt: list[int], n: int, compile: bool = False) -> tuple[fl
     """Prefill and greedy decode seconds of a ds4py trunk (decode through the compiled step if `compile`)."""
     s = Session(model, len(prompt) + n + 1, 2048, compile=compile)
     t0 = time.perf_counter()
-    tok = row_tops(s.model.ops, s.prefill(prompt)[None])[0]
+    tok = greedy(s, s.prefill(prompt))
     t1 = time.perf_counter()
     for _ in range(n):
-        tok = row_tops(s.model.ops, s.decode(tok)[None])[0]
+        tok = greedy(s, s.decode(tok))
     return t1 - t0, time.perf_counter() - t1
 
 

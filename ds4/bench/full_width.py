@@ -28,13 +28,12 @@ import torch
 
 from backends.cpu import kernels
 from backends.registry import OpSet
-from ds4.bench.common import copy_bandwidth
+from ds4.bench.common import copy_bandwidth, greedy
 from ds4.errors import UsageError
 from ds4.formats import gguf
 from ds4.formats.quant_mix import tensor_type
 from ds4.formats.vocab import real_v4_metadata
 from ds4.session import Session
-from ds4.speculative import row_tops
 from ds4.tiny.build import FLASH_SIZES, TINY, tiny_metadata
 from ds4.tiny.random_model import random_weight
 from models.args import ModelArgs, model_shapes
@@ -105,10 +104,10 @@ def run_ds4(f: gguf.GGUFFile, prompt: list[int], tokens: int, cpu_dot: str = "ex
     Session(model, len(prompt) + 1, len(prompt)).prefill(prompt)     # warm-up, as llama-bench's (see op_times)
     s = Session(model, len(prompt) + tokens + 1, len(prompt))
     t0 = time.perf_counter()
-    tok = row_tops(s.model.ops, s.prefill(prompt)[None])[0]
+    tok = greedy(s, s.prefill(prompt))
     t1 = time.perf_counter()
     for _ in range(tokens):
-        tok = row_tops(s.model.ops, s.decode(tok)[None])[0]
+        tok = greedy(s, s.decode(tok))
     return Timing(len(prompt) / (t1 - t0), tokens / (time.perf_counter() - t1))
 
 
@@ -180,11 +179,11 @@ def op_times(f: gguf.GGUFFile, prompt: list[int], tokens: int, threads: int, cpu
     for _ in range(2):         # the first run warms the page cache and the kernels up
         s = Session(model, len(prompt) + tokens + 1, len(prompt))
         last: list[int] = []
-        prefill = timed_phase(ops, lambda: last.append(row_tops(s.model.ops, s.prefill(prompt)[None])[0]))  # noqa: B023
+        prefill = timed_phase(ops, lambda: last.append(greedy(s, s.prefill(prompt))))  # noqa: B023
 
         def decode_all():
             for _ in range(tokens):
-                last.append(row_tops(s.model.ops, s.decode(last[-1])[None])[0])  # noqa: B023
+                last.append(greedy(s, s.decode(last[-1])))  # noqa: B023
 
         decode = timed_phase(ops, decode_all, tokens)
     out = []
