@@ -62,6 +62,7 @@ class Impl:
     backend: str
     fn: Callable
     batch_invariant: bool = False  # row r of an M-row call equals the 1-row call bit for bit
+    step: Callable | None = None   # what a compiled step calls instead of tracing `fn` (register_step)
 
 
 _IMPLS: dict[str, dict[str, Impl]] = {}
@@ -88,6 +89,18 @@ def register(op: str, backend: str, *, batch_invariant: bool = False) -> Callabl
         return fn
 
     return wrap
+
+
+def register_step(op: str, backend: str, make: Callable[[Callable], Callable]) -> Callable | None:
+    """Have a compiled step call `make(fn)` (same arguments) for `backend`'s registered implementation `fn` of `op`
+    instead of tracing `fn`: the cpu backend's C calls as opaque torch ops (backends/cpu/custom_ops.py). Returns it,
+    None where `backend` has no `op`."""
+    impl = _IMPLS.get(op, {}).get(backend)
+    if impl is None:
+        return None
+    step = make(impl.fn)
+    _IMPLS[op][backend] = replace(impl, step=step)
+    return step
 
 
 def declare_quants(backend: str, served: dict[str, str], unsupported: frozenset[str] = frozenset()) -> None:
@@ -294,7 +307,8 @@ class OpSet:
         else:
             impl, note = impls["torch"], f"fallback: {wanted} has no {op}"
         if self.cpu_dot != "exact" and impl.backend == "cpu" and op in CPU_DOT_OPS:
-            impl = replace(impl, fn=partial(impl.fn, dot=self.cpu_dot))
+            impl = replace(impl, fn=partial(impl.fn, dot=self.cpu_dot),
+                           step=None if impl.step is None else partial(impl.step, dot=self.cpu_dot))
             note = f"{note}; --cpu-dot {self.cpu_dot}"
         self._resolved[op] = (impl, note)
         return impl, note
@@ -302,11 +316,13 @@ class OpSet:
     def __getattr__(self, op: str) -> Callable:
         if op not in OPS:
             raise AttributeError(f"no op named {op!r}; known ops: {', '.join(OPS)}")
-        fn, calls, compiling = self.resolve(op)[0].fn, self.calls, torch.compiler.is_compiling
+        impl, calls, compiling = self.resolve(op)[0], self.calls, torch.compiler.is_compiling
+        fn, step = impl.fn, impl.step or impl.fn
 
         def call(*args, **kwargs):
-            if not compiling():  # a compiled step's calls are counted by its caller
-                calls[op] += 1
+            if compiling():  # a compiled step's calls are counted by its caller
+                return step(*args, **kwargs)
+            calls[op] += 1
             return fn(*args, **kwargs)
 
         if type(self).__getattr__ is OpSet.__getattr__:  # later lookups skip this method (a subclass may wrap calls)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backends.arrays import TorchArrays
-from backends.registry import OpSet
+from backends.registry import OPS, OpSet
 from ds4.errors import BackendUnavailable
 from ds4.sampling import Sampler, SamplingParams
 from ds4.session import Session
@@ -148,3 +148,51 @@ def test_strict_speculation_on_a_compiled_session_equals_plain_greedy(compiled):
         s = Session(trunk, 256, 16, mtp, compile=True)
         assert greedy(s, prompt, 20, draft=depth, strict=True) == plain
         assert s.counters["compiled_rows"] > 0
+
+
+class CheckedGraph(torch.fx.Interpreter):
+    """Runs dynamo's graph of a step op by op, checking each `ds4_step` op's outputs against the shapes, strides and
+    dtypes its fake kernel gave while tracing (what inductor's code takes on trust)."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.op == "call_function" and str(n.target).startswith("ds4_step."):
+            fakes = n.meta.get("example_value")     # None: an op that returns nothing (writes in place)
+            for real, fake in zip(out or [], fakes or [], strict=True):
+                assert (real.shape, real.stride(), real.dtype) == (fake.shape, fake.stride(), fake.dtype), n.target
+        return out
+
+
+@pytest.mark.parametrize("dot", ["exact", "q8"])
+def test_a_traced_step_calls_the_cpu_ops_as_custom_ops_and_gives_the_eager_bits(dot):
+    """Dynamo's graph of a decode step (no inductor: a backend running the graph node by node) holds the cpu
+    backend's C calls as `ds4_step` ops, their fake shapes are the real ones, and it gives the eager step's bits on
+    the same (fixed) plan: the ops run as eager runs them."""
+    md, base, _ = tiny_model_weights(mix="q2", seed=5)
+    trunk = DeepseekV4(ModelArgs.from_metadata(md), base, OpSet("cpu", device="cpu", cpu_dot=dot))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lambda *args: CheckedGraph(gm).run(*args)
+
+    for op in OPS:      # bound before tracing, as OpSet.compile does
+        getattr(trunk.ops, op)
+    step = torch.compile(trunk.run, backend=backend, fullgraph=True, dynamic=False)
+    eager, traced = Session(trunk, 256, 16), Session(trunk, 256, 16)
+    prompt = list(range(5, 45))
+    a, b = eager.prefill(prompt), traced.prefill(prompt)
+    for i in range(4):
+        tok = int(a.argmax())
+        a = trunk.forward([tok], eager.pos, eager.caches, [0], step="fixed")[1]
+        b = trunk.forward([tok], traced.pos, traced.caches, [0], step="fixed", runner=step)[1]
+        eager.tokens.append(tok)
+        traced.tokens.append(tok)
+        assert torch.equal(a, b), f"step {i}"
+    assert all(torch.equal(x, y) for x, y in zip(eager.state_tensors().values(), traced.state_tensors().values(),
+                                                 strict=True))
+    called = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    fused = {"hc_pre_norm", "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store", "moe",
+             "shared_expert", "store_rows", "sparse_attention", "hc_post", "embed", "hc_head", "qmatmul"}
+    assert {f"ds4_step.{op}" for op in fused} <= called
+    assert not any(t.startswith("ds4.") for t in called)       # no traced fallback reaching the bare kernels
