@@ -147,6 +147,8 @@ class StepOp:
         schema = ", ".join(entries)
         self.tensors = [i for i, e in enumerate(entries) if e.startswith("Tensor")]    # entries holding tensors
         self.build, self.build_fake = self.builders(fake=False), self.builders(fake=True)
+        self.plain = all(a.kind == "value" for a in self.args)     # the entries are the arguments
+        self.mutated_at = [self.names.index(name) for name in self.mutated]
         LIBRARY.define(f"{op}({schema}) -> {'()' if self.mutated else 'Tensor[]'}")
         LIBRARY.impl(op, self.kernel, "CPU")
         torch.library.register_fake(f"ds4_step::{op}", self.fake, lib=LIBRARY)
@@ -186,11 +188,11 @@ class StepOp:
     def kernel(self, *flat):
         """The eager op on the rebuilt arguments; a mutated cache that came back as another tensor is copied in, an
         output that is an input tensor is copied out (a torch op's outputs may not alias its inputs)."""
-        values = [build(flat) for build in self.build]
+        values = flat if self.plain else [build(flat) for build in self.build]
         out = self.fn(*values)
         if self.mutated:
-            for name, got in zip(self.mutated, (out,) if len(self.mutated) == 1 else out, strict=True):
-                cache = values[self.names.index(name)]
+            for at, got in zip(self.mutated_at, (out,) if len(self.mutated) == 1 else out, strict=True):
+                cache = values[at]
                 if got is not cache:
                     cache.copy_(got)
             return None
