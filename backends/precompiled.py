@@ -231,8 +231,9 @@ class PrecompiledStep:
         """The file of the step of signature `sig`."""
         sizes = self.owner.args if hasattr(self.owner, "args") else None     # a model's sizes
         types = weight_types(self.owner) if self.owner is not None else None
+        from backends.registry import step_ops  # the ops a step calls as they are: another graph
         key = repr((getattr(self.fn, "__qualname__", repr(self.fn)), sig, signature(sizes), types, source_hash(),
-                    inductor_settings(), sorted(STEP_OPTIONS.items())))
+                    inductor_settings(), sorted(STEP_OPTIONS.items()), step_ops()))
         return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.step"
 
     def load_or_compile(self, sig: tuple, args: tuple) -> Callable:

@@ -91,16 +91,21 @@ def register(op: str, backend: str, *, batch_invariant: bool = False) -> Callabl
     return wrap
 
 
-def register_step(op: str, backend: str, make: Callable[[Callable], Callable]) -> Callable | None:
-    """Have a compiled step call `make(fn)` (same arguments) for `backend`'s registered implementation `fn` of `op`
-    instead of tracing `fn`: the cpu backend's C calls as opaque torch ops (backends/cpu/custom_ops.py). Returns it,
-    None where `backend` has no `op`."""
-    impl = _IMPLS.get(op, {}).get(backend)
-    if impl is None:
-        return None
-    step = make(impl.fn)
-    _IMPLS[op][backend] = replace(impl, step=step)
-    return step
+def implementation(op: str, backend: str) -> Impl | None:
+    """`backend`'s registered implementation of `op`, None if it has none (imports nothing)."""
+    return _IMPLS.get(op, {}).get(backend)
+
+
+def set_step(op: str, backend: str, step: Callable | None) -> None:
+    """Have a compiled step call `step` (the arguments of `backend`'s implementation of `op`) instead of tracing that
+    implementation, or (None) trace it again; the cpu backend's C calls as opaque torch ops use it (custom_ops.py in
+    backends/cpu). OpSets bind an op's calls when first used: set it before making one."""
+    _IMPLS[op][backend] = replace(_IMPLS[op][backend], step=step)
+
+
+def step_ops() -> tuple[str, ...]:
+    """`op:backend` of every implementation a compiled step calls as it is (`set_step`): part of a saved step's key."""
+    return tuple(sorted(f"{op}:{b}" for op, impls in _IMPLS.items() for b, impl in impls.items() if impl.step))
 
 
 def declare_quants(backend: str, served: dict[str, str], unsupported: frozenset[str] = frozenset()) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from backends.arrays import TorchArrays
+from backends.cpu import custom_ops
 from backends.registry import OPS, OpSet
 from ds4.errors import BackendUnavailable
 from ds4.sampling import Sampler, SamplingParams
@@ -163,8 +164,18 @@ class CheckedGraph(torch.fx.Interpreter):
         return out
 
 
+@pytest.fixture
+def c_ops():
+    """Compiled steps call the cpu backend's ops as `ds4_step` ops (DS4_COMPILE_C_OPS=1) for OpSets made here."""
+    custom_ops.use_c_ops(True)
+    try:
+        yield
+    finally:
+        custom_ops.use_c_ops(custom_ops.WANTED)
+
+
 @pytest.mark.parametrize("dot", ["exact", "q8"])
-def test_a_traced_step_calls_the_cpu_ops_as_custom_ops_and_gives_the_eager_bits(dot):
+def test_a_traced_step_calls_the_cpu_ops_as_custom_ops_and_gives_the_eager_bits(dot, c_ops):
     """Dynamo's graph of a decode step (no inductor: a backend running the graph node by node) holds the cpu
     backend's C calls as `ds4_step` ops, their fake shapes are the real ones, and it gives the eager step's bits on
     the same (fixed) plan: the ops run as eager runs them."""
@@ -196,3 +207,28 @@ def test_a_traced_step_calls_the_cpu_ops_as_custom_ops_and_gives_the_eager_bits(
              "shared_expert", "store_rows", "sparse_attention", "hc_post", "embed", "hc_head", "qmatmul"}
     assert {f"ds4_step.{op}" for op in fused} <= called
     assert not any(t.startswith("ds4.") for t in called)       # no traced fallback reaching the bare kernels
+
+
+def test_a_compiled_step_with_the_custom_ops_is_saved_loaded_and_gives_the_eager_tokens(c_ops, tmp_path, monkeypatch):
+    """Inductor's step with the `ds4_step` ops (saved whole: the guards pickle the ops by name) gives the eager tokens;
+    a second model of the same file loads it instead of compiling."""
+    monkeypatch.setenv("DS4_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    trunk, _ = tiny("cpu", "q2")
+    prompt = list(range(5, 45))
+    eager, comp = Session(trunk, 64, 16), Session(trunk, 64, 16, compile=True)
+    a, b = eager.prefill(prompt), comp.prefill(prompt)
+    tokens = []
+    for i in range(6):
+        tokens.append(int(a.argmax()))
+        assert tokens[-1] == int(b.argmax()), f"step {i}"
+        a, b = eager.decode(tokens[-1]), comp.decode(tokens[-1])
+        assert float((a - b).abs().max() / a.abs().max()) < 1e-5
+    assert (trunk.compiled_step().compiled, trunk.compiled_step().loaded) == (1, 0)
+    again, _ = tiny("cpu", "q2")
+    s = Session(again, 64, 16, compile=True)
+    s.prefill(prompt)
+    for tok in tokens:
+        c = s.decode(tok)
+    assert torch.equal(c, b)
+    assert (again.compiled_step().compiled, again.compiled_step().loaded) == (0, 1)

@@ -3,4 +3,4 @@ quantized matmul that dequantizes one weight tile at a time. Importing this pack
 `auto` uses them for CPU tensors, `--backend torch` still runs the pure references (the oracle)."""
 from . import attention, custom_ops, ffn, fused, hc, qmatmul, rowops  # noqa: F401  (registers the ops)
 
-custom_ops.register_all()   # their calls in a compiled step
+custom_ops.use_c_ops(custom_ops.WANTED)   # how a compiled step calls them (DS4_COMPILE_C_OPS=1: as they are)

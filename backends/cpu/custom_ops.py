@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import operator
+import os
 import types
 import typing
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.registry import register_step
+from backends.registry import implementation, set_step
 from ops.quants import TYPES, QTensor
 
 LIBRARY = torch.library.Library("ds4_step", "DEF")
@@ -207,16 +208,25 @@ class StepOp:
         return [torch.empty(shape, dtype=dtype) for shape, dtype in SHAPES[self.op](*values)]
 
 
-STEP_OPS: dict[str, StepOp] = {}
+STEP_OPS: dict[str, StepOp] = {}    # made on first use, kept for the process (a torch op is defined once)
+WANTED = os.environ.get("DS4_COMPILE_C_OPS") == "1"     # the cpu backend's default (its package applies it)
 
 
-def register_all() -> None:
-    """A StepOp for every op of SHAPES the cpu backend implements (imported before), registered as its compiled-step
-    call."""
-    made = {op: register_step(op, "cpu", lambda fn, op=op: StepOp(op, fn)) for op in SHAPES if op not in STEP_OPS}
-    STEP_OPS.update((op, step) for op, step in made.items() if step is not None)
+def use_c_ops(on: bool) -> None:
+    """Whether compiled steps call the cpu backend's ops (those of SHAPES it implements, imported before) as the torch
+    ops `ds4_step::<op>` (on) or trace their torch paths (off, the default: measured faster, docs/cpu.md). For OpSets
+    made after the call."""
+    for op in SHAPES:
+        impl = implementation(op, "cpu")
+        if impl is None:
+            continue
+        if on and op not in STEP_OPS:
+            STEP_OPS[op] = StepOp(op, impl.fn)
+        set_step(op, "cpu", STEP_OPS[op] if on else None)
 
 
 def step_op(op: str) -> StepOp:
-    """The registered StepOp of `op`."""
+    """The StepOp of `op` (how a saved step's guards unpickle it)."""
+    if op not in STEP_OPS:
+        use_c_ops(True)
     return STEP_OPS[op]
