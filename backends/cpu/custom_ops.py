@@ -1,16 +1,17 @@
-"""The cpu backend's ops as opaque torch ops in a compiled step (`--compile`, docs/cpu.md "The compiled step with the C
-calls as custom ops"). Dynamo cannot trace a ctypes call, so a traced cpu op used to take its torch path inside a
-compiled step, and inductor compiled the references' sequences instead of the C calls eager makes (the fused ops,
-the routed experts, the norms, the products on bound weights). Here each op is a torch op `ds4_step::<op>` whose
-CPU kernel is the cpu op itself, run eagerly (so with the C calls and its own fallbacks, the eager bits), and whose
-fake kernel gives the output shapes; a compiled step calls it as one opaque node and inductor fuses only the model's
-elementwise glue between them. `registry.register_step` makes the OpSet's compiled calls take these.
+"""The cpu backend's ops as opaque torch ops in a compiled step (`--compile` with DS4_COMPILE_C_OPS=1, docs/cpu.md "The
+compiled step with the C calls as custom ops"). Dynamo cannot trace a ctypes call, so a traced cpu op takes its torch
+path inside a compiled step, and inductor compiles the references' sequences instead of the C calls eager makes (the
+fused ops, the routed experts, the norms, the products on bound weights). Here each op is a torch op `ds4_step::<op>`
+whose CPU kernel is the cpu op itself, run eagerly (so with the C calls and its own fallbacks, the eager bits), and
+whose fake kernel gives the output shapes; a compiled step calls it as one opaque node and inductor fuses only the
+model's elementwise glue between them (`use_c_ops`, through `registry.set_step`). Opt-in: measured slower than the
+traced step, the dispatcher's boxing of each call's arguments costing more than eager's Python between its calls.
 
 The op's arguments are flattened by their annotations: a QTensor becomes its blocks, type name, shape and name (the
 kernel rebuilds it once per block tensor, so the cpu backend's per-weight bindings are kept across calls), a record
 (`Experts`, `AttnRows`) its fields, a tuple of ints an int list. `store_rows` and `compressor_store` write their
-caches in place (annotated as mutated) and return them. Defined with `torch.library.Library` (a plain schema, ~3 us
-of dispatch a call) rather than `torch.library.custom_op`, whose Python wrapper costs several times that."""
+caches in place (annotated as mutated) and return them. Defined with `torch.library.Library` (a plain schema, 5-13 us
+of dispatch a call here) rather than `torch.library.custom_op`, whose Python wrapper costs more."""
 from __future__ import annotations
 
 import dataclasses
@@ -122,10 +123,9 @@ def describe(name: str, hint: typing.Any, alias: str = "") -> Arg:
     if typing.get_origin(inner) is tuple and typing.get_args(inner)[:1] == (int,):
         return Arg(name, "ints", (f"int[] {name}",))
     if dataclasses.is_dataclass(inner) and not optional:
-        hints = typing.get_type_hints(inner)
-        fields = tuple(describe(f"{name}_{f.name}", hints[f.name]) for f in dataclasses.fields(inner))
-        fields = tuple(dataclasses.replace(a, name=f.name) for a, f in zip(fields, dataclasses.fields(inner),
-                                                                            strict=True))
+        hints = typing.get_type_hints(inner)    # each field under its own name, its entries under name_field
+        fields = tuple(dataclasses.replace(describe(f"{name}_{f.name}", hints[f.name]), name=f.name)
+                       for f in dataclasses.fields(inner))
         return Arg(name, "record", tuple(e for f in fields for e in f.schema), inner, fields)
     if inner not in SCALARS:
         raise TypeError(f"custom_ops: no flattening for argument {name}: {hint}")
@@ -217,16 +217,12 @@ def use_c_ops(on: bool) -> None:
     ops `ds4_step::<op>` (on) or trace their torch paths (off, the default: measured faster, docs/cpu.md). For OpSets
     made after the call."""
     for op in SHAPES:
-        impl = implementation(op, "cpu")
-        if impl is None:
-            continue
-        if on and op not in STEP_OPS:
-            STEP_OPS[op] = StepOp(op, impl.fn)
-        set_step(op, "cpu", STEP_OPS[op] if on else None)
+        if implementation(op, "cpu") is not None:
+            set_step(op, "cpu", step_op(op) if on else None)
 
 
 def step_op(op: str) -> StepOp:
-    """The StepOp of `op` (how a saved step's guards unpickle it)."""
+    """The StepOp of the cpu backend's `op`, made on first use (also how a saved step's guards unpickle it)."""
     if op not in STEP_OPS:
-        use_c_ops(True)
+        STEP_OPS[op] = StepOp(op, implementation(op, "cpu").fn)
     return STEP_OPS[op]
