@@ -11,7 +11,9 @@ so an edit to any of them compiles afresh instead of loading a stale step; a loa
 the arguments (another model of the same signature) is compiled again and its file replaced, with a warning.
 
 `warm_up()` starts in the background what the first step of a process otherwise waits for (dynamo's and inductor's
-runtime imported, inductor's probe of the CPU's vector instructions), so that it overlaps the loading of the weights.
+runtime imported, inductor's probe of the CPU's vector instructions), so that it overlaps the loading of the weights;
+the probe itself runs once per machine (`pin_vec_isa`: its choice kept beside the steps). A step is compiled without
+inductor's size and alignment assertions (`STEP_OPTIONS`).
 """
 from __future__ import annotations
 

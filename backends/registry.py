@@ -62,7 +62,7 @@ class Impl:
     backend: str
     fn: Callable
     batch_invariant: bool = False  # row r of an M-row call equals the 1-row call bit for bit
-    step: Callable | None = None   # what a compiled step calls instead of tracing `fn` (register_step)
+    step: Callable | None = None   # what a compiled step calls instead of tracing `fn` (set_step)
 
 
 _IMPLS: dict[str, dict[str, Impl]] = {}
