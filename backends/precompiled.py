@@ -11,7 +11,9 @@ so an edit to any of them compiles afresh instead of loading a stale step; a loa
 the arguments (another model of the same signature) is compiled again and its file replaced, with a warning.
 
 `warm_up()` starts in the background what the first step of a process otherwise waits for (dynamo's and inductor's
-runtime imported, inductor's probe of the CPU's vector instructions), so that it overlaps the loading of the weights.
+runtime imported, inductor's probe of the CPU's vector instructions), so that it overlaps the loading of the weights;
+the probe itself runs once per machine (`pin_vec_isa`: its choice kept beside the steps). A step is compiled without
+inductor's size and alignment assertions (`STEP_OPTIONS`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import json
 import os
+import platform
 import threading
 import warnings
 from collections.abc import Callable
@@ -34,6 +38,9 @@ PROBE_MODULES = ("torch._inductor.cpu_vec_isa", "torch._inductor.codecache", "to
 RUNTIME_MODULES = ("torch._dynamo.aot_compile", "torch._functorch._aot_autograd.aot_autograd_result",
                    "torch._inductor.output_code", "torch._inductor.async_compile", "torch._inductor.select_algorithm",
                    "torch._inductor.codegen.memory_planning")   # what loading a saved step and its code imports
+# inductor's settings for a step: no size, stride and alignment assertions around every op call of the generated code
+# (~340 a step on the 89M model; the fake kernels' shapes are the ops' contracts, tested against the ops)
+STEP_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
 _warming: threading.Thread | None = None
 
 
@@ -71,11 +78,11 @@ def warm_up() -> None:
 
 
 def _warm() -> None:
-    """The warm-up thread: the probe's modules, then the probe on a thread of its own beside the other imports."""
+    """The warm-up thread: the probe's modules, then the probe (or its record, `pin_vec_isa`) on a thread of its own
+    beside the other imports."""
     for name in PROBE_MODULES:
         importlib.import_module(name)
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-    probe = threading.Thread(target=pick_vec_isa, name="ds4-vec-isa-probe", daemon=True)
+    probe = threading.Thread(target=pin_vec_isa, name="ds4-vec-isa-probe", daemon=True)
     probe.start()
     for name in RUNTIME_MODULES:
         importlib.import_module(name)
@@ -83,9 +90,58 @@ def _warm() -> None:
 
 
 def wait_warm_up() -> None:
-    """Wait for `warm_up`'s threads, if started (an import they failed is repeated by the caller, which reports it)."""
+    """Wait for `warm_up`'s threads, if started (an import they failed is repeated by the caller, which reports it),
+    then make sure inductor's vector instructions are pinned (`pin_vec_isa`) before a step's key is made."""
     if _warming is not None:
         _warming.join()
+    use_compile_cache()     # where the probe writes its test libraries and its record
+    pin_vec_isa()
+
+
+def machine_isa_key() -> str:
+    """What inductor's probe of the vector instructions depends on: torch's version, the CPU's flags as torch reads
+    them, the architecture and the C++ compiler asked for."""
+    from torch._inductor.cpu_vec_isa import x86_isa_checker
+    return repr((torch.__version__, platform.machine(), sorted(x86_isa_checker()), os.environ.get("CXX")))
+
+
+def flags_choice() -> str:
+    """The instruction set inductor picks when it trusts the CPU's flags (`cpp.vec_isa_ok`): the first of its list
+    whose flags the CPU has."""
+    from torch._inductor.cpu_vec_isa import supported_vec_isa_list, x86_isa_checker
+    have = x86_isa_checker()
+    return next((str(isa) for isa in supported_vec_isa_list if all(f in have for f in str(isa).split())), "")
+
+
+_pinned = threading.Lock()
+
+
+def pin_vec_isa() -> bool:
+    """Skip inductor's probe of the vector instructions where this machine's record says it picks what the CPU's flags
+    say: `cpp.vec_isa_ok` set to True (inductor's own setting, TORCHINDUCTOR_VEC_ISA_OK=1), which trusts the flags.
+    The probe (`pick_vec_isa`: a test library built and loaded by a child process per instruction set, ~1.3 s of CPU
+    here) runs once per machine, torch and compiler, and its choice is kept in `compile_cache_dir()/vec_isa.json`;
+    where it picked another set than the flags' (a compiler that cannot build one), nothing is set and every process
+    probes. A value set by the user is left alone. x86-64 only. Returns whether the flags are trusted."""
+    from torch._inductor import config
+    with _pinned:
+        if config.cpp.vec_isa_ok is not None or platform.machine() not in ("x86_64", "AMD64"):
+            return bool(config.cpp.vec_isa_ok)
+        record, key = compile_cache_dir() / "vec_isa.json", machine_isa_key()
+        try:
+            kept = json.loads(record.read_text())
+        except (OSError, ValueError):
+            kept = {}
+        if kept.get("machine") != key:
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+            kept = {"machine": key, "picked": str(pick_vec_isa())}
+            record.parent.mkdir(parents=True, exist_ok=True)
+            temporary = record.with_suffix(f".{os.getpid()}.tmp")
+            temporary.write_text(json.dumps(kept))
+            temporary.replace(record)
+        if kept.get("picked") == flags_choice():
+            config.cpp.vec_isa_ok = True
+        return bool(config.cpp.vec_isa_ok)
 
 
 @functools.cache
@@ -177,15 +233,16 @@ class PrecompiledStep:
         """The file of the step of signature `sig`."""
         sizes = self.owner.args if hasattr(self.owner, "args") else None     # a model's sizes
         types = weight_types(self.owner) if self.owner is not None else None
+        from backends.registry import step_ops  # the ops a step calls as they are: another graph
         key = repr((getattr(self.fn, "__qualname__", repr(self.fn)), sig, signature(sizes), types, source_hash(),
-                    inductor_settings()))
+                    inductor_settings(), sorted(STEP_OPTIONS.items()), step_ops()))
         return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.step"
 
     def load_or_compile(self, sig: tuple, args: tuple) -> Callable:
         """The step of signature `sig`: loaded from its file when one is there and its guards accept `args`,
         else compiled (aot_compile) and saved."""
+        wait_warm_up()          # and the vector instructions pinned: part of inductor's settings in the key
         path = self.path(sig)
-        wait_warm_up()
         if path.exists():
             try:
                 with path.open("rb") as f:
@@ -200,7 +257,7 @@ class PrecompiledStep:
                     return step
                 warnings.warn(f"compiled step {path} does not fit these arguments (its guards reject them); "
                               "compiling it again", RuntimeWarning, stacklevel=3)
-        step = torch.compile(self.fn, dynamic=False, fullgraph=True).aot_compile((args, {}))
+        step = torch.compile(self.fn, dynamic=False, fullgraph=True, options=STEP_OPTIONS).aot_compile((args, {}))
         self.directory.mkdir(parents=True, exist_ok=True)
         step.save_compiled_function(str(path))
         self.compiled += 1

@@ -62,6 +62,7 @@ class Impl:
     backend: str
     fn: Callable
     batch_invariant: bool = False  # row r of an M-row call equals the 1-row call bit for bit
+    step: Callable | None = None   # what a compiled step calls instead of tracing `fn` (set_step)
 
 
 _IMPLS: dict[str, dict[str, Impl]] = {}
@@ -88,6 +89,23 @@ def register(op: str, backend: str, *, batch_invariant: bool = False) -> Callabl
         return fn
 
     return wrap
+
+
+def implementation(op: str, backend: str) -> Impl | None:
+    """`backend`'s registered implementation of `op`, None if it has none (imports nothing)."""
+    return _IMPLS.get(op, {}).get(backend)
+
+
+def set_step(op: str, backend: str, step: Callable | None) -> None:
+    """Have a compiled step call `step` (the arguments of `backend`'s implementation of `op`) instead of tracing that
+    implementation, or (None) trace it again; the cpu backend's C calls as opaque torch ops use it (custom_ops.py in
+    backends/cpu). OpSets bind an op's calls when first used: set it before making one."""
+    _IMPLS[op][backend] = replace(_IMPLS[op][backend], step=step)
+
+
+def step_ops() -> tuple[str, ...]:
+    """`op:backend` of every implementation a compiled step calls as it is (`set_step`): part of a saved step's key."""
+    return tuple(sorted(f"{op}:{b}" for op, impls in _IMPLS.items() for b, impl in impls.items() if impl.step))
 
 
 def declare_quants(backend: str, served: dict[str, str], unsupported: frozenset[str] = frozenset()) -> None:
@@ -294,7 +312,8 @@ class OpSet:
         else:
             impl, note = impls["torch"], f"fallback: {wanted} has no {op}"
         if self.cpu_dot != "exact" and impl.backend == "cpu" and op in CPU_DOT_OPS:
-            impl = replace(impl, fn=partial(impl.fn, dot=self.cpu_dot))
+            impl = replace(impl, fn=partial(impl.fn, dot=self.cpu_dot),
+                           step=None if impl.step is None else partial(impl.step, dot=self.cpu_dot))
             note = f"{note}; --cpu-dot {self.cpu_dot}"
         self._resolved[op] = (impl, note)
         return impl, note
@@ -302,11 +321,13 @@ class OpSet:
     def __getattr__(self, op: str) -> Callable:
         if op not in OPS:
             raise AttributeError(f"no op named {op!r}; known ops: {', '.join(OPS)}")
-        fn, calls, compiling = self.resolve(op)[0].fn, self.calls, torch.compiler.is_compiling
+        impl, calls, compiling = self.resolve(op)[0], self.calls, torch.compiler.is_compiling
+        fn, step = impl.fn, impl.step or impl.fn
 
         def call(*args, **kwargs):
-            if not compiling():  # a compiled step's calls are counted by its caller
-                calls[op] += 1
+            if compiling():  # a compiled step's calls are counted by its caller
+                return step(*args, **kwargs)
+            calls[op] += 1
             return fn(*args, **kwargs)
 
         if type(self).__getattr__ is OpSet.__getattr__:  # later lookups skip this method (a subclass may wrap calls)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from backends.arrays import TorchArrays
-from backends.registry import OpSet
+from backends.cpu import custom_ops
+from backends.registry import OPS, OpSet
 from ds4.errors import BackendUnavailable
 from ds4.sampling import Sampler, SamplingParams
 from ds4.session import Session
@@ -148,3 +149,86 @@ def test_strict_speculation_on_a_compiled_session_equals_plain_greedy(compiled):
         s = Session(trunk, 256, 16, mtp, compile=True)
         assert greedy(s, prompt, 20, draft=depth, strict=True) == plain
         assert s.counters["compiled_rows"] > 0
+
+
+class CheckedGraph(torch.fx.Interpreter):
+    """Runs dynamo's graph of a step op by op, checking each `ds4_step` op's outputs against the shapes, strides and
+    dtypes its fake kernel gave while tracing (what inductor's code takes on trust)."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        if n.op == "call_function" and str(n.target).startswith("ds4_step."):
+            fakes = n.meta.get("example_value")     # None: an op that returns nothing (writes in place)
+            for real, fake in zip(out or [], fakes or [], strict=True):
+                assert (real.shape, real.stride(), real.dtype) == (fake.shape, fake.stride(), fake.dtype), n.target
+        return out
+
+
+@pytest.fixture
+def c_ops():
+    """Compiled steps call the cpu backend's ops as `ds4_step` ops (DS4_COMPILE_C_OPS=1) for OpSets made here."""
+    custom_ops.use_c_ops(True)
+    try:
+        yield
+    finally:
+        custom_ops.use_c_ops(custom_ops.WANTED)
+
+
+@pytest.mark.parametrize("dot", ["exact", "q8"])
+def test_a_traced_step_calls_the_cpu_ops_as_custom_ops_and_gives_the_eager_bits(dot, c_ops):
+    """Dynamo's graph of a decode step (no inductor: a backend running the graph node by node) holds the cpu
+    backend's C calls as `ds4_step` ops, their fake shapes are the real ones, and it gives the eager step's bits on
+    the same (fixed) plan: the ops run as eager runs them."""
+    md, base, _ = tiny_model_weights(mix="q2", seed=5)
+    trunk = DeepseekV4(ModelArgs.from_metadata(md), base, OpSet("cpu", device="cpu", cpu_dot=dot))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lambda *args: CheckedGraph(gm).run(*args)
+
+    for op in OPS:      # bound before tracing, as OpSet.compile does
+        getattr(trunk.ops, op)
+    step = torch.compile(trunk.run, backend=backend, fullgraph=True, dynamic=False)
+    eager, traced = Session(trunk, 256, 16), Session(trunk, 256, 16)
+    prompt = list(range(5, 45))
+    a, b = eager.prefill(prompt), traced.prefill(prompt)
+    for i in range(4):
+        tok = int(a.argmax())
+        a = trunk.forward([tok], eager.pos, eager.caches, [0], step="fixed")[1]
+        b = trunk.forward([tok], traced.pos, traced.caches, [0], step="fixed", runner=step)[1]
+        eager.tokens.append(tok)
+        traced.tokens.append(tok)
+        assert torch.equal(a, b), f"step {i}"
+    assert all(torch.equal(x, y) for x, y in zip(eager.state_tensors().values(), traced.state_tensors().values(),
+                                                 strict=True))
+    called = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    fused = {"hc_pre_norm", "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store", "moe",
+             "shared_expert", "store_rows", "sparse_attention", "hc_post", "embed", "hc_head", "qmatmul"}
+    assert {f"ds4_step.{op}" for op in fused} <= called
+    assert not any(t.startswith("ds4.") for t in called)       # no traced fallback reaching the bare kernels
+
+
+def test_a_compiled_step_with_the_custom_ops_is_saved_loaded_and_gives_the_eager_tokens(c_ops, tmp_path, monkeypatch):
+    """Inductor's step with the `ds4_step` ops (saved whole: the guards pickle the ops by name) gives the eager tokens;
+    a second model of the same file loads it instead of compiling."""
+    monkeypatch.setenv("DS4_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    trunk, _ = tiny("cpu", "q2")
+    prompt = list(range(5, 45))
+    eager, comp = Session(trunk, 64, 16), Session(trunk, 64, 16, compile=True)
+    a, b = eager.prefill(prompt), comp.prefill(prompt)
+    tokens = []
+    for i in range(6):
+        tokens.append(int(a.argmax()))
+        assert tokens[-1] == int(b.argmax()), f"step {i}"
+        a, b = eager.decode(tokens[-1]), comp.decode(tokens[-1])
+        assert float((a - b).abs().max() / a.abs().max()) < 1e-5
+    assert (trunk.compiled_step().compiled, trunk.compiled_step().loaded) == (1, 0)
+    again, _ = tiny("cpu", "q2")
+    s = Session(again, 64, 16, compile=True)
+    s.prefill(prompt)
+    for tok in tokens:
+        c = s.decode(tok)
+    assert torch.equal(c, b)
+    assert (again.compiled_step().compiled, again.compiled_step().loaded) == (0, 1)

@@ -2,6 +2,8 @@
 step object, replaced with a warning when unreadable; the key follows the traced sources."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -149,3 +151,34 @@ def test_a_saved_step_whose_guards_reject_the_arguments_warns_and_is_compiled_ag
         assert torch.equal(step(x), x + 1)
     assert (step.loaded, step.compiled) == (0, 1)
     assert step.path(signature((x,))).read_bytes() == b""
+
+
+def test_the_vector_instruction_probe_runs_once_per_machine(tmp_path, monkeypatch):
+    """pin_vec_isa probes once and keeps the choice: a later process with the record trusts the CPU's flags
+    (inductor's cpp.vec_isa_ok) without probing; a record whose probe picked another set, or a value set by the user,
+    leaves inductor's setting alone."""
+    from torch._inductor import config, cpu_vec_isa
+    monkeypatch.setenv("DS4_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(precompiled.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512")
+    probes = []
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: probes.append(1) or "avx512")
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    assert precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is True and len(probes) == 1
+    record = tmp_path / "inductor" / "vec_isa.json"
+    assert json.loads(record.read_text())["picked"] == "avx512"
+
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)     # a later process: the record, no probe
+    assert precompiled.pin_vec_isa() and len(probes) == 1
+
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)     # the probe picked other than the flags: probe each time
+    monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512 avx512_vnni amx_tile")
+    assert not precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is None and len(probes) == 1
+
+    record.write_text(json.dumps({"machine": "another machine", "picked": "avx2"}))
+    monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512")
+    assert precompiled.pin_vec_isa() and len(probes) == 2     # probed again, for this machine
+
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)    # the user's TORCHINDUCTOR_VEC_ISA_OK=0
+    assert not precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is False and len(probes) == 2
