@@ -209,7 +209,7 @@ class StepOp:
 
 
 STEP_OPS: dict[str, StepOp] = {}    # made on first use, kept for the process (a torch op is defined once)
-WANTED = os.environ.get("DS4_COMPILE_C_OPS") == "1"     # the cpu backend's default (its package applies it)
+WANTED = os.environ.get("DS4_COMPILE_C_OPS") == "1"     # asked for (the cpu package then imports this and turns it on)
 
 
 def use_c_ops(on: bool) -> None:
