@@ -24,6 +24,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "half.h"
 
 #define GROUP 16            /* weight rows repacked together */
 #define QK_BYTES 144        /* a stored Q4_K block */
@@ -121,21 +122,6 @@ static inline float term_of(float dx, float d, float dmin, float isum, float msu
     return (dx * d) * isum - (dx * dmin) * msum;
 }
 
-static inline float half_of(const uint8_t *p) {            /* f16 -> f32, exact */
-    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8), sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f,
-             mant = h & 0x3ff, bits;
-    if (exp == 31) bits = sign | 0x7f800000u | (mant << 13);
-    else if (exp == 0 && mant == 0) bits = sign;
-    else if (exp == 0) {
-        exp = 127 - 15 + 1;
-        while (!(mant & 0x400)) { mant <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    } else bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 #if !(defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__))
 /* One group (16 weight rows at `g`, nb repacked blocks) against one activation row `x`: out[n], plain C. */
 static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float out[GROUP]) {
@@ -161,7 +147,7 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
                 isum += sc[16 * j + n] * dot;
                 msum += mn[MIN_AT(j, n)] * (bsums[2 * j] + bsums[2 * j + 1]);
             }
-            out[n] += term_of(dx, half_of(gb + 2 * n), half_of(gb + 32 + 2 * n), (float)isum, (float)msum);
+            out[n] += term_of(dx, f16_to_f32(gb + 2 * n), f16_to_f32(gb + 32 + 2 * n), (float)isum, (float)msum);
         }
     }
 }

@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include "half.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -34,23 +35,6 @@ static uint32_t q8_float_bits(float f) {
     uint32_t bits;
     memcpy(&bits, &f, 4);
     return bits;
-}
-
-static inline float q8_half(const uint8_t *p) {        /* f16 -> f32, exact */
-    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-#if defined(__F16C__)
-    return _cvtsh_ss((unsigned short)h);
-#else
-    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    if (exp == 31) return q8_bits_float(sign | 0x7f800000u | (mant << 13));
-    if (exp == 0) {
-        if (mant == 0) return q8_bits_float(sign);
-        exp = 127 - 15 + 1;
-        while (!(mant & 0x400)) { mant <<= 1; exp--; }
-        return q8_bits_float(sign | (exp << 23) | ((mant & 0x3ff) << 13));
-    }
-    return q8_bits_float(sign | ((exp + 127 - 15) << 23) | (mant << 13));
-#endif
 }
 
 static float q8_round_half(float f) {    /* a finite f >= 0 rounded to the nearest f16 (ties to even), as float */
@@ -245,7 +229,7 @@ static inline float dot_iq2_xxs(const uint8_t *b, const void *act) {
         bsum += (int)(2 * (bits >> 28) + 1) * sumi;
     }
 #endif
-    return (q8_half(b) * y->d) * (float)bsum;
+    return (f16_to_f32(b) * y->d) * (float)bsum;
 }
 
 #if defined(__AVX2__)
@@ -288,7 +272,7 @@ static inline float dot_q2_k(const uint8_t *b, const void *act) {
                 isum += (sc[8 * k + 2 * i + h] & 15) * s;
             }
 #endif
-    return (y->d * q8_half(b + 80)) * (float)isum - (y->d * q8_half(b + 82)) * (float)msum;
+    return (y->d * f16_to_f32(b + 80)) * (float)isum - (y->d * f16_to_f32(b + 82)) * (float)msum;
 }
 
 /* Q4_K (144 bytes) against a Q8_K block: (d_x d) isum - (d_x dmin) msum. */
@@ -357,7 +341,7 @@ static inline float dot_q4_k(const uint8_t *b, const void *act) {
     }
 #endif
 #endif
-    return (y->d * q8_half(b)) * (float)isum - (y->d * q8_half(b + 2)) * (float)msum;
+    return (y->d * f16_to_f32(b)) * (float)isum - (y->d * f16_to_f32(b + 2)) * (float)msum;
 }
 
 static inline int q3_k_scale(const uint8_t *s, int j) {      /* Q3_K's signed 6-bit scale j (-32..31) */
@@ -417,7 +401,7 @@ static inline float dot_q3_k(const uint8_t *b, const void *act) {
         isum += scale[e / 16] * sumi;
     }
 #endif
-    return (q8_half(b + 108) * y->d) * (float)isum;
+    return (f16_to_f32(b + 108) * y->d) * (float)isum;
 }
 
 static inline void k_scale_min(const uint8_t *s, uint32_t u[4]) {  /* Q5_K's 6-bit pairs: 8 scale bytes, 8 mins */
@@ -463,7 +447,7 @@ static inline float dot_q5_k(const uint8_t *b, const void *act) {
         isum += scale[2 * c] * lo + scale[2 * c + 1] * hi;
     }
 #endif
-    return (y->d * q8_half(b)) * (float)isum - (y->d * q8_half(b + 2)) * (float)msum;
+    return (y->d * f16_to_f32(b)) * (float)isum - (y->d * f16_to_f32(b + 2)) * (float)msum;
 }
 
 /* Q6_K (210 bytes: ql, qh, int8 scales, d) against a Q8_K block: (d_x d) isum, the codes q - 32. */
@@ -500,7 +484,7 @@ static inline float dot_q6_k(const uint8_t *b, const void *act) {
         isum += sc[e / 16] * sumi;
     }
 #endif
-    return (q8_half(b + 208) * y->d) * (float)isum;
+    return (f16_to_f32(b + 208) * y->d) * (float)isum;
 }
 
 typedef float (*dot8_fn)(const uint8_t *, const void *);
@@ -686,7 +670,7 @@ static inline int32_t q8_0_isum(const uint8_t *blk, const q8_0_block *y) {
 }
 
 static inline float q8_0_term(const uint8_t *blk, const q8_0_block *y) {     /* one block's (d_w d_x) isum */
-    return (q8_half(blk) * y->d) * (float)q8_0_isum(blk, y);
+    return (f16_to_f32(blk) * y->d) * (float)q8_0_isum(blk, y);
 }
 
 static float row_q8_0(const uint8_t *row, const uint8_t *act, int64_t nb) {
@@ -870,7 +854,7 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
 #else
     for (int64_t b = 0; b < nb; b++)
         for (int i = 0; i < R; i++)
-            for (int l = 0; l < 32; l++) lanes[i][l] += q8_half(r[i] + 64 * b + 2 * l) * x[32 * b + l];
+            for (int l = 0; l < 32; l++) lanes[i][l] += f16_to_f32(r[i] + 64 * b + 2 * l) * x[32 * b + l];
 #endif
     for (int i = 0; i < R; i++) {
         float sum = 0.0f;
@@ -909,7 +893,7 @@ static inline __m256i table16(const int8_t *table, __m256i idx) {
 }
 static inline float codes32_q4_0(const uint8_t *b, codes32 *c) {
     *c = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
-    return q8_half(b);
+    return f16_to_f32(b);
 }
 static inline __m256i fifth_bits(const uint8_t *qh_bytes) {    /* byte j: 16 where bit j of the u32 is set */
     uint32_t qh;
@@ -923,19 +907,19 @@ static inline __m256i fifth_bits(const uint8_t *qh_bytes) {    /* byte j: 16 whe
 }
 static inline float codes32_q5_0(const uint8_t *b, codes32 *c) {
     *c = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)), _mm256_set1_epi8(16));
-    return q8_half(b);
+    return f16_to_f32(b);
 }
 static inline float codes32_q4_1(const uint8_t *b, codes32 *c) {
     *c = nibbles32(b + 4);
-    return q8_half(b);
+    return f16_to_f32(b);
 }
 static inline float codes32_q5_1(const uint8_t *b, codes32 *c) {
     *c = _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4));
-    return q8_half(b);
+    return f16_to_f32(b);
 }
 static inline float codes32_iq4_nl(const uint8_t *b, codes32 *c) {
     *c = table16(iq4_values, nibbles32(b + 2));
-    return q8_half(b);
+    return f16_to_f32(b);
 }
 static inline float codes32_mxfp4(const uint8_t *b, codes32 *c) {
     *c = table16(mxfp4_values, nibbles32(b + 1));
@@ -945,7 +929,7 @@ static inline float codes32_mxfp4(const uint8_t *b, codes32 *c) {
 typedef int8_t codes32[32];
 static inline float codes32_q4_0(const uint8_t *b, codes32 *c) {
     for (int j = 0; j < 16; j++) { (*c)[j] = (int8_t)((b[2 + j] & 15) - 8); (*c)[j + 16] = (int8_t)((b[2 + j] >> 4) - 8); }
-    return q8_half(b);
+    return f16_to_f32(b);
 }
 static inline float codes32_q5_0(const uint8_t *b, codes32 *c) {
     uint32_t qh = (uint32_t)b[2] | ((uint32_t)b[3] << 8) | ((uint32_t)b[4] << 16) | ((uint32_t)b[5] << 24);
@@ -953,11 +937,11 @@ static inline float codes32_q5_0(const uint8_t *b, codes32 *c) {
         (*c)[j] = (int8_t)(((b[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
         (*c)[j + 16] = (int8_t)(((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
     }
-    return q8_half(b);
+    return f16_to_f32(b);
 }
 static inline float codes32_q4_1(const uint8_t *b, codes32 *c) {
     for (int j = 0; j < 16; j++) { (*c)[j] = (int8_t)(b[4 + j] & 15); (*c)[j + 16] = (int8_t)(b[4 + j] >> 4); }
-    return q8_half(b);
+    return f16_to_f32(b);
 }
 static inline float codes32_q5_1(const uint8_t *b, codes32 *c) {
     uint32_t qh = (uint32_t)b[4] | ((uint32_t)b[5] << 8) | ((uint32_t)b[6] << 16) | ((uint32_t)b[7] << 24);
@@ -965,11 +949,11 @@ static inline float codes32_q5_1(const uint8_t *b, codes32 *c) {
         (*c)[j] = (int8_t)((b[8 + j] & 15) | (((qh >> j) & 1) << 4));
         (*c)[j + 16] = (int8_t)((b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
     }
-    return q8_half(b);
+    return f16_to_f32(b);
 }
 static inline float codes32_iq4_nl(const uint8_t *b, codes32 *c) {
     for (int j = 0; j < 16; j++) { (*c)[j] = iq4_values[b[2 + j] & 15]; (*c)[j + 16] = iq4_values[b[2 + j] >> 4]; }
-    return q8_half(b);
+    return f16_to_f32(b);
 }
 static inline float codes32_mxfp4(const uint8_t *b, codes32 *c) {
     for (int j = 0; j < 16; j++) { (*c)[j] = mxfp4_values[b[1 + j] & 15]; (*c)[j + 16] = mxfp4_values[b[1 + j] >> 4]; }
@@ -1002,7 +986,7 @@ static inline __attribute__((always_inline)) void rows_codes(float (*codes)(cons
             float d = codes(blk, &w);
             __m256i prod;
             if (mins) {
-                summs[i] += q8_half(blk + 2) * ((const q8_1_block *)yb)->s;
+                summs[i] += f16_to_f32(blk + 2) * ((const q8_1_block *)yb)->s;
                 prod = _mm256_maddubs_epi16(w, yq);
             } else prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(yq, w));
             __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
@@ -1018,7 +1002,7 @@ static inline __attribute__((always_inline)) void rows_codes(float (*codes)(cons
         for (int i = 0; i < R; i++) {
             const uint8_t *blk = r[i] + b * bb;
             float d = codes(blk, &w) * yd;
-            if (mins) summs[i] += q8_half(blk + 2) * ((const q8_1_block *)yb)->s;
+            if (mins) summs[i] += f16_to_f32(blk + 2) * ((const q8_1_block *)yb)->s;
             for (int l = 0; l < 8; l++) {
                 int s = 0;
                 for (int j = 4 * l; j < 4 * l + 4; j++) s += w[j] * yq[j];
@@ -1074,7 +1058,7 @@ static inline float dot_iq4_xs(const uint8_t *b, const void *act) {
         isum += ls[j] * sumi;
     }
 #endif
-    return (q8_half(b) * y->d) * (float)isum;
+    return (f16_to_f32(b) * y->d) * (float)isum;
 }
 
 static float row_iq4_xs(const uint8_t *row, const uint8_t *act, int64_t nb) {
@@ -1232,7 +1216,7 @@ static void rows8_q4_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *
                 q[2 * c] = _mm256_and_si256(q4, nibble);
                 q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(q4, 4), nibble);
             }
-            rows8_k_block(q, scale, lows, q8_half(b), q8_half(b + 2), x, nb, k, M, acc);
+            rows8_k_block(q, scale, lows, f16_to_f32(b), f16_to_f32(b + 2), x, nb, k, M, acc);
         }
         for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
     }
@@ -1258,7 +1242,7 @@ static void rows8_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *
                     scale[4 * h + i] = _mm256_shuffle_epi8(low, load256(pair_shuffle[4 * h + i]));
                 }
             }
-            rows8_k_block(q, scale, mins, q8_half(b + 80), q8_half(b + 82), x, nb, k, M, acc);
+            rows8_k_block(q, scale, mins, f16_to_f32(b + 80), f16_to_f32(b + 82), x, nb, k, M, acc);
         }
         for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];
     }
@@ -1285,7 +1269,7 @@ static void rows8_iq2_xxs(const uint8_t *w, int64_t N, int64_t K, const q8k_bloc
                                             (long long)iq2_sign_bytes[bits & 127]);
                 scale[g] = _mm256_set1_epi16((short)(2 * (bits >> 28) + 1));
             }
-            float d = q8_half(b);
+            float d = f16_to_f32(b);
             for (int64_t m = 0; m < M; m++) {
                 const q8k_block *a = x + m * nb + k;
                 __m256i sum = _mm256_setzero_si256();
@@ -1311,7 +1295,7 @@ static void rows8_q8_0(const uint8_t *w, int64_t N, int64_t K, const q8_0_block 
         for (int64_t k = 0; k < nb; k++, b += 34) {
             prefetch_ahead(b, 34);
             __m256i v = load256(b + 2), magnitude = _mm256_sign_epi8(v, v);
-            __m128 d = _mm_set1_ps(q8_half(b));
+            __m128 d = _mm_set1_ps(f16_to_f32(b));
             for (int64_t m0 = 0; m0 < M; m0 += 4) {
                 __m256i dots[4];
                 float dx[4];
@@ -1407,7 +1391,7 @@ static void wide_q4_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x
                 q[c] = _mm512_and_si512(halves512(q4, _mm256_srli_epi16(q4, 4)), nibble);
                 scale[c] = _mm512_permutexvar_epi16(pick[c], scales);
             }
-            float d = q8_half(b), dmin = q8_half(b + 2);
+            float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
             for (int64_t m0 = 0; m0 < M; m0 += 4)
                 acc[m0 / 4] = _mm_add_ps(acc[m0 / 4], terms4_k(q, scale, lows, d, dmin, x, nb, k, m0, M));
         }

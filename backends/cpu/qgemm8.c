@@ -14,6 +14,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include "half.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -28,25 +29,6 @@
 
 typedef struct { float d; int8_t qs[32]; } g8_act;                  /* q8_quantize's Q8_0 block (36 bytes) */
 typedef struct { int8_t b[8][64]; float d[16]; } g8_tile;          /* 16 rows of one block, AMX's B layout */
-
-static inline float g8_half(const uint8_t *p) {        /* f16 -> f32, exact */
-    uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-#if defined(__F16C__)
-    return _cvtsh_ss((unsigned short)h);
-#else
-    uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 31) bits = sign | 0x7f800000u | (mant << 13);
-    else if (exp == 0 && mant == 0) bits = sign;
-    else if (exp == 0) {
-        exp = 127 - 15 + 1;
-        while (!(mant & 0x400)) { mant <<= 1; exp--; }
-        bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    } else bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
 
 static inline int32_t g8_dot32(const int8_t *w, const int8_t *x) {     /* the exact integer dot of one block */
 #if defined(__AVX2__)
@@ -69,7 +51,7 @@ static inline int32_t g8_dot32(const int8_t *w, const int8_t *x) {     /* the ex
 static float g8_row(const uint8_t *row, const g8_act *x, int64_t nb) {
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++, row += G8_BLOCK_BYTES) {
-        float d = g8_half(row) * x[b].d;
+        float d = f16_to_f32(row) * x[b].d;
         acc = acc + d * (float)g8_dot32((const int8_t *)row + 2, x[b].qs);
     }
     return acc;
@@ -124,7 +106,7 @@ static inline __attribute__((always_inline)) void g8_vnni_rows(const uint8_t *w,
         for (int j = 0; j < T; j++) {
             __m512 dx = _mm512_loadu_ps(t[j * nb + b].d);
             for (int r = 0; r < G8_NR; r++) {
-                __m512 d = _mm512_mul_ps(_mm512_set1_ps(g8_half(w + r * ldw)), dx);
+                __m512 d = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(w + r * ldw)), dx);
                 acc[r][j] = _mm512_add_ps(acc[r][j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum[r][j])));
             }
         }
@@ -163,7 +145,7 @@ static inline __attribute__((always_inline)) void g8_avx2_rows(const uint8_t *w,
         for (int h = 0; h < 2 * T; h++) {
             __m256 dx = _mm256_loadu_ps(t[(h / 2) * nb + b].d + 8 * (h % 2));
             for (int r = 0; r < G8_NR; r++) {
-                __m256 d = _mm256_mul_ps(_mm256_set1_ps(g8_half(w + r * ldw)), dx);
+                __m256 d = _mm256_mul_ps(_mm256_set1_ps(f16_to_f32(w + r * ldw)), dx);
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(d, _mm256_cvtepi32_ps(sum[r][h])));
             }
         }
@@ -231,7 +213,7 @@ static void g8_amx_rows(const uint8_t *w, int64_t ldw, const g8_tile *t, int64_t
         __m512 dx = _mm512_loadu_ps(t[b].d);
 #pragma GCC unroll 16
         for (int r = 0; r < 16; r++) {
-            __m512 d = _mm512_mul_ps(_mm512_set1_ps(g8_half(w + r * ldw)), dx);
+            __m512 d = _mm512_mul_ps(_mm512_set1_ps(f16_to_f32(w + r * ldw)), dx);
             acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_load_si512(sums[r]))));
         }
     }
