@@ -54,6 +54,17 @@ def factories_on_test_device(request):
         yield
 
 
+@pytest.fixture
+def pool_threads(monkeypatch):
+    """The cpu kernel pool follows torch's thread count during the test; restores torch's count after it."""
+    from backends.cpu import kernels
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory) -> tuple[str, str]:
     """Paths of a tiny random base GGUF and its MTP GGUF, written once per test run."""

@@ -21,16 +21,7 @@ from ops.quants import QTensor
 QTYPES = tuple(kernels.GGML_TYPE)
 
 
-@pytest.fixture
-def threads(monkeypatch):
-    """The kernel pool follows torch's thread count during the test; restores torch's count after it."""
-    before = torch.get_num_threads()
-    monkeypatch.setattr(kernels, "_pool_threads", 0)
-    yield
-    torch.set_num_threads(before)
-
-
-def test_set_threads_gives_the_pool_n_threads_and_torch_one(threads, monkeypatch):
+def test_set_threads_gives_the_pool_n_threads_and_torch_one(pool_threads, monkeypatch):
     """`set_threads(n)`: the kernels split over n threads, torch's own ops run on one (on n where the library is
     off); n < 1 is refused."""
     kernels.set_threads(3)
@@ -45,7 +36,7 @@ def test_set_threads_gives_the_pool_n_threads_and_torch_one(threads, monkeypatch
 
 @pytest.mark.parametrize("experts", (False, True))
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_kernel_is_identical_across_threads_and_row_counts(qtype, experts, threads, monkeypatch):
+def test_kernel_is_identical_across_threads_and_row_counts(qtype, experts, pool_threads, monkeypatch):
     """Every output split across 1, 2 or 3 threads (uneven parts of 40 rows) and every M in 1..16: the
     same bits as the 1-thread call, and row m the same bits as the 1-row call on that row."""
     monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)     # split even these small weights, into the most chunks
@@ -64,7 +55,7 @@ def test_kernel_is_identical_across_threads_and_row_counts(qtype, experts, threa
 
 
 @pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K", "F16", "Q2_K"))
-def test_prefill_tiles_are_identical_across_threads_and_row_counts(qtype, threads, monkeypatch):
+def test_prefill_tiles_are_identical_across_threads_and_row_counts(qtype, pool_threads, monkeypatch):
     """A prefill product (M > 16: qgemm.c's dequantized tiles, here two of 64 and 6 rows of 4096 values) split across
     1, 2 or 3 threads: the same bits, row m the same bits as a 1-row call of the same product (any M), and within
     float rounding of the dequantized weight's product."""
@@ -82,7 +73,7 @@ def test_prefill_tiles_are_identical_across_threads_and_row_counts(qtype, thread
     torch.testing.assert_close(outs[0], x @ w.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
-def test_split_runs_every_chunk_once_and_raises_a_chunks_error(threads):
+def test_split_runs_every_chunk_once_and_raises_a_chunks_error(pool_threads):
     """`kernels.split` over 3 threads: every chunk of [0, 100) runs exactly once; an error in a chunk reaches the
     caller (after the chunks in flight), and so does a chunk's negative return code (a kernel's error)."""
     kernels.set_threads(3)
@@ -123,7 +114,7 @@ def test_the_first_call_runs_on_the_worker_it_starts():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_split_chunks_run_on_the_pool_in_the_callers_modes(threads):
+def test_split_chunks_run_on_the_pool_in_the_callers_modes(pool_threads):
     """`kernels.split` runs its chunks on pool.c's threads (no Python pool), each in the caller's inference mode
     (an in-place write to an inference tensor elsewhere is an error), and a split inside a chunk runs alone."""
     kernels.set_threads(3)
@@ -141,7 +132,7 @@ def test_split_chunks_run_on_the_pool_in_the_callers_modes(threads):
     assert names and not any(name.startswith("ds4-cpu") for name in names)
 
 
-def test_pool_serves_concurrent_callers_and_returns_a_kernels_error(threads, monkeypatch):
+def test_pool_serves_concurrent_callers_and_returns_a_kernels_error(pool_threads, monkeypatch):
     """pool.c: callers on several Python threads at once (one at a time in the pool, the others alone) all get the
     1-thread bits; a kernel's error code in its chunks reaches the caller."""
     monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
@@ -213,7 +204,7 @@ def test_library_that_does_not_load_says_why(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("dot", ("exact", "q8"))
 @pytest.mark.parametrize("qtype", ("Q4_K", "Q2_K", "IQ2_XXS", "Q8_0", "F16"))
-def test_experts_product_equals_each_experts_calls(qtype, dot, threads):
+def test_experts_product_equals_each_experts_calls(qtype, dot, pool_threads):
     """Prefill's routed experts in one call (qgemm.c): each expert's rows (here 1, 3, 17 and 2: 17 is 16 + 1)
     the same bits as that expert's own qgemv / qdot8 calls of at most 16 rows, for 1, 2 or 3 threads."""
     g = torch.Generator().manual_seed(6)

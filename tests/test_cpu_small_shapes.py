@@ -11,15 +11,6 @@ from ops.quants import QTensor
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="no C compiler for the cpu kernels")
 
 
-@pytest.fixture
-def threads(monkeypatch):
-    """The kernel pool follows torch's thread count during the test; restores torch's count after it."""
-    before = torch.get_num_threads()
-    monkeypatch.setattr(kernels, "_pool_threads", 0)
-    yield
-    torch.set_num_threads(before)
-
-
 def awkward_rows() -> torch.Tensor:
     """Rows of 256 values (8 blocks of 32) that hit the rounding's edges."""
     g = torch.Generator().manual_seed(24)
@@ -73,7 +64,7 @@ def test_verify_argmax_in_one_pass_is_the_references():
 
 
 @pytest.mark.parametrize("K", (64, 96, 160, 256))
-def test_exact_q8_0_rows_of_few_blocks_are_batch_and_thread_invariant(K, threads, monkeypatch):
+def test_exact_q8_0_rows_of_few_blocks_are_batch_and_thread_invariant(K, pool_threads, monkeypatch):
     """Exact Q8_0 at M = 1 with few blocks a row (K = 64: the 89M model's q_b and output_b; four rows' lane sums taken
     together, or four rows finished together where K is a multiple of 128) against row m of an M-row call (each block
     dequantized once for every row) on 1, 2 and 3 threads: the same bits; and close to the float64 product."""
