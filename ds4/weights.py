@@ -96,17 +96,13 @@ class WeightsReport:
                 f"{self.plan.reason})")
 
 
-def repack_q4_k_experts(layers: list) -> int:
+def repack_q4_k_experts(layers: list) -> None:
     """Repack in place the routed experts' Q4_K stacks of the trunk `layers` (block records with `experts`) for the
     8-bit kernels (backends/cpu/repack.py; docs/cpu.md "Q4_K repacked at load (session 13)"): the caller does it only
     for weights read into this process's memory under `--cpu-dot q8` on the CPU, where the copy exists anyway and no
-    exact kernel reads them. Returns the bytes repacked (0 where the vector kernels are not built here)."""
+    exact kernel reads them. Nothing is repacked where the vector kernels are not built here."""
     from backends.cpu import repack
     if not repack.worthwhile():
-        return 0
-    done = 0
+        return
     for layer in layers:
         layer.experts = repack.repack_experts(layer.experts)
-        done += sum(w.data.numel() for w in (layer.experts.gate, layer.experts.up, layer.experts.down)
-                    if type(w) is repack.RepackedQ4K)
-    return done

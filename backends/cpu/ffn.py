@@ -40,19 +40,17 @@ def pairs_product(x: torch.Tensor, w: QTensor, chosen: torch.Tensor, dot: str = 
     expert -1 (another rank's) gives 0 from the kernel, and the last expert's products on the gathered path,
     which its routing weight 0 cancels; `dot="q8"`: 8-bit activations where qdot8.c reads the type."""
     if type(w) is repack.RepackedQ4K:
-        repack.repacked_rows(dot)       # q8 only
-        out = [repack.product(x[i:i + kernels.MAX_ROWS], w, chosen[i:i + kernels.MAX_ROWS])
-               for i in range(0, x.shape[0], kernels.MAX_ROWS)]
-        return out[0] if len(out) == 1 else torch.cat(out)
-    if dot == "q8" and kernels.q8_available(w.qtype.name, w.shape[-1]):
-        out = [kernels.qdot8(x[i:i + kernels.MAX_ROWS], w, chosen[i:i + kernels.MAX_ROWS])
-               for i in range(0, x.shape[0], kernels.MAX_ROWS)]
-        return out[0] if len(out) == 1 else torch.cat(out)
-    if kernels.available(w.qtype.name, w.shape[-1]):
-        out = [kernels.qgemv(x[i:i + kernels.MAX_ROWS], w, chosen[i:i + kernels.MAX_ROWS])
-               for i in range(0, x.shape[0], kernels.MAX_ROWS)]
-        return out[0] if len(out) == 1 else torch.cat(out)
-    return torch.bmm(x[:, None, :], gathered(w, chosen).transpose(1, 2))[:, 0]
+        repack.require_q8(dot)
+        rows_product = repack.product
+    elif dot == "q8" and kernels.q8_available(w.qtype.name, w.shape[-1]):
+        rows_product = kernels.qdot8
+    elif kernels.available(w.qtype.name, w.shape[-1]):
+        rows_product = kernels.qgemv
+    else:
+        return torch.bmm(x[:, None, :], gathered(w, chosen).transpose(1, 2))[:, 0]
+    step = kernels.MAX_ROWS
+    out = [rows_product(x[i:i + step], w, chosen[i:i + step]) for i in range(0, x.shape[0], step)]
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def gate_and_up(xs: torch.Tensor, ex: Experts, chosen: torch.Tensor, dot: str = "exact") -> tuple[torch.Tensor,
@@ -151,7 +149,7 @@ def experts_product(x: torch.Tensor, w: QTensor | repack.RepackedQ4K, ids: torch
                     dot: str) -> torch.Tensor:
     """`kernels.experts_product`, or a repacked stack's (q8 only: the same bits as the stored stack's)."""
     if type(w) is repack.RepackedQ4K:
-        repack.repacked_rows(dot)
+        repack.require_q8(dot)
         return repack.experts_product(x, w, ids, first)
     return kernels.experts_product(x, w, ids, first, dot)
 

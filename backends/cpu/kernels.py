@@ -564,15 +564,19 @@ def bind(w: QTensor, q8: bool) -> Bound:
     """The product of `w` (2-D, or a stack [E, N, K] of experts) with up to MAX_ROWS rows bound once: the fused kernel
     (qgemv.c, where `available`) or, `q8`, the 8-bit one (qdot8.c, where `q8_available`) with its rounding of the
     rows."""
-    K = w.shape[-1]
-    if len(w.shape) not in (2, 3) or not (q8_available if q8 else available)(w.qtype.name, K):
+    if len(w.shape) not in (2, 3) or not (q8_available if q8 else available)(w.qtype.name, w.shape[-1]):
         raise ValueError(f"bind: no {'8-bit ' if q8 else ''}kernel for {w.qtype.name} {tuple(w.shape)}")
-    k, data = lib(), w.data.contiguous()
-    kind = Q8_TYPES[w.qtype.name] if q8 else -1
-    expert_bytes = data[0].numel() if len(w.shape) == 3 else 0
-    args = BoundArgs(row_kernel(q8), GGML_TYPE[w.qtype.name], data.data_ptr(), w.shape[-2], K, kind,
-                     q8_row_bytes(kind, K) if q8 else 0, expert_bytes)
-    return Bound(k, args, ctypes.addressof(args), data, w.shape[-2], K, expert_bytes or data.numel())
+    return bound(row_kernel(q8), GGML_TYPE[w.qtype.name], w.data, w.shape, Q8_TYPES[w.qtype.name] if q8 else -1)
+
+
+def bound(kernel: int, type_code: int, data: torch.Tensor, shape: tuple[int, ...], kind: int) -> Bound:
+    """The raw blocks `data` of a weight of `shape` (2-D, or a stack of experts) bound to the row kernel at address
+    `kernel` taking type `type_code`, its rows rounded as activation `kind` (-1: float32 rows)."""
+    data, K = data.contiguous(), shape[-1]
+    expert_bytes = data[0].numel() if len(shape) == 3 else 0
+    args = BoundArgs(kernel, type_code, data.data_ptr(), shape[-2], K, kind, q8_row_bytes(kind, K) if kind >= 0 else 0,
+                     expert_bytes)
+    return Bound(lib(), args, ctypes.addressof(args), data, shape[-2], K, expert_bytes or data.numel())
 
 
 def row_kernel(q8: bool) -> int:

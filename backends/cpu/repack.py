@@ -98,23 +98,21 @@ def kernel() -> ctypes._CFuncPtr:
     return kernels.lib().q4kr_rows
 
 
-def repacked_rows(dot: str) -> tuple[int, int]:
-    """The address of the repacked row kernel and its type code; ValueError off q8 (a repacked weight has only the
-    8-bit kernels: the exact ones read the stored layout)."""
+def require_q8(dot: str) -> None:
+    """ValueError off q8: a repacked weight has only the 8-bit kernels (the exact ones read the stored layout)."""
     if dot != "q8":
         raise ValueError(f"a repacked Q4_K weight is multiplied under --cpu-dot q8 only, not {dot!r}")
+
+
+def repacked_rows(dot: str) -> tuple[int, int]:
+    """The address of the repacked row kernel and its type code (`require_q8`)."""
+    require_q8(dot)
     return ctypes.cast(kernel(), ctypes.c_void_p).value, kernels.Q4KR_TYPE
 
 
 def bind(w: RepackedQ4K) -> kernels.Bound:
     """The product of `w` with up to MAX_ROWS rows bound once (kernels.bind's record, q4kr_rows its kernel)."""
-    K = w.shape[-1]
-    data = w.data.contiguous()
-    expert_bytes = data[0].numel() if len(w.shape) == 3 else 0
-    args = kernels.BoundArgs(ctypes.cast(kernel(), ctypes.c_void_p).value, kernels.Q4KR_TYPE, data.data_ptr(),
-                             w.shape[-2], K, kernels.Q8_TYPES["Q4_K"], kernels.q8_row_bytes(0, K), expert_bytes)
-    return kernels.Bound(kernels.lib(), args, ctypes.addressof(args), data, w.shape[-2], K,
-                         expert_bytes or data.numel())
+    return kernels.bound(*repacked_rows("q8"), w.data, w.shape, kernels.Q8_TYPES["Q4_K"])
 
 
 def amx_from(rows: int | None = None) -> int:
