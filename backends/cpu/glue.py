@@ -339,13 +339,9 @@ def bind_expert(gate: QTensor | RepackedQ4K, up: QTensor | RepackedQ4K, down: QT
         return None
     if dot == "q8" and kernels.Q8_TYPES[names[1]] != kernels.Q8_TYPES[names[0]]:
         return None
-    data = tuple(t.data.contiguous() for t in (gate, up, down))
-    kernel_types = tuple(row_kernel(t, dot) for t in (gate, up, down))
-    args = (ProductArgs * 3)(*(ProductArgs(kernel, code, d.data_ptr(), d[0].numel() if routed else 0, None,
-                                           t.shape[-2], t.shape[-1], None, 0, None, 1)
-                               for t, d, (kernel, code) in zip((gate, up, down), data, kernel_types, strict=True)))
+    args, data, reads = bound_args((gate, up, down), (routed,) * 3, dot)
     q8_rows, q8_down = (q8_kind(gate, dot), q8_kind(down, dot))
-    return BoundExpert(args, data, tuple(d[0].numel() if routed else d.numel() for d in data), q8_rows, q8_down,
+    return BoundExpert(args, data, reads, q8_rows, q8_down,
                        kernels.q8_row_bytes(q8_rows, K) if dot == "q8" else 0,
                        kernels.q8_row_bytes(q8_down, inner) if dot == "q8" else 0)
 
@@ -467,17 +463,25 @@ def bind_products(weights: tuple[QTensor, ...], stacked: tuple[bool, ...], dot: 
     of them."""
     if not all(serves(1, w.shape[-1], w, s, dot) for w, s in zip(weights, stacked, strict=True)):
         return None
-    kernel = kernels.row_kernel(dot == "q8")
-    data = tuple(w.data.contiguous() for w in weights)
-    per_row = tuple(d.numel() // d.shape[0] if s else 0 for d, s in zip(data, stacked, strict=True))
-    args = (ProductArgs * len(weights))(*(ProductArgs(kernel, kernels.GGML_TYPE[w.qtype.name], d.data_ptr(), e, None,
-                                                      w.shape[-2], w.shape[-1], None, 0, None, 1)
-                                          for w, d, e in zip(weights, data, per_row, strict=True)))
+    args, data, reads = bound_args(weights, stacked, dot)
     kinds = tuple(q8_kind(w, dot) for w in weights)
     return BoundProducts(args, data, kinds,
                          tuple(kernels.q8_row_bytes(k, w.shape[-1]) if k >= 0 else 0 for k, w in zip(kinds, weights,
                                                                                                      strict=True)),
-                         tuple(e or d.numel() for d, e in zip(data, per_row, strict=True)), stacked)
+                         reads, stacked)
+
+
+def bound_args(weights: tuple[QTensor | RepackedQ4K, ...], stacked: tuple[bool, ...],
+               dot: str) -> tuple[ctypes.Array, tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """glue_products' arguments of `weights` (2-D, or `stacked` [E, N, K] experts) with their row kernels under `dot`
+    and no rows yet, the contiguous raw blocks they point into, and the weight bytes each product reads a row (of a
+    stack: one expert's)."""
+    data = tuple(w.data.contiguous() for w in weights)
+    per_expert = tuple(d.numel() // d.shape[0] if s else 0 for d, s in zip(data, stacked, strict=True))
+    args = (ProductArgs * len(weights))(*(ProductArgs(*row_kernel(w, dot), d.data_ptr(), e, None, w.shape[-2],
+                                                      w.shape[-1], None, 0, None, 1)
+                                          for w, d, e in zip(weights, data, per_expert, strict=True)))
+    return args, data, tuple(e or d.numel() for d, e in zip(data, per_expert, strict=True))
 
 
 FUSED = kernels.PerWeight()     # the fused ops' bound products, per weights and (op, dot, ..., thread)
