@@ -1127,6 +1127,303 @@ static inline void dot_q4_k(acc_t *a, const uint8_t *b, const float *x, const fl
 }
 #endif
 
+#if GROUPED
+/* The other types on the grouped path (session 14; docs/cpu.md "The other types' exact M = 1 kernels"): each has a
+ * dot_<type> for rows of their own (M = 1, routed experts) and an unpack_<type> for one weight shared by M > 1 rows
+ * (add_block), the same operations in the same order, so the same bits at any M. */
+
+/* Per 16 values, a signed integer scale and signed integer values (Q6_K, Q3_K), and one float d per block: the
+ * value is d * (scale * q), and scale * q is an exact small integer (|.| <= 4096), so the grouped form takes it as
+ * the value, with groups of 64 values (4 chains per row) scaled by d: one multiply-add per 16 values per row, as the
+ * dequantized path's. q: the block's 256 values as bytes; sc: its 16 scales as floats. */
+static inline __attribute__((always_inline)) void scaled_bytes_dot(acc_t *a, const int8_t *q, const float *sc,
+                                                                   float d, const float *x) {
+    v16 dv = splat16(d);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {
+        v16 t = {0};
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            int j = 4 * g + i;
+            v16 s;      /* as asm: a load (gcc would permute in registers, on the shuffle port) */
+            __asm__("vbroadcastss %1, %0" : "=v"(s) : "m"(sc[j]));
+            v16 w = int8_floats16((const uint8_t *)q + 16 * j) * s;
+            t = i == 0 ? w * load16(x + 16 * j) : fma16(w, load16(x + 16 * j), t);
+        }
+        a->part[g] = fma16(dv, t, a->part[g]);
+    }
+}
+
+static inline __attribute__((always_inline)) void scaled_bytes_unpack(const int8_t *q, const float *sc, float d,
+                                                                      float *values, float *scale) {
+    for (int j = 0; j < 16; j++) store16(values + 16 * j, int8_floats16((const uint8_t *)q + 16 * j) * splat16(sc[j]));
+    for (int g = 0; g < 4; g++) scale[g] = d;
+}
+
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+
+/* Q6_K's 256 values (ql's 4 bits | qh's 2 bits << 4) - 32 as bytes, 64 at a time (elements 128c + 32s + l). */
+static inline void q6_k_bytes(const uint8_t *b, int8_t *q) {
+    for (int c = 0; c < 2; c++) {
+        u8x64 lo;       /* ql[64c + l]: low nibbles s = 0 (l < 32) and 1, high nibbles s = 2 and 3 */
+        u8x32 h;        /* qh[32c + l]: bits 2s, 2s + 1 */
+        memcpy(&lo, b + 64 * c, 64);
+        memcpy(&h, b + 128 + 32 * c, 32);
+        u8x32 h0 = (h << 4) & 0x30, h1 = (h << 2) & 0x30, h2 = h & 0x30, h3 = (h >> 2) & 0x30;
+        u8x64 low = (lo & 15) | __builtin_shufflevector(h0, h1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+            16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42,
+            43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63);
+        u8x64 high = (lo >> 4) | __builtin_shufflevector(h2, h3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+            16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42,
+            43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63);
+        low -= 32;
+        high -= 32;
+        memcpy(q + 128 * c, &low, 64);
+        memcpy(q + 128 * c + 64, &high, 64);
+    }
+}
+
+static inline void dot_q6_k(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {    /* 210 bytes */
+    (void)xsum;
+    int8_t q[256] __attribute__((aligned(64)));
+    float sc[16] __attribute__((aligned(64)));
+    q6_k_bytes(b, q);
+    store16(sc, int8_floats16(b + 192));
+    scaled_bytes_dot(a, q, sc, half_to_float(b + 208), x);
+}
+
+static inline void unpack_q6_k(const uint8_t *b, float *values, float *scale, float *low) {    /* G 64 */
+    (void)low;
+    int8_t q[256] __attribute__((aligned(64)));
+    float sc[16] __attribute__((aligned(64)));
+    q6_k_bytes(b, q);
+    store16(sc, int8_floats16(b + 192));
+    scaled_bytes_unpack(q, sc, half_to_float(b + 208), values, scale);
+}
+
+/* Q3_K's 256 values (qs's 2 bits | hmask's bit << 2) - 4 as bytes (elements 128c + 32i + l), and its 16 six-bit
+ * scales minus 32 as floats (deq_q3_k's). */
+static inline void q3_k_bytes(const uint8_t *b, int8_t *q, float *sc) {
+    u8x32 hm, qs[2];
+    memcpy(&hm, b, 32);
+    memcpy(qs, b + 32, 64);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        int c = j / 4, i = j % 4;
+        u8x32 v = (((qs[c] >> (2 * i)) & 3) | (((hm >> j) & 1) << 2)) - 4;
+        memcpy(q + 32 * j, &v, 32);
+    }
+    uint8_t s[16] = {0};
+    memcpy(s, b + 96, 12);
+    i32x16 bytes = widen16(s);
+    i32x16 low = __builtin_shufflevector(bytes, bytes, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    i32x16 top = __builtin_shufflevector(bytes, bytes, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11);
+    const i32x16 low_shift = {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
+    const i32x16 top_shift = {0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6};
+    store16(sc, float16((((low >> low_shift) & 15) | (((top >> top_shift) & 3) << 4)) - 32));
+}
+
+static inline void dot_q3_k(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {    /* 110 bytes */
+    (void)xsum;
+    int8_t q[256] __attribute__((aligned(64)));
+    float sc[16] __attribute__((aligned(64)));
+    q3_k_bytes(b, q, sc);
+    scaled_bytes_dot(a, q, sc, half_to_float(b + 108), x);
+}
+
+static inline void unpack_q3_k(const uint8_t *b, float *values, float *scale, float *low) {    /* G 64 */
+    (void)low;
+    int8_t q[256] __attribute__((aligned(64)));
+    float sc[16] __attribute__((aligned(64)));
+    q3_k_bytes(b, q, sc);
+    scaled_bytes_unpack(q, sc, half_to_float(b + 108), values, scale);
+}
+
+/* Q5_K: Q4_K's scales and nibbles (dot_q4_k's way), + 16 where the value's bit of qh is set (a masked add: exact);
+ * value l of group 2c (2c + 1) takes bit 2c (2c + 1) of qh[l]. */
+static inline __attribute__((always_inline)) __m512 q5_k_values(__m512i nibbles, __m512i high, int bit) {
+    const __m512 counting = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 q = _mm512_permutexvar_ps(nibbles, counting);      /* reads the low 4 bits of each index */
+    return _mm512_mask_add_ps(q, _mm512_test_epi32_mask(high, _mm512_set1_epi32(1 << bit)), q, _mm512_set1_ps(16));
+}
+
+static inline void dot_q5_k(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {    /* 176 bytes */
+    const uint8_t *qs = b + 48;
+    float sv[16] __attribute__((aligned(64)));     /* the scales, then the mins: each broadcast from memory */
+    _mm512_store_ps(sv, q4_k_scales16(b));
+    __m512i h0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16)));
+    __m512i h1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32)));
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * c)));
+        __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * c + 16)));
+        v16 t0 = (v16)q5_k_values(v0, h0, 2 * c) * load16(x + 64 * c);
+        t0 = fma16((v16)q5_k_values(v1, h1, 2 * c), load16(x + 64 * c + 16), t0);
+        v16 t1 = (v16)q5_k_values(_mm512_srli_epi32(v0, 4), h0, 2 * c + 1) * load16(x + 64 * c + 32);
+        t1 = fma16((v16)q5_k_values(_mm512_srli_epi32(v1, 4), h1, 2 * c + 1), load16(x + 64 * c + 48), t1);
+        v16 s0, s1;
+        __asm__("vbroadcastss %1, %0" : "=v"(s0) : "m"(sv[2 * c]));
+        __asm__("vbroadcastss %1, %0" : "=v"(s1) : "m"(sv[2 * c + 1]));
+        a->part[(2 * c) % ACCS] = fma16(s0, t0, a->part[(2 * c) % ACCS]);
+        a->part[(2 * c + 1) % ACCS] = fma16(s1, t1, a->part[(2 * c + 1) % ACCS]);
+    }
+    a->low = (v16)_mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_load_ps(sv + 8)), (__m512)load16(xsum),
+                                        (__m512)a->low, 0x00ff);
+}
+
+static inline void unpack_q5_k(const uint8_t *b, float *q, float *scale, float *low) {    /* 176 bytes, G 32 */
+    const uint8_t *qs = b + 48;
+    __m512 sv = q4_k_scales16(b);
+    _mm512_mask_storeu_ps(scale, 0x00ff, sv);
+    _mm512_mask_storeu_ps(low, 0x00ff, _mm512_shuffle_f32x4(sv, sv, 0x0e));
+    __m512i h[2] = {_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16))),
+                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32)))};
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 2; l++) {
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + 32 * c + 16 * l)));
+            _mm512_storeu_ps(q + 64 * c + 16 * l, q5_k_values(v, h[l], 2 * c));
+            _mm512_storeu_ps(q + 64 * c + 32 + 16 * l, q5_k_values(_mm512_srli_epi32(v, 4), h[l], 2 * c + 1));
+        }
+}
+
+/* IQ4_XS: per sub-block j of 32 values the scale d * (ls - 32) (deq_iq4_xs's), the values iq4_levels[nibble] by one
+ * vpermps each; groups of 32, no mins. */
+static inline void iq4_xs_scales(const uint8_t *b, float *scale) {
+    uint32_t low;
+    uint16_t high;
+    memcpy(&high, b + 2, 2);
+    memcpy(&low, b + 4, 4);
+    i32x8 ls = (((i32x8){0} + (int32_t)low) >> (i32x8){0, 4, 8, 12, 16, 20, 24, 28}) & 15;
+    ls |= ((((i32x8){0} + (int32_t)high) >> (i32x8){0, 2, 4, 6, 8, 10, 12, 14}) & 3) << 4;
+    store8(scale, splat(half_to_float(b)) * to_float(ls - 32));
+}
+
+static inline void dot_iq4_xs(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {    /* 136 bytes */
+    (void)xsum;
+    float scale[8] __attribute__((aligned(32)));
+    iq4_xs_scales(b, scale);
+    for (int j = 0; j < 8; j++) scale[j] += 0.0f;     /* splat16's */
+    const __m512 levels = _mm512_loadu_ps(iq4_levels);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 8 + 16 * j)));
+        v16 t = (v16)_mm512_permutexvar_ps(v, levels) * load16(x + 32 * j);
+        t = fma16((v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), levels), load16(x + 32 * j + 16), t);
+        v16 s;
+        __asm__("vbroadcastss %1, %0" : "=v"(s) : "m"(scale[j]));
+        a->part[j % ACCS] = fma16(s, t, a->part[j % ACCS]);
+    }
+}
+
+static inline void unpack_iq4_xs(const uint8_t *b, float *q, float *scale, float *low) {    /* 136 bytes, G 32 */
+    (void)low;
+    iq4_xs_scales(b, scale);
+    const __m512 levels = _mm512_loadu_ps(iq4_levels);
+    for (int j = 0; j < 8; j++) {
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 8 + 16 * j)));
+        _mm512_storeu_ps(q + 32 * j, _mm512_permutexvar_ps(v, levels));
+        _mm512_storeu_ps(q + 32 * j + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), levels));
+    }
+}
+
+/* The 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) four blocks (128 values, groups of 32) at a time: a
+ * block's value l is table[low nibble of byte l], 16 + l table[high nibble] (+ 16 where bit l of the u32 at qh_at is
+ * set: Q5_0/Q5_1), its scale the f16 at 0 (MXFP4: 2**(e - 128) of the byte at 0), and Q4_1/Q5_1's `+ m` (the f16 at
+ * 2) a min of -m. */
+typedef struct { int bb, qs_at, qh_at, min_at, e8m0; const float *table; } codes_t;
+
+static const float q4_0_values[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+static const float q5_0_values[16] = {-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1};
+static const float counting_values[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const codes_t Q4_0_CODES = {18, 2, -1, -1, 0, q4_0_values}, Q4_1_CODES = {20, 4, -1, 2, 0, counting_values},
+                     Q5_0_CODES = {22, 6, 2, -1, 0, q5_0_values}, Q5_1_CODES = {24, 8, 4, 2, 0, counting_values},
+                     IQ4_NL_CODES = {18, 2, -1, -1, 0, iq4_levels}, MXFP4_CODES = {17, 1, -1, -1, 1, mxfp4_twice};
+
+static inline __attribute__((always_inline)) __m512 code_values(const codes_t t, const uint8_t *blk, int high) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + t.qs_at)));
+    __m512 q = _mm512_permutexvar_ps(high ? _mm512_srli_epi32(v, 4) : v, _mm512_loadu_ps(t.table));
+    if (t.qh_at < 0) return q;
+    uint32_t qh;
+    memcpy(&qh, blk + t.qh_at, 4);
+    return _mm512_mask_add_ps(q, (__mmask16)(qh >> (16 * high)), q, _mm512_set1_ps(16));
+}
+
+/* The four blocks' scales (+ 0: splat16's) and mins (-m; lanes 4-15 0). */
+static inline __attribute__((always_inline)) void code_scales(const codes_t t, const uint8_t *b, float *d, float *low) {
+    if (t.e8m0) {
+        for (int i = 0; i < 4; i++) {
+            uint32_t e = b[i * t.bb];
+            d[i] = bits_to_float(e < 2 ? 0x00200000u << e : (e - 1) << 23) + 0.0f;    /* deq_mxfp4's, exact */
+        }
+        return;
+    }
+    uint16_t h[8];
+    for (int i = 0; i < 4; i++) {
+        memcpy(&h[i], b + i * t.bb, 2);
+        if (t.min_at >= 0) memcpy(&h[4 + i], b + i * t.bb + t.min_at, 2);
+    }
+    __m256 both = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));       /* exact, as half_to_float */
+    _mm_storeu_ps(d, _mm_add_ps(_mm256_castps256_ps128(both), _mm_setzero_ps()));
+    if (t.min_at >= 0) _mm_storeu_ps(low, _mm_sub_ps(_mm_setzero_ps(), _mm256_extractf128_ps(both, 1)));
+}
+
+static inline __attribute__((always_inline)) void codes_dot(const codes_t t, acc_t *a, const uint8_t *b,
+                                                            const float *x, const float *xsum) {
+    float d[4] __attribute__((aligned(16))), low[16] __attribute__((aligned(64))) = {0};
+    code_scales(t, b, d, low);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        const uint8_t *blk = b + i * t.bb;
+        v16 s = (v16)code_values(t, blk, 0) * load16(x + 32 * i);
+        s = fma16((v16)code_values(t, blk, 1), load16(x + 32 * i + 16), s);
+        v16 di;
+        __asm__("vbroadcastss %1, %0" : "=v"(di) : "m"(d[i]));
+        a->part[i] = fma16(di, s, a->part[i]);
+    }
+    if (t.min_at >= 0) a->low = fma16(load16(low), load16(xsum), a->low);
+}
+
+static inline __attribute__((always_inline)) void codes_unpack(const codes_t t, const uint8_t *b, float *q,
+                                                               float *scale, float *low) {
+    code_scales(t, b, scale, low);
+    for (int i = 0; i < 4; i++) {
+        _mm512_storeu_ps(q + 32 * i, code_values(t, b + i * t.bb, 0));
+        _mm512_storeu_ps(q + 32 * i + 16, code_values(t, b + i * t.bb, 1));
+    }
+}
+
+#define CODES_TYPE(name, codes)                                                                                     \
+    static inline void dot_##name(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {               \
+        codes_dot(codes, a, b, x, xsum);                                                                           \
+    }                                                                                                              \
+    static inline void unpack_##name(const uint8_t *b, float *q, float *scale, float *low) {                      \
+        codes_unpack(codes, b, q, scale, low);                                                                     \
+    }
+CODES_TYPE(q4_0, Q4_0_CODES)
+CODES_TYPE(q4_1, Q4_1_CODES)
+CODES_TYPE(q5_0, Q5_0_CODES)
+CODES_TYPE(q5_1, Q5_1_CODES)
+CODES_TYPE(iq4_nl, IQ4_NL_CODES)
+CODES_TYPE(mxfp4, MXFP4_CODES)
+
+/* A type on the grouped path: rows of their own through `dot` (own_rows4), one weight for M > 1 rows through
+ * `unpack` and add_block (rows_grouped); bs values in bb bytes, groups of G, `mins`: the type has group mins (each
+ * row's sums of x per group made once per call). Returns 0, or -2 out of memory. */
+static inline __attribute__((always_inline)) int grouped(
+        dot_fn dot, unpack_fn unpack, const int bs, const int bb, const int G, const int mins, const uint8_t *w,
+        int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+        int64_t n0, int64_t n1) {
+    if (experts != NULL || M == 1)
+        return own_rows4(dot, bs, bb, mins ? G : 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+    float *xsum = mins ? group_sums(x, M, K, bs, G) : NULL;
+    if (mins && xsum == NULL) return -2;
+    rows_grouped(unpack, bs, bb, G, w, N, K, x, xsum, M, y, n0, n1);
+    free(xsum);
+    return 0;
+}
+#endif
+
 /* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 1 F16, 8 Q8_0,
  * 12 Q4_K, 10 Q2_K, 16 IQ2_XXS after qgemv_set_iq2_xxs, 14 Q6_K, 13 Q5_K, 11 Q3_K, 2 Q4_0, 3 Q4_1,
  * 6 Q5_0, 7 Q5_1, 20 IQ4_NL, 23 IQ4_XS), M <= MAX_ROWS. experts == NULL: every row uses
@@ -1176,15 +1473,56 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
 #endif
         return K % 256 ? -1 : k_quant_rows(deq_q2_k, unpack_q2_k, 84, 16, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
-    case 14: if (K % 256) return -1; rows_of(deq_q6_k, 256, 210, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 13: if (K % 256) return -1; rows_of(deq_q5_k, 256, 176, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 11: if (K % 256) return -1; rows_of(deq_q3_k, 256, 110, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 2: if (K % 32) return -1; rows_of(deq_q4_0, 32, 18, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 3: if (K % 32) return -1; rows_of(deq_q4_1, 32, 20, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 6: if (K % 32) return -1; rows_of(deq_q5_0, 32, 22, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 7: if (K % 32) return -1; rows_of(deq_q5_1, 32, 24, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 20: if (K % 32) return -1; rows_of(deq_iq4_nl, 32, 18, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 23: if (K % 256) return -1; rows_of(deq_iq4_xs, 256, 136, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 14: if (K % 256) return -1;
+#if GROUPED
+        return grouped(dot_q6_k, unpack_q6_k, 256, 210, 64, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_q6_k, 256, 210, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 13: if (K % 256) return -1;
+#if GROUPED
+        return grouped(dot_q5_k, unpack_q5_k, 256, 176, 32, 1, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_q5_k, 256, 176, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 11: if (K % 256) return -1;
+#if GROUPED
+        return grouped(dot_q3_k, unpack_q3_k, 256, 110, 64, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_q3_k, 256, 110, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 2: if (K % 32) return -1;
+#if GROUPED
+        if (K % 128 == 0)
+            return grouped(dot_q4_0, unpack_q4_0, 128, 72, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_q4_0, 32, 18, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 3: if (K % 32) return -1;
+#if GROUPED
+        if (K % 128 == 0)
+            return grouped(dot_q4_1, unpack_q4_1, 128, 80, 32, 1, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_q4_1, 32, 20, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 6: if (K % 32) return -1;
+#if GROUPED
+        if (K % 128 == 0)
+            return grouped(dot_q5_0, unpack_q5_0, 128, 88, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_q5_0, 32, 22, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 7: if (K % 32) return -1;
+#if GROUPED
+        if (K % 128 == 0)
+            return grouped(dot_q5_1, unpack_q5_1, 128, 96, 32, 1, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_q5_1, 32, 24, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 20: if (K % 32) return -1;
+#if GROUPED
+        if (K % 128 == 0)
+            return grouped(dot_iq4_nl, unpack_iq4_nl, 128, 72, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_iq4_nl, 32, 18, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 23: if (K % 256) return -1;
+#if GROUPED
+        return grouped(dot_iq4_xs, unpack_iq4_xs, 256, 136, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_iq4_xs, 256, 136, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     /* dequantize-then-multiply on every target (the IQ grids after qgemv_set_<type> and qgemv_set_iq_signs): 18 IQ3_XXS,
      * 21 IQ3_S, 17 IQ2_XS, 22 IQ2_S, 19 IQ1_S, 29 IQ1_M, 34 TQ1_0, 35 TQ2_0, 39 MXFP4, 30 BF16 */
     case 18: if (K % 256) return -1; rows_of(deq_iq3_xxs, 256, 98, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
