@@ -906,16 +906,11 @@ static inline float finish(const acc_t *a, int lows) {
 }
 
 #if defined(__AVX512F__)
-/* finish() of four rows without group mins at once (the same bits): each row's p = (part0 + part1) + (part2 + part3),
- * the four p transposed within 128-bit lanes (t_j lane 4k + i: row i's value 4k + j), then each row's lanes added
- * in finish's order 0, 1, ..., 15, four rows per add: one chain of 16 adds for the four rows, not a chain of 16
- * scalar adds (and 15 lane extractions) per row, which bound the rows of few blocks (the 89M model's LM head). */
-static inline void finish4(const acc_t *a, float *out) {
-    __m512 p[4];
-    for (int i = 0; i < 4; i++)
-        p[i] = (__m512)((a[i].part[0] + a[i].part[1]) + (a[i].part[2] + a[i].part[3]));
-    __m512 u0 = _mm512_unpacklo_ps(p[0], p[1]), u1 = _mm512_unpackhi_ps(p[0], p[1]);
-    __m512 u2 = _mm512_unpacklo_ps(p[2], p[3]), u3 = _mm512_unpackhi_ps(p[2], p[3]);
+/* Lane l of v[0..3] summed in order l = 0, 1, ..., 15, four rows per add (lane i of the result: row i): the four
+ * vectors transposed within 128-bit lanes (t_j lane 4k + i: row i's value 4k + j). */
+static inline __m128 lane_sums4(const __m512 *v) {
+    __m512 u0 = _mm512_unpacklo_ps(v[0], v[1]), u1 = _mm512_unpackhi_ps(v[0], v[1]);
+    __m512 u2 = _mm512_unpacklo_ps(v[2], v[3]), u3 = _mm512_unpackhi_ps(v[2], v[3]);
     __m512 t[4] = {_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u2))),
                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u2))),
                    _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u1), _mm512_castps_pd(u3))),
@@ -925,7 +920,21 @@ static inline void finish4(const acc_t *a, float *out) {
     for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 1));
     for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 2));
     for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 3));
-    _mm_storeu_ps(out, s);
+    return s;
+}
+
+/* finish() of four rows at once (the same bits): each row's p = (part0 + part1) + (part2 + part3) and (with `lows`)
+ * its min accumulator's lanes added in finish's order by lane_sums4, one chain of 16 adds for the four rows, not a
+ * chain of 16 scalar adds (and 15 lane extractions) per row, which bound the rows of few blocks (the 89M model's LM
+ * head; Q4_1/Q5_1 rows of 32 blocks of 4). */
+static inline void finish4(const acc_t *a, int lows, float *out) {
+    __m512 p[4], low[4];
+    for (int i = 0; i < 4; i++) {
+        p[i] = (__m512)((a[i].part[0] + a[i].part[1]) + (a[i].part[2] + a[i].part[3]));
+        low[i] = (__m512)a[i].low;
+    }
+    __m128 s = lane_sums4(p);
+    _mm_storeu_ps(out, lows ? _mm_sub_ps(s, lane_sums4(low)) : s);
 }
 #endif
 
@@ -1052,13 +1061,9 @@ static inline __attribute__((always_inline)) int own_rows4_ahead(
                         ahead(&a[i], r[i] + (b + 1) * bb, G ? sm + (b + 1) * 16 : NULL, &next[(b + 1) % 2][i]);
                     products(&a[i], r[i] + b * bb, xm + b * bs, &next[b % 2][i]);
                 }
-            if (G == 0) {
-                float out[4];
-                finish4(a, out);
-                for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
-            } else {
-                for (int i = 0; i < 4; i++) ym[n + i * q] = finish(&a[i], 1);
-            }
+            float out[4];
+            finish4(a, G != 0, out);
+            for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
         }
         for (int64_t n = n0 + 4 * q; n < n1; n++) {     /* the last (n1 - n0) % 4 rows */
             const uint8_t *row = base + n * row_bytes;
@@ -1202,9 +1207,23 @@ static inline void unpack_q6_k(const uint8_t *b, float *values, float *scale, fl
     scaled_bytes_unpack(q, sc, half_to_float(b + 208), values, scale);
 }
 
-/* Q3_K's 256 values (qs's 2 bits | hmask's bit << 2) - 4 as bytes (elements 128c + 32i + l), and its 16 six-bit
- * scales minus 32 as floats (deq_q3_k's). */
+/* Q3_K's 256 values (qs's 2 bits | hmask's bit << 2) - 4 as bytes (elements 128c + 32i + l: bits 2i of qs[32c + l],
+ * bit 4c + i of hmask[l]), and its 16 six-bit scales minus 32 as floats (deq_q3_k's). */
 static inline void q3_k_bytes(const uint8_t *b, int8_t *q, float *sc) {
+#if defined(__AVX512BW__)
+    __m512i qs = _mm512_loadu_si512(b + 32);                  /* c = 0 in bytes 0-31, c = 1 in 32-63 */
+    __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+    __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(hm), _mm256_srli_epi16(hm, 4), 1);   /* bit i at bit i */
+    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i low = _mm512_and_si512(_mm512_srli_epi16(qs, 2 * i), three);
+        __m512i bit = i < 2 ? _mm512_slli_epi16(h, 2 - i) : _mm512_srli_epi16(h, i - 2);     /* to bit 2 */
+        __m512i v = _mm512_sub_epi8(_mm512_ternarylogic_epi32(low, bit, four, 0xf8), four);   /* low | (bit & 4) */
+        _mm256_store_si256((__m256i *)(q + 32 * i), _mm512_castsi512_si256(v));
+        _mm256_store_si256((__m256i *)(q + 128 + 32 * i), _mm512_extracti64x4_epi64(v, 1));
+    }
+#else
     u8x32 hm, qs[2];
     memcpy(&hm, b, 32);
     memcpy(qs, b + 32, 64);
@@ -1214,9 +1233,9 @@ static inline void q3_k_bytes(const uint8_t *b, int8_t *q, float *sc) {
         u8x32 v = (((qs[c] >> (2 * i)) & 3) | (((hm >> j) & 1) << 2)) - 4;
         memcpy(q + 32 * j, &v, 32);
     }
-    uint8_t s[16] = {0};
-    memcpy(s, b + 96, 12);
-    i32x16 bytes = widen16(s);
+#endif
+    __m128i raw = _mm_insert_epi32(_mm_loadl_epi64((const __m128i *)(b + 96)), *(const int32_t *)(b + 104), 2);
+    i32x16 bytes = (i32x16)_mm512_cvtepu8_epi32(raw);
     i32x16 low = __builtin_shufflevector(bytes, bytes, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
     i32x16 top = __builtin_shufflevector(bytes, bytes, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11);
     const i32x16 low_shift = {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
@@ -1349,29 +1368,29 @@ static inline __attribute__((always_inline)) __m512 code_values(const codes_t t,
     return _mm512_mask_add_ps(q, (__mmask16)(qh >> (16 * high)), q, _mm512_set1_ps(16));
 }
 
-/* The four blocks' scales (+ 0: splat16's) and mins (-m; lanes 4-15 0). */
-static inline __attribute__((always_inline)) void code_scales(const codes_t t, const uint8_t *b, float *d, float *low) {
+/* The four blocks' scales (+ 0: splat16's) into d, and their mins (-m, 0 without) as the lanes 0-3 of the result. */
+static inline __attribute__((always_inline)) __m128 code_scales(const codes_t t, const uint8_t *b, float *d) {
     if (t.e8m0) {
         for (int i = 0; i < 4; i++) {
             uint32_t e = b[i * t.bb];
             d[i] = bits_to_float(e < 2 ? 0x00200000u << e : (e - 1) << 23) + 0.0f;    /* deq_mxfp4's, exact */
         }
-        return;
+        return _mm_setzero_ps();
     }
-    uint16_t h[8];
+    uint16_t h[8] = {0};
     for (int i = 0; i < 4; i++) {
         memcpy(&h[i], b + i * t.bb, 2);
         if (t.min_at >= 0) memcpy(&h[4 + i], b + i * t.bb + t.min_at, 2);
     }
     __m256 both = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));       /* exact, as half_to_float */
     _mm_storeu_ps(d, _mm_add_ps(_mm256_castps256_ps128(both), _mm_setzero_ps()));
-    if (t.min_at >= 0) _mm_storeu_ps(low, _mm_sub_ps(_mm_setzero_ps(), _mm256_extractf128_ps(both, 1)));
+    return _mm_sub_ps(_mm_setzero_ps(), _mm256_extractf128_ps(both, 1));
 }
 
 static inline __attribute__((always_inline)) void codes_dot(const codes_t t, acc_t *a, const uint8_t *b,
                                                             const float *x, const float *xsum) {
-    float d[4] __attribute__((aligned(16))), low[16] __attribute__((aligned(64))) = {0};
-    code_scales(t, b, d, low);
+    float d[4] __attribute__((aligned(16)));
+    __m128 low = code_scales(t, b, d);
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
         const uint8_t *blk = b + i * t.bb;
@@ -1381,12 +1400,13 @@ static inline __attribute__((always_inline)) void codes_dot(const codes_t t, acc
         __asm__("vbroadcastss %1, %0" : "=v"(di) : "m"(d[i]));
         a->part[i] = fma16(di, s, a->part[i]);
     }
-    if (t.min_at >= 0) a->low = fma16(load16(low), load16(xsum), a->low);
+    if (t.min_at >= 0) a->low = fma16((v16)_mm512_zextps128_ps512(low), load16(xsum), a->low);  /* lanes 4-15: 0 */
 }
 
 static inline __attribute__((always_inline)) void codes_unpack(const codes_t t, const uint8_t *b, float *q,
                                                                float *scale, float *low) {
-    code_scales(t, b, scale, low);
+    __m128 mins = code_scales(t, b, scale);
+    if (t.min_at >= 0) _mm_storeu_ps(low, mins);
     for (int i = 0; i < 4; i++) {
         _mm512_storeu_ps(q + 32 * i, code_values(t, b + i * t.bb, 0));
         _mm512_storeu_ps(q + 32 * i + 16, code_values(t, b + i * t.bb, 1));
