@@ -1553,7 +1553,12 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 29: if (K % 256) return -1; rows_of(deq_iq1_m, 256, 56, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 34: if (K % 256) return -1; rows_of(deq_tq1_0, 256, 54, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 35: if (K % 256) return -1; rows_of(deq_tq2_0, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 39: if (K % 32) return -1; rows_of(deq_mxfp4, 32, 17, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 39: if (K % 32) return -1;
+#if GROUPED
+        if (K % 128 == 0)
+            return grouped(dot_mxfp4, unpack_mxfp4, 128, 68, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_mxfp4, 32, 17, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 30: if (K % 32) return -1; rows_of(deq_bf16, 32, 64, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     default: return -1;
     }
