@@ -1207,31 +1207,35 @@ static inline void unpack_q6_k(const uint8_t *b, float *values, float *scale, fl
     scaled_bytes_unpack(q, sc, half_to_float(b + 208), values, scale);
 }
 
-/* Q3_K's 256 values (qs's 2 bits | hmask's bit << 2) - 4 as bytes (elements 128c + 32i + l: bits 2i of qs[32c + l],
- * bit 4c + i of hmask[l]), and its 16 six-bit scales minus 32 as floats (deq_q3_k's). */
-static inline void q3_k_bytes(const uint8_t *b, int8_t *q, float *sc) {
+/* Q3_K's 256 values as 4-bit codes: bits 0-2 the value + 4 (qs's 2 bits | hmask's bit << 2; element 128c + 32i + l:
+ * bits 2i of qs[32c + l], bit 4c + i of hmask[l]), bit 3 set in the odd sub-blocks of 16 (the second half of each
+ * 32); and its 16 six-bit scales minus 32 as floats (deq_q3_k's), returned in one vector. */
+static inline __m512 q3_k_codes(const uint8_t *b, uint8_t *code) {
 #if defined(__AVX512BW__)
     __m512i qs = _mm512_loadu_si512(b + 32);                  /* c = 0 in bytes 0-31, c = 1 in 32-63 */
     __m256i hm = _mm256_loadu_si256((const __m256i *)b);
     __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(hm), _mm256_srli_epi16(hm, 4), 1);   /* bit i at bit i */
     const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
+    const __m512i odd = _mm512_set_epi64(0x0808080808080808, 0x0808080808080808, 0, 0, 0x0808080808080808,
+                                         0x0808080808080808, 0, 0);
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
-        __m512i low = _mm512_and_si512(_mm512_srli_epi16(qs, 2 * i), three);
-        __m512i bit = i < 2 ? _mm512_slli_epi16(h, 2 - i) : _mm512_srli_epi16(h, i - 2);     /* to bit 2 */
-        __m512i v = _mm512_sub_epi8(_mm512_ternarylogic_epi32(low, bit, four, 0xf8), four);   /* low | (bit & 4) */
-        _mm256_store_si256((__m256i *)(q + 32 * i), _mm512_castsi512_si256(v));
-        _mm256_store_si256((__m256i *)(q + 128 + 32 * i), _mm512_extracti64x4_epi64(v, 1));
+        __m512i low = _mm512_ternarylogic_epi32(_mm512_srli_epi16(qs, 2 * i), three, odd, 0xea);     /* a & b | c */
+        __m512i bit = i < 2 ? _mm512_slli_epi16(h, 2 - i) : _mm512_srli_epi16(h, i - 2);           /* to bit 2 */
+        __m512i v = _mm512_ternarylogic_epi32(low, bit, four, 0xf8);                              /* a | b & c */
+        _mm256_store_si256((__m256i *)(code + 32 * i), _mm512_castsi512_si256(v));
+        _mm256_store_si256((__m256i *)(code + 128 + 32 * i), _mm512_extracti64x4_epi64(v, 1));
     }
 #else
-    u8x32 hm, qs[2];
+    u8x32 hm, qs[2], odd = {0};
     memcpy(&hm, b, 32);
     memcpy(qs, b + 32, 64);
+    for (int l = 16; l < 32; l++) odd[l] = 8;
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
         int c = j / 4, i = j % 4;
-        u8x32 v = (((qs[c] >> (2 * i)) & 3) | (((hm >> j) & 1) << 2)) - 4;
-        memcpy(q + 32 * j, &v, 32);
+        u8x32 v = ((qs[c] >> (2 * i)) & 3) | (((hm >> j) & 1) << 2) | odd;
+        memcpy(code + 32 * j, &v, 32);
     }
 #endif
     __m128i raw = _mm_insert_epi32(_mm_loadl_epi64((const __m128i *)(b + 96)), *(const int32_t *)(b + 104), 2);
@@ -1240,23 +1244,43 @@ static inline void q3_k_bytes(const uint8_t *b, int8_t *q, float *sc) {
     i32x16 top = __builtin_shufflevector(bytes, bytes, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11);
     const i32x16 low_shift = {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
     const i32x16 top_shift = {0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6};
-    store16(sc, float16((((low >> low_shift) & 15) | (((top >> top_shift) & 3) << 4)) - 32));
+    return (__m512)float16((((low >> low_shift) & 15) | (((top >> top_shift) & 3) << 4)) - 32);
+}
+
+/* The values scale * q of Q3_K's sub-blocks 2p and 2p + 1 (exact small integers, as scaled_bytes_unpack's), looked up
+ * by one vpermps each from a table of the 8 values times either scale: no int-to-float conversion (port 0, which
+ * also takes every multiply-add on this machine's AVX-512), one multiply per 32 values. */
+static inline __attribute__((always_inline)) __m512 q3_k_pair(const uint8_t *code, __m512 sc, int p, int h) {
+    const __m512 levels = _mm512_set_ps(3, 2, 1, 0, -1, -2, -3, -4, 3, 2, 1, 0, -1, -2, -3, -4);
+    __m512 scales = _mm512_permutexvar_ps(_mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+        2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p), sc);
+    __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(code + 32 * p + 16 * h)));
+    return _mm512_permutexvar_ps(v, _mm512_mul_ps(levels, scales));
 }
 
 static inline void dot_q3_k(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {    /* 110 bytes */
     (void)xsum;
-    int8_t q[256] __attribute__((aligned(64)));
-    float sc[16] __attribute__((aligned(64)));
-    q3_k_bytes(b, q, sc);
-    scaled_bytes_dot(a, q, sc, half_to_float(b + 108), x);
+    uint8_t code[256] __attribute__((aligned(64)));
+    __m512 sc = q3_k_codes(b, code);
+    v16 dv = splat16(half_to_float(b + 108));
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {       /* scaled_bytes_dot's order */
+        v16 t = {0};
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            v16 w = (v16)q3_k_pair(code, sc, 2 * g + i / 2, i % 2);
+            t = i == 0 ? w * load16(x + 64 * g) : fma16(w, load16(x + 64 * g + 16 * i), t);
+        }
+        a->part[g] = fma16(dv, t, a->part[g]);
+    }
 }
 
 static inline void unpack_q3_k(const uint8_t *b, float *values, float *scale, float *low) {    /* G 64 */
     (void)low;
-    int8_t q[256] __attribute__((aligned(64)));
-    float sc[16] __attribute__((aligned(64)));
-    q3_k_bytes(b, q, sc);
-    scaled_bytes_unpack(q, sc, half_to_float(b + 108), values, scale);
+    uint8_t code[256] __attribute__((aligned(64)));
+    __m512 sc = q3_k_codes(b, code);
+    for (int j = 0; j < 16; j++) _mm512_storeu_ps(values + 16 * j, q3_k_pair(code, sc, j / 2, j % 2));
+    for (int g = 0; g < 4; g++) scale[g] = half_to_float(b + 108);
 }
 
 /* Q5_K: Q4_K's scales and nibbles (dot_q4_k's way), + 16 where the value's bit of qh is set (a masked add: exact);
