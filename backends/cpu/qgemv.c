@@ -270,9 +270,22 @@ static int codebook_bytes(const float *grid, uint8_t *out, int count, int lowest
     return 0;
 }
 
-int qgemv_set_iq3_xxs(const float *grid) { return codebook_bytes(grid, &iq3_xxs_grid[0][0], 256 * 4, 0); }
+static float iq3_xxs_grid_floats[256][4];   /* the same grid as floats (dot_iq3_xxs: one 4-float load per point) */
+
+int qgemv_set_iq3_xxs(const float *grid) {
+    if (codebook_bytes(grid, &iq3_xxs_grid[0][0], 256 * 4, 0)) return -1;
+    memcpy(iq3_xxs_grid_floats, grid, sizeof(iq3_xxs_grid_floats));
+    return 0;
+}
+
 int qgemv_set_iq3_s(const float *grid) { return codebook_bytes(grid, &iq3_s_grid[0][0], 512 * 4, 0); }
-int qgemv_set_iq2_xs(const float *grid) { return codebook_bytes(grid, &iq2_xs_grid[0][0], 512 * 8, 0); }
+static float iq2_xs_grid_floats[512][8];    /* the same grid as floats (dot_iq2_xs: one 8-float load per chunk) */
+
+int qgemv_set_iq2_xs(const float *grid) {
+    if (codebook_bytes(grid, &iq2_xs_grid[0][0], 512 * 8, 0)) return -1;
+    memcpy(iq2_xs_grid_floats, grid, sizeof(iq2_xs_grid_floats));
+    return 0;
+}
 int qgemv_set_iq2_s(const float *grid) { return codebook_bytes(grid, &iq2_s_grid[0][0], 1024 * 8, 0); }
 int qgemv_set_iq1_s(const float *grid) { return codebook_bytes(grid, (uint8_t *)&iq1_grid[0][0], 2048 * 8, -128); }
 
@@ -1451,6 +1464,99 @@ CODES_TYPE(q5_1, Q5_1_CODES)
 CODES_TYPE(iq4_nl, IQ4_NL_CODES)
 CODES_TYPE(mxfp4, MXFP4_CODES)
 
+/* IQ2_XS and IQ3_XXS on the grouped path: per group of G values (16: IQ2_XS; 32: IQ3_XXS) one
+ * scale (the reference's d * f(ls)), the values the grid points (as floats) with their sign pattern's sign bits
+ * flipped by an xor (exact), as dot_iq2_xxs; no mins. `values(b, j)`: values 16j..16j + 15 of block b. */
+typedef v16 (*grid_values_fn)(const uint8_t *, int);
+
+static inline __attribute__((always_inline)) v16 signed_pair(const float *v0, const float *v1, const uint32_t *m0,
+                                                             const uint32_t *m1) {   /* 8 + 8 values, xor'd signs */
+    i32x8 a, b, s, t;
+    memcpy(&a, v0, sizeof a);
+    memcpy(&b, v1, sizeof b);
+    memcpy(&s, m0, sizeof s);
+    memcpy(&t, m1, sizeof t);
+    return (v16)HALVES(a ^ s, b ^ t);
+}
+
+static inline __attribute__((always_inline)) v16 grid4_pair(const float *g0, const float *g1, const float *g2,
+        const float *g3, const uint32_t *m0, const uint32_t *m1) {      /* four 4-value grid points, xor'd signs */
+    __m512 v = _mm512_castps128_ps512(_mm_loadu_ps(g0));
+    v = _mm512_insertf32x4(v, _mm_loadu_ps(g1), 1);
+    v = _mm512_insertf32x4(v, _mm_loadu_ps(g2), 2);
+    v = _mm512_insertf32x4(v, _mm_loadu_ps(g3), 3);
+    __m512i m = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)m0)),
+                                   _mm256_loadu_si256((const __m256i *)m1), 1);
+    return (v16)_mm512_xor_si512(_mm512_castps_si512(v), m);
+}
+
+static inline __attribute__((always_inline)) void grid_dot(grid_values_fn values, const int G, acc_t *a,
+        const uint8_t *b, float *scale, const float *x) {
+    for (int g = 0; g < 256 / G; g++) scale[g] += 0.0f;     /* splat16's */
+#pragma GCC unroll 16
+    for (int g = 0; g < 256 / G; g++) {
+        v16 t = values(b, G / 16 * g) * load16(x + G * g), s;
+        if (G == 32) t = fma16(values(b, 2 * g + 1), load16(x + G * g + 16), t);
+        __asm__("vbroadcastss %1, %0" : "=v"(s) : "m"(scale[g]));
+        a->part[g % ACCS] = fma16(s, t, a->part[g % ACCS]);
+    }
+}
+
+static inline __attribute__((always_inline)) void grid_unpack(grid_values_fn values, const uint8_t *b, float *q) {
+    for (int j = 0; j < 16; j++) store16(q + 16 * j, values(b, j));
+}
+
+static inline void iq2_scales16(const uint8_t *b, const uint8_t *packed, float *scale) {  /* group g: scale[g] */
+    float even[8], odd[8];
+    iq2_sub_scales(half_to_float(b), packed, even, odd);
+    for (int i = 0; i < 8; i++) {
+        scale[2 * i] = even[i];
+        scale[2 * i + 1] = odd[i];
+    }
+}
+
+static inline v16 iq2_xs_values(const uint8_t *b, int j) {     /* chunks 2j, 2j + 1: u16 grid | ksigns index << 9 */
+    uint16_t q0, q1;
+    memcpy(&q0, b + 2 + 4 * j, 2);
+    memcpy(&q1, b + 4 + 4 * j, 2);
+    return signed_pair(iq2_xs_grid_floats[q0 & 511], iq2_xs_grid_floats[q1 & 511], iq2_sign_mask[q0 >> 9],
+                       iq2_sign_mask[q1 >> 9]);
+}
+
+static inline v16 iq3_xxs_values(const uint8_t *b, int j) {    /* values 16j..: 4 grid points, 2 ksigns patterns */
+    const uint8_t *qs = b + 2 + 4 * j, *aux = b + 66 + 4 * (j / 2);
+    uint32_t bits;
+    memcpy(&bits, aux, 4);
+    int k = 2 * (j % 2);
+    return grid4_pair(iq3_xxs_grid_floats[qs[0]], iq3_xxs_grid_floats[qs[1]], iq3_xxs_grid_floats[qs[2]],
+                      iq3_xxs_grid_floats[qs[3]], iq2_sign_mask[(bits >> (7 * k)) & 127],
+                      iq2_sign_mask[(bits >> (7 * k + 7)) & 127]);
+}
+
+static inline void iq3_xxs_scales(const uint8_t *b, float *scale) {     /* d * (0.5 + (bits >> 28)) * 0.5 per 32 */
+    float d = half_to_float(b);
+    for (int s = 0; s < 8; s++) {
+        uint32_t bits;
+        memcpy(&bits, b + 66 + 4 * s, 4);
+        scale[s] = d * (0.5f + (float)(bits >> 28)) * 0.5f;
+    }
+}
+
+#define GRID_TYPE(name, G, scales)                                                                                  \
+    static inline void dot_##name(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {                 \
+        (void)xsum;                                                                                                \
+        float scale[16] __attribute__((aligned(64)));                                                              \
+        scales;                                                                                                    \
+        grid_dot(name##_values, G, a, b, scale, x);                                                                \
+    }                                                                                                              \
+    static inline void unpack_##name(const uint8_t *b, float *q, float *scale, float *low) {                      \
+        (void)low;                                                                                                 \
+        scales;                                                                                                    \
+        grid_unpack(name##_values, b, q);                                                                          \
+    }
+GRID_TYPE(iq2_xs, 16, iq2_scales16(b, b + 66, scale))
+GRID_TYPE(iq3_xxs, 32, iq3_xxs_scales(b, scale))
+
 /* A type on the grouped path: rows of their own through `dot` (own_rows4), one weight for M > 1 rows through
  * `unpack` and add_block (rows_grouped); bs values in bb bytes, groups of G, `mins`: the type has group mins (each
  * row's sums of x per group made once per call). Returns 0, or -2 out of memory. */
@@ -1569,9 +1675,17 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         rows_of(deq_iq4_xs, 256, 136, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     /* dequantize-then-multiply on every target (the IQ grids after qgemv_set_<type> and qgemv_set_iq_signs): 18 IQ3_XXS,
      * 21 IQ3_S, 17 IQ2_XS, 22 IQ2_S, 19 IQ1_S, 29 IQ1_M, 34 TQ1_0, 35 TQ2_0, 39 MXFP4, 30 BF16 */
-    case 18: if (K % 256) return -1; rows_of(deq_iq3_xxs, 256, 98, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 18: if (K % 256) return -1;
+#if GROUPED
+        return grouped(dot_iq3_xxs, unpack_iq3_xxs, 256, 98, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_iq3_xxs, 256, 98, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 21: if (K % 256) return -1; rows_of(deq_iq3_s, 256, 110, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 17: if (K % 256) return -1; rows_of(deq_iq2_xs, 256, 74, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 17: if (K % 256) return -1;
+#if GROUPED
+        return grouped(dot_iq2_xs, unpack_iq2_xs, 256, 74, 16, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_iq2_xs, 256, 74, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 22: if (K % 256) return -1; rows_of(deq_iq2_s, 256, 82, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 19: if (K % 256) return -1; rows_of(deq_iq1_s, 256, 50, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 29: if (K % 256) return -1; rows_of(deq_iq1_m, 256, 56, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
