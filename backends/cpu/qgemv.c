@@ -919,11 +919,16 @@ static inline float finish(const acc_t *a, int lows) {
 }
 
 #if defined(__AVX512F__)
-/* Lane l of v[0..3] summed in order l = 0, 1, ..., 15, four rows per add (lane i of the result: row i): the four
- * vectors transposed within 128-bit lanes (t_j lane 4k + i: row i's value 4k + j). */
-static inline __m128 lane_sums4(const __m512 *v) {
-    __m512 u0 = _mm512_unpacklo_ps(v[0], v[1]), u1 = _mm512_unpackhi_ps(v[0], v[1]);
-    __m512 u2 = _mm512_unpacklo_ps(v[2], v[3]), u3 = _mm512_unpackhi_ps(v[2], v[3]);
+/* finish() of four rows without group mins at once (the same bits): each row's p = (part0 + part1) + (part2 + part3),
+ * the four p transposed within 128-bit lanes (t_j lane 4k + i: row i's value 4k + j), then each row's lanes added
+ * in finish's order 0, 1, ..., 15, four rows per add: one chain of 16 adds for the four rows, not a chain of 16
+ * scalar adds (and 15 lane extractions) per row, which bound the rows of few blocks (the 89M model's LM head). */
+static inline void finish4(const acc_t *a, float *out) {
+    __m512 p[4];
+    for (int i = 0; i < 4; i++)
+        p[i] = (__m512)((a[i].part[0] + a[i].part[1]) + (a[i].part[2] + a[i].part[3]));
+    __m512 u0 = _mm512_unpacklo_ps(p[0], p[1]), u1 = _mm512_unpackhi_ps(p[0], p[1]);
+    __m512 u2 = _mm512_unpacklo_ps(p[2], p[3]), u3 = _mm512_unpackhi_ps(p[2], p[3]);
     __m512 t[4] = {_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u2))),
                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u2))),
                    _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u1), _mm512_castps_pd(u3))),
@@ -933,21 +938,7 @@ static inline __m128 lane_sums4(const __m512 *v) {
     for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 1));
     for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 2));
     for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 3));
-    return s;
-}
-
-/* finish() of four rows at once (the same bits): each row's p = (part0 + part1) + (part2 + part3) and (with `lows`)
- * its min accumulator's lanes added in finish's order by lane_sums4, one chain of 16 adds for the four rows, not a
- * chain of 16 scalar adds (and 15 lane extractions) per row, which bound the rows of few blocks (the 89M model's LM
- * head; Q4_1/Q5_1 rows of 32 blocks of 4). */
-static inline void finish4(const acc_t *a, int lows, float *out) {
-    __m512 p[4], low[4];
-    for (int i = 0; i < 4; i++) {
-        p[i] = (__m512)((a[i].part[0] + a[i].part[1]) + (a[i].part[2] + a[i].part[3]));
-        low[i] = (__m512)a[i].low;
-    }
-    __m128 s = lane_sums4(p);
-    _mm_storeu_ps(out, lows ? _mm_sub_ps(s, lane_sums4(low)) : s);
+    _mm_storeu_ps(out, s);
 }
 #endif
 
@@ -1074,9 +1065,13 @@ static inline __attribute__((always_inline)) int own_rows4_ahead(
                         ahead(&a[i], r[i] + (b + 1) * bb, G ? sm + (b + 1) * 16 : NULL, &next[(b + 1) % 2][i]);
                     products(&a[i], r[i] + b * bb, xm + b * bs, &next[b % 2][i]);
                 }
-            float out[4];
-            finish4(a, G != 0, out);
-            for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
+            if (G == 0) {
+                float out[4];
+                finish4(a, out);
+                for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
+            } else {
+                for (int i = 0; i < 4; i++) ym[n + i * q] = finish(&a[i], 1);
+            }
         }
         for (int64_t n = n0 + 4 * q; n < n1; n++) {     /* the last (n1 - n0) % 4 rows */
             const uint8_t *row = base + n * row_bytes;
