@@ -7,7 +7,8 @@
  * two 8-float vectors) over the whole row, then the lanes are added in order: the same arithmetic for any
  * number of rows and any split of the output rows across threads, hence batch-invariant. `dequantize`
  * expands whole rows with the same block functions (prefill's tiles). On AVX-512 targets the grouped kernels
- * (further down) serve Q8_0, Q4_K, Q2_K and IQ2_XXS instead. A new block type plugs in as a deq_<type>
+ * (further down) serve Q8_0, Q4_K, Q2_K, IQ2_XXS, Q3_K-Q6_K, IQ4_XS, the 32-value types (Q4_0-Q5_1, IQ4_NL, MXFP4;
+ * rows of K % 128 == 0), IQ2_XS and IQ3_XXS instead. A new block type plugs in as a deq_<type>
  * function (block -> floats) and a case in `qgemv` and `dequantize`. Built by backends/cpu/kernels.py.
  */
 #include <stdint.h>
@@ -625,9 +626,9 @@ static int64_t q8_0_rows(const uint8_t *w, int64_t K, const float *x, float *y, 
     return n;
 }
 
-/* The grouped kernels (Q8_0 four blocks at a time, Q4_K, Q2_K, IQ2_XXS; where the target has 16-float
- * vectors, AVX-512: elsewhere gcc splits them badly and rows_of serves these types): a block is unpacked once
- * into its integer values as floats (IQ2_XXS: the signed grid values) and one scale (and min) per group of G
+/* The grouped kernels (Q8_0 four blocks at a time, Q4_K, Q2_K, IQ2_XXS, and the types further down; where the target
+ * has 16-float vectors, AVX-512: elsewhere gcc splits them badly and rows_of serves these types): a block is unpacked
+ * once into its integer values as floats (IQ2_XXS: the signed grid values) and one scale (and min) per group of G
  * values, and each row adds, per group g, scale[g] * (sum of q * x over the group, in 16 lanes) into
  * accumulator g % ACCS (groups counted along the row), and min[g] * (the row's sum of x over group g) into
  * lane g of a min accumulator (fused multiply-adds): sum (a q - b) x = a sum q x - b sum x, regrouped. So a
@@ -1668,8 +1669,9 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         return grouped(dot_iq4_xs, unpack_iq4_xs, 256, 136, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
 #endif
         rows_of(deq_iq4_xs, 256, 136, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    /* dequantize-then-multiply on every target (the IQ grids after qgemv_set_<type> and qgemv_set_iq_signs): 18 IQ3_XXS,
-     * 21 IQ3_S, 17 IQ2_XS, 22 IQ2_S, 19 IQ1_S, 29 IQ1_M, 34 TQ1_0, 35 TQ2_0, 39 MXFP4, 30 BF16 */
+    /* the IQ grids after qgemv_set_<type> and qgemv_set_iq_signs: 18 IQ3_XXS, 21 IQ3_S, 17 IQ2_XS, 22 IQ2_S, 19 IQ1_S,
+     * 29 IQ1_M; 34 TQ1_0, 35 TQ2_0, 39 MXFP4, 30 BF16 (dequantize-then-multiply but IQ3_XXS, IQ2_XS and MXFP4 on
+     * AVX-512) */
     case 18: if (K % 256) return -1;
 #if GROUPED
         return grouped(dot_iq3_xxs, unpack_iq3_xxs, 256, 98, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
