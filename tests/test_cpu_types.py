@@ -1,9 +1,9 @@
 """qgemv.c's block functions for the IQ codebook types, TQ1_0/TQ2_0, MXFP4 and BF16: the block dequantizer equals
 the reference (ops/quants/<type>.py) bit for bit on random blocks whose scales include zero, subnormal, infinite
 and NaN values, and the fused product of the types that dequantize first (all but MXFP4, IQ2_XS and IQ3_XXS, which
-take the grouped path on AVX-512: tests/test_cpu_grouped_types.py) equals the reference's dequantized weight multiplied in the kernel's own
-order (element k into lane k % 16, the lanes added in order) bit for bit, for M = 1..16, 1/2/3 threads, plain
-and by expert (so batch invariance and thread invariance hold)."""
+take the grouped path on AVX-512: tests/test_cpu_grouped_types.py) equals the reference's dequantized weight
+multiplied in the kernel's own order (element k into lane k % 16, the lanes added in order) bit for bit, for
+M = 1..16, 1/2/3 threads, plain and by expert (so batch invariance and thread invariance hold)."""
 from __future__ import annotations
 
 import pytest
