@@ -1,4 +1,4 @@
-"""qgemv.c's grouped exact path for Q6_K, Q5_K, Q3_K, IQ4_XS, the 32-value types, MXFP4, IQ2_XS and IQ3_XXS
+"""qgemv.c's grouped exact path for Q6_K, Q5_K, Q3_K, IQ4_XS, the 32-value types, MXFP4, IQ2_XS, IQ3_XXS, TQ2_0
 (`dot_<type>` for rows of their own, `unpack_<type>` for M > 1; docs/cpu.md "The other types' exact M = 1 kernels"):
 within float32 rounding of the reference's dequantized weight times x (summed in float64), plain and by expert, on
 row counts that leave rows after the four-row steps and on rows the grouped path does not take (32-value types,
@@ -11,8 +11,9 @@ import torch
 from backends.cpu import kernels
 from ops.quants import QTensor
 
-TYPES = ("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "IQ2_XS", "IQ3_XXS")
-SUPER_BLOCK = dict.fromkeys(("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "IQ2_XS", "IQ3_XXS"), 256)   # others: 32-value blocks
+TYPES = ("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "IQ2_XS", "IQ3_XXS",
+         "TQ2_0")
+SUPER_BLOCK = dict.fromkeys(("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "IQ2_XS", "IQ3_XXS", "TQ2_0"), 256)   # others: 32 values
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library is off (DS4_CPU_KERNELS=0)")
 

@@ -1,7 +1,7 @@
 """qgemv.c's block functions for the IQ codebook types, TQ1_0/TQ2_0, MXFP4 and BF16: the block dequantizer equals
 the reference (ops/quants/<type>.py) bit for bit on random blocks whose scales include zero, subnormal, infinite
-and NaN values, and the fused product of the types that dequantize first (all but MXFP4, IQ2_XS and IQ3_XXS, which
-take the grouped path on AVX-512: tests/test_cpu_grouped_types.py) equals the reference's dequantized weight
+and NaN values, and the fused product of the types that dequantize first (all but MXFP4, IQ2_XS, IQ3_XXS and TQ2_0,
+which take the grouped path on AVX-512: tests/test_cpu_grouped_types.py) equals the reference's dequantized weight
 multiplied in the kernel's own order (element k into lane k % 16, the lanes added in order) bit for bit, for
 M = 1..16, 1/2/3 threads, plain and by expert (so batch invariance and thread invariance hold)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from backends.cpu import kernels
 from ops.quants import QTensor, get, iq2_xxs, iq3_s
 
 TYPES = ("IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4", "BF16")
-GROUPED = ("MXFP4", "IQ2_XS", "IQ3_XXS")    # scale * (sum of values * x) per group, not the lane order below
+GROUPED = ("MXFP4", "IQ2_XS", "IQ3_XXS", "TQ2_0")    # scale * (sum of values * x) per group, not the lane order below
 LANE_ORDER_TYPES = tuple(t for t in TYPES if t not in GROUPED)
 SCALE_AT = {"TQ1_0": 52, "TQ2_0": 64}   # byte offset of the f16 scale `d` (0 for the IQ types but IQ1_M)
 ODD_HALVES = (0x0000, 0x8000, 0x0001, 0x83FF, 0x0400, 0x7BFF, 0x7C00, 0xFC00, 0x7E00, 0x7C01)  # incl. inf, NaN

@@ -8,7 +8,7 @@
  * number of rows and any split of the output rows across threads, hence batch-invariant. `dequantize`
  * expands whole rows with the same block functions (prefill's tiles). On AVX-512 targets the grouped kernels
  * (further down) serve Q8_0, Q4_K, Q2_K, IQ2_XXS, Q3_K-Q6_K, IQ4_XS, the 32-value types (Q4_0-Q5_1, IQ4_NL, MXFP4;
- * rows of K % 128 == 0), IQ2_XS and IQ3_XXS instead. A new block type plugs in as a deq_<type>
+ * rows of K % 128 == 0), IQ2_XS, IQ3_XXS and TQ2_0 instead. A new block type plugs in as a deq_<type>
  * function (block -> floats) and a case in `qgemv` and `dequantize`. Built by backends/cpu/kernels.py.
  */
 #include <stdint.h>
@@ -1568,6 +1568,36 @@ static inline void unpack_iq2_xs(const uint8_t *b, float *q, float *scale, float
     for (int g = 0; g < 4; g++) scale[g] = 1.0f;
 }
 
+/* TQ2_0: d * (q - 1) with 2-bit q (element 128c + 32s + l: bits 2s of qs[32c + l]); the values -1, 0, 1 by one
+ * vpermps each from the low 4 bits of a byte (or of the byte shifted by 4), as dot_q2_k; groups of 64 scaled by d. */
+static inline __attribute__((always_inline)) __m512 tq2_0_values(const uint8_t *b, int c, int s, int half) {
+    static const float levels[2][16] __attribute__((aligned(64))) = {   /* bits 0-1 / 2-3 of a 4-bit index, minus 1 */
+        {-1, 0, 1, 2, -1, 0, 1, 2, -1, 0, 1, 2, -1, 0, 1, 2}, {-1, -1, -1, -1, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2}};
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 * c + 16 * half)));
+    return _mm512_permutexvar_ps(s < 2 ? v : _mm512_srli_epi32(v, 4), _mm512_load_ps(levels[s % 2]));
+}
+
+static inline void dot_tq2_0(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {    /* 66 bytes */
+    (void)xsum;
+    v16 d = splat16(half_to_float(b + 64));
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {       /* values 64g..64g + 63: c = g / 2, s = 2 (g % 2) and + 1 */
+        v16 t = {0};
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            v16 q = (v16)tq2_0_values(b, g / 2, 2 * (g % 2) + i / 2, i % 2);
+            t = i == 0 ? q * load16(x + 64 * g) : fma16(q, load16(x + 64 * g + 16 * i), t);
+        }
+        a->part[g] = fma16(d, t, a->part[g]);
+    }
+}
+
+static inline void unpack_tq2_0(const uint8_t *b, float *q, float *scale, float *low) {    /* 66 bytes, G 64 */
+    (void)low;
+    for (int j = 0; j < 16; j++) _mm512_storeu_ps(q + 16 * j, tq2_0_values(b, j / 8, (j / 2) % 4, j % 2));
+    for (int g = 0; g < 4; g++) scale[g] = half_to_float(b + 64);
+}
+
 /* A type on the grouped path: rows of their own through `dot` (own_rows4), one weight for M > 1 rows through
  * `unpack` and add_block (rows_grouped); bs values in bb bytes, groups of G, `mins`: the type has group mins (each
  * row's sums of x per group made once per call). Returns 0, or -2 out of memory. */
@@ -1685,8 +1715,8 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
 #endif
         rows_of(deq_iq4_xs, 256, 136, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     /* the IQ grids after qgemv_set_<type> and qgemv_set_iq_signs: 18 IQ3_XXS, 21 IQ3_S, 17 IQ2_XS, 22 IQ2_S, 19 IQ1_S,
-     * 29 IQ1_M; 34 TQ1_0, 35 TQ2_0, 39 MXFP4, 30 BF16 (dequantize-then-multiply but IQ3_XXS, IQ2_XS and MXFP4 on
-     * AVX-512) */
+     * 29 IQ1_M; 34 TQ1_0, 35 TQ2_0, 39 MXFP4, 30 BF16 (dequantize-then-multiply but IQ3_XXS, IQ2_XS, TQ2_0 and MXFP4
+     * on AVX-512) */
     case 18: if (K % 256) return -1;
 #if GROUPED
         return grouped(dot_iq3_xxs, unpack_iq3_xxs, 256, 98, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
@@ -1702,7 +1732,11 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 19: if (K % 256) return -1; rows_of(deq_iq1_s, 256, 50, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 29: if (K % 256) return -1; rows_of(deq_iq1_m, 256, 56, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 34: if (K % 256) return -1; rows_of(deq_tq1_0, 256, 54, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 35: if (K % 256) return -1; rows_of(deq_tq2_0, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 35: if (K % 256) return -1;
+#if GROUPED
+        return grouped(dot_tq2_0, unpack_tq2_0, 256, 66, 64, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        rows_of(deq_tq2_0, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
     case 39: if (K % 32) return -1;
 #if GROUPED
         if (K % 128 == 0)
