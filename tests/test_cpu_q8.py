@@ -600,9 +600,12 @@ def test_against_ggml_itself(qtype, ggml_harness):
     header = np.array([w.qtype.ggml_type], np.int32).tobytes() + np.array([4, 24, 512], np.int64).tobytes()
     done = subprocess.run([str(ggml_harness)], input=header + w.data.numpy().tobytes() + x.numpy().tobytes(),
                           capture_output=True, check=True)
-    if qtype == "F16":
-        rows = np.frombuffer(done.stdout[:4 * 512 * 2], np.float16).reshape(4, 512).astype(np.float32)
-        assert np.array_equal(rows, ref.round_f16(x).numpy())
+    if qtype in ("F16", "BF16"):
+        if qtype == "F16":
+            rows = np.frombuffer(done.stdout[:4 * 512 * 2], np.float16).reshape(4, 512).astype(np.float32)
+        else:
+            rows = (np.frombuffer(done.stdout[:4 * 512 * 2], np.uint16).astype(np.uint32) << 16).view(np.float32)
+        assert np.array_equal(rows.reshape(4, 512), (ref.round_f16 if qtype == "F16" else ref.round_bf16)(x).numpy())
         y = np.frombuffer(done.stdout[4 * 512 * 2:], np.float32).reshape(4, 24)
         assert np.allclose(y, ref.qdot8(x, w).numpy(), rtol=1e-5, atol=1e-6 * np.abs(y).max())
         return
