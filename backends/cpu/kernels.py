@@ -318,13 +318,15 @@ def _(p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 # The opt-in 8-bit-activation dot product (`--cpu-dot q8`, qdot8.c; numerics and reference: ops/q8_activations.py).
 Q8_TYPES = {"IQ2_XXS": 0, "Q2_K": 0, "Q4_K": 0, "Q8_0": 1,    # the types qdot8.c reads -> activation kind
             "Q3_K": 0, "Q5_K": 0, "Q6_K": 0, "IQ4_XS": 0, "Q4_0": 1, "Q5_0": 1, "IQ4_NL": 1, "MXFP4": 1, "F16": 2,
-            "Q4_1": 3, "Q5_1": 3}
-# Per activation kind (0 Q8_K, 1 Q8_0, 2 the f16-rounded floats of F16 weights, 3 Q8_1): values and bytes of a block.
-Q8_ACTIVATION = ((256, 320), (32, 36), (32, 128), (32, 40))
+            "Q4_1": 3, "Q5_1": 3, "IQ3_XXS": 0, "IQ3_S": 0, "IQ2_XS": 0, "IQ2_S": 0, "TQ2_0": 0, "TQ1_0": 0,
+            "IQ1_S": 0, "IQ1_M": 0, "BF16": 4}
+# Per activation kind (0 Q8_K, 1 Q8_0, 2 the f16-rounded floats of F16 weights, 3 Q8_1, 4 the bf16-rounded floats
+# of BF16 weights): values and bytes of a block.
+Q8_ACTIVATION = ((256, 320), (32, 36), (32, 128), (32, 40), (32, 128))
 
 
 def _bind_q8(k: ctypes.CDLL) -> None:
-    """Declare qdot8.c's entry points and hand it the IQ2_XXS tables."""
+    """Declare qdot8.c's entry points and hand it the IQ2_XXS tables and the other IQ types' grids."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     k.q8_quantize.restype = ctypes.c_int
     k.q8_quantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
@@ -335,6 +337,12 @@ def _bind_q8(k: ctypes.CDLL) -> None:
     grid = iq2_xxs.GRID.to(torch.uint8).contiguous()
     ksigns = iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     k.qdot8_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
+    k.qdot8_set_grid.restype = ctypes.c_int
+    k.qdot8_set_grid.argtypes = [ctypes.c_int, ptr, i64]
+    for module in (iq3_xxs, iq3_s, iq2_xs, iq2_s, iq1_s):      # the points' values as bytes (IQ1_S's as int8)
+        values = module.GRID.to(torch.int8 if module is iq1_s else torch.uint8).contiguous()
+        if k.qdot8_set_grid(module.QTYPE.ggml_type, values.data_ptr(), values.numel()):
+            raise BuildFailed(f"qdot8.c: the {module.QTYPE.name} grid does not fit its table")
 
 
 def q8_available(qtype: str, k: int = 0) -> bool:
@@ -352,7 +360,7 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
 def q8_quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
     """Rows of float32 `x` [M, K] rounded by qdot8.c for weights of `qtype`, as raw bytes per block: Q8_K the
     256 int8 quants, float32 d, 16 int16 sums of 16 quants and padding to 320 bytes; Q8_0 float32 d, 32 int8; Q8_1
-    float32 d and s, 32 int8; for F16 weights each value rounded to the nearest f16, as float32."""
+    float32 d and s, 32 int8; for F16 (BF16) weights each value rounded to the nearest f16 (bf16), as float32."""
     kind = Q8_TYPES[qtype]
     M, K = x.shape
     out = torch.empty(M * q8_row_bytes(kind, K), dtype=torch.uint8)

@@ -126,6 +126,16 @@ int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
         }
         return 0;
     }
+    if (kind == 4) {                /* each value to the nearest bf16 (ties to even; a NaN stays a NaN) */
+        if (K % 32) return -1;
+        float *y = out;
+        for (int64_t i = 0; i < M * K; i++) {
+            uint32_t bits = q8_float_bits(x[i]);
+            if ((bits & 0x7fffffffu) > 0x7f800000u) { y[i] = x[i]; continue; }
+            y[i] = q8_bits_float((bits + 0x7fffu + ((bits >> 16) & 1)) & 0xffff0000u);
+        }
+        return 0;
+    }
     if (kind == 2) {
         if (K % 32) return -1;
         float *y = out;
@@ -812,11 +822,11 @@ static void rows_q6_k(const uint8_t *const *r, const uint8_t *act, int64_t nb, f
     rows_k(NULL, 1, dot_q6_k, 210, 4, r, act, nb, out);
 }
 
-/* R rows r[0..R) of F16 weights against f16-rounded float activations (q8_quantize kind 2), block by block in
- * turn (R = 4: four streams, as own_rows4_q8), in 32 float lanes per row: lane l adds the products of values l,
- * l + 32, l + 64, ... (exact: two f16 values multiply exactly in float), then the lanes are added in order. `nb`
- * blocks of 32 values; the same bits for any R. */
-static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, const uint8_t *const *r,
+/* R rows r[0..R) of F16 (bf16: BF16) weights against f16 (bf16) rounded float activations (q8_quantize kind 2,
+ * kind 4), block by block in turn (R = 4: four streams, as own_rows4_q8), in 32 float lanes per row: lane l adds
+ * the products of values l, l + 32, l + 64, ... (exact: two f16 or two bf16 values multiply exactly in float),
+ * then the lanes are added in order. `nb` blocks of 32 values; the same bits for any R. */
+static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, const int bf16, const uint8_t *const *r,
                                                                    const uint8_t *act, int64_t nb, float *out) {
     const float *x = (const float *)act;
     float lanes[4][32] = {{0}};
@@ -828,10 +838,11 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
         for (int i = 0; i < R; i++) {
             const uint8_t *row = r[i] + 64 * b;
             prefetch_ahead(row, 64);
-            acc0[i] = _mm512_add_ps(acc0[i], _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)row)),
-                                                           _mm512_loadu_ps(x + 32 * b)));
-            acc1[i] = _mm512_add_ps(acc1[i], _mm512_mul_ps(
-                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 32))), _mm512_loadu_ps(x + 32 * b + 16)));
+            __m256i lo = _mm256_loadu_si256((const __m256i *)row), hi = _mm256_loadu_si256((const __m256i *)(row + 32));
+            __m512 w0 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 16)) : _mm512_cvtph_ps(lo);
+            __m512 w1 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)) : _mm512_cvtph_ps(hi);
+            acc0[i] = _mm512_add_ps(acc0[i], _mm512_mul_ps(w0, _mm512_loadu_ps(x + 32 * b)));
+            acc1[i] = _mm512_add_ps(acc1[i], _mm512_mul_ps(w1, _mm512_loadu_ps(x + 32 * b + 16)));
         }
     for (int i = 0; i < R; i++) {
         _mm512_storeu_ps(lanes[i], acc0[i]);
@@ -846,7 +857,8 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
             const uint8_t *row = r[i] + 64 * b;
             prefetch_ahead(row, 64);
             for (int j = 0; j < 4; j++) {
-                __m256 wj = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 16 * j)));
+                __m128i h = _mm_loadu_si128((const __m128i *)(row + 16 * j));
+                __m256 wj = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
                 acc[i][j] = _mm256_add_ps(acc[i][j], _mm256_mul_ps(wj, _mm256_loadu_ps(x + 32 * b + 8 * j)));
             }
         }
@@ -854,7 +866,11 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
 #else
     for (int64_t b = 0; b < nb; b++)
         for (int i = 0; i < R; i++)
-            for (int l = 0; l < 32; l++) lanes[i][l] += f16_to_f32(r[i] + 64 * b + 2 * l) * x[32 * b + l];
+            for (int l = 0; l < 32; l++) {
+                const uint8_t *p = r[i] + 64 * b + 2 * l;
+                float w = bf16 ? q8_bits_float(((uint32_t)p[0] | ((uint32_t)p[1] << 8)) << 16) : f16_to_f32(p);
+                lanes[i][l] += w * x[32 * b + l];
+            }
 #endif
     for (int i = 0; i < R; i++) {
         float sum = 0.0f;
@@ -865,11 +881,19 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
 
 static float row_f16(const uint8_t *row, const uint8_t *act, int64_t nb) {
     float out;
-    rows_f16_in_turn(1, &row, act, nb, &out);
+    rows_f16_in_turn(1, 0, &row, act, nb, &out);
     return out;
 }
 static void rows_f16(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
-    rows_f16_in_turn(4, r, act, nb, out);
+    rows_f16_in_turn(4, 0, r, act, nb, out);
+}
+static float row_bf16(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    float out;
+    rows_f16_in_turn(1, 1, &row, act, nb, &out);
+    return out;
+}
+static void rows_bf16(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    rows_f16_in_turn(4, 1, r, act, nb, out);
 }
 
 static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -1068,6 +1092,270 @@ static void rows_iq4_xs(const uint8_t *const *r, const uint8_t *act, int64_t nb,
     rows_k(NULL, 1, dot_iq4_xs, 136, 4, r, act, nb, out);
 }
 
+/* The IQ codebook and ternary types against Q8_K blocks (llama.cpp's ggml_vec_dot_<type>_q8_K): per 32 values an
+ * unsigned magnitude byte (a grid value, a ternary digit, or 1) times a sign byte (+1 / -1 / 0) times the
+ * activation, the first 16 values' integer dot times one scale and the last 16's times another, all exact in
+ * int32; one float step per block. The grids are ops/quants/<type>.py's, handed over by qdot8_set_grid. */
+static uint64_t iq2xs_grid8[512], iq2s_grid8[1024], iq1s_grid8[2048];  /* 8 values a point, as bytes */
+static uint32_t iq3xxs_grid4[256], iq3s_grid4[512];                     /* 4 values a point, as bytes */
+static uint64_t byte_signs[256];         /* the 8 signs (+1 / -1 bytes) of each sign byte: bit j set, j negative */
+#define ONES8 0x0101010101010101ull
+
+/* Copy the grid of GGUF type `type` (17 IQ2_XS, 22 IQ2_S, 18 IQ3_XXS, 21 IQ3_S, 19 IQ1_S: its points' values as
+ * bytes, `bytes` of them); -1 for another type or size. */
+int qdot8_set_grid(int type, const uint8_t *grid, int64_t bytes) {
+    void *table = type == 17 ? (void *)iq2xs_grid8 : type == 22 ? (void *)iq2s_grid8 : type == 18 ? (void *)iq3xxs_grid4
+                  : type == 21 ? (void *)iq3s_grid4 : type == 19 ? (void *)iq1s_grid8 : NULL;
+    int64_t size = type == 17 ? (int64_t)sizeof iq2xs_grid8 : type == 22 ? (int64_t)sizeof iq2s_grid8
+                   : type == 18 ? (int64_t)sizeof iq3xxs_grid4 : type == 21 ? (int64_t)sizeof iq3s_grid4
+                   : (int64_t)sizeof iq1s_grid8;
+    if (table == NULL || bytes != size) return -1;
+    memcpy(table, grid, (size_t)size);
+    for (int i = 0; i < 256; i++) {
+        uint64_t s = 0;
+        for (int j = 0; j < 8; j++) s |= (uint64_t)(((i >> j) & 1) ? 0xff : 0x01) << (8 * j);
+        byte_signs[i] = s;
+    }
+    return 0;
+}
+
+static inline uint64_t grid4_pair(const uint32_t *grid, int lo, int hi) {   /* two 4-value points: 8 bytes */
+    return grid[lo] | ((uint64_t)grid[hi] << 32);
+}
+
+/* acc + lo * (dot of values 0..15) + hi * (dot of values 16..31): value j = byte j of g times byte j of s (as
+ * int8; sign_epi8's: -1, 0 or +1) times q[j]. */
+#if defined(__AVX2__)
+typedef __m256i isum32;
+static inline __m256i dot32(__m256i acc, const uint64_t *g, const uint64_t *s, int lo, int hi, const int8_t *q) {
+    __m256i u = _mm256_set_epi64x((long long)g[3], (long long)g[2], (long long)g[1], (long long)g[0]);
+    __m256i sg = _mm256_set_epi64x((long long)s[3], (long long)s[2], (long long)s[1], (long long)s[0]);
+    __m256i prod = _mm256_maddubs_epi16(u, _mm256_sign_epi8(load256(q), sg));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(prod, scale_pair(lo, hi)));
+}
+#define ISUM_ZERO _mm256_setzero_si256()
+#define ISUM_TOTAL(a) hsum_i32(a)
+#else
+typedef int isum32;
+static inline int dot32(int acc, const uint64_t *g, const uint64_t *s, int lo, int hi, const int8_t *q) {
+    int sum[2] = {0, 0};
+    for (int j = 0; j < 32; j++) {
+        int u = (int)((g[j / 8] >> (8 * (j % 8))) & 255), sign = (int8_t)((s[j / 8] >> (8 * (j % 8))) & 255);
+        sum[j / 16] += u * (sign > 0 ? q[j] : sign < 0 ? -q[j] : 0);
+    }
+    return acc + lo * sum[0] + hi * sum[1];
+}
+#define ISUM_ZERO 0
+#define ISUM_TOTAL(a) (a)
+#endif
+
+/* IQ3_XXS (98 bytes: d, 64 grid indices, 8 u32 of signs and scale) against a Q8_K block: (d_w d_x) bsum, bsum =
+ * sum over the 32s of (2 ls + 1) times their dot (0.25 per row at the end). */
+static inline float dot_iq3_xxs(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *q3 = b + 2;
+    isum32 acc = ISUM_ZERO;
+    for (int ib = 0; ib < 8; ib++, q3 += 8) {
+        uint32_t aux;
+        memcpy(&aux, b + 66 + 4 * ib, 4);
+        uint64_t g[4], s[4];
+        for (int l = 0; l < 4; l++) {
+            g[l] = grid4_pair(iq3xxs_grid4, q3[2 * l], q3[2 * l + 1]);
+            s[l] = iq2_sign_bytes[(aux >> (7 * l)) & 127];
+        }
+        int ls = (int)(2 * (aux >> 28) + 1);
+        acc = dot32(acc, g, s, ls, ls, y->qs + 32 * ib);
+    }
+    return (f16_to_f32(b) * y->d) * (float)ISUM_TOTAL(acc);
+}
+
+/* IQ3_S (110 bytes: d, qs[64], qh[8], signs[32], scales[4]) against a Q8_K block: (d_w d_x) bsum, the 32s'
+ * scales 2 ls + 1. */
+static inline float dot_iq3_s(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
+    isum32 acc = ISUM_ZERO;
+    for (int ib = 0; ib < 8; ib++) {
+        uint64_t g[4], s[4];
+        for (int l = 0; l < 4; l++) {
+            int e = 8 * ib + 2 * l;
+            g[l] = grid4_pair(iq3s_grid4, qs[e] | (((qh[ib] >> (2 * l)) & 1) << 8),
+                              qs[e + 1] | (((qh[ib] >> (2 * l + 1)) & 1) << 8));
+            s[l] = byte_signs[signs[4 * ib + l]];
+        }
+        int ls = 2 * ((scales[ib / 2] >> (4 * (ib % 2))) & 15) + 1;
+        acc = dot32(acc, g, s, ls, ls, y->qs + 32 * ib);
+    }
+    return (f16_to_f32(b) * y->d) * (float)ISUM_TOTAL(acc);
+}
+
+/* IQ2_XS (74 bytes: d, u16 qs[32] = grid index | sign index << 9, scales[8]) against a Q8_K block: (d_w d_x)
+ * bsum, a scale 2 ls + 1 per 16 values (0.125 per row at the end). */
+static inline float dot_iq2_xs(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *scales = b + 66;
+    isum32 acc = ISUM_ZERO;
+    for (int ib = 0; ib < 8; ib++) {
+        uint64_t g[4], s[4];
+        for (int l = 0; l < 4; l++) {
+            int v = b[2 + 8 * ib + 2 * l] | (b[3 + 8 * ib + 2 * l] << 8);
+            g[l] = iq2xs_grid8[v & 511];
+            s[l] = iq2_sign_bytes[v >> 9];
+        }
+        acc = dot32(acc, g, s, 2 * (scales[ib] & 15) + 1, 2 * (scales[ib] >> 4) + 1, y->qs + 32 * ib);
+    }
+    return (f16_to_f32(b) * y->d) * (float)ISUM_TOTAL(acc);
+}
+
+/* IQ2_S (82 bytes: d, qs[32], signs[32], qh[8], scales[8]) against a Q8_K block: as IQ2_XS, 10-bit grid indices
+ * and a sign byte per 8 values. */
+static inline float dot_iq2_s(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66, *scales = b + 74;
+    isum32 acc = ISUM_ZERO;
+    for (int ib = 0; ib < 8; ib++) {
+        uint64_t g[4], s[4];
+        for (int l = 0; l < 4; l++) {
+            g[l] = iq2s_grid8[qs[4 * ib + l] | (((qh[ib] >> (2 * l)) & 3) << 8)];
+            s[l] = byte_signs[signs[4 * ib + l]];
+        }
+        acc = dot32(acc, g, s, 2 * (scales[ib] & 15) + 1, 2 * (scales[ib] >> 4) + 1, y->qs + 32 * ib);
+    }
+    return (f16_to_f32(b) * y->d) * (float)ISUM_TOTAL(acc);
+}
+
+/* IQ1_S (50 bytes: d, qs[32], u16 qh[8]) against a Q8_K block: (d_w d_x) (sumi + 0.125 sumd), sumi = sum over
+ * the 32s of ls times their dot with the grid (-1, 0, 1), sumd = sum of ls delta times their activation sum. */
+static inline float dot_iq1_s(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint64_t ones[4] = {ONES8, ONES8, ONES8, ONES8};
+    isum32 acc = ISUM_ZERO;
+    int sumd = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        int h = b[34 + 2 * ib] | (b[35 + 2 * ib] << 8), ls = 2 * ((h >> 12) & 7) + 1;
+        uint64_t s[4];
+        for (int l = 0; l < 4; l++) s[l] = iq1s_grid8[b[2 + 4 * ib + l] | (((h >> (3 * l)) & 7) << 8)];
+        acc = dot32(acc, ones, s, ls, ls, y->qs + 32 * ib);
+        sumd += ls * (h & 0x8000 ? -1 : 1) * (y->bsums[2 * ib] + y->bsums[2 * ib + 1]);
+    }
+    return (f16_to_f32(b) * y->d) * ((float)ISUM_TOTAL(acc) + 0.125f * (float)sumd);
+}
+
+/* IQ1_M (56 bytes: qs[32], qh[16], u16 sc[4], d in the top nibbles of sc) against a Q8_K block: as IQ1_S with a
+ * scale per 16 values and a delta per 8. */
+static inline float dot_iq1_m(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    const uint64_t ones[4] = {ONES8, ONES8, ONES8, ONES8};
+    uint16_t sc[4];
+    memcpy(sc, b + 48, 8);
+    uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+    isum32 acc = ISUM_ZERO, accd = ISUM_ZERO;
+    for (int ib = 0; ib < 8; ib++) {
+        uint64_t s[4], delta[4];
+        for (int l = 0; l < 4; l++) {
+            int nib = (b[32 + 2 * ib + l / 2] >> (4 * (l % 2))) & 15;
+            s[l] = iq1s_grid8[b[4 * ib + l] | ((nib & 7) << 8)];
+            delta[l] = nib & 8 ? ~0ull : ONES8;
+        }
+        int lo = 2 * ((sc[ib / 2] >> (6 * (ib % 2))) & 7) + 1, hi = 2 * ((sc[ib / 2] >> (6 * (ib % 2) + 3)) & 7) + 1;
+        acc = dot32(acc, ones, s, lo, hi, y->qs + 32 * ib);
+        accd = dot32(accd, ones, delta, lo, hi, y->qs + 32 * ib);
+    }
+    return (f16_to_f32((const uint8_t *)&dbits) * y->d) * ((float)ISUM_TOTAL(acc) + 0.125f * (float)ISUM_TOTAL(accd));
+}
+
+static inline int bsums_total(const q8k_block *y) {
+    int s = 0;
+    for (int j = 0; j < 16; j++) s += y->bsums[j];
+    return s;
+}
+
+/* TQ2_0 (66 bytes: 2-bit codes q, d) against a Q8_K block: (d_w d_x) isum, isum = sum (q - 1) x = sum q x - sum x. */
+static inline float dot_tq2_0(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    int isum = 0;
+#if defined(__AVX2__)
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = 0; c < 2; c++) {
+        __m256i v = load256(b + 32 * c);
+        for (int s = 0; s < 4; s++) {
+            __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), _mm256_set1_epi8(3));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, load256(y->qs + 128 * c + 32 * s)),
+                                                          _mm256_set1_epi16(1)));
+        }
+    }
+    isum = hsum_i32(acc);
+#else
+    for (int j = 0; j < 256; j++) isum += ((b[32 * (j / 128) + j % 32] >> (2 * ((j / 32) % 4))) & 3) * y->qs[j];
+#endif
+    return (f16_to_f32(b + 64) * y->d) * (float)(isum - bsums_total(y));
+}
+
+#if defined(__AVX2__)
+static inline __m256i base3_digit(__m256i v, __m256i mult) {  /* per byte: ((v mult mod 256) 3) >> 8, 0..2 */
+    const __m256i low = _mm256_set1_epi16(0x00ff), high = _mm256_set1_epi16((short)0xff00), three = _mm256_set1_epi16(3);
+    __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_mullo_epi16(v, mult), low), _mm256_slli_epi16(
+        _mm256_mullo_epi16(_mm256_srli_epi16(v, 8), _mm256_srli_epi16(mult, 8)), 8));
+    return _mm256_or_si256(_mm256_srli_epi16(_mm256_mullo_epi16(_mm256_and_si256(q, low), three), 8),
+                           _mm256_and_si256(_mm256_mullo_epi16(_mm256_srli_epi16(q, 8), three), high));
+}
+#endif
+
+/* TQ1_0 (54 bytes: qs[48], qh[4] of base-3 digits q, d) against a Q8_K block: (d_w d_x) (sum q x - sum x).
+ * Values 32p + l are digit p of qs[l], 160 + 16p + l digit p of qs[32 + l], 240 + 4p + l digit p of qh[l]. */
+static inline float dot_tq1_0(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    int isum = 0;
+#if defined(__AVX2__)
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc = _mm256_setzero_si256(), qs = load256(b);
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    for (int p = 0; p < 5; p++)
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(
+            base3_digit(qs, _mm256_set1_epi8((char)pow3[p])), load256(y->qs + 32 * p)), ones));
+    __m128i rest = _mm_loadu_si128((const __m128i *)(b + 32));
+    __m256i pairs = _mm256_set_m128i(rest, rest);
+    for (int p = 0; p < 2; p++)         /* digits 2p (values 160 + 32p..) and 2p + 1 (the next 16) */
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(base3_digit(pairs, _mm256_set_m128i(
+            _mm_set1_epi8((char)pow3[2 * p + 1]), _mm_set1_epi8((char)pow3[2 * p]))), load256(y->qs + 160 + 32 * p)), ones));
+    uint32_t qh;
+    memcpy(&qh, b + 48, 4);
+    __m256i last = _mm256_set_m128i(_mm_set1_epi32((int)qh), rest);     /* digit 4 of qs[32..47], then qh's digits */
+    __m256i mult = _mm256_set_m128i(_mm_set_epi32(0x1b1b1b1b, 0x09090909, 0x03030303, 0x01010101), _mm_set1_epi8(81));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(base3_digit(last, mult), load256(y->qs + 224)),
+                                                  ones));
+    isum = hsum_i32(acc);
+#else
+    static const int pow3[5] = {1, 3, 9, 27, 81};
+    for (int j = 0; j < 256; j++) {
+        int byte = j < 160 ? b[j % 32] : j < 240 ? b[32 + (j - 160) % 16] : b[48 + (j - 240) % 4];
+        int p = j < 160 ? j / 32 : j < 240 ? (j - 160) / 16 : (j - 240) / 4;
+        isum += ((((byte * pow3[p]) & 255) * 3) >> 8) * y->qs[j];
+    }
+#endif
+    return (f16_to_f32(b + 52) * y->d) * (float)(isum - bsums_total(y));
+}
+
+/* The rows of the types above (one row; four rows in turn), `factor` applied to each row's sum at the end. */
+#define CODEBOOK_ROWS(type, bb, factor)                                                                          \
+    static float row_##type(const uint8_t *row, const uint8_t *act, int64_t nb) {                                 \
+        float acc;                                                                                               \
+        rows_k(NULL, 1, dot_##type, bb, 1, &row, act, nb, &acc);                                                 \
+        return factor * acc;                                                                                     \
+    }                                                                                                            \
+    static void rows_##type(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {              \
+        rows_k(NULL, 1, dot_##type, bb, 4, r, act, nb, out);                                                     \
+        for (int i = 0; i < 4; i++) out[i] *= factor;                                                            \
+    }
+CODEBOOK_ROWS(iq3_xxs, 98, 0.25f)
+CODEBOOK_ROWS(iq3_s, 110, 1.0f)
+CODEBOOK_ROWS(iq2_xs, 74, 0.125f)
+CODEBOOK_ROWS(iq2_s, 82, 0.125f)
+CODEBOOK_ROWS(iq1_s, 50, 1.0f)
+CODEBOOK_ROWS(iq1_m, 56, 1.0f)
+CODEBOOK_ROWS(tq2_0, 66, 1.0f)
+CODEBOOK_ROWS(tq1_0, 54, 1.0f)
+
 /* Output rows [n0, n1) of y [M, N]: each (row, output) through `row_dot` (bs values in bb bytes per weight
  * block, ab bytes per activation block). */
 static inline __attribute__((always_inline)) void rows_q8(
@@ -1123,6 +1411,12 @@ static const row_type *other_type(int type) {
         {20, row_iq4_nl, rows_iq4_nl, 32, 18, sizeof(q8_0_block)},
         {39, row_mxfp4, rows_mxfp4, 32, 17, sizeof(q8_0_block)},
         {3, row_q4_1, rows_q4_1, 32, 20, sizeof(q8_1_block)}, {7, row_q5_1, rows_q5_1, 32, 24, sizeof(q8_1_block)},
+        {18, row_iq3_xxs, rows_iq3_xxs, 256, 98, sizeof(q8k_block)},
+        {21, row_iq3_s, rows_iq3_s, 256, 110, sizeof(q8k_block)},
+        {17, row_iq2_xs, rows_iq2_xs, 256, 74, sizeof(q8k_block)}, {22, row_iq2_s, rows_iq2_s, 256, 82, sizeof(q8k_block)},
+        {19, row_iq1_s, rows_iq1_s, 256, 50, sizeof(q8k_block)}, {29, row_iq1_m, rows_iq1_m, 256, 56, sizeof(q8k_block)},
+        {35, row_tq2_0, rows_tq2_0, 256, 66, sizeof(q8k_block)}, {34, row_tq1_0, rows_tq1_0, 256, 54, sizeof(q8k_block)},
+        {30, row_bf16, rows_bf16, 32, 64, 32 * sizeof(float)},
     };
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
         if (types[i].type == type) return &types[i];
