@@ -1149,10 +1149,123 @@ static inline int dot32(int acc, const uint64_t *g, const uint64_t *s, int lo, i
 #define ISUM_TOTAL(a) (a)
 #endif
 
+#if defined(IQ2_VECTOR)
+/* The AVX-512 (VBMI, BITALG, VNNI) integer sums of the codebook types, 64 values per step: the 64 magnitude bytes
+ * `u` (a grid row gather), the activations negated where `neg` is set, the products of pairs (maddubs: words) times
+ * the step's scales (dpwssd; words 8p..8p+7 scale values 16p..16p+15) into the 16 lanes of acc (exact). */
+static inline __m512i dot64(__m512i acc, __m512i u, uint64_t negative, const int8_t *q, __m512i scales) {
+    __m512i q8 = _mm512_loadu_si512(q);
+    __mmask64 neg;      /* as asm: a load (as iq2_xxs_sums) */
+    __asm__("kmovq %1, %0" : "=k"(neg) : "m"(negative));
+    return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u, _mm512_mask_sub_epi8(q8, neg, _mm512_setzero_si512(), q8)),
+                               scales);
+}
+
+/* Step i's scale words from 16 words `ls` (one per 16 values of the block). */
+static inline __m512i step_scales(__m256i ls, int i) {
+    const __m512i pieces = _mm512_set_epi64(0x0003000300030003, 0x0003000300030003, 0x0002000200020002,
+                                            0x0002000200020002, 0x0001000100010001, 0x0001000100010001, 0, 0);
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(pieces, _mm512_set1_epi16((short)(4 * i))),
+                                    _mm512_castsi256_si512(ls));
+}
+
+/* 16 words 2 n + 1 of 8 bytes of scale nibble pairs `v` (word 2j: the low nibble of byte j, 2j + 1: the high). */
+static inline __m256i nibble_scales(__m128i v) {
+    __m128i n = _mm_unpacklo_epi8(_mm_and_si128(v, _mm_set1_epi8(15)), _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)));
+    __m256i w = _mm256_cvtepu8_epi16(n);
+    return _mm256_add_epi16(_mm256_add_epi16(w, w), _mm256_set1_epi16(1));
+}
+
+/* 32 sign bytes (byte c: the 8 signs of values 8c..8c+7) of 32 7-bit ksigns indices (bytes), parity restored. */
+static inline __m256i ksign_bytes(__m256i index) {
+    return _mm512_castsi512_si256(_mm512_permutex2var_epi8(_mm512_loadu_si512(iq2_ksigns_bytes),
+                                                           _mm512_castsi256_si512(index),
+                                                           _mm512_loadu_si512(iq2_ksigns_bytes + 64)));
+}
+
+static inline __m512i iq3_xxs_sums(const uint8_t *b, const q8k_block *y) {
+    __m256i aux = load256(b + 66);
+    __m256i ls = _mm256_castsi128_si256(_mm256_cvtepi32_epi16(_mm256_srli_epi32(aux, 28)));
+    ls = _mm256_add_epi16(_mm256_add_epi16(ls, ls), _mm256_set1_epi16(1));   /* words 0-7: the 32s' scales */
+    ls = _mm256_permutexvar_epi16(_mm256_set_epi16(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), ls);
+    /* byte 4 ib + l: bits 7l.. of aux[ib] (multishift: 8 bits from each offset of the 64-bit lane) */
+    __m256i index = _mm256_and_si256(_mm256_multishift_epi64_epi8(
+        _mm256_set1_epi64x(0x352e2720150e0700), aux), _mm256_set1_epi8(127));
+    uint64_t negative[4];
+    _mm256_storeu_si256((__m256i *)negative, ksign_bytes(index));
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i grid = _mm512_i32gather_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * i))),
+                                              (const void *)iq3xxs_grid4, 4);
+        acc = dot64(acc, grid, negative[i], y->qs + 64 * i, step_scales(ls, i));
+    }
+    return acc;
+}
+
+static inline __m512i iq3_s_sums(const uint8_t *b, const q8k_block *y) {
+    uint64_t negative[4];
+    uint32_t scales;            /* the 4 bytes of the 8 32s' scales (the block's last: no wider load) */
+    memcpy(&scales, b + 106, 4);
+    memcpy(negative, b + 74, 32);
+    __m256i ls = _mm256_permutexvar_epi16(_mm256_set_epi16(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                          nibble_scales(_mm_cvtsi32_si128((int)scales)));   /* doubled up */
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * i)));
+        uint16_t high;
+        memcpy(&high, b + 66 + 2 * i, 2);
+        index = _mm512_mask_or_epi32(index, (__mmask16)high, index, _mm512_set1_epi32(256));
+        __m512i grid = _mm512_i32gather_epi32(index, (const void *)iq3s_grid4, 4);
+        acc = dot64(acc, grid, negative[i], y->qs + 64 * i, step_scales(ls, i));
+    }
+    return acc;
+}
+
+static inline __m512i iq2_xs_sums(const uint8_t *b, const q8k_block *y) {
+    __m512i qs = _mm512_loadu_si512(b + 2);
+    uint64_t negative[4];
+    _mm256_storeu_si256((__m256i *)negative, ksign_bytes(_mm512_cvtepi16_epi8(_mm512_srli_epi16(qs, 9))));
+    __m256i ls = nibble_scales(_mm_loadl_epi64((const __m128i *)(b + 66)));
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m256i index = _mm256_and_si256(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * i))),
+                                         _mm256_set1_epi32(511));
+        __m512i grid = _mm512_i32gather_epi64(index, (const void *)iq2xs_grid8, 8);
+        acc = dot64(acc, grid, negative[i], y->qs + 64 * i, step_scales(ls, i));
+    }
+    return acc;
+}
+
+static inline __m512i iq2_s_sums(const uint8_t *b, const q8k_block *y) {
+    uint64_t negative[4];
+    memcpy(negative, b + 34, 32);
+    __m256i ls = nibble_scales(_mm_loadl_epi64((const __m128i *)(b + 74)));
+    const __m256i shifts = _mm256_set_epi32(14, 12, 10, 8, 6, 4, 2, 0);
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        uint16_t high;
+        memcpy(&high, b + 66 + 2 * i, 2);
+        __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i))),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), shifts), _mm256_set1_epi32(3)), 8));
+        __m512i grid = _mm512_i32gather_epi64(index, (const void *)iq2s_grid8, 8);
+        acc = dot64(acc, grid, negative[i], y->qs + 64 * i, step_scales(ls, i));
+    }
+    return acc;
+}
+#endif
+
 /* IQ3_XXS (98 bytes: d, 64 grid indices, 8 u32 of signs and scale) against a Q8_K block: (d_w d_x) bsum, bsum =
  * sum over the 32s of (2 ls + 1) times their dot (0.25 per row at the end). */
 static inline float dot_iq3_xxs(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
+    int bsum;
+#if defined(IQ2_VECTOR)
+    bsum = _mm512_reduce_add_epi32(iq3_xxs_sums(b, y));
+#else
     const uint8_t *q3 = b + 2;
     isum32 acc = ISUM_ZERO;
     for (int ib = 0; ib < 8; ib++, q3 += 8) {
@@ -1166,13 +1279,19 @@ static inline float dot_iq3_xxs(const uint8_t *b, const void *act) {
         int ls = (int)(2 * (aux >> 28) + 1);
         acc = dot32(acc, g, s, ls, ls, y->qs + 32 * ib);
     }
-    return (f16_to_f32(b) * y->d) * (float)ISUM_TOTAL(acc);
+    bsum = ISUM_TOTAL(acc);
+#endif
+    return (f16_to_f32(b) * y->d) * (float)bsum;
 }
 
 /* IQ3_S (110 bytes: d, qs[64], qh[8], signs[32], scales[4]) against a Q8_K block: (d_w d_x) bsum, the 32s'
  * scales 2 ls + 1. */
 static inline float dot_iq3_s(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
+    int bsum;
+#if defined(IQ2_VECTOR)
+    bsum = _mm512_reduce_add_epi32(iq3_s_sums(b, y));
+#else
     const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
     isum32 acc = ISUM_ZERO;
     for (int ib = 0; ib < 8; ib++) {
@@ -1186,13 +1305,19 @@ static inline float dot_iq3_s(const uint8_t *b, const void *act) {
         int ls = 2 * ((scales[ib / 2] >> (4 * (ib % 2))) & 15) + 1;
         acc = dot32(acc, g, s, ls, ls, y->qs + 32 * ib);
     }
-    return (f16_to_f32(b) * y->d) * (float)ISUM_TOTAL(acc);
+    bsum = ISUM_TOTAL(acc);
+#endif
+    return (f16_to_f32(b) * y->d) * (float)bsum;
 }
 
 /* IQ2_XS (74 bytes: d, u16 qs[32] = grid index | sign index << 9, scales[8]) against a Q8_K block: (d_w d_x)
  * bsum, a scale 2 ls + 1 per 16 values (0.125 per row at the end). */
 static inline float dot_iq2_xs(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
+    int bsum;
+#if defined(IQ2_VECTOR)
+    bsum = _mm512_reduce_add_epi32(iq2_xs_sums(b, y));
+#else
     const uint8_t *scales = b + 66;
     isum32 acc = ISUM_ZERO;
     for (int ib = 0; ib < 8; ib++) {
@@ -1204,13 +1329,19 @@ static inline float dot_iq2_xs(const uint8_t *b, const void *act) {
         }
         acc = dot32(acc, g, s, 2 * (scales[ib] & 15) + 1, 2 * (scales[ib] >> 4) + 1, y->qs + 32 * ib);
     }
-    return (f16_to_f32(b) * y->d) * (float)ISUM_TOTAL(acc);
+    bsum = ISUM_TOTAL(acc);
+#endif
+    return (f16_to_f32(b) * y->d) * (float)bsum;
 }
 
 /* IQ2_S (82 bytes: d, qs[32], signs[32], qh[8], scales[8]) against a Q8_K block: as IQ2_XS, 10-bit grid indices
  * and a sign byte per 8 values. */
 static inline float dot_iq2_s(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
+    int bsum;
+#if defined(IQ2_VECTOR)
+    bsum = _mm512_reduce_add_epi32(iq2_s_sums(b, y));
+#else
     const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66, *scales = b + 74;
     isum32 acc = ISUM_ZERO;
     for (int ib = 0; ib < 8; ib++) {
@@ -1221,7 +1352,9 @@ static inline float dot_iq2_s(const uint8_t *b, const void *act) {
         }
         acc = dot32(acc, g, s, 2 * (scales[ib] & 15) + 1, 2 * (scales[ib] >> 4) + 1, y->qs + 32 * ib);
     }
-    return (f16_to_f32(b) * y->d) * (float)ISUM_TOTAL(acc);
+    bsum = ISUM_TOTAL(acc);
+#endif
+    return (f16_to_f32(b) * y->d) * (float)bsum;
 }
 
 /* IQ1_S (50 bytes: d, qs[32], u16 qh[8]) against a Q8_K block: (d_w d_x) (sumi + 0.125 sumd), sumi = sum over
