@@ -36,8 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ops.quants import QTensor
-from ops.quants import iq1_s, iq2_s, iq2_xs, iq3_s, iq3_xxs
+from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq3_s, iq3_xxs
 from ops.quants._blocks import bit_planes, f16_field, round_half_away, u16_fields, u32_fields
 from ops.quants.iq2_xxs import GRID, KSIGNS
 from ops.quants.iq4_nl import KVALUES

@@ -1469,25 +1469,52 @@ static inline float dot_tq1_0(const uint8_t *b, const void *act) {
     return (f16_to_f32(b + 52) * y->d) * (float)(isum - bsums_total(y));
 }
 
+#if defined(IQ2_VECTOR)
+/* Blocks w[0..4) of bb bytes (d first) against y[0..4) added to acc: their integer sums (`sums`) reduced together,
+ * their float terms lane by lane (the dot functions' operations), then added in block order: the same bits. */
+#define STEP4_SUMS(type, bb)                                                                                     \
+    static inline float step4_##type(float acc, const uint8_t *w, const q8k_block *y) {                         \
+        float t[4];                                                                                              \
+        uint16_t h[4];                                                                                           \
+        for (int i = 0; i < 4; i++) {                                                                            \
+            prefetch_ahead(w + bb * i, bb);                                                                      \
+            memcpy(&h[i], w + bb * i, 2);                                                                        \
+        }                                                                                                        \
+        __m128i sums = sum4_epi32(type##_sums(w, y), type##_sums(w + bb, y + 1), type##_sums(w + 2 * bb, y + 2), \
+                                  type##_sums(w + 3 * bb, y + 3));                                               \
+        __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));                                            \
+        __m128 yd = _mm_set_ps(y[3].d, y[2].d, y[1].d, y[0].d);                                                  \
+        _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(d, yd), _mm_cvtepi32_ps(sums)));                                  \
+        return (((acc + t[0]) + t[1]) + t[2]) + t[3];                                                            \
+    }
+STEP4_SUMS(iq3_xxs, 98)
+STEP4_SUMS(iq3_s, 110)
+STEP4_SUMS(iq2_xs, 74)
+STEP4_SUMS(iq2_s, 82)
+#define STEP4_CODEBOOK(type) step4_##type
+#else
+#define STEP4_CODEBOOK(type) NULL
+#endif
+
 /* The rows of the types above (one row; four rows in turn), `factor` applied to each row's sum at the end. */
-#define CODEBOOK_ROWS(type, bb, factor)                                                                          \
+#define CODEBOOK_ROWS(type, bb, factor, step)                                                                    \
     static float row_##type(const uint8_t *row, const uint8_t *act, int64_t nb) {                                 \
         float acc;                                                                                               \
-        rows_k(NULL, 1, dot_##type, bb, 1, &row, act, nb, &acc);                                                 \
+        rows_k(step, 4, dot_##type, bb, 1, &row, act, nb, &acc);                                                 \
         return factor * acc;                                                                                     \
     }                                                                                                            \
     static void rows_##type(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {              \
-        rows_k(NULL, 1, dot_##type, bb, 4, r, act, nb, out);                                                     \
+        rows_k(step, 4, dot_##type, bb, 4, r, act, nb, out);                                                     \
         for (int i = 0; i < 4; i++) out[i] *= factor;                                                            \
     }
-CODEBOOK_ROWS(iq3_xxs, 98, 0.25f)
-CODEBOOK_ROWS(iq3_s, 110, 1.0f)
-CODEBOOK_ROWS(iq2_xs, 74, 0.125f)
-CODEBOOK_ROWS(iq2_s, 82, 0.125f)
-CODEBOOK_ROWS(iq1_s, 50, 1.0f)
-CODEBOOK_ROWS(iq1_m, 56, 1.0f)
-CODEBOOK_ROWS(tq2_0, 66, 1.0f)
-CODEBOOK_ROWS(tq1_0, 54, 1.0f)
+CODEBOOK_ROWS(iq3_xxs, 98, 0.25f, STEP4_CODEBOOK(iq3_xxs))
+CODEBOOK_ROWS(iq3_s, 110, 1.0f, STEP4_CODEBOOK(iq3_s))
+CODEBOOK_ROWS(iq2_xs, 74, 0.125f, STEP4_CODEBOOK(iq2_xs))
+CODEBOOK_ROWS(iq2_s, 82, 0.125f, STEP4_CODEBOOK(iq2_s))
+CODEBOOK_ROWS(iq1_s, 50, 1.0f, NULL)
+CODEBOOK_ROWS(iq1_m, 56, 1.0f, NULL)
+CODEBOOK_ROWS(tq2_0, 66, 1.0f, NULL)
+CODEBOOK_ROWS(tq1_0, 54, 1.0f, NULL)
 
 /* Output rows [n0, n1) of y [M, N]: each (row, output) through `row_dot` (bs values in bb bytes per weight
  * block, ab bytes per activation block). */
