@@ -1099,6 +1099,7 @@ static void rows_iq4_xs(const uint8_t *const *r, const uint8_t *act, int64_t nb,
 static uint64_t iq2xs_grid8[512], iq2s_grid8[1024], iq1s_grid8[2048];  /* 8 values a point, as bytes */
 static uint32_t iq3xxs_grid4[256], iq3s_grid4[512];                     /* 4 values a point, as bytes */
 static uint64_t byte_signs[256];         /* the 8 signs (+1 / -1 bytes) of each sign byte: bit j set, j negative */
+static uint64_t iq1s_plus1[2048];        /* IQ1_S's grid plus one (0, 1, 2: unsigned bytes for maddubs) */
 #define ONES8 0x0101010101010101ull
 
 /* Copy the grid of GGUF type `type` (17 IQ2_XS, 22 IQ2_S, 18 IQ3_XXS, 21 IQ3_S, 19 IQ1_S: its points' values as
@@ -1111,6 +1112,10 @@ int qdot8_set_grid(int type, const uint8_t *grid, int64_t bytes) {
                    : (int64_t)sizeof iq1s_grid8;
     if (table == NULL || bytes != size) return -1;
     memcpy(table, grid, (size_t)size);
+    if (type == 19)
+        for (int i = 0; i < 2048; i++)
+            for (int j = 0; j < 8; j++)
+                iq1s_plus1[i] = (iq1s_plus1[i] & ~(0xffull << (8 * j))) | (uint64_t)(uint8_t)(grid[8 * i + j] + 1) << (8 * j);
     for (int i = 0; i < 256; i++) {
         uint64_t s = 0;
         for (int j = 0; j < 8; j++) s |= (uint64_t)(((i >> j) & 1) ? 0xff : 0x01) << (8 * j);
@@ -1362,8 +1367,32 @@ static inline float dot_iq2_s(const uint8_t *b, const void *act) {
 static inline float dot_iq1_s(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
     const uint64_t ones[4] = {ONES8, ONES8, ONES8, ONES8};
+    int sumd = 0, sumi;
+#if defined(IQ2_VECTOR)
+    /* 64 values a step: the grid plus one gathered (unsigned), each 32's ls times its activation sum taken off */
+    (void)ones;
+    int h[8], ls[8], taken = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        h[ib] = b[34 + 2 * ib] | (b[35 + 2 * ib] << 8);
+        ls[ib] = 2 * ((h[ib] >> 12) & 7) + 1;
+        int sum = y->bsums[2 * ib] + y->bsums[2 * ib + 1];
+        taken += ls[ib] * sum;
+        sumd += ls[ib] * (h[ib] & 0x8000 ? -1 : 1) * sum;
+    }
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m256i high = _mm256_srlv_epi32(_mm256_set_epi32(h[2 * i + 1], h[2 * i + 1], h[2 * i + 1], h[2 * i + 1], h[2 * i],
+                                                          h[2 * i], h[2 * i], h[2 * i]), _mm256_set_epi32(9, 6, 3, 0, 9, 6, 3, 0));
+        __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i))),
+                                        _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(7)), 8));
+        __m512i grid = _mm512_i32gather_epi64(index, (const void *)iq1s_plus1, 8);
+        __m512i scales = _mm512_inserti64x4(_mm512_set1_epi16((short)ls[2 * i]), _mm256_set1_epi16((short)ls[2 * i + 1]), 1);
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(grid, _mm512_loadu_si512(y->qs + 64 * i)), scales);
+    }
+    sumi = _mm512_reduce_add_epi32(acc) - taken;
+#else
     isum32 acc = ISUM_ZERO;
-    int sumd = 0;
     for (int ib = 0; ib < 8; ib++) {
         int h = b[34 + 2 * ib] | (b[35 + 2 * ib] << 8), ls = 2 * ((h >> 12) & 7) + 1;
         uint64_t s[4];
@@ -1371,7 +1400,9 @@ static inline float dot_iq1_s(const uint8_t *b, const void *act) {
         acc = dot32(acc, ones, s, ls, ls, y->qs + 32 * ib);
         sumd += ls * (h & 0x8000 ? -1 : 1) * (y->bsums[2 * ib] + y->bsums[2 * ib + 1]);
     }
-    return (f16_to_f32(b) * y->d) * ((float)ISUM_TOTAL(acc) + 0.125f * (float)sumd);
+    sumi = ISUM_TOTAL(acc);
+#endif
+    return (f16_to_f32(b) * y->d) * ((float)sumi + 0.125f * (float)sumd);
 }
 
 /* IQ1_M (56 bytes: qs[32], qh[16], u16 sc[4], d in the top nibbles of sc) against a Q8_K block: as IQ1_S with a
@@ -1382,6 +1413,35 @@ static inline float dot_iq1_m(const uint8_t *b, const void *act) {
     uint16_t sc[4];
     memcpy(sc, b + 48, 8);
     uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+    int sumi, sumd;
+#if defined(IQ2_VECTOR) && defined(__BMI2__)
+    /* 64 values a step: the grid plus one gathered (unsigned), each 16's ls times its activation sum taken off;
+     * the deltas' sum from the activations negated per 8 (maddubs with ones) times the same scales */
+    (void)ones;
+    __m256i ls = _mm256_permutexvar_epi16(_mm256_set_epi16(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                          _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(b + 48))));
+    ls = _mm256_and_si256(_mm256_srlv_epi16(ls, _mm256_set_epi16(9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0)),
+                          _mm256_set1_epi16(7));
+    ls = _mm256_add_epi16(_mm256_add_epi16(ls, ls), _mm256_set1_epi16(1));       /* word j: the 16s' scale j */
+    int taken = hsum_i32(_mm256_madd_epi16(ls, load256(y->bsums)));
+    const __m256i shifts = _mm256_set_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+    __m512i acc = _mm512_setzero_si512(), accd = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        uint32_t qh;                    /* the 8 nibbles of this step's chunks */
+        memcpy(&qh, b + 32 + 4 * i, 4);
+        __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * i))),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)qh), shifts), _mm256_set1_epi32(7)), 8));
+        __m512i grid = _mm512_i32gather_epi64(index, (const void *)iq1s_plus1, 8);
+        __m512i scales = step_scales(ls, i), q8 = _mm512_loadu_si512(y->qs + 64 * i);
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(grid, q8), scales);
+        __mmask64 neg = _cvtu64_mask64(_pdep_u64(_pext_u32(qh, 0x88888888u), 0x0101010101010101ull) * 0xff);
+        accd = _mm512_dpwssd_epi32(accd, _mm512_maddubs_epi16(_mm512_set1_epi8(1),
+                                   _mm512_mask_sub_epi8(q8, neg, _mm512_setzero_si512(), q8)), scales);
+    }
+    sumi = _mm512_reduce_add_epi32(acc) - taken;
+    sumd = _mm512_reduce_add_epi32(accd);
+#else
     isum32 acc = ISUM_ZERO, accd = ISUM_ZERO;
     for (int ib = 0; ib < 8; ib++) {
         uint64_t s[4], delta[4];
@@ -1394,7 +1454,10 @@ static inline float dot_iq1_m(const uint8_t *b, const void *act) {
         acc = dot32(acc, ones, s, lo, hi, y->qs + 32 * ib);
         accd = dot32(accd, ones, delta, lo, hi, y->qs + 32 * ib);
     }
-    return (f16_to_f32((const uint8_t *)&dbits) * y->d) * ((float)ISUM_TOTAL(acc) + 0.125f * (float)ISUM_TOTAL(accd));
+    sumi = ISUM_TOTAL(acc);
+    sumd = ISUM_TOTAL(accd);
+#endif
+    return (f16_to_f32((const uint8_t *)&dbits) * y->d) * ((float)sumi + 0.125f * (float)sumd);
 }
 
 static inline int bsums_total(const q8k_block *y) {
