@@ -1487,6 +1487,16 @@ static inline float dot_tq2_0(const uint8_t *b, const void *act) {
     return (f16_to_f32(b + 64) * y->d) * (float)(isum - bsums_total(y));
 }
 
+#if defined(IQ2_VECTOR)
+static inline __m512i base3_digit512(__m512i v, __m512i mult) {  /* per byte: ((v mult mod 256) 3) >> 8, 0..2 */
+    const __m512i low = _mm512_set1_epi16(0x00ff), high = _mm512_set1_epi16((short)0xff00), three = _mm512_set1_epi16(3);
+    __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_mullo_epi16(v, mult), low), _mm512_slli_epi16(
+        _mm512_mullo_epi16(_mm512_srli_epi16(v, 8), _mm512_srli_epi16(mult, 8)), 8));
+    return _mm512_or_si512(_mm512_srli_epi16(_mm512_mullo_epi16(_mm512_and_si512(q, low), three), 8),
+                           _mm512_and_si512(_mm512_mullo_epi16(_mm512_srli_epi16(q, 8), three), high));
+}
+#endif
+
 #if defined(__AVX2__)
 static inline __m256i base3_digit(__m256i v, __m256i mult) {  /* per byte: ((v mult mod 256) 3) >> 8, 0..2 */
     const __m256i low = _mm256_set1_epi16(0x00ff), high = _mm256_set1_epi16((short)0xff00), three = _mm256_set1_epi16(3);
@@ -1502,7 +1512,27 @@ static inline __m256i base3_digit(__m256i v, __m256i mult) {  /* per byte: ((v m
 static inline float dot_tq1_0(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
     int isum = 0;
-#if defined(__AVX2__)
+#if defined(IQ2_VECTOR)
+    /* 64 values a step: [digits 0, 1 of qs[0..31]], [2, 3], [4; 0, 1 of qs[32..47]], [2, 3, 4 of those; qh's] */
+    __m256i qs = load256(b);
+    __m128i rest = _mm_loadu_si128((const __m128i *)(b + 32));
+    uint32_t qh;
+    memcpy(&qh, b + 48, 4);
+    const int p1 = 0x01010101, p3 = 0x03030303, p9 = 0x09090909, p27 = 0x1b1b1b1b, p81 = 0x51515151;
+    __m512i both = _mm512_broadcast_i64x4(qs), three = _mm512_broadcast_i32x4(rest);
+    __m512i v[4] = {both, both, _mm512_inserti64x4(both, _mm256_broadcastsi128_si256(rest), 1),
+                    _mm512_inserti32x4(three, _mm_set1_epi32((int)qh), 3)};
+    const __m512i mult[4] = {
+        _mm512_set_epi32(p3, p3, p3, p3, p3, p3, p3, p3, p1, p1, p1, p1, p1, p1, p1, p1),
+        _mm512_set_epi32(p27, p27, p27, p27, p27, p27, p27, p27, p9, p9, p9, p9, p9, p9, p9, p9),
+        _mm512_set_epi32(p3, p3, p3, p3, p1, p1, p1, p1, p81, p81, p81, p81, p81, p81, p81, p81),
+        _mm512_set_epi32(p27, p9, p3, p1, p81, p81, p81, p81, p27, p27, p27, p27, p9, p9, p9, p9)};
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        acc = _mm512_dpbusd_epi32(acc, base3_digit512(v[i], mult[i]), _mm512_loadu_si512(y->qs + 64 * i));
+    isum = _mm512_reduce_add_epi32(acc);
+#elif defined(__AVX2__)
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc = _mm256_setzero_si256(), qs = load256(b);
     static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
