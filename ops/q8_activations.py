@@ -3,7 +3,8 @@
 As llama.cpp's CPU kernels do, each row of activations is rounded to 8 bits per block and every block of a
 weight row is multiplied with it in integers; floats only combine whole blocks:
 
-- **Q8_K** (activations of the 256-value types IQ2_XXS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS): per 256 values,
+- **Q8_K** (activations of the 256-value types: the K-quants, IQ4_XS, the IQ codebook types IQ2_XXS, IQ2_XS, IQ2_S,
+  IQ3_XXS, IQ3_S, IQ1_S, IQ1_M and the ternary TQ1_0, TQ2_0): per 256 values,
   `max` = the first value of the largest magnitude, `iscale = -127 / max`, `q = min(127, round(iscale * x))`
   (halves to even), `d = 1 / iscale`, and the sums of q over each 16 values (`bsums`); an all-zero block
   has d = 0 and q = 0.
@@ -12,7 +13,7 @@ weight row is multiplied with it in integers; floats only combine whole blocks:
 - **Q8_1** (activations of Q4_1 and Q5_1 weights): Q8_0's, plus `s = f16(d * sum of q)` (d before its f16
   rounding).
 - **F16** (activations of F16 weights, llama.cpp's `vec_dot_type` for F16): each value rounded to the nearest
-  f16 (halves to even); the products of two f16 values are exact in float32.
+  f16 (halves to even); the products of two f16 values are exact in float32. **BF16** the same with bf16.
 
 Per weight block the dot is an exact integer sum; the float combination, in block order along the row: IQ2_XXS
 `acc += (d_w d_x) bsum` (bsum = sum over groups of (2 ls + 1) times the group's integer dot), and 0.125 acc at the
@@ -25,10 +26,16 @@ adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values 4l..4l+3 of each 32, b
 order) the types whose 32 values are integer codes times one scale: Q4_0 (q - 8), Q5_0 (q - 16), IQ4_NL (its table),
 MXFP4 (twice the E2M1 value; the scale 2^(e - 128)); Q4_1 and Q5_1 (unsigned codes, a min `m`) as those, then
 `+ summs` at the end (summs adds `m_w s_x` block after block); F16 in 32 lanes (lane l adds the products of values
-l, l + 32, l + 64, ... in order; then the lanes in order). These are the formulas of llama.cpp's
+l, l + 32, l + 64, ... in order; then the lanes in order), BF16 the same. The codebook and ternary types as
+llama.cpp's generic kernels: `acc += (d_w d_x) bsum` block after block, bsum = sum over groups of (2 ls + 1) times
+the group's integer dot with the signed grid values (IQ2_XS, IQ2_S per 16 values, IQ3_XXS, IQ3_S per 32), then
+0.125 acc (IQ2_XS, IQ2_S) or 0.25 acc (IQ3_XXS) at the end; TQ1_0, TQ2_0 `acc += (d_w d_x) isum` (codes q - 1);
+IQ1_S, IQ1_M `acc += (d_w d_x) (sumi + 0.125 sumd)` (sumi: (2 ls + 1) times the integer dot with the grid's -1, 0,
+1; sumd: (2 ls + 1) times each delta's sign times the activations' sum; the float sum rounded once). These are the
+formulas of llama.cpp's
 `ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_<type>_q8_0` / `_q8_1` / `ggml_vec_dot_f16` (per-block integers equal;
-IQ2_XXS, Q2_K and Q8_0 add the block terms in the generic version's float order; llama.cpp's SIMD variants use other
-float orders). The C kernel matches this reference bit for bit.
+IQ2_XXS, Q2_K, Q8_0 and the codebook and ternary types add the block terms in the generic version's float order;
+llama.cpp's SIMD variants use other float orders). The C kernel matches this reference bit for bit.
 """
 from __future__ import annotations
 

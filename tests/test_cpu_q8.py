@@ -486,10 +486,11 @@ def test_f16_rounding():
 
 @pytest.mark.parametrize("qtype", ref.TYPES)
 def test_reference_dot_is_llama_cpps(qtype):
-    """Each output of the reference equals llama.cpp's generic dot product of the same blocks (IQ2_XXS, Q2_K:
-    the same float steps, bit for bit; Q3_K..Q6_K: llama.cpp adds its float terms in 8 lanes, so its per-block
-    integer sums give the reference's float result; Q8_0: whole blocks, bit for bit; Q4_0..MXFP4: ours adds 8 lanes,
-    the generic one a scalar; F16: ours 32 float lanes, the generic one a double: within rounding)."""
+    """Each output of the reference equals llama.cpp's generic dot product of the same blocks (IQ2_XXS, Q2_K, the
+    IQ codebook and ternary types: the same float steps, bit for bit; Q3_K..Q6_K: llama.cpp adds its float terms in
+    8 lanes, so its per-block integer sums give the reference's float result; Q8_0: whole blocks, bit for bit;
+    Q4_0..MXFP4: ours adds 8 lanes, the generic one a scalar; F16, BF16: ours 32 float lanes, the generic one a
+    double: within rounding)."""
     w, x = weight(qtype, 4, 512), activations(2, 512)
     out = ref.qdot8(x, w)
     for m in range(2):

@@ -2,9 +2,9 @@
  * to 8 bits per block, as llama.cpp's CPU kernels do (the numerics and their PyTorch reference:
  * ops/q8_activations.py). `q8_quantize` rounds the activations once per call (Q8_K: 256 values, a float
  * scale, the sums of each 16 quants; Q8_0: 32 values, an f16 scale; Q8_1: Q8_0 and an f16 scaled sum; for F16
- * weights each value to the nearest f16); `qdot8` multiplies every weight block
- * with its activation block in integers (maddubs/madd on AVX2; IQ2_XXS a block per vector on AVX-512 with
- * VBMI/BITALG/VNNI; a plain C loop elsewhere: the same exact integers everywhere) and adds the blocks' float
+ * and BF16 weights each value to the nearest f16 / bf16); `qdot8` multiplies every weight block
+ * with its activation block in integers (maddubs/madd on AVX2; the IQ codebook types and TQ1_0 64 values a step on
+ * AVX-512 with VBMI/BITALG/VNNI; a plain C loop elsewhere: the same exact integers everywhere) and adds the blocks' float
  * terms in block order (Q8_0 in whole blocks, as qgemm8.c; Q4_0, Q5_0, IQ4_NL, MXFP4, Q4_1, Q5_1 in 8 lanes, then
  * the lanes in order). Each output's arithmetic depends only on its row and its weight row, so the result is the
  * same for any M and any split of the output rows across threads (batch-invariant). Built with qgemv.c by backends/cpu/kernels.py.
@@ -80,8 +80,8 @@ static inline float q8_0_round(const float *x, int8_t *qs) {
 }
 
 /* Rows of x [M, K] rounded to Q8_K (kind 0, K % 256 == 0) or Q8_0 (kind 1, K % 32 == 0) blocks into `out`
- * (M * K/256 q8k_block or M * K/32 q8_0_block), Q8_1 (kind 3: M * K/32 q8_1_block) or (kind 2, K % 32 == 0)
- * each value to the nearest f16, as M * K floats. Returns -1 for a kind or K it cannot serve. */
+ * (M * K/256 q8k_block or M * K/32 q8_0_block), Q8_1 (kind 3: M * K/32 q8_1_block) or (kind 2, kind 4; K % 32 == 0)
+ * each value to the nearest f16 (bf16), as M * K floats. Returns -1 for a kind or K it cannot serve. */
 int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
     if (kind == 0) {
         if (K % 256) return -1;
@@ -1677,8 +1677,9 @@ static const row_type *other_type(int type) {
 }
 
 /* y [M, N] rows [n0, n1) = x @ W.T for a weight of GGUF type `type` (16 IQ2_XXS after qdot8_set_iq2_xxs,
- * 10 Q2_K, 12 Q4_K, 11 Q3_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS: `xq` from q8_quantize kind 0; 8 Q8_0, 2 Q4_0, 6 Q5_0,
- * 20 IQ4_NL, 39 MXFP4: kind 1; 3 Q4_1, 7 Q5_1: kind 3; 1 F16: kind 2),
+ * 10 Q2_K, 12 Q4_K, 11 Q3_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS, 35 TQ2_0, 34 TQ1_0 and after qdot8_set_grid 18 IQ3_XXS,
+ * 21 IQ3_S, 17 IQ2_XS, 22 IQ2_S, 19 IQ1_S, 29 IQ1_M: `xq` from q8_quantize kind 0; 8 Q8_0, 2 Q4_0, 6 Q5_0,
+ * 20 IQ4_NL, 39 MXFP4: kind 1; 3 Q4_1, 7 Q5_1: kind 3; 1 F16: kind 2; 30 BF16: kind 4),
  * M <= 16; experts as in qgemv.c (row m
  * uses the weight at w + experts[m] * expert_bytes; experts[m] < 0 gives 0). Returns -1 for a call it cannot
  * serve. */
