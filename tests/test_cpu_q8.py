@@ -786,6 +786,19 @@ def test_against_ggml_itself(qtype, ggml_harness):
     assert np.allclose(y, ref.qdot8(x, w).numpy(), rtol=1e-5, atol=1e-6 * np.abs(y).max())
 
 
+def test_qmatmul_takes_q8_for_the_codebook_ternary_and_bf16_types():
+    """The cpu backend's qmatmul under q8 gives the reference's q8 bits for the types added in session 14 (M = 1
+    and 3, through the weight's bound call), not the exact kernel's."""
+    from backends.cpu.qmatmul import qmatmul
+    x = activations(3, 512)
+    for qtype in ("IQ3_XXS", "IQ2_S", "IQ1_M", "TQ1_0", "BF16"):
+        w = weight(qtype, 8, 512)
+        for M in (1, 3):
+            q8 = qmatmul(x[:M], w, "q8")
+            assert torch.equal(q8, ref.qdot8(x[:M], w)), (qtype, M)
+            assert not torch.equal(q8, qmatmul(x[:M], w)), (qtype, M)
+
+
 @pytest.mark.parametrize("qtype", ["Q2_K", "IQ2_XXS"])
 def test_prefill_routed_experts_take_q8(qtype):
     """A prefill (M > 16) under q8: each expert's few rows go through qdot8, so every row equals that row's
