@@ -1188,7 +1188,18 @@ static inline __m256i ksign_bytes(__m256i index) {
                                                            _mm512_loadu_si512(iq2_ksigns_bytes + 64)));
 }
 
-static inline __m512i iq3_xxs_sums(const uint8_t *b, const q8k_block *y) {
+/* One codebook block unpacked: per 64 values the magnitudes (a grid gather), the sign mask and the scale words. */
+typedef struct { __m512i grid[4], scales[4]; uint64_t negative[4]; } codebook_block;
+
+/* The integer sums of an unpacked block against one row's activation block (16 lanes adding to bsum). */
+static inline __m512i codebook_sums(const codebook_block *u, const q8k_block *y) {
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) acc = dot64(acc, u->grid[i], u->negative[i], y->qs + 64 * i, u->scales[i]);
+    return acc;
+}
+
+static inline void iq3_xxs_unpack(const uint8_t *b, codebook_block *u) {
     __m256i aux = load256(b + 66);
     __m256i ls = _mm256_castsi128_si256(_mm256_cvtepi32_epi16(_mm256_srli_epi32(aux, 28)));
     ls = _mm256_add_epi16(_mm256_add_epi16(ls, ls), _mm256_set1_epi16(1));   /* words 0-7: the 32s' scales */
@@ -1196,71 +1207,70 @@ static inline __m512i iq3_xxs_sums(const uint8_t *b, const q8k_block *y) {
     /* byte 4 ib + l: bits 7l.. of aux[ib] (multishift: 8 bits from each offset of the 64-bit lane) */
     __m256i index = _mm256_and_si256(_mm256_multishift_epi64_epi8(
         _mm256_set1_epi64x(0x352e2720150e0700), aux), _mm256_set1_epi8(127));
-    uint64_t negative[4];
-    _mm256_storeu_si256((__m256i *)negative, ksign_bytes(index));
-    __m512i acc = _mm512_setzero_si512();
+    _mm256_storeu_si256((__m256i *)u->negative, ksign_bytes(index));
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
-        __m512i grid = _mm512_i32gather_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * i))),
-                                              (const void *)iq3xxs_grid4, 4);
-        acc = dot64(acc, grid, negative[i], y->qs + 64 * i, step_scales(ls, i));
+        u->grid[i] = _mm512_i32gather_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * i))),
+                                            (const void *)iq3xxs_grid4, 4);
+        u->scales[i] = step_scales(ls, i);
     }
-    return acc;
 }
 
-static inline __m512i iq3_s_sums(const uint8_t *b, const q8k_block *y) {
-    uint64_t negative[4];
+static inline void iq3_s_unpack(const uint8_t *b, codebook_block *u) {
     uint32_t scales;            /* the 4 bytes of the 8 32s' scales (the block's last: no wider load) */
     memcpy(&scales, b + 106, 4);
-    memcpy(negative, b + 74, 32);
+    memcpy(u->negative, b + 74, 32);
     __m256i ls = _mm256_permutexvar_epi16(_mm256_set_epi16(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
                                           nibble_scales(_mm_cvtsi32_si128((int)scales)));   /* doubled up */
-    __m512i acc = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
         __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * i)));
         uint16_t high;
         memcpy(&high, b + 66 + 2 * i, 2);
         index = _mm512_mask_or_epi32(index, (__mmask16)high, index, _mm512_set1_epi32(256));
-        __m512i grid = _mm512_i32gather_epi32(index, (const void *)iq3s_grid4, 4);
-        acc = dot64(acc, grid, negative[i], y->qs + 64 * i, step_scales(ls, i));
+        u->grid[i] = _mm512_i32gather_epi32(index, (const void *)iq3s_grid4, 4);
+        u->scales[i] = step_scales(ls, i);
     }
-    return acc;
 }
 
-static inline __m512i iq2_xs_sums(const uint8_t *b, const q8k_block *y) {
+static inline void iq2_xs_unpack(const uint8_t *b, codebook_block *u) {
     __m512i qs = _mm512_loadu_si512(b + 2);
-    uint64_t negative[4];
-    _mm256_storeu_si256((__m256i *)negative, ksign_bytes(_mm512_cvtepi16_epi8(_mm512_srli_epi16(qs, 9))));
+    _mm256_storeu_si256((__m256i *)u->negative, ksign_bytes(_mm512_cvtepi16_epi8(_mm512_srli_epi16(qs, 9))));
     __m256i ls = nibble_scales(_mm_loadl_epi64((const __m128i *)(b + 66)));
-    __m512i acc = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
         __m256i index = _mm256_and_si256(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * i))),
                                          _mm256_set1_epi32(511));
-        __m512i grid = _mm512_i32gather_epi64(index, (const void *)iq2xs_grid8, 8);
-        acc = dot64(acc, grid, negative[i], y->qs + 64 * i, step_scales(ls, i));
+        u->grid[i] = _mm512_i32gather_epi64(index, (const void *)iq2xs_grid8, 8);
+        u->scales[i] = step_scales(ls, i);
     }
-    return acc;
 }
 
-static inline __m512i iq2_s_sums(const uint8_t *b, const q8k_block *y) {
-    uint64_t negative[4];
-    memcpy(negative, b + 34, 32);
+static inline void iq2_s_unpack(const uint8_t *b, codebook_block *u) {
+    memcpy(u->negative, b + 34, 32);
     __m256i ls = nibble_scales(_mm_loadl_epi64((const __m128i *)(b + 74)));
     const __m256i shifts = _mm256_set_epi32(14, 12, 10, 8, 6, 4, 2, 0);
-    __m512i acc = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
         uint16_t high;
         memcpy(&high, b + 66 + 2 * i, 2);
         __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i))),
             _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), shifts), _mm256_set1_epi32(3)), 8));
-        __m512i grid = _mm512_i32gather_epi64(index, (const void *)iq2s_grid8, 8);
-        acc = dot64(acc, grid, negative[i], y->qs + 64 * i, step_scales(ls, i));
+        u->grid[i] = _mm512_i32gather_epi64(index, (const void *)iq2s_grid8, 8);
+        u->scales[i] = step_scales(ls, i);
     }
-    return acc;
 }
+
+#define CODEBOOK_SUMS(type)                                                                                      \
+    static inline __m512i type##_sums(const uint8_t *b, const q8k_block *y) {                                   \
+        codebook_block u;                                                                                        \
+        type##_unpack(b, &u);                                                                                    \
+        return codebook_sums(&u, y);                                                                             \
+    }
+CODEBOOK_SUMS(iq3_xxs)
+CODEBOOK_SUMS(iq3_s)
+CODEBOOK_SUMS(iq2_xs)
+CODEBOOK_SUMS(iq2_s)
 #endif
 
 /* IQ3_XXS (98 bytes: d, 64 grid indices, 8 u32 of signs and scale) against a Q8_K block: (d_w d_x) bsum, bsum =
@@ -2188,6 +2198,33 @@ static void rows4_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *
 
 #endif
 
+#if defined(IQ2_VECTOR)
+/* Rows [n0, n1) of a plain IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S weight (bb bytes a block, d first) against M <= 16 rows
+ * of Q8_K blocks: each block unpacked once (grid gathers, sign masks, scales) and dotted with every row's block;
+ * row m adds its terms (d_w d_x) bsum in block order, then `factor`: the 1-row call's operations, so its bits. */
+static inline __attribute__((always_inline)) void rows_codebook(void (*unpack)(const uint8_t *, codebook_block *),
+        const int bb, const float factor, const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M,
+        float *y, int64_t n0, int64_t n1) {
+    int64_t nb = K / 256;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * nb * bb;
+        float acc[Q8_MAX_ROWS] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * bb;
+            prefetch_ahead(blk, bb);
+            codebook_block u;
+            unpack(blk, &u);
+            float d = f16_to_f32(blk);
+            for (int64_t m = 0; m < M; m++) {
+                const q8k_block *xm = x + m * nb + b;
+                acc[m] += (d * xm->d) * (float)_mm512_reduce_add_epi32(codebook_sums(&u, xm));
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = factor * acc[m];
+    }
+}
+#endif
+
 /* qdot8 (same arguments and results, bit for bit) with the rows of a plain weight (experts == NULL, M >= 2)
  * sharing each block's unpacking where the target has AVX2; every other call is qdot8's. */
 int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
@@ -2214,6 +2251,12 @@ int qdot8_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *
 #else
         case 10: if (K % 256) return -1; rows8_q2_k(w, N, K, xq, M, y, n0, n1); return 0;
         case 12: if (K % 256) return -1; rows8_q4_k(w, N, K, xq, M, y, n0, n1); return 0;
+#endif
+#if defined(IQ2_VECTOR)
+        case 18: if (K % 256) return -1; rows_codebook(iq3_xxs_unpack, 98, 0.25f, w, N, K, xq, M, y, n0, n1); return 0;
+        case 21: if (K % 256) return -1; rows_codebook(iq3_s_unpack, 110, 1.0f, w, N, K, xq, M, y, n0, n1); return 0;
+        case 17: if (K % 256) return -1; rows_codebook(iq2_xs_unpack, 74, 0.125f, w, N, K, xq, M, y, n0, n1); return 0;
+        case 22: if (K % 256) return -1; rows_codebook(iq2_s_unpack, 82, 0.125f, w, N, K, xq, M, y, n0, n1); return 0;
 #endif
 #if defined(WIDE_ROWS) && defined(__F16C__)
         case 8: if (K % 32) return -1; return wide_q8_0(w, N, K, xq, M, y, n0, n1);
