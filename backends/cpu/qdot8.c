@@ -1158,7 +1158,7 @@ static inline int dot32(int acc, const uint64_t *g, const uint64_t *s, int lo, i
 /* The AVX-512 (VBMI, BITALG, VNNI) integer sums of the codebook types, 64 values per step: the 64 magnitude bytes
  * `u` (a grid row gather), the activations negated where `neg` is set, the products of pairs (maddubs: words) times
  * the step's scales (dpwssd; words 8p..8p+7 scale values 16p..16p+15) into the 16 lanes of acc (exact). */
-static inline __m512i dot64(__m512i acc, __m512i u, uint64_t negative, const int8_t *q, __m512i scales) {
+static inline __attribute__((always_inline)) __m512i dot64(__m512i acc, __m512i u, uint64_t negative, const int8_t *q, __m512i scales) {
     __m512i q8 = _mm512_loadu_si512(q);
     __mmask64 neg;      /* as asm: a load (as iq2_xxs_sums) */
     __asm__("kmovq %1, %0" : "=k"(neg) : "m"(negative));
@@ -1192,14 +1192,14 @@ static inline __m256i ksign_bytes(__m256i index) {
 typedef struct { __m512i grid[4], scales[4]; uint64_t negative[4]; } codebook_block;
 
 /* The integer sums of an unpacked block against one row's activation block (16 lanes adding to bsum). */
-static inline __m512i codebook_sums(const codebook_block *u, const q8k_block *y) {
+static inline __attribute__((always_inline)) __m512i codebook_sums(const codebook_block *u, const q8k_block *y) {
     __m512i acc = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) acc = dot64(acc, u->grid[i], u->negative[i], y->qs + 64 * i, u->scales[i]);
     return acc;
 }
 
-static inline void iq3_xxs_unpack(const uint8_t *b, codebook_block *u) {
+static inline __attribute__((always_inline)) void iq3_xxs_unpack(const uint8_t *b, codebook_block *u) {
     __m256i aux = load256(b + 66);
     __m256i ls = _mm256_castsi128_si256(_mm256_cvtepi32_epi16(_mm256_srli_epi32(aux, 28)));
     ls = _mm256_add_epi16(_mm256_add_epi16(ls, ls), _mm256_set1_epi16(1));   /* words 0-7: the 32s' scales */
@@ -1216,7 +1216,7 @@ static inline void iq3_xxs_unpack(const uint8_t *b, codebook_block *u) {
     }
 }
 
-static inline void iq3_s_unpack(const uint8_t *b, codebook_block *u) {
+static inline __attribute__((always_inline)) void iq3_s_unpack(const uint8_t *b, codebook_block *u) {
     uint32_t scales;            /* the 4 bytes of the 8 32s' scales (the block's last: no wider load) */
     memcpy(&scales, b + 106, 4);
     memcpy(u->negative, b + 74, 32);
@@ -1233,7 +1233,7 @@ static inline void iq3_s_unpack(const uint8_t *b, codebook_block *u) {
     }
 }
 
-static inline void iq2_xs_unpack(const uint8_t *b, codebook_block *u) {
+static inline __attribute__((always_inline)) void iq2_xs_unpack(const uint8_t *b, codebook_block *u) {
     __m512i qs = _mm512_loadu_si512(b + 2);
     _mm256_storeu_si256((__m256i *)u->negative, ksign_bytes(_mm512_cvtepi16_epi8(_mm512_srli_epi16(qs, 9))));
     __m256i ls = nibble_scales(_mm_loadl_epi64((const __m128i *)(b + 66)));
@@ -1246,7 +1246,7 @@ static inline void iq2_xs_unpack(const uint8_t *b, codebook_block *u) {
     }
 }
 
-static inline void iq2_s_unpack(const uint8_t *b, codebook_block *u) {
+static inline __attribute__((always_inline)) void iq2_s_unpack(const uint8_t *b, codebook_block *u) {
     memcpy(u->negative, b + 34, 32);
     __m256i ls = nibble_scales(_mm_loadl_epi64((const __m128i *)(b + 74)));
     const __m256i shifts = _mm256_set_epi32(14, 12, 10, 8, 6, 4, 2, 0);
@@ -1262,7 +1262,7 @@ static inline void iq2_s_unpack(const uint8_t *b, codebook_block *u) {
 }
 
 #define CODEBOOK_SUMS(type)                                                                                      \
-    static inline __m512i type##_sums(const uint8_t *b, const q8k_block *y) {                                   \
+    static inline __attribute__((always_inline)) __m512i type##_sums(const uint8_t *b, const q8k_block *y) {     \
         codebook_block u;                                                                                        \
         type##_unpack(b, &u);                                                                                    \
         return codebook_sums(&u, y);                                                                             \
