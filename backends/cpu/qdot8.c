@@ -1372,37 +1372,92 @@ static inline float dot_iq2_s(const uint8_t *b, const void *act) {
     return (f16_to_f32(b) * y->d) * (float)bsum;
 }
 
+#if defined(IQ2_VECTOR) && defined(__BMI2__)
+#define IQ1_VECTOR 1
+/* IQ1_S / IQ1_M unpacked, 64 values a step: the grid plus one (0, 1, 2: unsigned bytes for maddubs, gathered), the
+ * scale words, IQ1_M's delta sign masks (bit j: value j's 8 have a negative delta); the scale of each 16 values
+ * (`ls16`) and, IQ1_S, that times its delta's sign (`lsd16`). The grid's -1 is taken off as each 16's scale times its
+ * activation sum (bsums). */
+typedef struct { __m512i grid[4], scales[4]; uint64_t negative[4]; __m256i ls16, lsd16; } iq1_block;
+
+static inline __attribute__((always_inline)) __m512i iq1_gather(const uint8_t *qs, __m256i high) {  /* 8 points */
+    __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)),
+                                    _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(7)), 8));
+    return _mm512_i32gather_epi64(index, (const void *)iq1s_plus1, 8);
+}
+
+static inline __attribute__((always_inline)) void iq1_s_unpack(const uint8_t *b, iq1_block *u) {
+    __m128i h = _mm_loadu_si128((const __m128i *)(b + 34));           /* the 8 qh words */
+    __m128i ls = _mm_and_si128(_mm_srli_epi16(h, 12), _mm_set1_epi16(7));
+    ls = _mm_add_epi16(_mm_add_epi16(ls, ls), _mm_set1_epi16(1));
+    __m128i lsd = _mm_mask_sub_epi16(ls, _mm_movepi16_mask(h), _mm_setzero_si128(), ls);   /* bit 15: delta < 0 */
+    const __m256i twice = _mm256_set_epi16(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    u->ls16 = _mm256_permutexvar_epi16(twice, _mm256_castsi128_si256(ls));
+    u->lsd16 = _mm256_permutexvar_epi16(twice, _mm256_castsi128_si256(lsd));
+    const __m256i shifts = _mm256_set_epi32(9, 6, 3, 0, 9, 6, 3, 0);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {      /* points 8i..8i+7: qh words 2i (4 points) and 2i + 1 */
+        __m256i qh = _mm256_permutevar8x32_epi32(_mm256_cvtepu16_epi32(h), _mm256_set_epi32(
+            2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i, 2 * i, 2 * i, 2 * i));
+        u->grid[i] = iq1_gather(b + 2 + 8 * i, _mm256_srlv_epi32(qh, shifts));
+        u->scales[i] = step_scales(u->ls16, i);
+    }
+}
+
+static inline __attribute__((always_inline)) float iq1_s_term(const iq1_block *u, const q8k_block *y, float d) {
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u->grid[i], _mm512_loadu_si512(y->qs + 64 * i)), u->scales[i]);
+    __m256i bsums = load256(y->bsums);
+    int sumi = _mm512_reduce_add_epi32(acc) - hsum_i32(_mm256_madd_epi16(u->ls16, bsums));
+    int sumd = hsum_i32(_mm256_madd_epi16(u->lsd16, bsums));
+    return (d * y->d) * ((float)sumi + 0.125f * (float)sumd);
+}
+
+static inline __attribute__((always_inline)) void iq1_m_unpack(const uint8_t *b, iq1_block *u) {
+    __m256i ls = _mm256_permutexvar_epi16(_mm256_set_epi16(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                          _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(b + 48))));
+    ls = _mm256_and_si256(_mm256_srlv_epi16(ls, _mm256_set_epi16(9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0)),
+                          _mm256_set1_epi16(7));
+    u->ls16 = _mm256_add_epi16(_mm256_add_epi16(ls, ls), _mm256_set1_epi16(1));      /* word j: the 16s' scale j */
+    u->lsd16 = _mm256_setzero_si256();
+    const __m256i shifts = _mm256_set_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        uint32_t qh;                    /* the 8 nibbles of this step's chunks */
+        memcpy(&qh, b + 32 + 4 * i, 4);
+        u->grid[i] = iq1_gather(b + 8 * i, _mm256_srlv_epi32(_mm256_set1_epi32((int)qh), shifts));
+        u->scales[i] = step_scales(u->ls16, i);
+        u->negative[i] = _pdep_u64(_pext_u32(qh, 0x88888888u), 0x0101010101010101ull) * 0xff;
+    }
+}
+
+static inline __attribute__((always_inline)) float iq1_m_term(const iq1_block *u, const q8k_block *y, float d) {
+    __m512i acc = _mm512_setzero_si512(), accd = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i q8 = _mm512_loadu_si512(y->qs + 64 * i);
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u->grid[i], q8), u->scales[i]);
+        accd = dot64(accd, _mm512_set1_epi8(1), u->negative[i], y->qs + 64 * i, u->scales[i]);
+    }
+    int sumi = _mm512_reduce_add_epi32(acc) - hsum_i32(_mm256_madd_epi16(u->ls16, load256(y->bsums)));
+    return (d * y->d) * ((float)sumi + 0.125f * (float)_mm512_reduce_add_epi32(accd));
+}
+#endif
+
 /* IQ1_S (50 bytes: d, qs[32], u16 qh[8]) against a Q8_K block: (d_w d_x) (sumi + 0.125 sumd), sumi = sum over
  * the 32s of ls times their dot with the grid (-1, 0, 1), sumd = sum of ls delta times their activation sum. */
 static inline float dot_iq1_s(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
-    const uint64_t ones[4] = {ONES8, ONES8, ONES8, ONES8};
-    int sumd = 0, sumi;
-#if defined(IQ2_VECTOR)
-    /* 64 values a step: the grid plus one gathered (unsigned), each 32's ls times its activation sum taken off */
-    (void)ones;
-    int h[8], ls[8], taken = 0;
-    for (int ib = 0; ib < 8; ib++) {
-        h[ib] = b[34 + 2 * ib] | (b[35 + 2 * ib] << 8);
-        ls[ib] = 2 * ((h[ib] >> 12) & 7) + 1;
-        int sum = y->bsums[2 * ib] + y->bsums[2 * ib + 1];
-        taken += ls[ib] * sum;
-        sumd += ls[ib] * (h[ib] & 0x8000 ? -1 : 1) * sum;
-    }
-    __m512i acc = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {
-        __m256i high = _mm256_srlv_epi32(_mm256_set_epi32(h[2 * i + 1], h[2 * i + 1], h[2 * i + 1], h[2 * i + 1], h[2 * i],
-                                                          h[2 * i], h[2 * i], h[2 * i]), _mm256_set_epi32(9, 6, 3, 0, 9, 6, 3, 0));
-        __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i))),
-                                        _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(7)), 8));
-        __m512i grid = _mm512_i32gather_epi64(index, (const void *)iq1s_plus1, 8);
-        __m512i scales = _mm512_inserti64x4(_mm512_set1_epi16((short)ls[2 * i]), _mm256_set1_epi16((short)ls[2 * i + 1]), 1);
-        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(grid, _mm512_loadu_si512(y->qs + 64 * i)), scales);
-    }
-    sumi = _mm512_reduce_add_epi32(acc) - taken;
+#if defined(IQ1_VECTOR)
+    iq1_block u;
+    iq1_s_unpack(b, &u);
+    return iq1_s_term(&u, y, f16_to_f32(b));
 #else
+    const uint64_t ones[4] = {ONES8, ONES8, ONES8, ONES8};
     isum32 acc = ISUM_ZERO;
+    int sumd = 0;
     for (int ib = 0; ib < 8; ib++) {
         int h = b[34 + 2 * ib] | (b[35 + 2 * ib] << 8), ls = 2 * ((h >> 12) & 7) + 1;
         uint64_t s[4];
@@ -1410,48 +1465,30 @@ static inline float dot_iq1_s(const uint8_t *b, const void *act) {
         acc = dot32(acc, ones, s, ls, ls, y->qs + 32 * ib);
         sumd += ls * (h & 0x8000 ? -1 : 1) * (y->bsums[2 * ib] + y->bsums[2 * ib + 1]);
     }
-    sumi = ISUM_TOTAL(acc);
+    return (f16_to_f32(b) * y->d) * ((float)ISUM_TOTAL(acc) + 0.125f * (float)sumd);
 #endif
-    return (f16_to_f32(b) * y->d) * ((float)sumi + 0.125f * (float)sumd);
 }
 
 /* IQ1_M (56 bytes: qs[32], qh[16], u16 sc[4], d in the top nibbles of sc) against a Q8_K block: as IQ1_S with a
  * scale per 16 values and a delta per 8. */
-static inline float dot_iq1_m(const uint8_t *b, const void *act) {
-    const q8k_block *y = act;
-    const uint64_t ones[4] = {ONES8, ONES8, ONES8, ONES8};
+static inline float iq1_m_scale(const uint8_t *b) {       /* IQ1_M's d: the top nibbles of its 4 scale words */
     uint16_t sc[4];
     memcpy(sc, b + 48, 8);
-    uint16_t dbits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
-    int sumi, sumd;
-#if defined(IQ2_VECTOR) && defined(__BMI2__)
-    /* 64 values a step: the grid plus one gathered (unsigned), each 16's ls times its activation sum taken off;
-     * the deltas' sum from the activations negated per 8 (maddubs with ones) times the same scales */
-    (void)ones;
-    __m256i ls = _mm256_permutexvar_epi16(_mm256_set_epi16(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                                          _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(b + 48))));
-    ls = _mm256_and_si256(_mm256_srlv_epi16(ls, _mm256_set_epi16(9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0)),
-                          _mm256_set1_epi16(7));
-    ls = _mm256_add_epi16(_mm256_add_epi16(ls, ls), _mm256_set1_epi16(1));       /* word j: the 16s' scale j */
-    int taken = hsum_i32(_mm256_madd_epi16(ls, load256(y->bsums)));
-    const __m256i shifts = _mm256_set_epi32(28, 24, 20, 16, 12, 8, 4, 0);
-    __m512i acc = _mm512_setzero_si512(), accd = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {
-        uint32_t qh;                    /* the 8 nibbles of this step's chunks */
-        memcpy(&qh, b + 32 + 4 * i, 4);
-        __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * i))),
-            _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)qh), shifts), _mm256_set1_epi32(7)), 8));
-        __m512i grid = _mm512_i32gather_epi64(index, (const void *)iq1s_plus1, 8);
-        __m512i scales = step_scales(ls, i), q8 = _mm512_loadu_si512(y->qs + 64 * i);
-        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(grid, q8), scales);
-        __mmask64 neg = _cvtu64_mask64(_pdep_u64(_pext_u32(qh, 0x88888888u), 0x0101010101010101ull) * 0xff);
-        accd = _mm512_dpwssd_epi32(accd, _mm512_maddubs_epi16(_mm512_set1_epi8(1),
-                                   _mm512_mask_sub_epi8(q8, neg, _mm512_setzero_si512(), q8)), scales);
-    }
-    sumi = _mm512_reduce_add_epi32(acc) - taken;
-    sumd = _mm512_reduce_add_epi32(accd);
+    uint16_t bits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+    return f16_to_f32((const uint8_t *)&bits);
+}
+
+static inline float dot_iq1_m(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    float d = iq1_m_scale(b);
+#if defined(IQ1_VECTOR)
+    iq1_block u;
+    iq1_m_unpack(b, &u);
+    return iq1_m_term(&u, y, d);
 #else
+    uint16_t sc[4];
+    memcpy(sc, b + 48, 8);
+    const uint64_t ones[4] = {ONES8, ONES8, ONES8, ONES8};
     isum32 acc = ISUM_ZERO, accd = ISUM_ZERO;
     for (int ib = 0; ib < 8; ib++) {
         uint64_t s[4], delta[4];
@@ -1464,10 +1501,8 @@ static inline float dot_iq1_m(const uint8_t *b, const void *act) {
         acc = dot32(acc, ones, s, lo, hi, y->qs + 32 * ib);
         accd = dot32(accd, ones, delta, lo, hi, y->qs + 32 * ib);
     }
-    sumi = ISUM_TOTAL(acc);
-    sumd = ISUM_TOTAL(accd);
+    return (d * y->d) * ((float)ISUM_TOTAL(acc) + 0.125f * (float)ISUM_TOTAL(accd));
 #endif
-    return (f16_to_f32((const uint8_t *)&dbits) * y->d) * ((float)sumi + 0.125f * (float)sumd);
 }
 
 static inline int bsums_total(const q8k_block *y) {
@@ -1517,32 +1552,46 @@ static inline __m256i base3_digit(__m256i v, __m256i mult) {  /* per byte: ((v m
 }
 #endif
 
-/* TQ1_0 (54 bytes: qs[48], qh[4] of base-3 digits q, d) against a Q8_K block: (d_w d_x) (sum q x - sum x).
- * Values 32p + l are digit p of qs[l], 160 + 16p + l digit p of qs[32 + l], 240 + 4p + l digit p of qh[l]. */
-static inline float dot_tq1_0(const uint8_t *b, const void *act) {
-    const q8k_block *y = act;
-    int isum = 0;
 #if defined(IQ2_VECTOR)
-    /* 64 values a step: [digits 0, 1 of qs[0..31]], [2, 3], [4; 0, 1 of qs[32..47]], [2, 3, 4 of those; qh's] */
+/* TQ1_0 unpacked: its 256 digits, 64 a step: [digits 0, 1 of qs[0..31]], [2, 3], [4; 0, 1 of qs[32..47]],
+ * [2, 3, 4 of those; qh's]. The codes' -1 is taken off as the activations' sum. */
+typedef struct { __m512i digits[4]; } tq1_block;
+
+static inline __attribute__((always_inline)) void tq1_0_unpack(const uint8_t *b, tq1_block *u) {
     __m256i qs = load256(b);
     __m128i rest = _mm_loadu_si128((const __m128i *)(b + 32));
     uint32_t qh;
     memcpy(&qh, b + 48, 4);
     const int p1 = 0x01010101, p3 = 0x03030303, p9 = 0x09090909, p27 = 0x1b1b1b1b, p81 = 0x51515151;
     __m512i both = _mm512_broadcast_i64x4(qs), three = _mm512_broadcast_i32x4(rest);
-    __m512i v[4] = {both, both, _mm512_inserti64x4(both, _mm256_broadcastsi128_si256(rest), 1),
-                    _mm512_inserti32x4(three, _mm_set1_epi32((int)qh), 3)};
-    const __m512i mult[4] = {
-        _mm512_set_epi32(p3, p3, p3, p3, p3, p3, p3, p3, p1, p1, p1, p1, p1, p1, p1, p1),
-        _mm512_set_epi32(p27, p27, p27, p27, p27, p27, p27, p27, p9, p9, p9, p9, p9, p9, p9, p9),
-        _mm512_set_epi32(p3, p3, p3, p3, p1, p1, p1, p1, p81, p81, p81, p81, p81, p81, p81, p81),
-        _mm512_set_epi32(p27, p9, p3, p1, p81, p81, p81, p81, p27, p27, p27, p27, p9, p9, p9, p9)};
+    u->digits[0] = base3_digit512(both, _mm512_set_epi32(p3, p3, p3, p3, p3, p3, p3, p3, p1, p1, p1, p1, p1, p1, p1, p1));
+    u->digits[1] = base3_digit512(both, _mm512_set_epi32(p27, p27, p27, p27, p27, p27, p27, p27, p9, p9, p9, p9, p9, p9,
+                                                         p9, p9));
+    u->digits[2] = base3_digit512(_mm512_inserti64x4(both, _mm256_broadcastsi128_si256(rest), 1),
+                                  _mm512_set_epi32(p3, p3, p3, p3, p1, p1, p1, p1, p81, p81, p81, p81, p81, p81, p81, p81));
+    u->digits[3] = base3_digit512(_mm512_inserti32x4(three, _mm_set1_epi32((int)qh), 3),
+                                  _mm512_set_epi32(p27, p9, p3, p1, p81, p81, p81, p81, p27, p27, p27, p27, p9, p9, p9, p9));
+}
+
+static inline __attribute__((always_inline)) float tq1_0_term(const tq1_block *u, const q8k_block *y, float d) {
     __m512i acc = _mm512_setzero_si512();
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; i++)
-        acc = _mm512_dpbusd_epi32(acc, base3_digit512(v[i], mult[i]), _mm512_loadu_si512(y->qs + 64 * i));
-    isum = _mm512_reduce_add_epi32(acc);
-#elif defined(__AVX2__)
+    for (int i = 0; i < 4; i++) acc = _mm512_dpbusd_epi32(acc, u->digits[i], _mm512_loadu_si512(y->qs + 64 * i));
+    return (d * y->d) * (float)(_mm512_reduce_add_epi32(acc) - bsums_total(y));
+}
+#endif
+
+/* TQ1_0 (54 bytes: qs[48], qh[4] of base-3 digits q, d) against a Q8_K block: (d_w d_x) (sum q x - sum x).
+ * Values 32p + l are digit p of qs[l], 160 + 16p + l digit p of qs[32 + l], 240 + 4p + l digit p of qh[l]. */
+static inline float dot_tq1_0(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+#if defined(IQ2_VECTOR)
+    tq1_block u;
+    tq1_0_unpack(b, &u);
+    return tq1_0_term(&u, y, f16_to_f32(b + 52));
+#else
+    int isum = 0;
+#if defined(__AVX2__)
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc = _mm256_setzero_si256(), qs = load256(b);
     static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
@@ -1570,6 +1619,7 @@ static inline float dot_tq1_0(const uint8_t *b, const void *act) {
     }
 #endif
     return (f16_to_f32(b + 52) * y->d) * (float)(isum - bsums_total(y));
+#endif
 }
 
 #if defined(IQ2_VECTOR)
@@ -2225,6 +2275,34 @@ static inline __attribute__((always_inline)) void rows_codebook(void (*unpack)(c
 }
 #endif
 
+/* Rows [n0, n1) of a plain IQ1_S / IQ1_M / TQ1_0 weight against M <= 16 rows of Q8_K blocks: each block unpacked
+ * once and its term computed for every row as the 1-row kernel computes it, added in block order: the same bits. */
+#define UNPACKED_ROWS(type, block_t, bb, d_of)                                                                   \
+    static void rows_m_##type(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,   \
+                              int64_t n0, int64_t n1) {                                                          \
+        int64_t nb = K / 256;                                                                                    \
+        for (int64_t n = n0; n < n1; n++) {                                                                      \
+            const uint8_t *row = w + n * nb * bb;                                                                \
+            float acc[Q8_MAX_ROWS] = {0};                                                                        \
+            for (int64_t b = 0; b < nb; b++) {                                                                   \
+                const uint8_t *blk = row + b * bb;                                                               \
+                prefetch_ahead(blk, bb);                                                                         \
+                block_t u;                                                                                       \
+                type##_unpack(blk, &u);                                                                          \
+                float d = d_of;                                                                                  \
+                for (int64_t m = 0; m < M; m++) acc[m] += type##_term(&u, x + m * nb + b, d);                    \
+            }                                                                                                    \
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];                                               \
+        }                                                                                                        \
+    }
+#if defined(IQ1_VECTOR)
+UNPACKED_ROWS(iq1_s, iq1_block, 50, f16_to_f32(blk))
+UNPACKED_ROWS(iq1_m, iq1_block, 56, iq1_m_scale(blk))
+#endif
+#if defined(IQ2_VECTOR)
+UNPACKED_ROWS(tq1_0, tq1_block, 54, f16_to_f32(blk + 52))
+#endif
+
 /* qdot8 (same arguments and results, bit for bit) with the rows of a plain weight (experts == NULL, M >= 2)
  * sharing each block's unpacking where the target has AVX2; every other call is qdot8's. */
 int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
@@ -2257,6 +2335,11 @@ int qdot8_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *
         case 21: if (K % 256) return -1; rows_codebook(iq3_s_unpack, 110, 1.0f, w, N, K, xq, M, y, n0, n1); return 0;
         case 17: if (K % 256) return -1; rows_codebook(iq2_xs_unpack, 74, 0.125f, w, N, K, xq, M, y, n0, n1); return 0;
         case 22: if (K % 256) return -1; rows_codebook(iq2_s_unpack, 82, 0.125f, w, N, K, xq, M, y, n0, n1); return 0;
+        case 34: if (K % 256) return -1; rows_m_tq1_0(w, N, K, xq, M, y, n0, n1); return 0;
+#endif
+#if defined(IQ1_VECTOR)
+        case 19: if (K % 256) return -1; rows_m_iq1_s(w, N, K, xq, M, y, n0, n1); return 0;
+        case 29: if (K % 256) return -1; rows_m_iq1_m(w, N, K, xq, M, y, n0, n1); return 0;
 #endif
 #if defined(WIDE_ROWS) && defined(__F16C__)
         case 8: if (K % 32) return -1; return wide_q8_0(w, N, K, xq, M, y, n0, n1);
