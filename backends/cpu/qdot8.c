@@ -1512,8 +1512,36 @@ static inline int bsums_total(const q8k_block *y) {
 }
 
 /* TQ2_0 (66 bytes: 2-bit codes q, d) against a Q8_K block: (d_w d_x) isum, isum = sum (q - 1) x = sum q x - sum x. */
+#if defined(IQ2_VECTOR)
+/* TQ2_0 unpacked: its 256 codes, 64 a step (step i: bit pairs 2 (i % 2) and 2 (i % 2) + 1 of qs[32 (i / 2)..]).
+ * The codes' -1 is taken off as the activations' sum. */
+typedef struct { __m512i codes[4]; } tq2_block;
+
+static inline __attribute__((always_inline)) void tq2_0_unpack(const uint8_t *b, tq2_block *u) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i shift = _mm512_set_epi64(4 * (i % 2) + 2, 4 * (i % 2) + 2, 4 * (i % 2) + 2, 4 * (i % 2) + 2,
+                                         4 * (i % 2), 4 * (i % 2), 4 * (i % 2), 4 * (i % 2));
+        u->codes[i] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(load256(b + 32 * (i / 2))), shift),
+                                       _mm512_set1_epi8(3));
+    }
+}
+
+static inline __attribute__((always_inline)) float tq2_0_term(const tq2_block *u, const q8k_block *y, float d) {
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) acc = _mm512_dpbusd_epi32(acc, u->codes[i], _mm512_loadu_si512(y->qs + 64 * i));
+    return (d * y->d) * (float)(_mm512_reduce_add_epi32(acc) - bsums_total(y));
+}
+#endif
+
 static inline float dot_tq2_0(const uint8_t *b, const void *act) {
     const q8k_block *y = act;
+#if defined(IQ2_VECTOR)
+    tq2_block u;
+    tq2_0_unpack(b, &u);
+    return tq2_0_term(&u, y, f16_to_f32(b + 64));
+#else
     int isum = 0;
 #if defined(__AVX2__)
     __m256i acc = _mm256_setzero_si256();
@@ -1530,6 +1558,7 @@ static inline float dot_tq2_0(const uint8_t *b, const void *act) {
     for (int j = 0; j < 256; j++) isum += ((b[32 * (j / 128) + j % 32] >> (2 * ((j / 32) % 4))) & 3) * y->qs[j];
 #endif
     return (f16_to_f32(b + 64) * y->d) * (float)(isum - bsums_total(y));
+#endif
 }
 
 #if defined(IQ2_VECTOR)
@@ -2275,7 +2304,7 @@ static inline __attribute__((always_inline)) void rows_codebook(void (*unpack)(c
 }
 #endif
 
-/* Rows [n0, n1) of a plain IQ1_S / IQ1_M / TQ1_0 weight against M <= 16 rows of Q8_K blocks: each block unpacked
+/* Rows [n0, n1) of a plain IQ1_S / IQ1_M / TQ1_0 / TQ2_0 weight against M <= 16 rows of Q8_K blocks: each block unpacked
  * once and its term computed for every row as the 1-row kernel computes it, added in block order: the same bits. */
 #define UNPACKED_ROWS(type, block_t, bb, d_of)                                                                   \
     static void rows_m_##type(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,   \
@@ -2301,6 +2330,7 @@ UNPACKED_ROWS(iq1_m, iq1_block, 56, iq1_m_scale(blk))
 #endif
 #if defined(IQ2_VECTOR)
 UNPACKED_ROWS(tq1_0, tq1_block, 54, f16_to_f32(blk + 52))
+UNPACKED_ROWS(tq2_0, tq2_block, 66, f16_to_f32(blk + 64))
 #endif
 
 /* qdot8 (same arguments and results, bit for bit) with the rows of a plain weight (experts == NULL, M >= 2)
@@ -2336,6 +2366,7 @@ int qdot8_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *
         case 17: if (K % 256) return -1; rows_codebook(iq2_xs_unpack, 74, 0.125f, w, N, K, xq, M, y, n0, n1); return 0;
         case 22: if (K % 256) return -1; rows_codebook(iq2_s_unpack, 82, 0.125f, w, N, K, xq, M, y, n0, n1); return 0;
         case 34: if (K % 256) return -1; rows_m_tq1_0(w, N, K, xq, M, y, n0, n1); return 0;
+        case 35: if (K % 256) return -1; rows_m_tq2_0(w, N, K, xq, M, y, n0, n1); return 0;
 #endif
 #if defined(IQ1_VECTOR)
         case 19: if (K % 256) return -1; rows_m_iq1_s(w, N, K, xq, M, y, n0, n1); return 0;
