@@ -3,7 +3,7 @@
  * ops/q8_activations.py). `q8_quantize` rounds the activations once per call (Q8_K: 256 values, a float
  * scale, the sums of each 16 quants; Q8_0: 32 values, an f16 scale; Q8_1: Q8_0 and an f16 scaled sum; for F16
  * and BF16 weights each value to the nearest f16 / bf16); `qdot8` multiplies every weight block
- * with its activation block in integers (maddubs/madd on AVX2; the IQ codebook types and TQ1_0 64 values a step on
+ * with its activation block in integers (maddubs/madd on AVX2; the IQ codebook and TQ types 64 values a step on
  * AVX-512 with VBMI/BITALG/VNNI; a plain C loop elsewhere: the same exact integers everywhere) and adds the blocks' float
  * terms in block order (Q8_0 in whole blocks, as qgemm8.c; Q4_0, Q5_0, IQ4_NL, MXFP4, Q4_1, Q5_1 in 8 lanes, then
  * the lanes in order). Each output's arithmetic depends only on its row and its weight row, so the result is the
