@@ -2,8 +2,8 @@
 the squares of the rows fed to it (llama.cpp's `llama-imatrix`, llama.cpp #4861 and #9400 for the file).
 
 `RecordingOps` wraps the model's OpSet: each `qmatmul`, `grouped_qmatmul`, `moe` and `shared_expert` call records
-its inputs (the fused `qmatmul_norm_rope`, `hc_pre_norm`, `hc_post_pre_norm`, `attention_output` and
-`compressor_store` those of their products) and then calls the wrapped op unchanged, so the forward's numerics are
+its inputs (the fused `qmatmul_norm_rope`, `attention_input`, `hc_pre_norm`, `hc_post_pre_norm`, `attention_output`
+and `compressor_store` those of their products) and then calls the wrapped op unchanged, so the forward's numerics are
 the plain model's.
 """
 from __future__ import annotations
@@ -60,6 +60,13 @@ class RecordingOps:
     def qmatmul_norm_rope(self, x: Any, w: QTensor, *args: Any) -> Any:
         self.record(w, x)
         return self._inner.qmatmul_norm_rope(x, w, *args)
+
+    def attention_input(self, x: Any, q_a: QTensor, q_a_norm: Any, q_b: QTensor, kv: QTensor, *args: Any) -> Any:
+        self.record(q_a, x)
+        self.record(kv, x)
+        out = self._inner.attention_input(x, q_a, q_a_norm, q_b, kv, *args)
+        self.record(q_b, out[0])    # q_b's rows: the query latent
+        return out
 
     def hc_pre_norm(self, X: Any, fn: QTensor, scale: Any, base: Any, norm: Any, iters: int, hc_eps: float,
                     rms_eps: float) -> Any:
