@@ -83,8 +83,8 @@ def compressor_store(out, x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torc
 
 
 def attention_input(out, x: torch.Tensor, q_a: QTensor, q_a_norm, q_b: QTensor, kv: QTensor, kv_norm, eps: float,
-                    head_dim: int, positions: torch.Tensor, freqs: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
-                    fp8_dims: int = 0, f16: bool = False) -> int:
+                    head_dim: int, positions: torch.Tensor, freqs: torch.Tensor, cache: torch.Tensor,
+                    slots: torch.Tensor, fp8_dims: int = 0, f16: bool = False) -> int:
     """x, the three weights and two norms, the positions, frequencies and slots, q_lat and q, the kv rows written
     into the cache."""
     read = nbytes((x, q_a, q_a_norm, q_b, kv, kv_norm, positions, freqs, slots, out[0], out[1]))

@@ -10,8 +10,9 @@ traced step, the dispatcher's boxing of each call's arguments costing more than 
 The op's arguments are flattened by their annotations: a QTensor becomes its blocks, type name, shape and name (the
 kernel rebuilds it once per block tensor, so the cpu backend's per-weight bindings are kept across calls), a record
 (`Experts`, `AttnRows`) its fields, a tuple of ints an int list. `store_rows`, `compressor_store` and
-`attention_input` write their caches in place (annotated as mutated) and return them (after its new tensors). Defined with `torch.library.Library` (a plain schema, 5-13 us
-of dispatch a call here) rather than `torch.library.custom_op`, whose Python wrapper costs more."""
+`attention_input` write their caches in place (annotated as mutated) and return them (attention_input after its new
+tensors). Defined with `torch.library.Library` (a plain schema, 5-13 us of dispatch a call here) rather than
+`torch.library.custom_op`, whose Python wrapper costs more."""
 from __future__ import annotations
 
 import dataclasses

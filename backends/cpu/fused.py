@@ -1,8 +1,9 @@
 """The fused ops on the CPU (contracts: ops/hc_pre_norm.py, ops/hc_post_pre_norm.py, ops/qmatmul_norm_rope.py,
-ops/attention_output.py, ops/compressor_store.py, ops/attention_input.py): each sequence in one C call (backends/cpu/glue.c: the
-products through the kernel pool, the norms, the HC steps, the rotations and the ring writes chained), the bits of the
-cpu backend's own ops called one by one. Where the kernels do not serve a product (F32 weights, more than 16 rows, no
-library, a compiled step) the sequence runs as those ops. Row-wise, so batch-invariant."""
+ops/attention_output.py, ops/compressor_store.py, ops/attention_input.py): each sequence in one C call
+(backends/cpu/glue.c: the products through the kernel pool, the norms, the HC steps, the rotations and the ring and
+cache writes chained), the bits of the cpu backend's own ops called one by one. Where the kernels do not serve a
+product (F32 weights, more than 16 rows, no library, a compiled step) the sequence runs as those ops. Row-wise, so
+batch-invariant."""
 from __future__ import annotations
 
 from functools import partial

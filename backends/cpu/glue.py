@@ -582,7 +582,8 @@ def attention_input(x: torch.Tensor, q_a: QTensor, q_a_norm: torch.Tensor | None
     bound = fused_binding(weights, ("attention_input", dot), lambda: bind_products(weights, (False,) * 3, dot))
     if bound is None:
         return None
-    x, ids = f32(x), slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+    x = f32(x)
+    ids = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
     (kind_a, kind_kv, kind_b), (bytes_a, bytes_kv, bytes_b) = bound.kinds, bound.row_bytes
     shared = kind_kv == kind_a      # one rounding of x for both products
     q_lat, q = torch.empty((M, r), dtype=torch.float32), torch.empty((M, n), dtype=torch.float32)
