@@ -156,10 +156,12 @@ class StepOp:
         self.mutated_at = [self.names.index(name) for name in self.mutated]
         returned = typing.get_args(hints["return"]) or (hints["return"],)
         self.single = returned == (torch.Tensor,)
-        # an op writing caches returns its new tensors (if any) before them; the torch op returns only those
+        # an op writing caches returns its new tensors (if any) before them; the torch op returns only those, as a
+        # tuple (functionalization refuses a list from an op that writes an input)
         self.fresh = len(returned) - len(self.mutated) if self.mutated else None
         self.returns = self.fresh != 0
-        LIBRARY.define(f"{op}({schema}) -> {'Tensor[]' if self.returns else '()'}")
+        outputs = "Tensor[]" if self.fresh is None else f"({', '.join(['Tensor'] * (self.fresh or 0))})"
+        LIBRARY.define(f"{op}({schema}) -> {outputs}")
         LIBRARY.impl(op, self.kernel, "CPU")
         torch.library.register_fake(f"ds4_step::{op}", self.fake, lib=LIBRARY)
         self.torch_op = getattr(torch.ops.ds4_step, op)
@@ -208,14 +210,16 @@ class StepOp:
             outs = outs[:self.fresh]
         if not self.returns:
             return None
-        return [o.clone() if any(o is flat[i] for i in self.tensors) else o.contiguous() for o in outs]
+        outs = [o.clone() if any(o is flat[i] for i in self.tensors) else o.contiguous() for o in outs]
+        return outs if self.fresh is None else tuple(outs)
 
     def fake(self, *flat):
         """Empty outputs of the op's shapes and dtypes."""
         if not self.returns:
             return None
         values = [build(flat) for build in self.build_fake]
-        return [torch.empty(shape, dtype=dtype) for shape, dtype in SHAPES[self.op](*values)]
+        outs = [torch.empty(shape, dtype=dtype) for shape, dtype in SHAPES[self.op](*values)]
+        return outs if self.fresh is None else tuple(outs)
 
 
 STEP_OPS: dict[str, StepOp] = {}    # made on first use, kept for the process (a torch op is defined once)
