@@ -574,9 +574,8 @@ class DeepseekV4:
     def indexer(self, L: Block, a_in: Array, q_lat: Array, plan: Plan, cache: LayerCache) -> Array:
         """Compressed rows [M, top_k] each query attends to (−1 = none), chosen by the lightning indexer."""
         args, ops, ix = self.args, self.ops, L.indexer
-        M, Hi, di = a_in.shape[0], args.index_n_heads, args.index_head_dim
-        q = ops.rope_tail(ops.qmatmul(q_lat, ix.q_b).reshape(M, -1, di), plan.pos, L.freqs)   # this rank's heads
-        q = self.index_sim(q)
-        w = ops.qmatmul(a_in, ix.proj) / math.sqrt(Hi * di)
+        Hi, di = args.index_n_heads, args.index_head_dim
+        q, w = ops.indexer_query(q_lat, a_in, ix.q_b, ix.proj, di, plan.pos, L.freqs, args.indexer_fp4_sim,
+                                 math.sqrt(Hi * di))    # this rank's heads
         scores = self.tp_sum(ops.index_scores(q, cache.index_rows, w, plan.visible))   # every rank ranks alike
         return ops.indexer_topk(scores, args.index_topk, plan.visible_rows)

@@ -122,7 +122,7 @@ def grouped_case(M: int, seed: int) -> tuple[tuple, list[tuple]]:
 def fused_case(op: str, M: int, seed: int) -> tuple[tuple, list[tuple]]:
     """The fused ops (hc_pre_norm, hc_post_pre_norm; qmatmul_norm_rope with per-head norms and RoPE;
     attention_output; compressor_store at distinct slots, fresh rings per call; attention_input, its kv rows at
-    distinct slots of a fresh cache) on M rows and on each row alone."""
+    distinct slots of a fresh cache; indexer_query) on M rows and on each row alone."""
     S, D = 4, 64
     positions, freqs = torch.arange(seed, seed + M) * 37, randn(8, seed=4).abs()
     if op == "hc_pre_norm":
@@ -151,6 +151,10 @@ def fused_case(op: str, M: int, seed: int) -> tuple[tuple, list[tuple]]:
         return ((x, *weights, positions, freqs, torch.zeros(32, 128), slots, 64, True),
                 [(x[m:m + 1], *weights, positions[m:m + 1], freqs, torch.zeros(32, 128), slots[m:m + 1], 64, True)
                  for m in range(M)])
+    elif op == "indexer_query":
+        q_b, proj = (QTensor.quantize(randn(n, D, seed=s) / 8, "Q8_0", f"w{s}") for n, s in ((2 * 64, 20), (2, 21)))
+        args, rows = (randn(M, D, seed=seed), randn(M, D, seed=seed + 1), q_b, proj, 64, positions, freqs, True,
+                      181.0), (0, 1, 5)
     else:
         kv, gate = (QTensor.quantize(randn(32, D, seed=s) / 8, "F16", f"w{s}") for s in (14, 15))
         x, ape, slots = randn(M, D, seed=seed), randn(4, 32, seed=16), torch.randperm(32, generator=gen(seed))[:M]
@@ -165,7 +169,7 @@ def gen(seed: int) -> torch.Generator:
 
 
 FUSED = ("hc_pre_norm", "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store",
-         "attention_input")
+         "attention_input", "indexer_query")
 CACHES = {"store_rows": (1, 0), "compressor_store": (5, 0), "attention_input": (11, 2)}  # the slots' argument and the
 # first output that is a cache (compared at the slots written, not whole)
 CASES = {"sparse_attention": attention_case, "grouped_qmatmul": grouped_case,

@@ -66,6 +66,8 @@ SHAPES: dict[str, Callable[..., list]] = {
     "attention_output": lambda o, positions, freqs, wa, wb, *rest, **kw: _float32((o.shape[0], wb.shape[0])),
     "store_rows": lambda *args, **kw: [],
     "compressor_store": lambda *args, **kw: [],
+    "indexer_query": lambda q_lat, x, q_b, proj, head_dim, *rest, **kw: _float32(
+        (x.shape[0], proj.shape[0], head_dim), (x.shape[0], proj.shape[0])),
     "attention_input": lambda x, q_a, q_a_norm, q_b, *rest, **kw: _float32((x.shape[0], q_a.shape[0]),
                                                                           (x.shape[0], q_b.shape[0])),
 }

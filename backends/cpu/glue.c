@@ -607,3 +607,24 @@ int glue_attention_input(const product_t *p, int q8_a, int q8_kv, int q8_b, cons
     glue_rope(q, M, p[2].N / hd, hd, cos_, sin_, P, 0, q);
     return glue_store_rows(cache, N, hd, slots, M, kv_row, fp8_dims, f16);
 }
+
+void index_sim(const float *x, int64_t n_rows, int64_t n, int hadamard, float root, int fp4, float *out);  /* step.c */
+
+/* indexer_query (ops/indexer_query.py): p[0] the q_b product of the query latents q_lat [M, r] and p[1] the proj
+ * product of the rows x [M, D], under q8 rounded by qdot8.c into their rows (q8_q >= 0: p[0].x; q8_w >= 0: p[1].x),
+ * in one pool pass; q [M, H, di] = p[0].y with each head's tail rotated by cos/sin [M, P], then with `sim` each head
+ * through step.c's index_sim (Hadamard with its float32 sqrt(di) `hroot`, FP4); w [M, H] = p[1].y / root. The bits
+ * of qmatmul, rope_tail, hadamard, fp4_sim and the float32 division. */
+int glue_indexer_query(const product_t *p, int q8_q, int q8_w, const float *q_lat, const float *x, int threads,
+                       int64_t di, const float *cos_, const float *sin_, int64_t P, int sim, float hroot, float root,
+                       float *q, float *w) {
+    int64_t M = p[0].M, H = p[0].N / di;
+    if (q8_q >= 0 && q8_quantize(q8_q, q_lat, M, p[0].K, (void *)p[0].x)) return -1;
+    if (q8_w >= 0 && q8_quantize(q8_w, x, M, p[1].K, (void *)p[1].x)) return -1;
+    int rc = glue_products(p, 2, threads);
+    if (rc) return rc;
+    glue_rope(p[0].y, M, H, di, cos_, sin_, P, 0, q);
+    if (sim) index_sim(q, M * H, di, 1, hroot, 1, q);
+    for (int64_t i = 0; i < M * p[1].N; i++) w[i] = p[1].y[i] / root;
+    return 0;
+}

@@ -6,6 +6,7 @@ step (Inductor fuses the torch ops instead); the callers then take their torch p
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,9 @@ def _lib() -> ctypes.CDLL:
         k.glue_attention_input.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int, ptr, ptr,
                                            ctypes.c_float, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64,
                                            ctypes.c_int]
+        k.glue_indexer_query.restype = ctypes.c_int
+        k.glue_indexer_query.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, ctypes.c_int, i64, ptr, ptr, i64,
+                                         ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ptr]
         k.glue_hc_post_pre_norm.restype = ctypes.c_int
         k.glue_hc_post_pre_norm.argtypes = [ptr, ctypes.c_int, *[ptr] * 9, i64, i64, i64, i64, ctypes.c_float,
                                             ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
@@ -606,6 +610,39 @@ def attention_input(x: torch.Tensor, q_a: QTensor, q_a_norm: torch.Tensor | None
         raise ValueError(f"attention_input: unsupported call ({q_a.qtype.name}, {kv.qtype.name}, {q_b.qtype.name}, "
                          f"dot={dot})")
     return q_lat, q, cache
+
+
+def indexer_query(q_lat: torch.Tensor, x: torch.Tensor, q_b: QTensor, proj: QTensor, di: int,
+                  cos_sin: tuple[torch.Tensor, torch.Tensor], sim: bool, root: float,
+                  dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ops.indexer_query's sequence as the cpu backend runs it op by op (the two products, rope_tail by `cos_sin`
+    [M, P], hadamard and fp4_sim with `sim`, the float32 division by `root`), in one C call (glue.c's
+    glue_indexer_query: both products in one pool pass) and with its bits; None where `products` would not serve both
+    products or the arguments do not fit (the separate ops then say what is wrong). The products are bound once
+    (`FUSED`); their outputs and rounded rows are the thread's scratch."""
+    M = q_lat.shape[0]
+    n, h = q_b.shape[0], proj.shape[0]
+    if not 0 < M <= kernels.MAX_ROWS or not ready() or q_lat.dim() != 2 or x.dim() != 2 or x.shape[0] != M \
+            or q_lat.shape[1] != q_b.shape[-1] or x.shape[1] != proj.shape[-1] or n != h * di \
+            or sim and (di & (di - 1) or di % 32):
+        return None
+    weights = (q_b, proj)
+    bound = fused_binding(weights, ("indexer_query", dot), lambda: bind_products(weights, (False, False), dot))
+    if bound is None:
+        return None
+    q_lat, x = f32(q_lat), f32(x)
+    (kind_q, kind_w), (bytes_q, bytes_w) = bound.kinds, bound.row_bytes
+    q, w = torch.empty((M, h, di), dtype=torch.float32), torch.empty((M, h), dtype=torch.float32)
+    cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
+    with SCRATCH(FLOAT_BYTES * M * n, FLOAT_BYTES * M * h, M * bytes_q, M * bytes_w) as (y_q, y_w, xq_q, xq_w):
+        bound.rows((M, M), (q_lat.data_ptr() if kind_q < 0 else xq_q, x.data_ptr() if kind_w < 0 else xq_w),
+                   (y_q, y_w))
+        rc = _lib().glue_indexer_query(bound.args, kind_q, kind_w, q_lat.data_ptr(), x.data_ptr(), kernels.threads(),
+                                       di, cos.data_ptr(), sin.data_ptr(), cos.shape[-1], int(sim), math.sqrt(di),
+                                       root, q.data_ptr(), w.data_ptr())
+    if rc:
+        raise ValueError(f"indexer_query: unsupported call ({q_b.qtype.name}, {proj.qtype.name}, dot={dot})")
+    return q, w
 
 
 GROUP_IDS: dict[tuple[int, int], torch.Tensor] = {}     # (groups, M) -> each grouped row's group (read only)
