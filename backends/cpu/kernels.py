@@ -662,10 +662,11 @@ def indexer_topk(scores: torch.Tensor, k: int, visible: torch.Tensor) -> torch.T
 
 # Q4_K repacked at load for `--cpu-dot q8` (q4krepack.c; docs/cpu.md, "Q4_K repacked at load (session 13)").
 Q4KR_TYPE = 1012    # the repacked layout's type code in the library (no GGUF type: qgemv and dequantize refuse it)
+Q8R_TYPE = 1008     # Q8_0 repacked (q8repack.c; docs/cpu.md, "Several rows within 1.3x: Q4_K and Q8_0 (session 14)")
 
 
 def _bind_q4kr(k: ctypes.CDLL) -> None:
-    """Declare q4krepack.c's entry points."""
+    """Declare q4krepack.c's and q8repack.c's entry points."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     k.q4kr_repack.restype = ctypes.c_int
     k.q4kr_repack.argtypes = [ptr, i64, i64, ctypes.c_int]
