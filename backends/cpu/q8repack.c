@@ -232,7 +232,7 @@ static inline __attribute__((always_inline)) void groups_tiles(const int G, cons
 #endif
 #endif
 
-static int amx_rows_from = 9;       /* q8r_amx_from: the fewest rows that take the tiles */
+static int amx_rows_from = 6;       /* q8r_amx_from: the fewest rows that take the tiles (measured: docs/cpu.md) */
 
 /* The fewest activation rows for which a repacked weight's groups take the AMX tiles (`from` >= 2 sets it; 17:
  * never); returns it. */
