@@ -80,6 +80,22 @@ def test_repacked_equals_stored_for_every_m_and_thread_split(amx_from, threads_s
         repack.amx_from(before, q8_0=True)
 
 
+def test_large_output_written_around_the_cache(threads_split):
+    """An output of at least 1 MB (16 rows x 16400: q8repack.c streams whole groups' outputs past the cache, a group
+    cut by a chunk stored as usual): kernels.qdot8's bits on 1 and 2 threads, with the tiles and the VNNI rows."""
+    w, x = weight(16400, 64, seed=7), activations(16, 64, seed=8)
+    r = repacked(w)
+    expected = kernels.qdot8(x, w)
+    before = repack.amx_from(q8_0=True)
+    try:
+        for amx_from, threads in ((2, 1), (2, 2), (17, 1)):
+            repack.amx_from(amx_from, q8_0=True)
+            torch.set_num_threads(threads)
+            assert torch.equal(repack.product(x, r), expected), (amx_from, threads)
+    finally:
+        repack.amx_from(before, q8_0=True)
+
+
 def test_refusals():
     """Not Q8_0, fewer than 16 rows, experts, too many activation rows: clear errors."""
     with pytest.raises(ValueError, match="not a repackable Q8_0"):

@@ -92,6 +92,8 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 #include <immintrin.h>
 
 #define AHEAD 2048      /* bytes of each stream prefetched ahead (1024..8192 and the T1 hint measured no better) */
+#define STREAM_BYTES (1 << 20)  /* outputs at least this large are written around the cache (whole groups): their
+                                 * line fills stalled the stores (docs/cpu.md, session 14) */
 
 /* Block b (of nb) of the group at g against R activation rows (R = 1..4; row r's blocks at x[r], 128 sum(x) of its
  * blocks at sx[r]): `(w + 128) . x` by `vpdpbusd` with 4 activation bytes broadcast, the value vectors loaded once
@@ -268,6 +270,7 @@ int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *ex
     if (n0 >= n1) return 0;
 #if defined(Q8R_VNNI)
     int32_t *sx = NULL;
+    int stream = M * N * (int64_t)sizeof(float) >= STREAM_BYTES;
 #if defined(Q8R_AMX)
     int tiles = M >= amx_rows_from && qdot8amx_on(-1);
     if (tiles) tiles_for(M);
@@ -301,7 +304,9 @@ int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *ex
             int whole_group = first >= n0 && first + GROUP <= n1;
             for (int64_t m = 0; m < M; m++) {
 #if defined(Q8R_VNNI)
-                _mm512_storeu_ps(whole_group ? y + m * N + first : out[i][m], acc[i][m]);
+                float *to = whole_group ? y + m * N + first : out[i][m];
+                if (stream && whole_group && ((uintptr_t)to & 63) == 0) _mm512_stream_ps(to, acc[i][m]);
+                else _mm512_storeu_ps(to, acc[i][m]);
 #else
                 group_row_c(g[i], nb, x + m * nb * XB, whole_group ? y + m * N + first : out[i][m]);
 #endif
@@ -314,6 +319,7 @@ int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *ex
     if (tiles) _tile_release();
 #endif
 #if defined(Q8R_VNNI)
+    if (stream) _mm_sfence();       /* the streamed outputs ordered before the caller's (or the pool's) next store */
     free(sx);
 #endif
     return 0;
