@@ -1,13 +1,16 @@
 /* Q8_0 repacked at load for `--cpu-dot q8` (docs/cpu.md, "Several rows within 1.3x: Q4_K and Q8_0 (session 14)"),
  * as llama.cpp's AMX path lays it out. A weight's rows are taken 16 at a time (a group: 16 x row_bytes contiguous
- * bytes, the same region before and after), and each block of the group's 16 rows (16 x 34 = 544 bytes) becomes
+ * bytes, the same region before and after), and each pair of blocks of the group's 16 rows (2 x 16 x 34 = 1088
+ * bytes) becomes
  *
- *   [0, 32)      the 16 rows' d (f16);
- *   [32, 544)    the values: 64-byte vector k (k = 0..7) holds in bytes 4 n .. 4 n + 3 row n's values 4 k .. 4 k + 3.
+ *   [0, 512), [512, 1024)       the two blocks' values: 64-byte vector k (k = 0..7) of a block holds in bytes
+ *                               4 n .. 4 n + 3 row n's values 4 k .. 4 k + 3;
+ *   [1024, 1056), [1056, 1088)  the two blocks' 16 scales d (f16), row n at 2 n
  *
- * So the same bytes hold the same numbers (no memory grows), the 16 rows' scales are one vector, and the 512 value
- * bytes are at once the operand of `vpdpbusd` against 4 activation bytes broadcast (16 weight rows' dots) and an AMX
- * B tile (8 rows of 16 weight rows x 4 values) read in address order. Rows past the last whole group keep the stored
+ * (a last odd block alone: its values, then its scales; values_at, scales_at). So the same bytes hold the same
+ * numbers (no memory grows), the 16 rows' scales are one vector, and a block's 512 value bytes are at once the operand
+ * of `vpdpbusd` against 4 activation bytes broadcast (16 weight rows' dots) and an AMX B tile (8 rows of 16 weight rows
+ * x 4 values) read in address order. Rows past the last whole group keep the stored
  * layout (qdot8.c multiplies them). The arithmetic is qdot8.c's Q8_0 (ops/q8_activations.py, llama.cpp's generic
  * ggml_vec_dot_q8_0_q8_0): per row pair acc = acc + (d_w d_x) isum block after block, isum the block's exact integer
  * dot, so every output has qdot8's bits, for any M and any split of the rows. Built with qgemv.c by
@@ -28,7 +31,9 @@
 /* Where block b (of nb) of a group keeps its 512 value bytes and its 16 scales: blocks go in pairs of 1088 bytes,
  * the two blocks' values (64-byte aligned where the group is) then their scales; a last odd block alone. */
 static inline int64_t values_at(int64_t b) { return b / 2 * 2 * GB + b % 2 * 512; }
-static inline int64_t scales_at(int64_t b, int64_t nb) { return b / 2 * 2 * GB + (b / 2 * 2 + 1 < nb ? 1024 : 512) + b % 2 * 32; }
+static inline int64_t scales_at(int64_t b, int64_t nb) {
+    return b / 2 * 2 * GB + (b / 2 * 2 + 1 < nb ? 1024 : 512) + b % 2 * 32;
+}
 
 int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
           const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);           /* qdot8.c: the stored layout */
@@ -153,7 +158,8 @@ static inline __attribute__((always_inline)) void groups_rows(const int G, const
 /* 128 sum(x) of every activation block (vpdpbusd's offset for the weight's values + 128). */
 static void block_sums(const uint8_t *x, int64_t blocks, int32_t *sx) {
     for (int64_t i = 0; i < blocks; i++) {
-        __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(x + i * XB + 4)), _mm256_set1_epi8((char)0x80));
+        __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(x + i * XB + 4)),
+                                     _mm256_set1_epi8((char)0x80));
         __m256i s = _mm256_sad_epu8(v, _mm256_setzero_si256());
         __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
         sx[i] = 128 * ((int32_t)(_mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1)) - 32 * 128);
@@ -179,8 +185,8 @@ static void tiles_for(int64_t M) {
 }
 
 /* One block's float steps from its tile sums (M x 16, dense): acc[m] = acc[m] + (d_w d_x) isum. */
-static inline void block_steps(const uint8_t *g, int64_t b, int64_t nb, const uint8_t *xb, int64_t ldx, int64_t M, const int32_t *sums,
-                               __m512 *acc) {
+static inline void block_steps(const uint8_t *g, int64_t b, int64_t nb, const uint8_t *xb, int64_t ldx, int64_t M,
+                               const int32_t *sums, __m512 *acc) {
     __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + scales_at(b, nb))));
     const uint8_t *gb = g + b * GB;
     for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T0);
