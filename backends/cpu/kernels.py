@@ -38,7 +38,7 @@ from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
                                                              "pool.c", "qdot8amx.c", "glue.c",
-                                                             "step.c", "q4krepack.c"))
+                                                             "step.c", "q4krepack.c", "q2krepack.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("iq2_xxs_groups.h", "half.h"))   # included by SOURCES
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
@@ -111,6 +111,7 @@ def _build() -> ctypes.CDLL:
     _bind_prefill(lib)
     _bind_step(lib)
     _bind_q4kr(lib)
+    _bind_q2kr(lib)
     return lib
 
 
@@ -674,3 +675,20 @@ def _bind_q4kr(k: ctypes.CDLL) -> None:
     k.q4kr_amx_from.restype = ctypes.c_int
     k.q4kr_amx_from.argtypes = [ctypes.c_int]
     k.q4kr_vector.restype = ctypes.c_int
+
+
+# Q2_K repacked at load for `--cpu-dot q8` (q2krepack.c; docs/cpu.md, "Several rows within 1.3x: Q2_K and IQ2_XXS
+# (session 14)").
+Q2KR_TYPE = 1010    # the repacked layout's type code in the library (no GGUF type: qgemv and dequantize refuse it)
+
+
+def _bind_q2kr(k: ctypes.CDLL) -> None:
+    """Declare q2krepack.c's entry points."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    k.q2kr_repack.restype = ctypes.c_int
+    k.q2kr_repack.argtypes = [ptr, i64, i64, ctypes.c_int]
+    k.q2kr_rows.restype = ctypes.c_int
+    k.q2kr_rows.argtypes = k.qdot8.argtypes
+    k.q2kr_amx_from.restype = ctypes.c_int
+    k.q2kr_amx_from.argtypes = [ctypes.c_int]
+    k.q2kr_vector.restype = ctypes.c_int
