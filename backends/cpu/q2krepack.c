@@ -141,79 +141,75 @@ static inline __m512 block_term(const group_scales *s, __m512i isum, __m512i msu
                          _mm512_mul_ps(_mm512_mul_ps(vdx, s->dmin), _mm512_cvtepi32_ps(msum)));
 }
 
-/* One group block `gb` against R activation blocks xb[r] (R = 1..4), the scaled fields shared by the R rows; adds
- * each row's term to acc[r] (lane n: weight row n). */
+/* One group block `gb` against R activation blocks xb[r] (R = 1..4), the masked fields shared by the R rows; adds
+ * each row's term to acc[r] (lane n: weight row n). Per pair of groups (2 p, 2 p + 1: fields i of vectors 8 k ..
+ * 8 k + 7, p = 4 k + i) each row's two group dots (times 4^i: the fields masked in place, not shifted) come from 4
+ * `vpdpbusd` each; they fit int16 (|dot| <= 16 x 3 x 128), so shifted into the two words of each lane they meet the
+ * rows' scale pair in one `vpdpwssd`, as the mins meet the activation's pair of 16-value sums. */
 static inline __attribute__((always_inline)) void block_rows(const int R, const uint8_t *gb, const uint8_t *const *xb,
                                                              __m512 *acc, int ahead) {
     for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + ahead, _MM_HINT_T0);
-    group_scales s;
-    scales_of(gb, &s);
-    __m512i isum[4][4];
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < 4; i++) isum[r][i] = _mm512_setzero_si512();
-#pragma GCC unroll 16
-    for (int v = 0; v < 16; v++)
+    const __m512i low4 = _mm512_set1_epi16(15);
+    __m512i isum[4], msum[4];
+    for (int r = 0; r < R; r++) isum[r] = msum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++)
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
-            __m512i q = scaled_of(gb, &s, v, i);
+            const __m512i mask = _mm512_set1_epi8((char)(3 << (2 * i)));
+            __m512i dot[4][2];
+            for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) {
+                __m512i q = _mm512_and_si512(_mm512_loadu_si512(gb + QS_AT + 64 * (8 * k + v)), mask);
+                for (int r = 0; r < R; r++) {
+                    int32_t xv;
+                    memcpy(&xv, xb[r] + 128 * k + 32 * i + 4 * v, 4);
+                    dot[r][v / 4] = _mm512_dpbusd_epi32(dot[r][v / 4], q, _mm512_set1_epi32(xv));
+                }
+            }
+            int p = 4 * k + i;
+            __m512i z = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(gb + 64 + 32 * p)));   /* words */
+            __m512i sc = _mm512_and_si512(z, low4), mn = _mm512_srli_epi16(z, 4);
             for (int r = 0; r < R; r++) {
-                int32_t xv;
-                memcpy(&xv, xb[r] + 128 * (v / 8) + 32 * i + 4 * (v % 8), 4);
-                isum[r][i] = _mm512_dpbusd_epi32(isum[r][i], q, _mm512_set1_epi32(xv));
+                __m512i even = i ? _mm512_srai_epi32(dot[r][0], 2 * i) : dot[r][0];
+                __m512i pair = _mm512_mask_blend_epi16(0xAAAAAAAA, even, _mm512_slli_epi32(dot[r][1], 16 - 2 * i));
+                int32_t bs;
+                memcpy(&bs, xb[r] + 260 + 4 * p, 4);
+                isum[r] = _mm512_dpwssd_epi32(isum[r], pair, sc);
+                msum[r] = _mm512_dpwssd_epi32(msum[r], mn, _mm512_set1_epi32(bs));
             }
         }
+    group_scales s;
+    s.d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gb));
+    s.dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32)));
     for (int r = 0; r < R; r++) {
-        __m512i mi = _mm512_setzero_si512();
-        for (int p = 0; p < 8; p++) {
-            int32_t bs;
-            memcpy(&bs, xb[r] + 260 + 4 * p, 4);
-            mi = _mm512_dpwssd_epi32(mi, s.mn[p], _mm512_set1_epi32(bs));
-        }
         float dx;
         memcpy(&dx, xb[r] + 256, 4);
-        __m512i is = _mm512_add_epi32(_mm512_add_epi32(isum[r][0], isum[r][1]), _mm512_add_epi32(isum[r][2], isum[r][3]));
-        acc[r] = _mm512_add_ps(acc[r], block_term(&s, is, mi, dx));
+        acc[r] = _mm512_add_ps(acc[r], block_term(&s, isum[r], msum[r], dx));
     }
 }
 
-/* Rows [n0, n1) of one activation row's outputs `y` from groups [a0, a1) of the weight at `base` (row_bytes a row):
- * four groups at a time (a, a + q, a + 2q, a + 3q, q a quarter of the range: four streams of the weight fetched at
- * once), block by block in turn, the last ones alone. */
-static void own_groups(const uint8_t *base, int64_t row_bytes, int64_t nb, const uint8_t *x, int64_t a0, int64_t a1,
-                       float *y, int64_t n0, int64_t n1) {
-    int64_t q = (a1 - a0) / 4, step = GROUP * row_bytes;
-    float out[4][GROUP];
-    for (int64_t a = a0; a < a1; a++) {
-        int R = a < a0 + q ? 4 : 1;
-        if (a >= a0 + q && a < a0 + 4 * q) continue;      /* taken with a - q, a - 2q or a - 3q */
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *xb = x + b * Q8K_BYTES;
-            for (int i = 0; i < R; i++) block_rows(1, base + (a + i * q) * step + b * GB, &xb, acc + i, AHEAD);
-        }
-        for (int i = 0; i < R; i++) {
-            _mm512_storeu_ps(out[i], acc[i]);
-            int64_t first = (a + i * q) * GROUP;
-            for (int64_t n = first < n0 ? n0 : first; n < first + GROUP && n < n1; n++) y[n] = out[i][n - first];
-        }
-    }
-}
-
-/* One group against M activation rows, block by block, up to four rows at a time sharing the scaled fields; acc[m]
- * lane n: activation row m, weight row n. */
-static void group_rows(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M, __m512 *acc) {
-    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+/* R groups g[0..R) (R = 1, or 4: four streams of the weight fetched at once) against M activation rows, block by block
+ * in turn, up to four rows at a time sharing the masked fields; acc[i][m] lane n: group i, activation row m, weight
+ * row n (each sum in block order: the same bits for any R). */
+static void group_rows(const int R, const uint8_t *const *g, int64_t nb, const uint8_t *x, int64_t M,
+                       __m512 (*acc)[GROUP]) {
+    for (int i = 0; i < R; i++)
+        for (int64_t m = 0; m < M; m++) acc[i][m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++)
-        for (int64_t m = 0; m < M; m += 4) {
-            const uint8_t *gb = g + b * GB, *xb[4];
-            for (int r = 0; r < 4; r++) xb[r] = x + ((m + r < M ? m + r : m) * nb + b) * Q8K_BYTES;
-            switch (M - m < 4 ? M - m : 4) {
-            case 1: block_rows(1, gb, xb, acc + m, AHEAD_ROWS); break;
-            case 2: block_rows(2, gb, xb, acc + m, AHEAD_ROWS); break;
-            case 3: block_rows(3, gb, xb, acc + m, AHEAD_ROWS); break;
-            default: block_rows(4, gb, xb, acc + m, AHEAD_ROWS); break;
+        for (int i = 0; i < R; i++)
+            for (int64_t m = 0; m < M; m += 4) {
+                const uint8_t *gb = g[i] + b * GB, *xb[4];
+                int ahead = R == 4 ? AHEAD : AHEAD_ROWS;
+                for (int r = 0; r < 4; r++) xb[r] = x + ((m + r < M ? m + r : m) * nb + b) * Q8K_BYTES;
+                switch (M - m < 4 ? M - m : 4) {
+                case 1: block_rows(1, gb, xb, acc[i] + m, ahead); break;
+                case 2: block_rows(2, gb, xb, acc[i] + m, ahead); break;
+                case 3: block_rows(3, gb, xb, acc[i] + m, ahead); break;
+                default: block_rows(4, gb, xb, acc[i] + m, ahead); break;
+                }
             }
-        }
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
@@ -237,50 +233,58 @@ static void tiles_for(int64_t M) {
 }
 
 typedef struct { int32_t isum[GROUP][GROUP], low[GROUP][GROUP], high[GROUP][GROUP]; } block_sums;
+typedef struct { uint8_t u[4][16][64], mins[2][8][64]; } block_tiles_b;   /* a block's B tiles */
 
-/* Block b of one group (`gb`) on the tiles: its scaled fields as 4 B tiles (u) and its mins as 2 (mins), isum from
- * 4 products, msum's low and high parts from 2, stored to c. */
-static inline void block_tiles(const uint8_t *gb, const uint8_t *xb, int64_t ldx, uint8_t u[4][16][64],
-                               uint8_t mins[2][8][64], block_sums *c) {
+/* A group block's B tiles: its scaled fields (tile h, row rho: values 64 h + 4 rho .. + 3, i.e. fields
+ * 2 (h % 2) + rho / 8 of vector 8 (h / 2) + rho % 8) and its mins (as int16 pairs, and shifted into the high bytes). */
+static inline void block_b(const uint8_t *gb, block_tiles_b *t) {
     for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD_ROWS, _MM_HINT_T0);
     group_scales s;
     scales_of(gb, &s);
     for (int p = 0; p < 8; p++) {
-        _mm512_store_si512(mins[0][p], s.mn[p]);
-        _mm512_store_si512(mins[1][p], _mm512_slli_epi16(s.mn[p], 8));
+        _mm512_store_si512(t->mins[0][p], s.mn[p]);
+        _mm512_store_si512(t->mins[1][p], _mm512_slli_epi16(s.mn[p], 8));
     }
-    /* B tile h, row rho: values 64 h + 4 rho .. + 3, i.e. fields 2 (h % 2) + rho / 8 of vector 8 (h / 2) + rho % 8 */
 #pragma GCC unroll 4
     for (int h = 0; h < 4; h++)
 #pragma GCC unroll 16
         for (int rho = 0; rho < 16; rho++)
-            _mm512_store_si512(u[h][rho], scaled_of(gb, &s, 8 * (h / 2) + rho % 8, 2 * (h % 2) + rho / 8));
+            _mm512_store_si512(t->u[h][rho], scaled_of(gb, &s, 8 * (h / 2) + rho % 8, 2 * (h % 2) + rho / 8));
+}
+
+/* A block's products on the tiles (B tiles t, activation blocks at xb with row stride ldx): isum from 4 products
+ * into tmm4, tmm0-3 its A and B tiles. */
+static inline void block_products(const uint8_t *xb, int64_t ldx, const block_tiles_b *t) {
     _tile_zero(4);
     _tile_loadd(0, xb, ldx);
-    _tile_loadd(2, u[0], 64);
+    _tile_loadd(2, t->u[0], 64);
     _tile_dpbsud(4, 0, 2);
     _tile_loadd(1, xb + 64, ldx);
-    _tile_loadd(3, u[1], 64);
+    _tile_loadd(3, t->u[1], 64);
     _tile_dpbsud(4, 1, 3);
     _tile_loadd(0, xb + 128, ldx);
-    _tile_loadd(2, u[2], 64);
+    _tile_loadd(2, t->u[2], 64);
     _tile_dpbsud(4, 0, 2);
     _tile_loadd(1, xb + 192, ldx);
-    _tile_loadd(3, u[3], 64);
+    _tile_loadd(3, t->u[3], 64);
     _tile_dpbsud(4, 1, 3);
-    _tile_stored(4, c->isum, 64);
+}
+
+/* msum's two products of a block (after block_products) and the three sums stored to c. */
+static inline void block_store(const uint8_t *xb, int64_t ldx, const block_tiles_b *t, block_sums *c) {
     _tile_loadd(5, xb + 260, ldx);
-    _tile_loadd(6, mins[0], 64);
+    _tile_loadd(6, t->mins[0], 64);
     _tile_zero(7);
     _tile_dpbuud(7, 5, 6);
+    _tile_stored(4, c->isum, 64);
     _tile_stored(7, c->low, 64);
-    _tile_loadd(6, mins[1], 64);
+    _tile_loadd(6, t->mins[1], 64);
     _tile_zero(7);
     _tile_dpbsud(7, 5, 6);
     _tile_stored(7, c->high, 64);
 }
 
-/* The float steps of block b of one group from its tile sums c (block_tiles'). */
+/* The float steps of block b of one group from its tile sums c. */
 static inline void block_steps(const uint8_t *gb, const uint8_t *x, int64_t nb, int64_t b, int64_t M,
                                const block_sums *c, __m512 *acc) {
     group_scales s;
@@ -295,17 +299,23 @@ static inline void block_steps(const uint8_t *gb, const uint8_t *x, int64_t nb, 
     }
 }
 
-/* One group against M activation rows on the tiles, block by block; the float steps of block b run after the tiles
- * took block b + 1; acc as group_rows'. */
+/* One group against M activation rows on the tiles, block by block: the B tiles of block b + 1 built and the float
+ * steps of block b - 1 taken while the tiles multiply block b; acc[m] as group_rows' acc[i][m]. (Four groups' streams
+ * in turn, as group_rows takes them, measured slower here from M = 12.) */
 static void group_tiles(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M, __m512 *acc) {
-    uint8_t u[4][16][64] __attribute__((aligned(64))), mins[2][8][64] __attribute__((aligned(64)));
+    block_tiles_b t[2] __attribute__((aligned(64)));
     block_sums c[2] __attribute__((aligned(64)));
     const int64_t ldx = nb * Q8K_BYTES;
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b <= nb; b++) {
-        if (b < nb) block_tiles(g + b * GB, x + b * Q8K_BYTES, ldx, u, mins, &c[b & 1]);
+    block_b(g, &t[0]);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *xb = x + b * Q8K_BYTES;
+        block_products(xb, ldx, &t[b & 1]);
+        if (b + 1 < nb) block_b(g + (b + 1) * GB, &t[(b + 1) & 1]);
         if (b > 0) block_steps(g + (b - 1) * GB, x, nb, b - 1, M, &c[(b - 1) & 1], acc);
+        block_store(xb, ldx, &t[b & 1], &c[b & 1]);
     }
+    block_steps(g + (nb - 1) * GB, x, nb, nb - 1, M, &c[(nb - 1) & 1], acc);
 }
 #endif
 #endif
@@ -343,27 +353,38 @@ static int path_for(int64_t M) {
 }
 
 /* Rows [n0, n1) of y [M, N] from groups [a0, a1) of the weight `w` against M activation rows on `path`
- * (path_for), one group after another. */
+ * (path_for): four groups at a time (a, a + q, a + 2q, a + 3q, q a quarter of the range: four streams of the weight
+ * fetched at once), the last ones alone. */
 static void rows_groups(int path, const uint8_t *w, int64_t row_bytes, int64_t nb, const uint8_t *x, int64_t M,
                         int64_t a0, int64_t a1, float *y, int64_t N, int64_t n0, int64_t n1) {
+    int64_t q = (a1 - a0) / 4, step = GROUP * row_bytes;
     for (int64_t a = a0; a < a1; a++) {
-        const uint8_t *g = w + a * GROUP * row_bytes;
-        float out[GROUP][GROUP];
+        int R = a < a0 + q ? 4 : 1;
+        if (a >= a0 + q && a < a0 + 4 * q) continue;      /* taken with a - q, a - 2q or a - 3q */
+        const uint8_t *g[4] = {w + a * step, w + (a + q) * step, w + (a + 2 * q) * step, w + (a + 3 * q) * step};
+        float out[4][GROUP][GROUP];
 #if defined(Q2KR_VNNI)
-        __m512 acc[GROUP];
+        __m512 acc[4][GROUP];
 #if defined(Q2KR_AMX)
-        if (path == 2) group_tiles(g, nb, x, M, acc);
+        if (path == 2)
+            for (int i = 0; i < R; i++) group_tiles(g[i], nb, x, M, acc[i]);
         else
 #endif
-        group_rows(g, nb, x, M, acc);
-        for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out[m], acc[m]);
+        if (R == 4) group_rows(4, g, nb, x, M, acc);
+        else group_rows(1, g, nb, x, M, acc);
+        for (int i = 0; i < R; i++)
+            for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out[i][m], acc[i][m]);
 #else
         (void)path;
-        for (int64_t m = 0; m < M; m++) group_row_c(g, nb, x + m * nb * Q8K_BYTES, out[m]);
+        for (int i = 0; i < R; i++)
+            for (int64_t m = 0; m < M; m++) group_row_c(g[i], nb, x + m * nb * Q8K_BYTES, out[i][m]);
 #endif
-        int64_t first = a * GROUP;
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = first < n0 ? n0 : first; n < first + GROUP && n < n1; n++) y[m * N + n] = out[m][n - first];
+        for (int i = 0; i < R; i++) {
+            int64_t first = (a + i * q) * GROUP;
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = first < n0 ? n0 : first; n < first + GROUP && n < n1; n++)
+                    y[m * N + n] = out[i][m][n - first];
+        }
     }
 }
 
@@ -398,22 +419,12 @@ int q2kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
         for (int64_t i = 0; i < rows; i++)
             memcpy(xs + i * nb * Q8K_BYTES, x + live[i] * nb * Q8K_BYTES, (size_t)(nb * Q8K_BYTES));
     }
-#if defined(Q2KR_VNNI)
-    if (own || rows == 1) {         /* a weight row of its own: four streams of groups */
-        for (int64_t i = 0; i < rows; i++)
-            own_groups(w + (own ? experts[live[i]] * expert_bytes : 0), row_bytes, nb,
-                       (xs != NULL ? xs : x) + i * nb * Q8K_BYTES, n0 / GROUP, (n1 + GROUP - 1) / GROUP,
-                       y + live[i] * N, n0, n1);
-        free(xs);
-        return 0;
-    }
-#endif
     int path = path_for(own ? 1 : rows);
 #if defined(Q2KR_AMX)
     if (path == 2 && n0 < n1) tiles_for(rows);
 #endif
     if (!own) rows_groups(path, w, row_bytes, nb, x, rows, n0 / GROUP, (n1 + GROUP - 1) / GROUP, y, N, n0, n1);
-    else            /* the plain C build's rows with a weight of their own */
+    else            /* each row with a weight of its own */
         for (int64_t i = 0; i < rows; i++)
             rows_groups(path, w + experts[live[i]] * expert_bytes, row_bytes, nb, (xs != NULL ? xs : x) + i * nb *
                         Q8K_BYTES, 1, n0 / GROUP, (n1 + GROUP - 1) / GROUP, y + live[i] * N, N, n0, n1);
