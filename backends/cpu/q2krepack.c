@@ -31,6 +31,7 @@
 #define Q2KR_TYPE 1010      /* the repacked layout's type code in the kernel library (no GGUF type) */
 #define SC_AT(j, n) (64 + 32 * ((j) / 2) + 2 * (n) + (j) % 2)      /* the scale byte of group j, row n */
 #define QS_AT 320           /* the 2-bit field vectors */
+#define STREAMS 2           /* groups whose weight streams are fetched at once (measured: 1, 2, 4, 8) */
 
 int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
           const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);           /* qdot8.c: the stored layout */
@@ -107,7 +108,7 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 #define Q2KR_VNNI 1
 #include <immintrin.h>
 
-#define AHEAD 1024      /* bytes of each weight stream prefetched ahead: four streams (M = 1), */
+#define AHEAD 1024      /* bytes of each weight stream prefetched ahead: STREAMS streams, */
 #define AHEAD_ROWS 4096 /* one stream (several rows) */
 
 /* A group block's scales: s[j] lane n = row n's scale of group j in both 16-bit words; mn[p] lane n = its mins of
@@ -190,7 +191,7 @@ static inline __attribute__((always_inline)) void block_rows(const int R, const 
     }
 }
 
-/* R groups g[0..R) (R = 1, or 4: four streams of the weight fetched at once) against M activation rows, block by block
+/* R groups g[0..R) (R = 1, or STREAMS: that many streams of the weight fetched at once) against M activation rows, block by block
  * in turn, up to four rows at a time sharing the masked fields; acc[i][m] lane n: group i, activation row m, weight
  * row n (each sum in block order: the same bits for any R). */
 static void group_rows(const int R, const uint8_t *const *g, int64_t nb, const uint8_t *x, int64_t M,
@@ -201,7 +202,7 @@ static void group_rows(const int R, const uint8_t *const *g, int64_t nb, const u
         for (int i = 0; i < R; i++)
             for (int64_t m = 0; m < M; m += 4) {
                 const uint8_t *gb = g[i] + b * GB, *xb[4];
-                int ahead = R == 4 ? AHEAD : AHEAD_ROWS;
+                int ahead = R > 1 ? AHEAD : AHEAD_ROWS;
                 for (int r = 0; r < 4; r++) xb[r] = x + ((m + r < M ? m + r : m) * nb + b) * Q8K_BYTES;
                 switch (M - m < 4 ? M - m : 4) {
                 case 1: block_rows(1, gb, xb, acc[i] + m, ahead); break;
@@ -320,7 +321,7 @@ static void group_tiles(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t 
 #endif
 #endif
 
-static int amx_rows_from = 6;       /* q2kr_amx_from: the fewest rows that take the tiles */
+static int amx_rows_from = 7;       /* q2kr_amx_from: the fewest rows that take the tiles */
 
 /* The fewest activation rows for which a plain weight's groups take the AMX tiles (`from` >= 2 sets it; 17: never);
  * returns it. */
@@ -353,24 +354,25 @@ static int path_for(int64_t M) {
 }
 
 /* Rows [n0, n1) of y [M, N] from groups [a0, a1) of the weight `w` against M activation rows on `path`
- * (path_for): four groups at a time (a, a + q, a + 2q, a + 3q, q a quarter of the range: four streams of the weight
- * fetched at once), the last ones alone. */
+ * (path_for): STREAMS groups at a time (a, a + q, .., q the range over STREAMS: that many streams of the weight
+ * fetched at once; on the tiles one group after another), the last ones alone. */
 static void rows_groups(int path, const uint8_t *w, int64_t row_bytes, int64_t nb, const uint8_t *x, int64_t M,
                         int64_t a0, int64_t a1, float *y, int64_t N, int64_t n0, int64_t n1) {
-    int64_t q = (a1 - a0) / 4, step = GROUP * row_bytes;
+    int64_t q = (a1 - a0) / STREAMS, step = GROUP * row_bytes;
     for (int64_t a = a0; a < a1; a++) {
-        int R = a < a0 + q ? 4 : 1;
-        if (a >= a0 + q && a < a0 + 4 * q) continue;      /* taken with a - q, a - 2q or a - 3q */
-        const uint8_t *g[4] = {w + a * step, w + (a + q) * step, w + (a + 2 * q) * step, w + (a + 3 * q) * step};
-        float out[4][GROUP][GROUP];
+        int R = a < a0 + q ? STREAMS : 1;
+        if (a >= a0 + q && a < a0 + STREAMS * q) continue;      /* taken with a - q, a - 2q, .. */
+        const uint8_t *g[STREAMS];
+        for (int i = 0; i < STREAMS; i++) g[i] = w + (a + i * q) * step;
+        float out[STREAMS][GROUP][GROUP];
 #if defined(Q2KR_VNNI)
-        __m512 acc[4][GROUP];
+        __m512 acc[STREAMS][GROUP];
 #if defined(Q2KR_AMX)
         if (path == 2)
             for (int i = 0; i < R; i++) group_tiles(g[i], nb, x, M, acc[i]);
         else
 #endif
-        if (R == 4) group_rows(4, g, nb, x, M, acc);
+        if (R == STREAMS) group_rows(STREAMS, g, nb, x, M, acc);
         else group_rows(1, g, nb, x, M, acc);
         for (int i = 0; i < R; i++)
             for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out[i][m], acc[i][m]);
