@@ -30,7 +30,8 @@ class RepackedQ4K:
 
 
 def repackable(w: object) -> bool:
-    """Whether `w` is a Q4_K QTensor (2-D or a stack) with whole blocks that the library here can repack."""
+    """Whether `w` is a QTensor of a type with a layout (Q4_K, Q2_K; 2-D or a stack) with whole blocks that the
+    library here can repack."""
     return (type(w) is QTensor and w.qtype.name in LAYOUTS and len(w.shape) in (2, 3) and w.shape[-1] % 256 == 0
             and w.shape[-2] >= GROUP and kernels.built())
 
@@ -99,22 +100,21 @@ def experts_product(x: torch.Tensor, w: RepackedQ4K | RepackedQ2K, ids: torch.Te
     return y
 
 
-def kernel(w: RepackedQ4K | RepackedQ2K | None = None) -> ctypes._CFuncPtr:
+def kernel(w: RepackedQ4K | RepackedQ2K) -> ctypes._CFuncPtr:
     """The library's row kernel of repacked weights like `w` (q4kr_rows, q2kr_rows: qdot8_rows' arguments)."""
-    return getattr(kernels.lib(), f"{layout_of(w).prefix}_rows" if w is not None else "q4kr_rows")
+    return getattr(kernels.lib(), f"{layout_of(w).prefix}_rows")
 
 
 def require_q8(dot: str) -> None:
     """ValueError off q8: a repacked weight has only the 8-bit kernels (the exact ones read the stored layout)."""
     if dot != "q8":
-        raise ValueError(f"a repacked Q4_K weight is multiplied under --cpu-dot q8 only, not {dot!r}")
+        raise ValueError(f"a repacked weight is multiplied under --cpu-dot q8 only, not {dot!r}")
 
 
-def repacked_rows(dot: str, w: RepackedQ4K | RepackedQ2K | None = None) -> tuple[int, int]:
-    """The address of the row kernel of repacked weights like `w` (Q4_K's where None) and its type code
-    (`require_q8`)."""
+def repacked_rows(dot: str, w: RepackedQ4K | RepackedQ2K) -> tuple[int, int]:
+    """The address of the row kernel of repacked weights like `w` and its type code (`require_q8`)."""
     require_q8(dot)
-    return ctypes.cast(kernel(w), ctypes.c_void_p).value, layout_of(w).code if w is not None else kernels.Q4KR_TYPE
+    return ctypes.cast(kernel(w), ctypes.c_void_p).value, layout_of(w).code
 
 
 def bind(w: RepackedQ4K | RepackedQ2K) -> kernels.Bound:
