@@ -2,7 +2,7 @@
 permutation of the bytes (and back), and the repacked kernels give today's q8 Q2_K bits (kernels.qdot8 on the stored
 weight, itself checked against ops/q8_activations.py) for M = 1..16, 1/2/3 threads with chunk splits inside a group,
 row counts that are not whole groups, routed experts by index, with the AMX tiles, the VNNI rows and the AVX2 and
-plain C builds; a tiny q2-mix model repacks its routed Q2_K stacks and keeps its tokens and logits."""
+plain C builds; a tiny model with Q2_K routed down stacks repacks them and keeps its tokens and logits."""
 from __future__ import annotations
 
 import pytest
@@ -128,25 +128,28 @@ def test_build_without_avx512(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def q2_tiny(tmp_path_factory) -> str:
-    """A tiny random model in ds4's q2 mix with rows of 256 values, so that its routed down projections are Q2_K
-    stacks of whole groups (8 experts of 256 x 256; gate and up IQ2_XXS)."""
+def q2_down_tiny(tmp_path_factory) -> str:
+    """A tiny random model in ds4's q4 mix but with Q2_K routed down projections (the q2 mix's; its IQ2_XXS gate/up
+    would take the reference quantizer a minute), rows of 256 values, so that its routed stacks are Q4_K and Q2_K
+    stacks of whole groups (8 experts of 256 x 256)."""
+    from ds4.formats import quant_mix
     from ds4.tiny.build import write_tiny
-    path = str(tmp_path_factory.mktemp("q2") / "tiny-q2.gguf")
-    write_tiny(path, mix="q2", dim=256, moe_inter_dim=256, n_layers=2, n_hash_layers=1, compress_ratios=(0, 4))
+    path = str(tmp_path_factory.mktemp("q2") / "tiny-q2-down.gguf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(quant_mix._ROUTED["q4"], "ffn_down_exps", "Q2_K")
+        write_tiny(path, mix="q4", dim=256, moe_inter_dim=256, n_layers=2, n_hash_layers=1, compress_ratios=(0, 4))
     return path
 
 
-def test_model_on_repacked_weights_equals_mapped(q2_tiny):
-    """`--weights memory --cpu-dot q8` repacks the routed Q2_K stacks at load (typed, in place; IQ2_XXS stays stored);
-    prefill, decode and a 9-row call of the unfused path give the mapped weights' tokens and logits bit for bit."""
+def test_model_on_repacked_weights_equals_mapped(q2_down_tiny):
+    """`--weights memory --cpu-dot q8` repacks the routed Q2_K (and Q4_K) stacks at load (typed, in place); prefill,
+    decode and a 9-row call of the unfused path give the mapped weights' tokens and logits bit for bit."""
     from tests.test_cpu_q4k_repack import run
-    ids, logits, mapped = run(q2_tiny, "mmap")
-    ids2, logits2, copied = run(q2_tiny, "memory")
-    downs = [L.experts.down for L in copied.model.layers]
-    assert all(type(w) is repack.RepackedQ2K for w in downs) == repack.worthwhile()
-    assert all(type(L.experts.gate) is QTensor and L.experts.gate.qtype.name == "IQ2_XXS" for L in copied.model.layers)
-    assert all(type(L.experts.down) is QTensor for L in mapped.model.layers)
+    ids, logits, mapped = run(q2_down_tiny, "mmap")
+    ids2, logits2, copied = run(q2_down_tiny, "memory")
+    assert all(type(L.experts.down) is repack.RepackedQ2K and type(L.experts.gate) is repack.RepackedQ4K
+               for L in copied.model.layers) == repack.worthwhile()
+    assert all(type(L.experts.down) is QTensor and L.experts.down.qtype.name == "Q2_K" for L in mapped.model.layers)
     assert ids == ids2 and len(ids) == 5
     assert all(torch.equal(a, b) for a, b in zip(logits, logits2, strict=True))
     from backends.cpu import ffn
