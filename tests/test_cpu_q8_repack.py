@@ -29,7 +29,7 @@ def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
 
 def repacked(w: QTensor) -> repack.RepackedQ8_0:
     """A repacked copy of `w` (w itself unchanged)."""
-    return repack.repack_q8_0(QTensor(w.qtype, w.shape, w.data.clone(), w.name))
+    return repack.repack(QTensor(w.qtype, w.shape, w.data.clone(), w.name))
 
 
 @pytest.fixture
@@ -64,8 +64,8 @@ def test_repacked_equals_stored_for_every_m_and_thread_split(amx_from, threads_s
     """87 output rows (five whole groups: four read at once and one alone, 7 rows in the stored layout) of 480 values
     (15 blocks) and 200 rows (12 groups) of 1024: kernels.qdot8's bits (and the reference's) for M = 1..16, on 1
     thread and split across 2 and 3; with the tiles from 2 rows, from 9 and never."""
-    before = repack.amx_from(q8_0=True)
-    repack.amx_from(amx_from, q8_0=True)
+    before = repack.amx_from("Q8_0")
+    repack.amx_from("Q8_0", amx_from)
     try:
         for n, k in ((87, 480), (200, 1024)):
             w, x = weight(n, k), activations(16, k)
@@ -77,7 +77,7 @@ def test_repacked_equals_stored_for_every_m_and_thread_split(amx_from, threads_s
                 for M in range(1, 17) if threads == 1 else (1, 3, 9, 16):
                     assert torch.equal(repack.product(x[:M], r), expected[:M]), (amx_from, n, k, threads, M)
     finally:
-        repack.amx_from(before, q8_0=True)
+        repack.amx_from("Q8_0", before)
 
 
 def test_large_output_written_around_the_cache(threads_split):
@@ -86,22 +86,25 @@ def test_large_output_written_around_the_cache(threads_split):
     w, x = weight(16400, 64, seed=7), activations(16, 64, seed=8)
     r = repacked(w)
     expected = kernels.qdot8(x, w)
-    before = repack.amx_from(q8_0=True)
+    before = repack.amx_from("Q8_0")
     try:
         for amx_from, threads in ((2, 1), (2, 2), (17, 1)):
-            repack.amx_from(amx_from, q8_0=True)
+            repack.amx_from("Q8_0", amx_from)
             torch.set_num_threads(threads)
             assert torch.equal(repack.product(x, r), expected), (amx_from, threads)
     finally:
-        repack.amx_from(before, q8_0=True)
+        repack.amx_from("Q8_0", before)
 
 
 def test_refusals():
-    """Not Q8_0, fewer than 16 rows, experts, too many activation rows: clear errors."""
-    with pytest.raises(ValueError, match="not a repackable Q8_0"):
-        repack.repack_q8_0(QTensor.quantize(torch.randn(16, 256), "Q4_K", "w"))
-    with pytest.raises(ValueError, match="not a repackable Q8_0"):
-        repack.repack_q8_0(weight(8, 256))
+    """A type without a layout, fewer than 16 rows, a Q8_0 stack, experts, too many activation rows: clear errors."""
+    with pytest.raises(ValueError, match="not a repackable Q4_K, Q2_K or Q8_0 weight: .*Q5_K"):
+        repack.repack(QTensor.quantize(torch.randn(16, 256), "Q5_K", "w"))
+    with pytest.raises(ValueError, match="not a repackable"):
+        repack.repack(weight(8, 256))
+    stack = weight(32, 256)
+    with pytest.raises(ValueError, match="not a repackable"):
+        repack.repack(QTensor(stack.qtype, (2, 16, 256), stack.data.reshape(2, 16, -1), "stack"))
     r = repacked(weight(16, 256))
     with pytest.raises(ValueError, match="takes no experts"):
         repack.product(torch.randn(2, 256), r, torch.tensor([0, 0]))
@@ -116,7 +119,7 @@ def test_build_without_avx512(tmp_path, monkeypatch):
     w, x = weight(21, 480, seed=5), activations(16, 480, seed=6)
     expected = kernels.qdot8(x, w)
     rebuild_with(flags, tmp_path, monkeypatch)
-    assert not repack.worthwhile(q8_0=True)
+    assert not repack.worthwhile()
     r = repacked(w)
     for M in (1, 2, 16):
         assert torch.equal(repack.product(x[:M], r), expected[:M]), (flags, M)

@@ -17,7 +17,7 @@ from ops.moe import Experts
 from ops.quants import QTensor
 
 from . import kernels
-from .repack import RepackedQ4K, repacked_rows
+from .repack import REPACKED, RepackedQ2K, RepackedQ4K, layout_of, repacked_rows
 from .scratch import SCRATCH
 
 _bound: ctypes.CDLL | None = None
@@ -186,15 +186,15 @@ class ProductArgs(ctypes.Structure):
                 ("parts", ctypes.c_int64)]
 
 
-def type_name(w: QTensor | RepackedQ4K) -> str:
-    """The quant type of w's values (a repacked Q4_K weight's is Q4_K)."""
-    return "Q4_K" if type(w) is RepackedQ4K else w.qtype.name
+def type_name(w: QTensor | RepackedQ4K | RepackedQ2K) -> str:
+    """The quant type of w's values (a repacked Q4_K weight's is Q4_K, a repacked Q2_K weight's Q2_K)."""
+    return layout_of(w).qtype if type(w) in REPACKED else w.qtype.name
 
 
 def row_kernel(w: QTensor | RepackedQ4K, dot: str) -> tuple[int, int]:
     """The address of w's row kernel under `dot` and the type code it takes (a repacked weight: its own, q8 only)."""
-    if type(w) is RepackedQ4K:
-        return repacked_rows(dot)
+    if type(w) in REPACKED:
+        return repacked_rows(dot, w)
     return kernels.row_kernel(dot == "q8"), kernels.GGML_TYPE[w.qtype.name]
 
 
@@ -249,7 +249,7 @@ def products(calls: list[tuple[torch.Tensor, QTensor | RepackedQ4K, torch.Tensor
         if key not in prepared:
             prepared[key] = kernels.q8_quantize(f32(x), name) if dot == "q8" else f32(x)
         y = torch.empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
-        args[i] = product_args(None if type(w) is RepackedQ4K else kernel, w, experts, x.shape[0],
+        args[i] = product_args(None if type(w) in REPACKED else kernel, w, experts, x.shape[0],
                                prepared[key].data_ptr(), y.data_ptr(), alive, dot)
         outs.append(y)
     if k.glue_products(args, len(calls), kernels.threads()):
@@ -338,7 +338,7 @@ def bind_expert(gate: QTensor | RepackedQ4K, up: QTensor | RepackedQ4K, down: QT
     served = kernels.q8_available if dot == "q8" else kernels.available
     K, inner = gate.shape[-1], gate.shape[-2]
     names = tuple(type_name(t) for t in (gate, up, down))
-    if not all(type(t) in (QTensor, RepackedQ4K) and len(t.shape) == (3 if routed else 2) and name != "F32"
+    if not all(type(t) in (QTensor, *REPACKED) and len(t.shape) == (3 if routed else 2) and name != "F32"
                for t, name in zip((gate, up, down), names, strict=True)):
         return None
     if up.shape != gate.shape or down.shape[-1] != inner or down.shape[:-2] != gate.shape[:-2]:

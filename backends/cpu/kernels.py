@@ -38,7 +38,7 @@ from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
                                                              "pool.c", "qdot8amx.c", "glue.c",
-                                                             "step.c", "q4krepack.c", "q8repack.c"))
+                                                             "step.c", "q4krepack.c", "q2krepack.c", "q8repack.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("iq2_xxs_groups.h", "half.h"))   # included by SOURCES
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
@@ -110,7 +110,7 @@ def _build() -> ctypes.CDLL:
     _bind_amx_rows(lib)
     _bind_prefill(lib)
     _bind_step(lib)
-    _bind_q4kr(lib)
+    _bind_repacked(lib)
     return lib
 
 
@@ -668,25 +668,22 @@ def indexer_topk(scores: torch.Tensor, k: int, visible: torch.Tensor) -> torch.T
     return out
 
 
-# Q4_K repacked at load for `--cpu-dot q8` (q4krepack.c; docs/cpu.md, "Q4_K repacked at load (session 13)").
-Q4KR_TYPE = 1012    # the repacked layout's type code in the library (no GGUF type: qgemv and dequantize refuse it)
-Q8R_TYPE = 1008     # Q8_0 repacked (q8repack.c; docs/cpu.md, "Several rows within 1.3x: Q4_K and Q8_0 (session 14)")
+# The layouts repacked at load for `--cpu-dot q8` (backends/cpu/repack.py; docs/cpu.md, "Q4_K repacked at load
+# (session 13)", "Several rows within 1.3x: ... (session 14)"): their type codes in the library (no GGUF type: qgemv
+# and dequantize refuse them) and the prefixes of their entry points.
+Q4KR_TYPE = 1012    # Q4_K repacked (q4krepack.c)
+Q2KR_TYPE = 1010    # Q2_K repacked (q2krepack.c)
+Q8R_TYPE = 1008     # Q8_0 repacked (q8repack.c)
 
 
-def _bind_q4kr(k: ctypes.CDLL) -> None:
-    """Declare q4krepack.c's and q8repack.c's entry points."""
+def _bind_repacked(k: ctypes.CDLL) -> None:
+    """Declare q4krepack.c's, q2krepack.c's and q8repack.c's entry points."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    k.q4kr_repack.restype = ctypes.c_int
-    k.q4kr_repack.argtypes = [ptr, i64, i64, ctypes.c_int]
-    k.q4kr_rows.restype = ctypes.c_int
-    k.q4kr_rows.argtypes = k.qdot8.argtypes
-    k.q4kr_amx_from.restype = ctypes.c_int
-    k.q4kr_amx_from.argtypes = [ctypes.c_int]
-    k.q4kr_vector.restype = ctypes.c_int
-    k.q8r_repack.restype = ctypes.c_int
-    k.q8r_repack.argtypes = [ptr, i64, i64, ctypes.c_int]
-    k.q8r_rows.restype = ctypes.c_int
-    k.q8r_rows.argtypes = k.qdot8.argtypes
-    k.q8r_amx_from.restype = ctypes.c_int
-    k.q8r_amx_from.argtypes = [ctypes.c_int]
-    k.q8r_vector.restype = ctypes.c_int
+    for prefix in ("q4kr", "q2kr", "q8r"):
+        getattr(k, f"{prefix}_repack").restype = ctypes.c_int
+        getattr(k, f"{prefix}_repack").argtypes = [ptr, i64, i64, ctypes.c_int]
+        getattr(k, f"{prefix}_rows").restype = ctypes.c_int
+        getattr(k, f"{prefix}_rows").argtypes = k.qdot8.argtypes
+        getattr(k, f"{prefix}_amx_from").restype = ctypes.c_int
+        getattr(k, f"{prefix}_amx_from").argtypes = [ctypes.c_int]
+        getattr(k, f"{prefix}_vector").restype = ctypes.c_int
