@@ -96,11 +96,12 @@ class WeightsReport:
                 f"{self.plan.reason})")
 
 
-def repack_q4_k_experts(layers: list) -> None:
-    """Repack in place the routed experts' Q4_K stacks of the trunk `layers` (block records with `experts`) for the
-    8-bit kernels (backends/cpu/repack.py; docs/cpu.md "Q4_K repacked at load (session 13)"): the caller does it only
-    for weights read into this process's memory under `--cpu-dot q8` on the CPU, where the copy exists anyway and no
-    exact kernel reads them. Nothing is repacked where the vector kernels are not built here."""
+def repack_experts(layers: list) -> None:
+    """Repack in place the routed experts' stacks of a repackable type (Q4_K, Q2_K: backends/cpu/repack.py's
+    `LAYOUTS`) of the trunk `layers` (block records with `experts`) for the 8-bit kernels (docs/cpu.md "Q4_K repacked
+    at load (session 13)", "Several rows within 1.3x: Q2_K and IQ2_XXS (session 14)"): the caller does it only for
+    weights read into this process's memory under `--cpu-dot q8` on the CPU, where the copy exists anyway and no exact
+    kernel reads them. Nothing is repacked where the vector kernels are not built here."""
     from backends.cpu import repack
     if not repack.worthwhile():
         return

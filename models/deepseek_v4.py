@@ -506,11 +506,15 @@ class DeepseekV4:
         a = self.args
         return self.ops.hc_pre_norm(X, hc.fn, hc.scale, hc.base, norm, a.hc_sinkhorn_iters, a.hc_eps, a.rms_eps)
 
-    def store_kv(self, cache_rows: Array, slots: Array, kv: Array) -> Array:
-        """KV rows as stored: FP8-simulated no-RoPE dims (switch kv_fp8_sim), optionally F16-rounded."""
+    def kv_rounding(self) -> tuple[int, bool]:
+        """How KV rows are stored (store_rows' fp8_dims and f16): FP8-simulated no-RoPE dims (switch kv_fp8_sim),
+        optionally F16-rounded."""
         a = self.args
-        return self.ops.store_rows(cache_rows, slots, kv, a.head_dim - a.rope_dim if a.kv_fp8_sim else 0,
-                                   a.f16_cache)
+        return a.head_dim - a.rope_dim if a.kv_fp8_sim else 0, a.f16_cache
+
+    def store_kv(self, cache_rows: Array, slots: Array, kv: Array) -> Array:
+        """KV rows as stored (`kv_rounding`)."""
+        return self.ops.store_rows(cache_rows, slots, kv, *self.kv_rounding())
 
     def index_sim(self, x: Array) -> Array:
         """Indexer query/key as scored: Hadamard + FP4 simulation (switch indexer_fp4_sim)."""
@@ -524,10 +528,9 @@ class DeepseekV4:
         """Attention sub-layer output [M, D] for normed inputs `a_in` [M, D]."""
         args, ops = self.args, self.ops
         M, hd, eps = a_in.shape[0], args.head_dim, args.rms_eps
-        q_lat = ops.qmatmul_norm_rope(a_in, L.q_a, L.q_a_norm, eps)
-        q = ops.qmatmul_norm_rope(q_lat, L.q_b, None, eps, hd, plan.pos, L.freqs).reshape(M, -1, hd)  # rank's heads
-        kv = ops.qmatmul_norm_rope(a_in, L.kv, L.kv_norm, eps, hd, plan.pos, L.freqs)
-        cache.rows = self.store_kv(cache.rows, plan.raw_slots, kv)
+        q_lat, q, cache.rows = ops.attention_input(a_in, L.q_a, L.q_a_norm, L.q_b, L.kv, L.kv_norm, eps, hd, plan.pos,
+                                                   L.freqs, cache.rows, plan.raw_slots, *self.kv_rounding())
+        q = q.reshape(M, -1, hd)  # this rank's heads
 
         rows = AttnRows(plan.raw_rows, plan.n_raw)
         if L.ratio:
@@ -571,9 +574,8 @@ class DeepseekV4:
     def indexer(self, L: Block, a_in: Array, q_lat: Array, plan: Plan, cache: LayerCache) -> Array:
         """Compressed rows [M, top_k] each query attends to (−1 = none), chosen by the lightning indexer."""
         args, ops, ix = self.args, self.ops, L.indexer
-        M, Hi, di = a_in.shape[0], args.index_n_heads, args.index_head_dim
-        q = ops.rope_tail(ops.qmatmul(q_lat, ix.q_b).reshape(M, -1, di), plan.pos, L.freqs)   # this rank's heads
-        q = self.index_sim(q)
-        w = ops.qmatmul(a_in, ix.proj) / math.sqrt(Hi * di)
+        Hi, di = args.index_n_heads, args.index_head_dim
+        q, w = ops.indexer_query(q_lat, a_in, ix.q_b, ix.proj, di, plan.pos, L.freqs, args.indexer_fp4_sim,
+                                 math.sqrt(Hi * di))    # this rank's heads
         scores = self.tp_sum(ops.index_scores(q, cache.index_rows, w, plan.visible))   # every rank ranks alike
         return ops.indexer_topk(scores, args.index_topk, plan.visible_rows)

@@ -4,8 +4,8 @@ Every byte the op needs is read once and every output byte written once: all ten
 their stored blocks) and the outputs, except where the contract reads a subset, which `IDEAL` states per op:
 embed reads only the asked rows of its table; moe only its router and the experts the rows pick;
 sparse_attention only the listed cache rows; index_scores the keys some query sees; indexer_topk the scores
-of visible columns; store_rows writes only its rows into the cache, compressor_store only its rows into its
-rings. The traffic benchmark divides a kernel's measured bytes by this figure (its re-read ratio).
+of visible columns; store_rows and attention_input write only their rows into the cache, compressor_store only its
+rows into its rings. The traffic benchmark divides a kernel's measured bytes by this figure (its re-read ratio).
 """
 from __future__ import annotations
 
@@ -82,9 +82,19 @@ def compressor_store(out, x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torc
     return nbytes((x, kv, gate, ape_rows, slots)) + ape_rows.numel() * ape.shape[-1] * ape.element_size() + written
 
 
+def attention_input(out, x: torch.Tensor, q_a: QTensor, q_a_norm, q_b: QTensor, kv: QTensor, kv_norm, eps: float,
+                    head_dim: int, positions: torch.Tensor, freqs: torch.Tensor, cache: torch.Tensor,
+                    slots: torch.Tensor, fp8_dims: int = 0, f16: bool = False) -> int:
+    """x, the three weights and two norms, the positions, frequencies and slots, q_lat and q, the kv rows written
+    into the cache."""
+    read = nbytes((x, q_a, q_a_norm, q_b, kv, kv_norm, positions, freqs, slots, out[0], out[1]))
+    return read + slots.numel() * cache.shape[-1] * cache.element_size()
+
+
 IDEAL: dict[str, Callable[..., int]] = {  # op -> ideal bytes (output first, then the op's arguments)
     "embed": embed, "moe": moe, "sparse_attention": sparse_attention, "index_scores": index_scores,
     "indexer_topk": indexer_topk, "store_rows": store_rows, "compressor_store": compressor_store,
+    "attention_input": attention_input,
 }
 
 

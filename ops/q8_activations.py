@@ -3,7 +3,8 @@
 As llama.cpp's CPU kernels do, each row of activations is rounded to 8 bits per block and every block of a
 weight row is multiplied with it in integers; floats only combine whole blocks:
 
-- **Q8_K** (activations of the 256-value types IQ2_XXS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS): per 256 values,
+- **Q8_K** (activations of the 256-value types: the K-quants, IQ4_XS, the IQ codebook types IQ2_XXS, IQ2_XS, IQ2_S,
+  IQ3_XXS, IQ3_S, IQ1_S, IQ1_M and the ternary TQ1_0, TQ2_0): per 256 values,
   `max` = the first value of the largest magnitude, `iscale = -127 / max`, `q = min(127, round(iscale * x))`
   (halves to even), `d = 1 / iscale`, and the sums of q over each 16 values (`bsums`); an all-zero block
   has d = 0 and q = 0.
@@ -12,7 +13,7 @@ weight row is multiplied with it in integers; floats only combine whole blocks:
 - **Q8_1** (activations of Q4_1 and Q5_1 weights): Q8_0's, plus `s = f16(d * sum of q)` (d before its f16
   rounding).
 - **F16** (activations of F16 weights, llama.cpp's `vec_dot_type` for F16): each value rounded to the nearest
-  f16 (halves to even); the products of two f16 values are exact in float32.
+  f16 (halves to even); the products of two f16 values are exact in float32. **BF16** the same with bf16.
 
 Per weight block the dot is an exact integer sum; the float combination, in block order along the row: IQ2_XXS
 `acc += (d_w d_x) bsum` (bsum = sum over groups of (2 ls + 1) times the group's integer dot), and 0.125 acc at the
@@ -25,10 +26,16 @@ adds `(d_w d_x) sumi_l`, sumi_l the integer dot of values 4l..4l+3 of each 32, b
 order) the types whose 32 values are integer codes times one scale: Q4_0 (q - 8), Q5_0 (q - 16), IQ4_NL (its table),
 MXFP4 (twice the E2M1 value; the scale 2^(e - 128)); Q4_1 and Q5_1 (unsigned codes, a min `m`) as those, then
 `+ summs` at the end (summs adds `m_w s_x` block after block); F16 in 32 lanes (lane l adds the products of values
-l, l + 32, l + 64, ... in order; then the lanes in order). These are the formulas of llama.cpp's
+l, l + 32, l + 64, ... in order; then the lanes in order), BF16 the same. The codebook and ternary types as
+llama.cpp's generic kernels: `acc += (d_w d_x) bsum` block after block, bsum = sum over groups of (2 ls + 1) times
+the group's integer dot with the signed grid values (IQ2_XS, IQ2_S per 16 values, IQ3_XXS, IQ3_S per 32), then
+0.125 acc (IQ2_XS, IQ2_S) or 0.25 acc (IQ3_XXS) at the end; TQ1_0, TQ2_0 `acc += (d_w d_x) isum` (codes q - 1);
+IQ1_S, IQ1_M `acc += (d_w d_x) (sumi + 0.125 sumd)` (sumi: (2 ls + 1) times the integer dot with the grid's -1, 0,
+1; sumd: (2 ls + 1) times each delta's sign times the activations' sum; the float sum rounded once). These are the
+formulas of llama.cpp's
 `ggml_vec_dot_<type>_q8_K` / `ggml_vec_dot_<type>_q8_0` / `_q8_1` / `ggml_vec_dot_f16` (per-block integers equal;
-IQ2_XXS, Q2_K and Q8_0 add the block terms in the generic version's float order; llama.cpp's SIMD variants use other
-float orders). The C kernel matches this reference bit for bit.
+IQ2_XXS, Q2_K, Q8_0 and the codebook and ternary types add the block terms in the generic version's float order;
+llama.cpp's SIMD variants use other float orders). The C kernel matches this reference bit for bit.
 """
 from __future__ import annotations
 
@@ -36,20 +43,24 @@ from dataclasses import dataclass
 
 import torch
 
-from ops.quants import QTensor
-from ops.quants._blocks import bit_planes, f16_field, round_half_away
+from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq3_s, iq3_xxs
+from ops.quants._blocks import bit_planes, f16_field, round_half_away, u16_fields, u32_fields
 from ops.quants.iq2_xxs import GRID, KSIGNS
 from ops.quants.iq4_nl import KVALUES
 from ops.quants.mxfp4 import E2M1, _half_scale
 from ops.quants.q4_0 import nibbles
 from ops.quants.q4_k import _unpack_scales
 from ops.quants.q5_0 import codes as q5_codes
+from ops.quants.tq1_0 import _digits as tq1_digits
 
-Q8_K_TYPES = ("IQ2_XXS", "Q2_K", "Q4_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS")   # weights multiplied with Q8_K
+Q8_K_TYPES = ("IQ2_XXS", "Q2_K", "Q4_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS",   # weights multiplied with Q8_K
+              "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "TQ2_0", "TQ1_0", "IQ1_S", "IQ1_M")
 Q8_0_TYPES = ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL", "MXFP4")                       # ... with Q8_0 activations
 Q8_1_TYPES = ("Q4_1", "Q5_1")                                                   # ... with Q8_1 activations
 F16_TYPES = ("F16",)                          # weights multiplied with activations rounded to f16
-TYPES = Q8_K_TYPES + Q8_0_TYPES + Q8_1_TYPES + F16_TYPES
+BF16_TYPES = ("BF16",)                        # ... with activations rounded to bf16
+TYPES = Q8_K_TYPES + Q8_0_TYPES + Q8_1_TYPES + F16_TYPES + BF16_TYPES
+FACTOR = {"IQ2_XXS": 0.125, "IQ2_XS": 0.125, "IQ2_S": 0.125, "IQ3_XXS": 0.25}   # applied to a row's sum at the end
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,12 @@ def quantize_q8_1(x: torch.Tensor) -> Q8Blocks:
 def round_f16(x: torch.Tensor) -> torch.Tensor:
     """Activations `x` [M, K] (K a multiple of 32) rounded to the nearest f16, as float32 (llama.cpp's F16 rows)."""
     return _check(x, 32).to(torch.float16).to(torch.float32)
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Activations `x` [M, K] (K a multiple of 32) rounded to the nearest bf16 (halves to even), as float32
+    (llama.cpp's BF16 rows)."""
+    return _check(x, 32).to(torch.bfloat16).to(torch.float32)
 
 
 def _iq2_xxs(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
@@ -272,15 +289,139 @@ def _q6_k(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
     return f16_field(bu, 208).reshape(P, nb) * xq.d * (scales * dots).sum(-1).to(torch.float32)
 
 
-def _f16(blocks: torch.Tensor, x16: torch.Tensor) -> torch.Tensor:
-    """Per-block products [P, nb, 32] of F16 weight rows [P, nb, 64 bytes] with rows of f16-rounded activations
-    [P, nb, 32] (exact in float32: lane l of a block holds the product of its value l)."""
-    return blocks.contiguous().view(torch.float16).to(torch.float32) * x16
+def _f16(blocks: torch.Tensor, x16: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-block products [P, nb, 32] of F16 (BF16) weight rows [P, nb, 64 bytes] with rows of f16 (bf16) rounded
+    activations [P, nb, 32] (exact in float32: lane l of a block holds the product of its value l)."""
+    return blocks.contiguous().view(dtype).to(torch.float32) * x16
+
+
+def _signs(bits: torch.Tensor) -> torch.Tensor:
+    """Sign bytes `[...]` -> +-1 int64 `[..., 8]` (bit j set: value j negative)."""
+    return 1 - 2 * ((bits[..., None].to(torch.int64) >> torch.arange(8)) & 1)
+
+
+def _scaled(values: torch.Tensor, ls: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """bsum [P, nb] int64: integer `values` [P, nb, 256] dotted with the Q8_K rows per group of 256 / G values,
+    each group's dot times its scale `ls` [P, nb, G]."""
+    P, nb, G = ls.shape
+    dots = (values * xq.q).reshape(P, nb, G, -1).sum(-1)
+    return (ls * dots).sum(-1)
+
+
+def _grid_term(blocks: torch.Tensor, bsum: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """(d_w d_x) bsum, d_w the f16 at byte 0 of each block (the IQ codebook types)."""
+    P, nb = bsum.shape
+    return f16_field(blocks.reshape(P * nb, -1), 0).reshape(P, nb) * xq.d * bsum.to(torch.float32)
+
+
+def _iq3_xxs(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """IQ3_XXS blocks [P, nb, 98] against Q8_K rows: (d_w d_x) bsum, bsum = sum over the 32s of (2 ls + 1)
+    times their integer dot (0.25 per row at the end)."""
+    P, nb = blocks.shape[:2]
+    b = blocks.reshape(-1, 98)
+    aux = u32_fields(b, 66, 8)
+    signs = _signs(KSIGNS[(aux[..., None] >> (7 * torch.arange(4))) & 127])              # [n, 8, 4, 8]
+    grid = iq3_xxs.GRID.to(torch.int64)[b[:, 2:66].to(torch.int64)].reshape(-1, 8, 4, 8)
+    values = (grid * signs).reshape(P, nb, 256)
+    return _grid_term(blocks, _scaled(values, (2 * (aux >> 28) + 1).reshape(P, nb, 8), xq), xq)
+
+
+def _iq3_s(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """IQ3_S blocks [P, nb, 110] against Q8_K rows: (d_w d_x) bsum, bsum = sum over the 32s of (2 ls + 1) times
+    their integer dot."""
+    P, nb = blocks.shape[:2]
+    b = blocks.reshape(-1, 110)
+    high = bit_planes(b[:, 66:74, None].to(torch.int64), list(range(8)), 1).reshape(-1, 64)
+    grid = iq3_s.GRID.to(torch.int64)[b[:, 2:66].to(torch.int64) | (high << 8)].reshape(-1, 32, 8)
+    values = (grid * _signs(b[:, 74:106])).reshape(P, nb, 256)
+    ls = bit_planes(b[:, 106:110, None].to(torch.int64), [0, 4], 15).reshape(P, nb, 8)
+    return _grid_term(blocks, _scaled(values, 2 * ls + 1, xq), xq)
+
+
+def _iq2_16(blocks: torch.Tensor, grid: torch.Tensor, signs: torch.Tensor, scales: torch.Tensor,
+            xq: Q8Blocks) -> torch.Tensor:
+    """IQ2_XS / IQ2_S: grid rows [n, 32, 8] and signs [n, 32, 8] of each block, scale bytes [n, 8] (nibble h of
+    byte i: the 16 values 32i + 16h..) -> (d_w d_x) bsum (0.125 per row at the end)."""
+    P, nb = blocks.shape[:2]
+    ls = bit_planes(scales[..., None].to(torch.int64), [0, 4], 15).reshape(P, nb, 16)
+    values = (grid.to(torch.int64) * signs).reshape(P, nb, 256)
+    return _grid_term(blocks, _scaled(values, 2 * ls + 1, xq), xq)
+
+
+def _iq2_xs(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """IQ2_XS blocks [P, nb, 74] against Q8_K rows."""
+    b = blocks.reshape(-1, 74)
+    qs = u16_fields(b, 2, 32)
+    return _iq2_16(blocks, iq2_xs.GRID[qs & 511], _signs(KSIGNS[qs >> 9]), b[:, 66:74], xq)
+
+
+def _iq2_s(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """IQ2_S blocks [P, nb, 82] against Q8_K rows."""
+    b = blocks.reshape(-1, 82)
+    high = bit_planes(b[:, 66:74, None].to(torch.int64), [0, 2, 4, 6], 3).reshape(-1, 32)
+    grid = iq2_s.GRID[b[:, 2:34].to(torch.int64) | (high << 8)]
+    return _iq2_16(blocks, grid, _signs(b[:, 34:66]), b[:, 74:82], xq)
+
+
+def _ternary(blocks: torch.Tensor, codes: torch.Tensor, at_d: int, xq: Q8Blocks) -> torch.Tensor:
+    """TQ1_0 / TQ2_0: codes [n, 256] in -1..1 of blocks [P, nb, bytes] (f16 d at byte `at_d`) against Q8_K rows:
+    (d_w d_x) isum."""
+    P, nb = blocks.shape[:2]
+    isum = (codes.reshape(P, nb, 256) * xq.q).sum(-1)
+    return f16_field(blocks.reshape(P * nb, -1), at_d).reshape(P, nb) * xq.d * isum.to(torch.float32)
+
+
+def _tq2_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """TQ2_0 blocks [P, nb, 66] (2-bit codes q - 1) against Q8_K rows."""
+    b = blocks.reshape(-1, 66).to(torch.int64)
+    return _ternary(blocks, bit_planes(b[:, :64].reshape(-1, 2, 32), [0, 2, 4, 6], 3).reshape(-1, 256) - 1, 64, xq)
+
+
+def _tq1_0(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """TQ1_0 blocks [P, nb, 54] (base-3 digits q - 1) against Q8_K rows."""
+    b = blocks.reshape(-1, 54)
+    codes = torch.cat([tq1_digits(b[:, :32], 5), tq1_digits(b[:, 32:48], 5), tq1_digits(b[:, 48:52], 4)], -1)
+    return _ternary(blocks, codes - 1, 52, xq)
+
+
+def _with_delta(d: torch.Tensor, sumi: torch.Tensor, sumi_delta: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """IQ1_S / IQ1_M's float step: (d_w d_x) (sumi + 0.125 sumi_delta), the sum rounded once in float32."""
+    return d * xq.d * (sumi.to(torch.float32) + 0.125 * sumi_delta.to(torch.float32))
+
+
+def _iq1_s(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """IQ1_S blocks [P, nb, 50] against Q8_K rows: sumi = sum over the 32s of ls times their integer dot with the
+    grid, the delta's sum = sum of ls delta times the 32's activation sum."""
+    P, nb = blocks.shape[:2]
+    b = blocks.reshape(-1, 50)
+    qh = u16_fields(b, 34, 8)
+    high = ((qh[..., None] >> (3 * torch.arange(4))) & 7).reshape(-1, 32)
+    values = iq1_s.GRID.to(torch.int64)[b[:, 2:34].to(torch.int64) | (high << 8)].reshape(P, nb, 256)
+    ls = (2 * ((qh >> 12) & 7) + 1).reshape(P, nb, 8)
+    delta = torch.where(qh & 0x8000 != 0, -1, 1).reshape(P, nb, 8)
+    sums = xq.bsums.reshape(P, nb, 8, 2).sum(-1)
+    return _with_delta(f16_field(b, 0).reshape(P, nb), _scaled(values, ls, xq), (ls * delta * sums).sum(-1), xq)
+
+
+def _iq1_m(blocks: torch.Tensor, xq: Q8Blocks) -> torch.Tensor:
+    """IQ1_M blocks [P, nb, 56] against Q8_K rows: as IQ1_S per 16 values, a delta per 8."""
+    P, nb = blocks.shape[:2]
+    b = blocks.reshape(-1, 56)
+    sc = u16_fields(b, 48, 4)
+    d_bits = ((sc >> 12) << (4 * torch.arange(4))).sum(-1, keepdim=True)
+    d = d_bits.to(torch.int16).view(torch.float16).to(torch.float32).reshape(P, nb)
+    ls = (2 * ((sc[..., None] >> (3 * torch.arange(4))) & 7) + 1).reshape(P, nb, 16)
+    nib = bit_planes(b[:, 32:48, None].to(torch.int64), [0, 4], 15).reshape(-1, 32)
+    values = iq1_s.GRID.to(torch.int64)[b[:, :32].to(torch.int64) | ((nib & 7) << 8)].reshape(P, nb, 256)
+    delta = torch.where(nib & 8 != 0, -1, 1).reshape(P, nb, 16, 2)
+    chunk_sums = xq.q.reshape(P, nb, 16, 2, 8).sum(-1)
+    return _with_delta(d, _scaled(values, ls, xq), (ls * (delta * chunk_sums).sum(-1)).sum(-1), xq)
 
 
 _BLOCK_TERMS = {"IQ2_XXS": _iq2_xxs, "Q2_K": _q2_k, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q3_K": _q3_k, "Q5_K": _q5_k,
                 "Q6_K": _q6_k, "IQ4_XS": _iq4_xs, "Q4_0": _q4_0, "Q5_0": _q5_0, "IQ4_NL": _iq4_nl, "MXFP4": _mxfp4,
-                "Q4_1": _q4_1, "Q5_1": _q5_1}
+                "Q4_1": _q4_1, "Q5_1": _q5_1, "IQ3_XXS": _iq3_xxs, "IQ3_S": _iq3_s, "IQ2_XS": _iq2_xs,
+                "IQ2_S": _iq2_s, "TQ2_0": _tq2_0, "TQ1_0": _tq1_0, "IQ1_S": _iq1_s, "IQ1_M": _iq1_m}
 
 
 def quantize_activations(x: torch.Tensor, qtype: str) -> Q8Blocks:
@@ -306,8 +447,10 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
     else:
         data = w.data.reshape(w.shape[0], N, -1)[experts.clamp(min=0)]
     blocks = data.reshape(M * N, nb, -1)
-    if w.qtype.name in F16_TYPES:
-        terms = _f16(blocks, round_f16(x).reshape(M, 1, nb, 32).expand(M, N, nb, 32).reshape(M * N, nb, 32))
+    if w.qtype.name in F16_TYPES + BF16_TYPES:
+        f16 = w.qtype.name in F16_TYPES
+        x16 = (round_f16 if f16 else round_bf16)(x).reshape(M, 1, nb, 32).expand(M, N, nb, 32)
+        terms = _f16(blocks, x16.reshape(M * N, nb, 32), torch.float16 if f16 else torch.bfloat16)
     else:
         xq = quantize_activations(x, w.qtype.name)
         rows = Q8Blocks(*(None if t is None else t.repeat_interleave(N, 0) for t in (xq.d, xq.q, xq.bsums, xq.s)))
@@ -315,10 +458,10 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
     acc = torch.zeros(M * N, *terms.shape[2:], dtype=torch.float32)
     for b in range(nb):                               # in block order, as the kernel adds them
         acc = acc + terms[:, b]
-    if acc.dim() == 2:               # the lanes of Q4_0..MXFP4, Q8_1_TYPES (their mins last) and F16, in order
+    if acc.dim() == 2:               # the lanes of Q4_0..MXFP4, Q8_1_TYPES (their mins last), F16, BF16, in order
         acc = sum((acc[:, lane] for lane in range(1, acc.shape[1])), start=acc[:, 0])
-    if w.qtype.name == "IQ2_XXS":
-        acc = 0.125 * acc
+    if w.qtype.name in FACTOR:
+        acc = FACTOR[w.qtype.name] * acc
     out = acc.reshape(M, N)
     return out if experts is None else torch.where(experts[:, None] >= 0, out, 0)
 

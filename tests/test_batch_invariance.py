@@ -121,7 +121,8 @@ def grouped_case(M: int, seed: int) -> tuple[tuple, list[tuple]]:
 
 def fused_case(op: str, M: int, seed: int) -> tuple[tuple, list[tuple]]:
     """The fused ops (hc_pre_norm, hc_post_pre_norm; qmatmul_norm_rope with per-head norms and RoPE;
-    attention_output; compressor_store at distinct slots, fresh rings per call) on M rows and on each row alone."""
+    attention_output; compressor_store at distinct slots, fresh rings per call; attention_input, its kv rows at
+    distinct slots of a fresh cache; indexer_query) on M rows and on each row alone."""
     S, D = 4, 64
     positions, freqs = torch.arange(seed, seed + M) * 37, randn(8, seed=4).abs()
     if op == "hc_pre_norm":
@@ -142,6 +143,18 @@ def fused_case(op: str, M: int, seed: int) -> tuple[tuple, list[tuple]]:
         wa = QTensor.quantize(randn(2 * 32, 64, seed=12) / 8, "Q8_0", "attn_output_a.weight")
         wb = QTensor.quantize(randn(D, 2 * 32, seed=13) / 8, "Q8_0", "attn_output_b.weight")
         args, rows = (randn(M, 4, 32, seed=seed), positions, freqs, wa, wb, 2), (0, 1)
+    elif op == "attention_input":
+        q_a, q_b, kv = (QTensor.quantize(randn(n, k, seed=s) / 8, "Q8_0", f"w{s}")
+                        for n, k, s in ((32, D, 17), (2 * 128, 32, 18), (128, D, 19)))
+        x, slots = randn(M, D, seed=seed), torch.randperm(32, generator=gen(seed))[:M]
+        weights = (q_a, randn(32, seed=5).abs(), q_b, kv, randn(128, seed=6).abs(), 1e-6, 128)
+        return ((x, *weights, positions, freqs, torch.zeros(32, 128), slots, 64, True),
+                [(x[m:m + 1], *weights, positions[m:m + 1], freqs, torch.zeros(32, 128), slots[m:m + 1], 64, True)
+                 for m in range(M)])
+    elif op == "indexer_query":
+        q_b, proj = (QTensor.quantize(randn(n, D, seed=s) / 8, "Q8_0", f"w{s}") for n, s in ((2 * 64, 20), (2, 21)))
+        args, rows = (randn(M, D, seed=seed), randn(M, D, seed=seed + 1), q_b, proj, 64, positions, freqs, True,
+                      181.0), (0, 1, 5)
     else:
         kv, gate = (QTensor.quantize(randn(32, D, seed=s) / 8, "F16", f"w{s}") for s in (14, 15))
         x, ape, slots = randn(M, D, seed=seed), randn(4, 32, seed=16), torch.randperm(32, generator=gen(seed))[:M]
@@ -155,7 +168,10 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-FUSED = ("hc_pre_norm", "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store")
+FUSED = ("hc_pre_norm", "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store",
+         "attention_input", "indexer_query")
+CACHES = {"store_rows": (1, 0), "compressor_store": (5, 0), "attention_input": (11, 2)}  # the slots' argument and the
+# first output that is a cache (compared at the slots written, not whole)
 CASES = {"sparse_attention": attention_case, "grouped_qmatmul": grouped_case,
          "moe": lambda M, seed: moe_case(M, seed, hashed=False),
          "moe_hashed": lambda M, seed: moe_case(M, seed, hashed=True), "index_scores": index_case,
@@ -175,13 +191,14 @@ def test_op_rows_equal_one_row_calls(case):
         batched = op.fn(*batched_args)
         for m, args in enumerate(single_args):
             single = op.fn(*args)
-            if case in ("store_rows", "compressor_store"):  # compare the rows written, not the whole cache
-                at = batched_args[1 if case == "store_rows" else 5][m:m + 1]
-                for b, s in zip(*(o if isinstance(o, tuple) else (o,) for o in (batched, single)), strict=True):
+            slots, first_cache = CACHES.get(case, (None, None))
+            outs = zip(*(o if isinstance(o, tuple) else (o,) for o in (batched, single)), strict=True)
+            for i, (b, s) in enumerate(outs):
+                if slots is not None and i >= first_cache:   # the rows written, not the whole cache
+                    at = batched_args[slots][m:m + 1]
                     assert torch.equal(b[at], s[at]), (case, M, m)
-                continue
-            for b, s in zip(*(o if isinstance(o, tuple) else (o,) for o in (batched, single)), strict=True):
-                assert torch.equal(b[m:m + 1], s), (case, M, m)
+                else:
+                    assert torch.equal(b[m:m + 1], s), (case, M, m)
 
 
 def test_every_decode_op_has_a_batch_invariance_case():

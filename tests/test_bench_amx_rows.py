@@ -1,5 +1,5 @@
 """`scripts/bench.py amx-rows` at smoke size: a row per weight and row count, with the three settings' times (and the
-repacked Q4_K's)."""
+repacked Q4_K's, Q2_K's and Q8_0's)."""
 from __future__ import annotations
 
 import pytest
@@ -17,10 +17,10 @@ def test_bench_amx_rows_smoke(capsys, monkeypatch):
     assert bench.main(["amx-rows", "--smoke", "--rows", "1", "3", "--rounds", "1", "--csv"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("type,shape,weight,M,amx,off_ms,off_x_M1,default_ms")
-    assert len(lines) == 1 + 6 * 2 and lines[1].split(",")[6] == "1.00"
+    assert len(lines) == 1 + 7 * 2 and lines[1].split(",")[6] == "1.00"
     assert lines[0].endswith("repacked_ms,repacked_x_M1")
     repacked = [line.split(",")[-2] for line in lines[1:]]
-    assert [v != "-" for v in repacked] == [line.split(",")[0] == "Q4_K" for line in lines[1:]]
+    assert [v != "-" for v in repacked] == [line.split(",")[0] in ("Q4_K", "Q2_K", "Q8_0") for line in lines[1:]]
 
 
 def test_bench_amx_rows_rejects_too_many_rows(capsys):

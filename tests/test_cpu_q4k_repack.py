@@ -67,15 +67,15 @@ def test_repacked_equals_stored_for_every_m_and_thread_split(amx_from, threads_s
     r = repacked(w)
     expected = kernels.qdot8(x, w)
     assert torch.equal(expected[:3], ref.qdot8(x[:3], w))
-    before = repack.amx_from()
-    repack.amx_from(amx_from)
+    before = repack.amx_from("Q4_K")
+    repack.amx_from("Q4_K", amx_from)
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             for M in range(1, 17) if threads == 1 else (1, 2, 5, 16):
                 assert torch.equal(repack.product(x[:M], r), expected[:M]), (amx_from, threads, M)
     finally:
-        repack.amx_from(before)
+        repack.amx_from("Q4_K", before)
 
 
 def test_repacked_experts_and_bound_call(threads_split):
@@ -95,9 +95,9 @@ def test_repacked_experts_and_bound_call(threads_split):
 
 
 def test_refusals():
-    """Not Q4_K, K not whole blocks, fewer than 16 rows, too many activation rows: clear errors."""
+    """A type without a layout, fewer than 16 rows, too many activation rows: clear errors."""
     with pytest.raises(ValueError, match="not a repackable Q4_K"):
-        repack.repack(QTensor.quantize(torch.randn(16, 256), "Q8_0", "w"))
+        repack.repack(QTensor.quantize(torch.randn(16, 256), "Q6_K", "w"))
     with pytest.raises(ValueError, match="not a repackable Q4_K"):
         repack.repack(weight(8, 256))
     r = repacked(weight(16, 256))

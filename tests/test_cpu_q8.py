@@ -19,7 +19,7 @@ from backends.cpu import kernels
 from backends.registry import OpSet
 from ds4.errors import BackendUnavailable, UsageError
 from ops import q8_activations as ref
-from ops.quants import QTensor
+from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq3_s, iq3_xxs
 from ops.quants.iq2_xxs import GRID, KSIGNS
 from tests.script_modules import script
 
@@ -132,6 +132,156 @@ def vec_dot_q2_k_q8_k(w: np.ndarray, y: list[tuple]) -> np.float32:
     return sumf
 
 
+def sign_of(signs: int, j: int) -> int:
+    """ggml's `signs & kmask_iq2xs[j] ? -1 : 1`."""
+    return -1 if (signs >> j) & 1 else 1
+
+
+def vec_dot_iq2_xs_q8_k(w: np.ndarray, y: list[tuple]) -> np.float32:
+    """ggml_vec_dot_iq2_xs_q8_K_generic on one row."""
+    grid, ksigns, sumf = iq2_xs.GRID.numpy().astype(np.int32), KSIGNS.numpy(), F32(0)
+    for b, (yd, q8, _) in zip(w.reshape(-1, 74), y, strict=True):
+        q2, sc, bsum = b[2:66].view(np.uint16).astype(np.int64), b[66:74].astype(np.int64), 0
+        for ib32 in range(8):
+            for half, ls in enumerate((2 * (sc[ib32] & 0xF) + 1, 2 * (sc[ib32] >> 4) + 1)):
+                sumi = 0
+                for ll in range(2 * half, 2 * half + 2):
+                    v = int(q2[4 * ib32 + ll])
+                    signs = int(ksigns[v >> 9])
+                    sumi += sum(int(grid[v & 511, j]) * int(q8[32 * ib32 + 8 * ll + j]) * sign_of(signs, j)
+                                for j in range(8))
+                bsum += sumi * int(ls)
+        sumf += f16(b, 0) * yd * F32(bsum)
+    return F32(0.125) * sumf
+
+
+def vec_dot_iq2_s_q8_k(w: np.ndarray, y: list[tuple]) -> np.float32:
+    """ggml_vec_dot_iq2_s_q8_K_generic on one row."""
+    grid, sumf = iq2_s.GRID.numpy().astype(np.int32), F32(0)
+    for b, (yd, q8, _) in zip(w.reshape(-1, 82), y, strict=True):
+        qs, signs, qh, sc = (b[a:z].astype(np.int64) for a, z in ((2, 34), (34, 66), (66, 74), (74, 82)))
+        bsum = 0
+        for ib32 in range(8):
+            sumi = [0, 0]
+            for ll in range(4):
+                row = grid[qs[4 * ib32 + ll] | ((qh[ib32] << (8 - 2 * ll)) & 0x300)]
+                sumi[ll // 2] += sum(int(q8[32 * ib32 + 8 * ll + j]) * int(row[j])
+                                     * sign_of(int(signs[4 * ib32 + ll]), j) for j in range(8))
+            bsum += int(2 * (sc[ib32] & 0xF) + 1) * sumi[0] + int(2 * (sc[ib32] >> 4) + 1) * sumi[1]
+        sumf += f16(b, 0) * yd * F32(bsum)
+    return F32(0.125) * sumf
+
+
+def vec_dot_iq3_xxs_q8_k(w: np.ndarray, y: list[tuple]) -> np.float32:
+    """ggml_vec_dot_iq3_xxs_q8_K_generic on one row."""
+    grid, ksigns, sumf = iq3_xxs.GRID.numpy().astype(np.int32), KSIGNS.numpy(), F32(0)
+    for b, (yd, q8, _) in zip(w.reshape(-1, 98), y, strict=True):
+        q3, gas, bsum = b[2:66].astype(np.int64), b[66:98].view(np.uint32).astype(np.int64), 0
+        for ib32 in range(8):
+            aux32, sumi = int(gas[ib32]), 0
+            for ll in range(4):
+                signs = int(ksigns[(aux32 >> (7 * ll)) & 127])
+                g1, g2 = grid[q3[8 * ib32 + 2 * ll]], grid[q3[8 * ib32 + 2 * ll + 1]]
+                at = 32 * ib32 + 8 * ll
+                sumi += sum(int(g1[j]) * int(q8[at + j]) * sign_of(signs, j)
+                            + int(g2[j]) * int(q8[at + 4 + j]) * sign_of(signs, j + 4) for j in range(4))
+            bsum += sumi * (2 * (aux32 >> 28) + 1)
+        sumf += f16(b, 0) * yd * F32(bsum)
+    return F32(0.25) * sumf
+
+
+def vec_dot_iq3_s_q8_k(w: np.ndarray, y: list[tuple]) -> np.float32:
+    """ggml_vec_dot_iq3_s_q8_K_generic on one row."""
+    grid, sumf = iq3_s.GRID.numpy().astype(np.int32), F32(0)
+    for b, (yd, q8, _) in zip(w.reshape(-1, 110), y, strict=True):
+        qs, qh, signs, sc = (b[a:z].astype(np.int64) for a, z in ((2, 66), (66, 74), (74, 106), (106, 110)))
+        bsum = 0
+        for ib32 in range(8):
+            sumi = 0
+            for ll in range(4):
+                e = 8 * ib32 + 2 * ll
+                g1 = grid[qs[e] | ((qh[ib32] << (8 - 2 * ll)) & 256)]
+                g2 = grid[qs[e + 1] | ((qh[ib32] << (7 - 2 * ll)) & 256)]
+                at, sg = 32 * ib32 + 8 * ll, int(signs[4 * ib32 + ll])
+                sumi += sum(int(g1[j]) * int(q8[at + j]) * sign_of(sg, j)
+                            + int(g2[j]) * int(q8[at + 4 + j]) * sign_of(sg, j + 4) for j in range(4))
+            bsum += sumi * int(2 * ((sc[ib32 // 2] >> (4 * (ib32 % 2))) & 0xF) + 1)
+        sumf += f16(b, 0) * yd * F32(bsum)
+    return sumf
+
+
+def vec_dot_iq1_s_q8_k(w: np.ndarray, y: list[tuple]) -> np.float32:
+    """ggml_vec_dot_iq1_s_q8_K_generic on one row (IQ1S_DELTA = 0.125f)."""
+    grid, sumf = iq1_s.GRID.numpy().astype(np.int32), F32(0)
+    for b, (yd, q8, bsums) in zip(w.reshape(-1, 50), y, strict=True):
+        qs, qh = b[2:34].astype(np.int64), b[34:50].view(np.uint16).astype(np.int64)
+        sumi = sumi1 = 0
+        for ib in range(8):
+            ls, delta = int(2 * ((qh[ib] >> 12) & 7) + 1), -1 if qh[ib] & 0x8000 else 1
+            lsum = sum(int((q8[32 * ib + 8 * ll:32 * ib + 8 * ll + 8]
+                            * grid[qs[4 * ib + ll] | (((qh[ib] >> (3 * ll)) & 7) << 8)]).sum()) for ll in range(4))
+            sumi += ls * lsum
+            sumi1 += ls * delta * int(bsums[2 * ib] + bsums[2 * ib + 1])
+        sumf += f16(b, 0) * yd * (F32(sumi) + F32(0.125) * F32(sumi1))
+    return sumf
+
+
+def vec_dot_iq1_m_q8_k(w: np.ndarray, y: list[tuple]) -> np.float32:
+    """ggml_vec_dot_iq1_m_q8_K_generic on one row (IQ1M_DELTA = 0.125f)."""
+    grid, sumf = iq1_s.GRID.numpy().astype(np.int32), F32(0)
+    for b, (yd, q8, _) in zip(w.reshape(-1, 56), y, strict=True):
+        qs, qh, sc = b[:32].astype(np.int64), b[32:48].astype(np.int64), b[48:56].view(np.uint16).astype(np.int64)
+        bits = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) | ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000)
+        d = F32(np.array([bits], np.uint16).view(np.float16)[0])
+        sumi1 = sumi2 = 0
+        for ib in range(8):
+            sum1, sum2 = [0, 0], [0, 0]
+            for ll in range(4):
+                h = int(qh[2 * ib + ll // 2])
+                delta = -1 if h & (0x08 if ll % 2 == 0 else 0x80) else 1
+                chunk = q8[32 * ib + 8 * ll:32 * ib + 8 * ll + 8]
+                sum1[ll // 2] += int((chunk * grid[qs[4 * ib + ll] | ((h << (8 - 4 * (ll % 2))) & 0x700)]).sum())
+                sum2[ll // 2] += int(chunk.sum()) * delta
+            ls1 = int(2 * ((sc[ib // 2] >> (6 * (ib % 2))) & 7) + 1)
+            ls2 = int(2 * ((sc[ib // 2] >> (6 * (ib % 2) + 3)) & 7) + 1)
+            sumi1 += sum1[0] * ls1 + sum1[1] * ls2
+            sumi2 += sum2[0] * ls1 + sum2[1] * ls2
+        sumf += d * yd * (F32(sumi1) + F32(0.125) * F32(sumi2))
+    return sumf
+
+
+def vec_dot_tq1_0_q8_k(w: np.ndarray, y: list[tuple]) -> np.float32:
+    """ggml_vec_dot_tq1_0_q8_K_generic on one row."""
+    sumf = F32(0)
+
+    def digit(byte: int, p: int) -> int:
+        return ((((byte * 3**p) & 255) * 3) >> 8) - 1
+    for b, (yd, q8, _) in zip(w.reshape(-1, 54), y, strict=True):
+        total = sum(digit(int(b[m]), p) * int(q8[32 * p + m]) for p in range(5) for m in range(32))
+        total += sum(digit(int(b[32 + m]), p) * int(q8[160 + 16 * p + m]) for p in range(5) for m in range(16))
+        total += sum(digit(int(b[48 + j]), p) * int(q8[240 + 4 * p + j]) for p in range(4) for j in range(4))
+        sumf += F32(total) * (f16(b, 52) * yd)
+    return sumf
+
+
+def vec_dot_tq2_0_q8_k(w: np.ndarray, y: list[tuple]) -> np.float32:
+    """ggml_vec_dot_tq2_0_q8_K_generic on one row."""
+    sumf = F32(0)
+    for b, (yd, q8, _) in zip(w.reshape(-1, 66), y, strict=True):
+        qs = b[:64].astype(np.int64)
+        sumi = sum(int(q8[4 * j + 32 * ll + k]) * int(((qs[j + k] >> (2 * ll)) & 3) - 1)
+                   for j in (0, 32) for ll in range(4) for k in range(32))
+        sumf += F32(sumi) * (yd * f16(b, 64))
+    return sumf
+
+
+# The types whose generic ggml kernel the reference follows step for step: one row's dot, bit for bit.
+GENERIC = {"IQ2_XXS": vec_dot_iq2_xxs_q8_k, "Q2_K": vec_dot_q2_k_q8_k, "IQ2_XS": vec_dot_iq2_xs_q8_k,
+           "IQ2_S": vec_dot_iq2_s_q8_k, "IQ3_XXS": vec_dot_iq3_xxs_q8_k, "IQ3_S": vec_dot_iq3_s_q8_k,
+           "IQ1_S": vec_dot_iq1_s_q8_k, "IQ1_M": vec_dot_iq1_m_q8_k, "TQ1_0": vec_dot_tq1_0_q8_k,
+           "TQ2_0": vec_dot_tq2_0_q8_k}
+
+
 def vec_dot_q4_k_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[int]]:
     """The integer sums of ggml_vec_dot_q4_K_q8_K_generic per block: (sum of its 8 aux32 lanes, sumi)."""
     isums, msums = [], []
@@ -210,6 +360,15 @@ def vec_dot_q6_k_q8_k(w: np.ndarray, y: list[tuple]) -> tuple[list[int], list[in
 def vec_dot_f16(w: np.ndarray, x: np.ndarray) -> np.float32:
     """ggml_vec_dot_f16's scalar loop on one row: f16 products summed in double."""
     return F32(sum(float(F32(a) * F32(b)) for a, b in zip(w.view(np.float16), x.astype(np.float16), strict=True)))
+
+
+def vec_dot_bf16(w: np.ndarray, x: np.ndarray) -> np.float32:
+    """ggml_vec_dot_bf16's scalar loop on one row (x rounded by GGML_FP32_TO_BF16: to nearest, ties to even):
+    products summed in double."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    x16 = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+    w32 = (w.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return F32(sum(float(F32(a) * F32(b)) for a, b in zip(w32, x16, strict=True)))
 
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int32)
@@ -327,10 +486,11 @@ def test_f16_rounding():
 
 @pytest.mark.parametrize("qtype", ref.TYPES)
 def test_reference_dot_is_llama_cpps(qtype):
-    """Each output of the reference equals llama.cpp's generic dot product of the same blocks (IQ2_XXS, Q2_K:
-    the same float steps, bit for bit; Q3_K..Q6_K: llama.cpp adds its float terms in 8 lanes, so its per-block
-    integer sums give the reference's float result; Q8_0: whole blocks, bit for bit; Q4_0..MXFP4: ours adds 8 lanes,
-    the generic one a scalar; F16: ours 32 float lanes, the generic one a double: within rounding)."""
+    """Each output of the reference equals llama.cpp's generic dot product of the same blocks (IQ2_XXS, Q2_K, the
+    IQ codebook and ternary types: the same float steps, bit for bit; Q3_K..Q6_K: llama.cpp adds its float terms in
+    8 lanes, so its per-block integer sums give the reference's float result; Q8_0: whole blocks, bit for bit;
+    Q4_0..MXFP4: ours adds 8 lanes, the generic one a scalar; F16, BF16: ours 32 float lanes, the generic one a
+    double: within rounding)."""
     w, x = weight(qtype, 4, 512), activations(2, 512)
     out = ref.qdot8(x, w)
     for m in range(2):
@@ -350,8 +510,9 @@ def test_reference_dot_is_llama_cpps(qtype):
                     terms = terms - dmin * torch.tensor(msums, dtype=torch.float32)
                 assert out[m, n].item() == (terms[0] + terms[1]).item(), (qtype, m, n)
                 continue
-            if qtype == "F16":
-                assert out[m, n].item() == pytest.approx(vec_dot_f16(row, x[m].numpy()), rel=1e-5, abs=1e-6)
+            if qtype in ("F16", "BF16"):
+                dot = vec_dot_f16 if qtype == "F16" else vec_dot_bf16
+                assert out[m, n].item() == pytest.approx(dot(row, x[m].numpy()), rel=1e-5, abs=1e-6)
                 continue
             if qtype in ref.Q8_1_TYPES:
                 assert out[m, n].item() == pytest.approx(vec_dot_32_q8_1(row, xq, qtype == "Q5_1"), rel=1e-5, abs=1e-6)
@@ -360,8 +521,7 @@ def test_reference_dot_is_llama_cpps(qtype):
                 generic = vec_dot_32_q8_0(qtype, row, xq)
                 assert out[m, n].item() == (generic if qtype == "Q8_0" else pytest.approx(generic, rel=1e-5, abs=1e-6))
                 continue
-            llama = {"IQ2_XXS": vec_dot_iq2_xxs_q8_k, "Q2_K": vec_dot_q2_k_q8_k}[qtype]
-            assert out[m, n].item() == llama(row, xq), (qtype, m, n)
+            assert out[m, n].item() == GENERIC[qtype](row, xq), (qtype, m, n)
 
 
 @pytest.mark.parametrize("qtype", ref.TYPES)
@@ -387,7 +547,7 @@ def test_kernel_equals_reference_rows_threads_experts(qtype, monkeypatch):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("qtype", ("IQ2_XXS", "Q2_K"))
+@pytest.mark.parametrize("qtype", ("IQ2_XXS", "Q2_K", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S"))
 def test_rows_of_many_blocks_equal_reference(qtype):
     """Rows of 5 blocks (the AVX-512 kernels reduce 4 blocks' integer sums together and compute their float terms
     in one vector, then take the fifth alone), 10 of them (a row of its own goes four rows at a time, then the last
@@ -600,9 +760,12 @@ def test_against_ggml_itself(qtype, ggml_harness):
     header = np.array([w.qtype.ggml_type], np.int32).tobytes() + np.array([4, 24, 512], np.int64).tobytes()
     done = subprocess.run([str(ggml_harness)], input=header + w.data.numpy().tobytes() + x.numpy().tobytes(),
                           capture_output=True, check=True)
-    if qtype == "F16":
-        rows = np.frombuffer(done.stdout[:4 * 512 * 2], np.float16).reshape(4, 512).astype(np.float32)
-        assert np.array_equal(rows, ref.round_f16(x).numpy())
+    if qtype in ("F16", "BF16"):
+        if qtype == "F16":
+            rows = np.frombuffer(done.stdout[:4 * 512 * 2], np.float16).reshape(4, 512).astype(np.float32)
+        else:
+            rows = (np.frombuffer(done.stdout[:4 * 512 * 2], np.uint16).astype(np.uint32) << 16).view(np.float32)
+        assert np.array_equal(rows.reshape(4, 512), (ref.round_f16 if qtype == "F16" else ref.round_bf16)(x).numpy())
         y = np.frombuffer(done.stdout[4 * 512 * 2:], np.float32).reshape(4, 24)
         assert np.allclose(y, ref.qdot8(x, w).numpy(), rtol=1e-5, atol=1e-6 * np.abs(y).max())
         return
@@ -621,6 +784,19 @@ def test_against_ggml_itself(qtype, ggml_harness):
         assert np.array_equal(blocks[..., 260:].copy().view(np.int16), mine.bsums.numpy())
         y = np.frombuffer(done.stdout[4 * 2 * 292:], np.float32).reshape(4, 24)
     assert np.allclose(y, ref.qdot8(x, w).numpy(), rtol=1e-5, atol=1e-6 * np.abs(y).max())
+
+
+def test_qmatmul_takes_q8_for_the_codebook_ternary_and_bf16_types():
+    """The cpu backend's qmatmul under q8 gives the reference's q8 bits for the types added in session 14 (M = 1
+    and 3, through the weight's bound call), not the exact kernel's."""
+    from backends.cpu.qmatmul import qmatmul
+    x = activations(3, 512)
+    for qtype in ("IQ3_XXS", "IQ2_S", "IQ1_M", "TQ1_0", "BF16"):
+        w = weight(qtype, 8, 512)
+        for M in (1, 3):
+            q8 = qmatmul(x[:M], w, "q8")
+            assert torch.equal(q8, ref.qdot8(x[:M], w)), (qtype, M)
+            assert not torch.equal(q8, qmatmul(x[:M], w)), (qtype, M)
 
 
 @pytest.mark.parametrize("qtype", ["Q2_K", "IQ2_XXS"])

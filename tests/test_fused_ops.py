@@ -1,7 +1,7 @@
 """The fused ops (ops/hc_pre_norm.py, ops/hc_post_pre_norm.py, ops/qmatmul_norm_rope.py, ops/attention_output.py,
-ops/compressor_store.py): the reference is the sequence of references; the cpu backend's one C call is the bits of its
-own ops called one by one (exact and q8, 1/2/3 kernel threads, M = 1..17, the last past the kernels' 16 rows); Triton
-(interpreter) and MLX close to the reference."""
+ops/compressor_store.py, ops/attention_input.py, ops/indexer_query.py): the reference is the sequence of references;
+the cpu backend's one C call is the bits of its own ops called one by one (exact and q8, 1/2/3 kernel threads, M =
+1..17, the last past the kernels' 16 rows); Triton (interpreter) and MLX close to the reference."""
 from __future__ import annotations
 
 from functools import partial
@@ -11,13 +11,17 @@ import torch
 
 from backends.cpu import glue, kernels
 from backends.registry import implementations
+from ops.attention_input import attention_input, attention_input_of
 from ops.attention_output import attention_output, attention_output_of
 from ops.compressor_store import compressor_store, compressor_store_of
+from ops.fp4_sim import fp4_sim
 from ops.grouped_qmatmul import grouped_qmatmul
+from ops.hadamard import hadamard
 from ops.hc_post import hc_post
 from ops.hc_post_pre_norm import hc_post_pre_norm, hc_post_pre_norm_of
 from ops.hc_pre import hc_pre
 from ops.hc_pre_norm import hc_pre_norm, hc_pre_norm_of
+from ops.indexer_query import indexer_query, indexer_query_of
 from ops.qmatmul import qmatmul
 from ops.qmatmul_norm_rope import qmatmul_norm_rope, qmatmul_norm_rope_of
 from ops.quants import QTensor
@@ -71,6 +75,31 @@ def compressor_case(M: int, qtype: str = "F16", seed: int = 0) -> tuple:
             torch.zeros(24, 64), torch.zeros(24, 64))
 
 
+def input_case(M: int, qtypes: str = "Q8_0", seed: int = 0, hd: int = 128) -> tuple:
+    """A layer's attention input: 256 values into a latent of 256 (q_a) and 4 heads of `hd` (q_b), a kv row of `hd`
+    written into a 24-row cache at distinct slots, FP8 dims on odd M, F16 rounding unless M % 3 == 1. `qtypes`: one
+    type, or q_a/q_b's and kv's ("Q8_0/F16")."""
+    g = torch.Generator().manual_seed(seed)
+    q_type, _, kv_type = qtypes.partition("/")
+    shapes = ((256, 256, q_type, "attn_q_a.weight"), (4 * hd, 256, q_type, "attn_q_b.weight"),
+              (hd, 256, kv_type or q_type, "attn_kv.weight"))
+    q_a, q_b, kv = (QTensor.quantize(torch.randn(n, k, generator=g) / 16, t, name) for n, k, t, name in shapes)
+    return (torch.randn(M, 256, generator=g), q_a, torch.rand(256, generator=g) + 0.5, q_b, kv,
+            torch.rand(hd, generator=g) + 0.5, 1e-6, hd, torch.arange(M) * 37 + seed, rope_freqs(16, 10000.0),
+            torch.zeros(24, hd), torch.randperm(24, generator=g)[:M], 64 * (M % 2), M % 3 != 1)
+
+
+def query_case(M: int, qtypes: str = "Q8_0", seed: int = 0, di: int = 64) -> tuple:
+    """The indexer's queries of 3 heads of `di` from a latent of 256 and its head weights from 256 values, the FP4
+    simulation on unless M % 3 == 2, root sqrt(6 heads · di) (inexact). `qtypes`: one type, or q_b's and proj's."""
+    g = torch.Generator().manual_seed(seed)
+    q_type, _, w_type = qtypes.partition("/")
+    q_b = QTensor.quantize(torch.randn(3 * di, 256, generator=g) / 16, q_type, "indexer.attn_q_b.weight")
+    proj = QTensor.quantize(torch.randn(3, 256, generator=g) / 16, w_type or q_type, "indexer.proj.weight")
+    return (torch.randn(M, 256, generator=g), torch.randn(M, 256, generator=g), q_b, proj, di,
+            torch.arange(M) * 37 + seed, rope_freqs(16, 10000.0), M % 3 != 2, (6 * di) ** 0.5)
+
+
 def test_references_are_the_unfused_sequences():
     X, fn, scale, base, norm, iters, hc_eps, rms_eps = hc_case(3)
     mixes = qmatmul(rms_norm(X.reshape(3, S * D), None, rms_eps), fn)
@@ -99,6 +128,18 @@ def test_references_are_the_unfused_sequences():
             store_rows(score_ring.clone(), slots, qmatmul(x, gate) + ape[ape_rows]))
     got = compressor_store(x, kv, gate, ape, ape_rows, slots, kv_ring, score_ring)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and got[0].abs().sum() > 0
+    x, q_a, q_a_norm, q_b, kv, kv_norm, eps, hd, pos, freqs, cache, slots, fp8_dims, f16 = input_case(3)
+    q_lat = qmatmul_norm_rope(x, q_a, q_a_norm, eps)
+    rows = qmatmul_norm_rope(x, kv, kv_norm, eps, hd, pos, freqs)
+    want = (q_lat, qmatmul_norm_rope(q_lat, q_b, None, eps, hd, pos, freqs),
+            store_rows(cache.clone(), slots, rows, fp8_dims, f16))
+    got = attention_input(*input_case(3))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and fp8_dims and f16
+    assert got[2][slots].abs().min() > 0 and got[2].abs().sum() == got[2][slots].abs().sum()
+    q_lat, x, q_b, proj, di, pos, freqs, sim, root = query_case(3)
+    q = rope_tail(qmatmul(q_lat, q_b).reshape(3, 3, di), pos, freqs)
+    got = indexer_query(*query_case(3))
+    assert torch.equal(got[0], fp4_sim(hadamard(q))) and torch.equal(got[1], qmatmul(x, proj) / root) and sim
 
 
 def unfused_cpu(op: str, dot: str):
@@ -112,13 +153,19 @@ def unfused_cpu(op: str, dot: str):
         return attention_output_of(impl("rope_tail", "cpu"), partial(impl("grouped_qmatmul", "cpu"), dot=dot), mm)
     if op == "compressor_store":
         return compressor_store_of(mm, impl("store_rows", "cpu"))
+    if op == "attention_input":
+        return attention_input_of(unfused_cpu("qmatmul_norm_rope", dot), impl("store_rows", "cpu"))
+    if op == "indexer_query":
+        return indexer_query_of(mm, impl("rope_tail", "cpu"), impl("hadamard", "cpu"), impl("fp4_sim", "cpu"))
     return qmatmul_norm_rope_of(mm, impl("rms_norm", "cpu"), impl("rope_tail", "cpu"))
 
 
 CASE = {"hc_pre_norm": hc_case, "hc_post_pre_norm": post_case, "qmatmul_norm_rope": projection_case,
-        "attention_output": output_case, "compressor_store": compressor_case}
+        "attention_output": output_case, "compressor_store": compressor_case, "attention_input": input_case,
+        "indexer_query": query_case}
 REFERENCE = {"hc_pre_norm": hc_pre_norm, "hc_post_pre_norm": hc_post_pre_norm, "qmatmul_norm_rope": qmatmul_norm_rope,
-             "attention_output": attention_output, "compressor_store": compressor_store}
+             "attention_output": attention_output, "compressor_store": compressor_store,
+             "attention_input": attention_input, "indexer_query": indexer_query}
 
 
 CPU_CASES = [("hc_pre_norm", "F16", "exact"), ("hc_pre_norm", "F16", "q8"), ("hc_pre_norm", "Q8_0", "exact"),
@@ -128,7 +175,11 @@ CPU_CASES = [("hc_pre_norm", "F16", "exact"), ("hc_pre_norm", "F16", "q8"), ("hc
              ("qmatmul_norm_rope", "F16", "q8"), ("attention_output", "Q8_0", "exact"),
              ("attention_output", "Q8_0", "q8"), ("attention_output", "F16", "q8"),
              ("attention_output", "F32", "exact"), ("compressor_store", "F16", "exact"),
-             ("compressor_store", "F16", "q8"), ("compressor_store", "Q8_0", "q8")]
+             ("compressor_store", "F16", "q8"), ("compressor_store", "Q8_0", "q8"),
+             ("attention_input", "Q8_0", "exact"), ("attention_input", "Q8_0", "q8"), ("attention_input", "Q4_K", "q8"),
+             ("attention_input", "Q8_0/F16", "q8"), ("attention_input", "Q4_K/Q8_0", "exact"),
+             ("indexer_query", "Q8_0", "exact"), ("indexer_query", "Q8_0", "q8"), ("indexer_query", "Q8_0/F16", "q8"),
+             ("indexer_query", "Q4_K/F16", "exact")]
 
 
 @pytest.mark.parametrize("op,qtype,dot", CPU_CASES)
@@ -175,7 +226,8 @@ def test_triton_is_close_to_the_reference():
         for got, want in zip(impl("hc_pre_norm", "triton")(*hc_case(M, "Q8_0")), hc_pre_norm(*hc_case(M, "Q8_0")),
                              strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for op in ("hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store"):
+        for op in ("hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store", "attention_input",
+                   "indexer_query"):
             got, want = impl(op, "triton")(*CASE[op](M, "Q8_0")), REFERENCE[op](*CASE[op](M, "Q8_0"))
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -213,3 +265,23 @@ def test_mlx_is_close_to_the_reference():
                                           m(score_ring))
     for a, b in zip(got, compressor_store(*compressor_case(3, "Q8_0")), strict=True):
         torch.testing.assert_close(torch_of(a), b, rtol=1e-4, atol=1e-4)
+    x, q_a, q_a_norm, q_b, kv, kv_norm, eps, hd, pos, freqs, cache, slots, fp8_dims, f16 = input_case(3)
+    got = impl("attention_input", "mlx")(m(x), place(q_a), m(q_a_norm), place(q_b), place(kv), m(kv_norm), eps, hd,
+                                         m(pos), m(freqs), m(cache), m(slots), fp8_dims, f16)
+    for a, b in zip(got, attention_input(*input_case(3)), strict=True):
+        torch.testing.assert_close(torch_of(a), b, rtol=1e-4, atol=1e-4)
+    q_lat, x, q_b, proj, di, pos, freqs, sim, root = query_case(3)
+    got = impl("indexer_query", "mlx")(m(q_lat), m(x), place(q_b), place(proj), di, m(pos), m(freqs), sim, root)
+    for a, b in zip(got, indexer_query(*query_case(3)), strict=True):
+        torch.testing.assert_close(torch_of(a), b, rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_attention_input_refuses_a_slot_outside_the_cache():
+    """A slot outside the cache is a ValueError naming it, from the C call (nothing written) as from the separate ops
+    past the kernels' 16 rows."""
+    for M in (1, 17):
+        args = list(input_case(M))
+        args[10], args[11] = torch.zeros(32, 128), torch.arange(M) + 32
+        with pytest.raises(ValueError, match="outside the cache's 32 rows"):
+            impl("attention_input", "cpu")(*args)
+        assert not args[10].any()

@@ -66,7 +66,8 @@ def test_collect_entries(engine, collected):
     assert im.chunk_count == 3 and im.chunk_size == 32 and im.datasets == ["text"]
     assert "output.weight" not in im.entries   # as llama-imatrix without --process-output
     for i in range(args.n_layers):
-        for role in ("attn_q_a", "attn_kv", "attn_output_b", "ffn_gate_shexp", "ffn_down_shexp", "hc_attn_fn"):
+        for role in ("attn_q_a", "attn_q_b", "attn_kv", "attn_output_b", "ffn_gate_shexp", "ffn_down_shexp",
+                     "hc_attn_fn"):
             e = im.entries[f"blk.{i}.{role}.weight"]
             assert e.counts.tolist() == [96] and (e.sums > 0).any()
         experts = im.entries[f"blk.{i}.ffn_gate_exps.weight"]

@@ -9,9 +9,10 @@ traced step, the dispatcher's boxing of each call's arguments costing more than 
 
 The op's arguments are flattened by their annotations: a QTensor becomes its blocks, type name, shape and name (the
 kernel rebuilds it once per block tensor, so the cpu backend's per-weight bindings are kept across calls), a record
-(`Experts`, `AttnRows`) its fields, a tuple of ints an int list. `store_rows` and `compressor_store` write their
-caches in place (annotated as mutated) and return them. Defined with `torch.library.Library` (a plain schema, 5-13 us
-of dispatch a call here) rather than `torch.library.custom_op`, whose Python wrapper costs more."""
+(`Experts`, `AttnRows`) its fields, a tuple of ints an int list. `store_rows`, `compressor_store` and
+`attention_input` write their caches in place (annotated as mutated) and return them (attention_input after its new
+tensors). Defined with `torch.library.Library` (a plain schema, 5-13 us of dispatch a call here) rather than
+`torch.library.custom_op`, whose Python wrapper costs more."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,7 +30,8 @@ from backends.registry import implementation, set_step
 from ops.quants import TYPES, QTensor
 
 LIBRARY = torch.library.Library("ds4_step", "DEF")
-MUTATED = {"store_rows": ("cache",), "compressor_store": ("kv_ring", "score_ring")}   # written in place, returned
+MUTATED = {"store_rows": ("cache",), "compressor_store": ("kv_ring", "score_ring"),     # written in place, returned
+           "attention_input": ("cache",)}                                                 # last
 
 
 def _float32(*shapes: tuple[int, ...]) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -64,6 +66,10 @@ SHAPES: dict[str, Callable[..., list]] = {
     "attention_output": lambda o, positions, freqs, wa, wb, *rest, **kw: _float32((o.shape[0], wb.shape[0])),
     "store_rows": lambda *args, **kw: [],
     "compressor_store": lambda *args, **kw: [],
+    "indexer_query": lambda q_lat, x, q_b, proj, head_dim, *rest, **kw: _float32(
+        (x.shape[0], proj.shape[0], head_dim), (x.shape[0], proj.shape[0])),
+    "attention_input": lambda x, q_a, q_a_norm, q_b, *rest, **kw: _float32((x.shape[0], q_a.shape[0]),
+                                                                          (x.shape[0], q_b.shape[0])),
 }
 
 
@@ -150,11 +156,17 @@ class StepOp:
         self.build, self.build_fake = self.builders(fake=False), self.builders(fake=True)
         self.plain = all(a.kind == "value" for a in self.args)     # the entries are the arguments
         self.mutated_at = [self.names.index(name) for name in self.mutated]
-        LIBRARY.define(f"{op}({schema}) -> {'()' if self.mutated else 'Tensor[]'}")
+        returned = typing.get_args(hints["return"]) or (hints["return"],)
+        self.single = returned == (torch.Tensor,)
+        # an op writing caches returns its new tensors (if any) before them; the torch op returns only those, as a
+        # tuple (functionalization refuses a list from an op that writes an input)
+        self.fresh = len(returned) - len(self.mutated) if self.mutated else None
+        self.returns = self.fresh != 0
+        outputs = "Tensor[]" if self.fresh is None else f"({', '.join(['Tensor'] * (self.fresh or 0))})"
+        LIBRARY.define(f"{op}({schema}) -> {outputs}")
         LIBRARY.impl(op, self.kernel, "CPU")
         torch.library.register_fake(f"ds4_step::{op}", self.fake, lib=LIBRARY)
         self.torch_op = getattr(torch.ops.ds4_step, op)
-        self.single = hints["return"] is torch.Tensor
 
     def __reduce__(self) -> tuple:
         """Pickled by name (a saved compiled step's guards hold the callable)."""
@@ -174,8 +186,8 @@ class StepOp:
             a.flatten(v, flat)
         out = self.torch_op(*flat)
         if self.mutated:
-            kept = tuple(values[self.names.index(n)] for n in self.mutated)
-            return kept[0] if len(kept) == 1 else kept
+            kept = tuple(values[at] for at in self.mutated_at)
+            return (*out, *kept) if self.fresh else kept[0] if self.single else kept
         return out[0] if self.single else tuple(out)
 
     def builders(self, fake: bool) -> list[Callable[[tuple], typing.Any]]:
@@ -191,21 +203,25 @@ class StepOp:
         output that is an input tensor is copied out (a torch op's outputs may not alias its inputs)."""
         values = flat if self.plain else [build(flat) for build in self.build]
         out = self.fn(*values)
+        outs = [out] if self.single else list(out)
         if self.mutated:
-            for at, got in zip(self.mutated_at, (out,) if len(self.mutated) == 1 else out, strict=True):
+            for at, got in zip(self.mutated_at, outs[self.fresh:], strict=True):
                 cache = values[at]
                 if got is not cache:
                     cache.copy_(got)
+            outs = outs[:self.fresh]
+        if not self.returns:
             return None
-        outs = [out] if self.single else list(out)
-        return [o.clone() if any(o is flat[i] for i in self.tensors) else o.contiguous() for o in outs]
+        outs = [o.clone() if any(o is flat[i] for i in self.tensors) else o.contiguous() for o in outs]
+        return outs if self.fresh is None else tuple(outs)
 
     def fake(self, *flat):
         """Empty outputs of the op's shapes and dtypes."""
-        if self.mutated:
+        if not self.returns:
             return None
         values = [build(flat) for build in self.build_fake]
-        return [torch.empty(shape, dtype=dtype) for shape, dtype in SHAPES[self.op](*values)]
+        outs = [torch.empty(shape, dtype=dtype) for shape, dtype in SHAPES[self.op](*values)]
+        return outs if self.fresh is None else tuple(outs)
 
 
 STEP_OPS: dict[str, StepOp] = {}    # made on first use, kept for the process (a torch op is defined once)

@@ -9,7 +9,8 @@ expert id order (with the kernel library: the gated activation and the sum over 
 backends/cpu/glue.c, the bits of ops.exp_poly.swiglu_poly). So row r equals the 1-row call bit for bit with no loop
 over rows. Prefill (larger M)
 groups each expert's rows, all the experts of a layer in one kernel call per projection (qgemm.c). Expert stacks
-repacked at load (`repack.RepackedQ4K`, `--cpu-dot q8` with the weights in memory) take their own kernels.
+repacked at load (`repack.RepackedQ4K` and `RepackedQ2K`, `--cpu-dot q8` with the weights in memory) take their own
+kernels.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def pairs_product(x: torch.Tensor, w: QTensor, chosen: torch.Tensor, dot: str = 
     """[P, out] products of rows x [P, in] with the experts `chosen` [P] of a stacked [E, out, in] weight; an
     expert -1 (another rank's) gives 0 from the kernel, and the last expert's products on the gathered path,
     which its routing weight 0 cancels; `dot="q8"`: 8-bit activations where qdot8.c reads the type."""
-    if type(w) is repack.RepackedQ4K:
+    if type(w) in repack.REPACKED:
         repack.require_q8(dot)
         rows_product = repack.product
     elif dot == "q8" and kernels.q8_available(w.qtype.name, w.shape[-1]):
@@ -127,7 +128,7 @@ def grouped(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts,
     not read take `grouped_loop`. Rounding may depend on M; `dot="q8"`: 8-bit activations where qdot8.c reads
     the type."""
     check_owned(ex)
-    if not all(type(t) is repack.RepackedQ4K or kernels.available(t.qtype.name, t.shape[-1])
+    if not all(type(t) in repack.REPACKED or kernels.available(t.qtype.name, t.shape[-1])
                for t in (ex.gate, ex.up, ex.down)):
         return grouped_loop(x, chosen, w, ex, dot)
     k = chosen.shape[1]
@@ -148,7 +149,7 @@ def grouped(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts,
 def experts_product(x: torch.Tensor, w: QTensor | repack.RepackedQ4K, ids: torch.Tensor, first: torch.Tensor,
                     dot: str) -> torch.Tensor:
     """`kernels.experts_product`, or a repacked stack's (q8 only: the same bits as the stored stack's)."""
-    if type(w) is repack.RepackedQ4K:
+    if type(w) in repack.REPACKED:
         repack.require_q8(dot)
         return repack.experts_product(x, w, ids, first)
     return kernels.experts_product(x, w, ids, first, dot)

@@ -578,3 +578,53 @@ int glue_hc_post_pre_norm(const product_t *p, int q8_kind, const float *X, const
     return glue_hc_pre_norm(p, q8_kind, Xn, flat, scale, base, norm, M, S, D, iters, hc_eps, rms_eps, x, post2, comb2,
                             threads);
 }
+
+/* attention_input (ops/attention_input.py): p[0] the q_a product and p[1] the kv product of the rows x [M, K], under
+ * q8 rounded by qdot8.c into their rows (q8_a >= 0: p[0].x; q8_kv >= 0: p[1].x, unless it is p[0].x), in one pool
+ * pass; q_lat = q_a's output normed by q_a_norm, under q8 (q8_b >= 0) rounded into p[2].x (else p[2].x is q_lat);
+ * p[2] the q_b product, each head of hd values normed (no weight) into q and its tail rotated by cos/sin [M, P]; kv's
+ * output normed by kv_norm into kv_row and rotated; then glue_store_rows(cache [N, hd], slots, kv_row, fp8_dims, f16).
+ * The bits of glue_qmatmul_norm_rope three times and glue_store_rows. Returns 1 (nothing written) when a slot is
+ * outside [0, N). */
+int glue_attention_input(const product_t *p, int q8_a, int q8_kv, int q8_b, const float *x, int threads,
+                         const float *q_a_norm, const float *kv_norm, float eps, int64_t hd, const float *cos_,
+                         const float *sin_, int64_t P, float *q_lat, float *q, float *kv_row, float *cache, int64_t N,
+                         const int64_t *slots, int64_t fp8_dims, int f16) {
+    int64_t M = p[0].M;
+    for (int64_t m = 0; m < M; m++)
+        if (slots[m] < 0 || slots[m] >= N) return 1;
+    if (q8_a >= 0 && q8_quantize(q8_a, x, M, p[0].K, (void *)p[0].x)) return -1;
+    if (q8_kv >= 0 && p[1].x != p[0].x && q8_quantize(q8_kv, x, M, p[1].K, (void *)p[1].x)) return -1;
+    int rc = glue_products(p, 2, threads);
+    if (rc) return rc;
+    glue_rms_norm(p[0].y, M, p[0].N, q_a_norm, eps, q_lat);
+    glue_rms_norm(p[1].y, M * (p[1].N / hd), hd, kv_norm, eps, kv_row);
+    glue_rope(kv_row, M, p[1].N / hd, hd, cos_, sin_, P, 0, kv_row);
+    if (q8_b >= 0 && q8_quantize(q8_b, q_lat, M, p[2].K, (void *)p[2].x)) return -1;
+    rc = glue_products(p + 2, 1, threads);
+    if (rc) return rc;
+    glue_rms_norm(p[2].y, M * (p[2].N / hd), hd, NULL, eps, q);
+    glue_rope(q, M, p[2].N / hd, hd, cos_, sin_, P, 0, q);
+    return glue_store_rows(cache, N, hd, slots, M, kv_row, fp8_dims, f16);
+}
+
+void index_sim(const float *x, int64_t n_rows, int64_t n, int hadamard, float root, int fp4, float *out);  /* step.c */
+
+/* indexer_query (ops/indexer_query.py): p[0] the q_b product of the query latents q_lat [M, r] and p[1] the proj
+ * product of the rows x [M, D], under q8 rounded by qdot8.c into their rows (q8_q >= 0: p[0].x; q8_w >= 0: p[1].x),
+ * in one pool pass; q [M, H, di] = p[0].y with each head's tail rotated by cos/sin [M, P], then with `sim` each head
+ * through step.c's index_sim (Hadamard with its float32 sqrt(di) `hroot`, FP4); w [M, H] = p[1].y / root. The bits
+ * of qmatmul, rope_tail, hadamard, fp4_sim and the float32 division. */
+int glue_indexer_query(const product_t *p, int q8_q, int q8_w, const float *q_lat, const float *x, int threads,
+                       int64_t di, const float *cos_, const float *sin_, int64_t P, int sim, float hroot, float root,
+                       float *q, float *w) {
+    int64_t M = p[0].M, H = p[0].N / di;
+    if (q8_q >= 0 && q8_quantize(q8_q, q_lat, M, p[0].K, (void *)p[0].x)) return -1;
+    if (q8_w >= 0 && q8_quantize(q8_w, x, M, p[1].K, (void *)p[1].x)) return -1;
+    int rc = glue_products(p, 2, threads);
+    if (rc) return rc;
+    glue_rope(p[0].y, M, H, di, cos_, sin_, P, 0, q);
+    if (sim) index_sim(q, M * H, di, 1, hroot, 1, q);
+    for (int64_t i = 0; i < M * p[1].N; i++) w[i] = p[1].y[i] / root;
+    return 0;
+}

@@ -6,6 +6,7 @@ step (Inductor fuses the torch ops instead); the callers then take their torch p
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from ops.moe import Experts
 from ops.quants import QTensor
 
 from . import kernels
-from .repack import RepackedQ4K, repacked_rows
+from .repack import REPACKED, RepackedQ2K, RepackedQ4K, layout_of, repacked_rows
 from .scratch import SCRATCH
 
 _bound: ctypes.CDLL | None = None
@@ -56,6 +57,13 @@ def _lib() -> ctypes.CDLL:
         k.glue_compressor_store.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, ptr, ptr, i64,
                                             ptr, ptr]
         k.attention_rows = ctypes.cast(k.glue_attention_rows, ctypes.c_void_p)
+        k.glue_attention_input.restype = ctypes.c_int
+        k.glue_attention_input.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int, ptr, ptr,
+                                           ctypes.c_float, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64,
+                                           ctypes.c_int]
+        k.glue_indexer_query.restype = ctypes.c_int
+        k.glue_indexer_query.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, ctypes.c_int, i64, ptr, ptr, i64,
+                                         ctypes.c_int, ctypes.c_float, ctypes.c_float, ptr, ptr]
         k.glue_hc_post_pre_norm.restype = ctypes.c_int
         k.glue_hc_post_pre_norm.argtypes = [ptr, ctypes.c_int, *[ptr] * 9, i64, i64, i64, i64, ctypes.c_float,
                                             ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
@@ -178,15 +186,15 @@ class ProductArgs(ctypes.Structure):
                 ("parts", ctypes.c_int64)]
 
 
-def type_name(w: QTensor | RepackedQ4K) -> str:
-    """The quant type of w's values (a repacked Q4_K weight's is Q4_K)."""
-    return "Q4_K" if type(w) is RepackedQ4K else w.qtype.name
+def type_name(w: QTensor | RepackedQ4K | RepackedQ2K) -> str:
+    """The quant type of w's values (a repacked Q4_K weight's is Q4_K, a repacked Q2_K weight's Q2_K)."""
+    return layout_of(w).qtype if type(w) in REPACKED else w.qtype.name
 
 
 def row_kernel(w: QTensor | RepackedQ4K, dot: str) -> tuple[int, int]:
     """The address of w's row kernel under `dot` and the type code it takes (a repacked weight: its own, q8 only)."""
-    if type(w) is RepackedQ4K:
-        return repacked_rows(dot)
+    if type(w) in REPACKED:
+        return repacked_rows(dot, w)
     return kernels.row_kernel(dot == "q8"), kernels.GGML_TYPE[w.qtype.name]
 
 
@@ -241,7 +249,7 @@ def products(calls: list[tuple[torch.Tensor, QTensor | RepackedQ4K, torch.Tensor
         if key not in prepared:
             prepared[key] = kernels.q8_quantize(f32(x), name) if dot == "q8" else f32(x)
         y = torch.empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
-        args[i] = product_args(None if type(w) is RepackedQ4K else kernel, w, experts, x.shape[0],
+        args[i] = product_args(None if type(w) in REPACKED else kernel, w, experts, x.shape[0],
                                prepared[key].data_ptr(), y.data_ptr(), alive, dot)
         outs.append(y)
     if k.glue_products(args, len(calls), kernels.threads()):
@@ -330,7 +338,7 @@ def bind_expert(gate: QTensor | RepackedQ4K, up: QTensor | RepackedQ4K, down: QT
     served = kernels.q8_available if dot == "q8" else kernels.available
     K, inner = gate.shape[-1], gate.shape[-2]
     names = tuple(type_name(t) for t in (gate, up, down))
-    if not all(type(t) in (QTensor, RepackedQ4K) and len(t.shape) == (3 if routed else 2) and name != "F32"
+    if not all(type(t) in (QTensor, *REPACKED) and len(t.shape) == (3 if routed else 2) and name != "F32"
                for t, name in zip((gate, up, down), names, strict=True)):
         return None
     if up.shape != gate.shape or down.shape[-1] != inner or down.shape[:-2] != gate.shape[:-2]:
@@ -555,6 +563,86 @@ def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, ep
     if rc:
         raise ValueError(f"qmatmul_norm_rope: unsupported call ({w.qtype.name}, dot={dot})")
     return out
+
+
+def attention_input(x: torch.Tensor, q_a: QTensor, q_a_norm: torch.Tensor | None, q_b: QTensor, kv: QTensor,
+                    kv_norm: torch.Tensor | None, eps: float, hd: int, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                    cache: torch.Tensor, slots: torch.Tensor, fp8_dims: int, f16: bool,
+                    dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """ops.attention_input's sequence as the cpu backend runs it op by op (qmatmul_norm_rope for q_a, q_b and kv, the
+    rotations by `cos_sin` [M, P] each, store_rows of the kv rows), in one C call (glue.c's glue_attention_input: q_a
+    and kv in one pool pass, the rows rounded once per rounding kind under q8) and with its bits; None where
+    `products` would not serve the three products, or the cache is not contiguous float32 rows of `hd`, or the
+    arguments do not fit (the separate ops then say what is wrong). The products are bound once (`FUSED`); their
+    outputs, the kv rows and the rounded rows are the thread's scratch."""
+    M, K = x.shape if x.dim() == 2 else (0, 0)
+    r, n = q_a.shape[0], q_b.shape[0]
+    if not 0 < M <= kernels.MAX_ROWS or not ready() or K != q_a.shape[-1] or kv.shape != (hd, K) \
+            or q_b.shape[-1] != r or n % hd or cache.dtype != torch.float32 or not cache.is_contiguous() \
+            or cache.dim() != 2 or cache.shape[1] != hd or fp8_dims % 64 or not 0 <= fp8_dims <= hd \
+            or slots.shape != (M,):
+        return None
+    weights = (q_a, kv, q_b)
+    bound = fused_binding(weights, ("attention_input", dot), lambda: bind_products(weights, (False,) * 3, dot))
+    if bound is None:
+        return None
+    x = f32(x)
+    ids = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+    (kind_a, kind_kv, kind_b), (bytes_a, bytes_kv, bytes_b) = bound.kinds, bound.row_bytes
+    shared = kind_kv == kind_a      # one rounding of x for both products
+    q_lat, q = torch.empty((M, r), dtype=torch.float32), torch.empty((M, n), dtype=torch.float32)
+    norm_a, norm_kv = (None if w is None else f32(w) for w in (q_a_norm, kv_norm))
+    cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
+    f = FLOAT_BYTES * M
+    with SCRATCH(f * r, f * hd, f * hd, f * n, M * bytes_a, 0 if shared else M * bytes_kv,
+                 M * bytes_b) as (y_a, y_kv, kv_row, y_b, xq_a, xq_kv, xq_b):
+        rows_a = x.data_ptr() if kind_a < 0 else xq_a
+        bound.rows((M, M, M), (rows_a, rows_a if shared else xq_kv, q_lat.data_ptr() if kind_b < 0 else xq_b),
+                   (y_a, y_kv, y_b))
+        rc = _lib().glue_attention_input(bound.args, kind_a, kind_kv, kind_b, x.data_ptr(), kernels.threads(),
+                                         None if norm_a is None else norm_a.data_ptr(),
+                                         None if norm_kv is None else norm_kv.data_ptr(), eps, hd, cos.data_ptr(),
+                                         sin.data_ptr(), cos.shape[-1], q_lat.data_ptr(), q.data_ptr(), kv_row,
+                                         cache.data_ptr(), cache.shape[0], ids.data_ptr(), fp8_dims, int(f16))
+    if rc == 1:
+        raise ValueError(f"attention_input: a slot is outside the cache's {cache.shape[0]} rows")
+    if rc:
+        raise ValueError(f"attention_input: unsupported call ({q_a.qtype.name}, {kv.qtype.name}, {q_b.qtype.name}, "
+                         f"dot={dot})")
+    return q_lat, q, cache
+
+
+def indexer_query(q_lat: torch.Tensor, x: torch.Tensor, q_b: QTensor, proj: QTensor, di: int,
+                  cos_sin: tuple[torch.Tensor, torch.Tensor], sim: bool, root: float,
+                  dot: str = "exact") -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ops.indexer_query's sequence as the cpu backend runs it op by op (the two products, rope_tail by `cos_sin`
+    [M, P], hadamard and fp4_sim with `sim`, the float32 division by `root`), in one C call (glue.c's
+    glue_indexer_query: both products in one pool pass) and with its bits; None where `products` would not serve both
+    products or the arguments do not fit (the separate ops then say what is wrong). The products are bound once
+    (`FUSED`); their outputs and rounded rows are the thread's scratch."""
+    M = q_lat.shape[0]
+    n, h = q_b.shape[0], proj.shape[0]
+    if not 0 < M <= kernels.MAX_ROWS or not ready() or q_lat.dim() != 2 or x.dim() != 2 or x.shape[0] != M \
+            or q_lat.shape[1] != q_b.shape[-1] or x.shape[1] != proj.shape[-1] or n != h * di \
+            or sim and (di & (di - 1) or di % 32):
+        return None
+    weights = (q_b, proj)
+    bound = fused_binding(weights, ("indexer_query", dot), lambda: bind_products(weights, (False, False), dot))
+    if bound is None:
+        return None
+    q_lat, x = f32(q_lat), f32(x)
+    (kind_q, kind_w), (bytes_q, bytes_w) = bound.kinds, bound.row_bytes
+    q, w = torch.empty((M, h, di), dtype=torch.float32), torch.empty((M, h), dtype=torch.float32)
+    cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
+    with SCRATCH(FLOAT_BYTES * M * n, FLOAT_BYTES * M * h, M * bytes_q, M * bytes_w) as (y_q, y_w, xq_q, xq_w):
+        bound.rows((M, M), (q_lat.data_ptr() if kind_q < 0 else xq_q, x.data_ptr() if kind_w < 0 else xq_w),
+                   (y_q, y_w))
+        rc = _lib().glue_indexer_query(bound.args, kind_q, kind_w, q_lat.data_ptr(), x.data_ptr(), kernels.threads(),
+                                       di, cos.data_ptr(), sin.data_ptr(), cos.shape[-1], int(sim), math.sqrt(di),
+                                       root, q.data_ptr(), w.data_ptr())
+    if rc:
+        raise ValueError(f"indexer_query: unsupported call ({q_b.qtype.name}, {proj.qtype.name}, dot={dot})")
+    return q, w
 
 
 GROUP_IDS: dict[tuple[int, int], torch.Tensor] = {}     # (groups, M) -> each grouped row's group (read only)

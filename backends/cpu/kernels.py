@@ -38,7 +38,7 @@ from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
                                                              "pool.c", "qdot8amx.c", "glue.c",
-                                                             "step.c", "q4krepack.c"))
+                                                             "step.c", "q4krepack.c", "q2krepack.c", "q8repack.c"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("iq2_xxs_groups.h", "half.h"))   # included by SOURCES
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
@@ -110,7 +110,7 @@ def _build() -> ctypes.CDLL:
     _bind_amx_rows(lib)
     _bind_prefill(lib)
     _bind_step(lib)
-    _bind_q4kr(lib)
+    _bind_repacked(lib)
     return lib
 
 
@@ -318,13 +318,15 @@ def _(p: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 # The opt-in 8-bit-activation dot product (`--cpu-dot q8`, qdot8.c; numerics and reference: ops/q8_activations.py).
 Q8_TYPES = {"IQ2_XXS": 0, "Q2_K": 0, "Q4_K": 0, "Q8_0": 1,    # the types qdot8.c reads -> activation kind
             "Q3_K": 0, "Q5_K": 0, "Q6_K": 0, "IQ4_XS": 0, "Q4_0": 1, "Q5_0": 1, "IQ4_NL": 1, "MXFP4": 1, "F16": 2,
-            "Q4_1": 3, "Q5_1": 3}
-# Per activation kind (0 Q8_K, 1 Q8_0, 2 the f16-rounded floats of F16 weights, 3 Q8_1): values and bytes of a block.
-Q8_ACTIVATION = ((256, 320), (32, 36), (32, 128), (32, 40))
+            "Q4_1": 3, "Q5_1": 3, "IQ3_XXS": 0, "IQ3_S": 0, "IQ2_XS": 0, "IQ2_S": 0, "TQ2_0": 0, "TQ1_0": 0,
+            "IQ1_S": 0, "IQ1_M": 0, "BF16": 4}
+# Per activation kind (0 Q8_K, 1 Q8_0, 2 the f16-rounded floats of F16 weights, 3 Q8_1, 4 the bf16-rounded floats
+# of BF16 weights): values and bytes of a block.
+Q8_ACTIVATION = ((256, 320), (32, 36), (32, 128), (32, 40), (32, 128))
 
 
 def _bind_q8(k: ctypes.CDLL) -> None:
-    """Declare qdot8.c's entry points and hand it the IQ2_XXS tables."""
+    """Declare qdot8.c's entry points and hand it the IQ2_XXS tables and the other IQ types' grids."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     k.q8_quantize.restype = ctypes.c_int
     k.q8_quantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]
@@ -335,6 +337,12 @@ def _bind_q8(k: ctypes.CDLL) -> None:
     grid = iq2_xxs.GRID.to(torch.uint8).contiguous()
     ksigns = iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     k.qdot8_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
+    k.qdot8_set_grid.restype = ctypes.c_int
+    k.qdot8_set_grid.argtypes = [ctypes.c_int, ptr, i64]
+    for module in (iq3_xxs, iq3_s, iq2_xs, iq2_s, iq1_s):      # the points' values as bytes (IQ1_S's as int8)
+        values = module.GRID.to(torch.int8 if module is iq1_s else torch.uint8).contiguous()
+        if k.qdot8_set_grid(module.QTYPE.ggml_type, values.data_ptr(), values.numel()):
+            raise BuildFailed(f"qdot8.c: the {module.QTYPE.name} grid does not fit its table")
 
 
 def q8_available(qtype: str, k: int = 0) -> bool:
@@ -352,7 +360,7 @@ def qdot8(x: torch.Tensor, w: QTensor, experts: torch.Tensor | None = None) -> t
 def q8_quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
     """Rows of float32 `x` [M, K] rounded by qdot8.c for weights of `qtype`, as raw bytes per block: Q8_K the
     256 int8 quants, float32 d, 16 int16 sums of 16 quants and padding to 320 bytes; Q8_0 float32 d, 32 int8; Q8_1
-    float32 d and s, 32 int8; for F16 weights each value rounded to the nearest f16, as float32."""
+    float32 d and s, 32 int8; for F16 (BF16) weights each value rounded to the nearest f16 (bf16), as float32."""
     kind = Q8_TYPES[qtype]
     M, K = x.shape
     out = torch.empty(M * q8_row_bytes(kind, K), dtype=torch.uint8)
@@ -660,17 +668,22 @@ def indexer_topk(scores: torch.Tensor, k: int, visible: torch.Tensor) -> torch.T
     return out
 
 
-# Q4_K repacked at load for `--cpu-dot q8` (q4krepack.c; docs/cpu.md, "Q4_K repacked at load (session 13)").
-Q4KR_TYPE = 1012    # the repacked layout's type code in the library (no GGUF type: qgemv and dequantize refuse it)
+# The layouts repacked at load for `--cpu-dot q8` (backends/cpu/repack.py; docs/cpu.md, "Q4_K repacked at load
+# (session 13)", "Several rows within 1.3x: ... (session 14)"): their type codes in the library (no GGUF type: qgemv
+# and dequantize refuse them) and the prefixes of their entry points.
+Q4KR_TYPE = 1012    # Q4_K repacked (q4krepack.c)
+Q2KR_TYPE = 1010    # Q2_K repacked (q2krepack.c)
+Q8R_TYPE = 1008     # Q8_0 repacked (q8repack.c)
 
 
-def _bind_q4kr(k: ctypes.CDLL) -> None:
-    """Declare q4krepack.c's entry points."""
+def _bind_repacked(k: ctypes.CDLL) -> None:
+    """Declare q4krepack.c's, q2krepack.c's and q8repack.c's entry points."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    k.q4kr_repack.restype = ctypes.c_int
-    k.q4kr_repack.argtypes = [ptr, i64, i64, ctypes.c_int]
-    k.q4kr_rows.restype = ctypes.c_int
-    k.q4kr_rows.argtypes = k.qdot8.argtypes
-    k.q4kr_amx_from.restype = ctypes.c_int
-    k.q4kr_amx_from.argtypes = [ctypes.c_int]
-    k.q4kr_vector.restype = ctypes.c_int
+    for prefix in ("q4kr", "q2kr", "q8r"):
+        getattr(k, f"{prefix}_repack").restype = ctypes.c_int
+        getattr(k, f"{prefix}_repack").argtypes = [ptr, i64, i64, ctypes.c_int]
+        getattr(k, f"{prefix}_rows").restype = ctypes.c_int
+        getattr(k, f"{prefix}_rows").argtypes = k.qdot8.argtypes
+        getattr(k, f"{prefix}_amx_from").restype = ctypes.c_int
+        getattr(k, f"{prefix}_amx_from").argtypes = [ctypes.c_int]
+        getattr(k, f"{prefix}_vector").restype = ctypes.c_int

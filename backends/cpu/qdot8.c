@@ -2,9 +2,9 @@
  * to 8 bits per block, as llama.cpp's CPU kernels do (the numerics and their PyTorch reference:
  * ops/q8_activations.py). `q8_quantize` rounds the activations once per call (Q8_K: 256 values, a float
  * scale, the sums of each 16 quants; Q8_0: 32 values, an f16 scale; Q8_1: Q8_0 and an f16 scaled sum; for F16
- * weights each value to the nearest f16); `qdot8` multiplies every weight block
- * with its activation block in integers (maddubs/madd on AVX2; IQ2_XXS a block per vector on AVX-512 with
- * VBMI/BITALG/VNNI; a plain C loop elsewhere: the same exact integers everywhere) and adds the blocks' float
+ * and BF16 weights each value to the nearest f16 / bf16); `qdot8` multiplies every weight block
+ * with its activation block in integers (maddubs/madd on AVX2; the IQ codebook and TQ types 64 values a step on
+ * AVX-512 with VBMI/BITALG/VNNI; a plain C loop elsewhere: the same exact integers everywhere) and adds the blocks' float
  * terms in block order (Q8_0 in whole blocks, as qgemm8.c; Q4_0, Q5_0, IQ4_NL, MXFP4, Q4_1, Q5_1 in 8 lanes, then
  * the lanes in order). Each output's arithmetic depends only on its row and its weight row, so the result is the
  * same for any M and any split of the output rows across threads (batch-invariant). Built with qgemv.c by backends/cpu/kernels.py.
@@ -80,8 +80,8 @@ static inline float q8_0_round(const float *x, int8_t *qs) {
 }
 
 /* Rows of x [M, K] rounded to Q8_K (kind 0, K % 256 == 0) or Q8_0 (kind 1, K % 32 == 0) blocks into `out`
- * (M * K/256 q8k_block or M * K/32 q8_0_block), Q8_1 (kind 3: M * K/32 q8_1_block) or (kind 2, K % 32 == 0)
- * each value to the nearest f16, as M * K floats. Returns -1 for a kind or K it cannot serve. */
+ * (M * K/256 q8k_block or M * K/32 q8_0_block), Q8_1 (kind 3: M * K/32 q8_1_block) or (kind 2, kind 4; K % 32 == 0)
+ * each value to the nearest f16 (bf16), as M * K floats. Returns -1 for a kind or K it cannot serve. */
 int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
     if (kind == 0) {
         if (K % 256) return -1;
@@ -123,6 +123,16 @@ int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
             float s = (float)sum * d;
             y[b].d = q8_round_half(d);
             y[b].s = copysignf(q8_round_half(fabsf(s)), s);
+        }
+        return 0;
+    }
+    if (kind == 4) {                /* each value to the nearest bf16 (ties to even; a NaN stays a NaN) */
+        if (K % 32) return -1;
+        float *y = out;
+        for (int64_t i = 0; i < M * K; i++) {
+            uint32_t bits = q8_float_bits(x[i]);
+            if ((bits & 0x7fffffffu) > 0x7f800000u) { y[i] = x[i]; continue; }
+            y[i] = q8_bits_float((bits + 0x7fffu + ((bits >> 16) & 1)) & 0xffff0000u);
         }
         return 0;
     }
@@ -812,11 +822,11 @@ static void rows_q6_k(const uint8_t *const *r, const uint8_t *act, int64_t nb, f
     rows_k(NULL, 1, dot_q6_k, 210, 4, r, act, nb, out);
 }
 
-/* R rows r[0..R) of F16 weights against f16-rounded float activations (q8_quantize kind 2), block by block in
- * turn (R = 4: four streams, as own_rows4_q8), in 32 float lanes per row: lane l adds the products of values l,
- * l + 32, l + 64, ... (exact: two f16 values multiply exactly in float), then the lanes are added in order. `nb`
- * blocks of 32 values; the same bits for any R. */
-static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, const uint8_t *const *r,
+/* R rows r[0..R) of F16 (bf16: BF16) weights against f16 (bf16) rounded float activations (q8_quantize kind 2,
+ * kind 4), block by block in turn (R = 4: four streams, as own_rows4_q8), in 32 float lanes per row: lane l adds
+ * the products of values l, l + 32, l + 64, ... (exact: two f16 or two bf16 values multiply exactly in float),
+ * then the lanes are added in order. `nb` blocks of 32 values; the same bits for any R. */
+static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, const int bf16, const uint8_t *const *r,
                                                                    const uint8_t *act, int64_t nb, float *out) {
     const float *x = (const float *)act;
     float lanes[4][32] = {{0}};
@@ -828,10 +838,11 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
         for (int i = 0; i < R; i++) {
             const uint8_t *row = r[i] + 64 * b;
             prefetch_ahead(row, 64);
-            acc0[i] = _mm512_add_ps(acc0[i], _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)row)),
-                                                           _mm512_loadu_ps(x + 32 * b)));
-            acc1[i] = _mm512_add_ps(acc1[i], _mm512_mul_ps(
-                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 32))), _mm512_loadu_ps(x + 32 * b + 16)));
+            __m256i lo = _mm256_loadu_si256((const __m256i *)row), hi = _mm256_loadu_si256((const __m256i *)(row + 32));
+            __m512 w0 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 16)) : _mm512_cvtph_ps(lo);
+            __m512 w1 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)) : _mm512_cvtph_ps(hi);
+            acc0[i] = _mm512_add_ps(acc0[i], _mm512_mul_ps(w0, _mm512_loadu_ps(x + 32 * b)));
+            acc1[i] = _mm512_add_ps(acc1[i], _mm512_mul_ps(w1, _mm512_loadu_ps(x + 32 * b + 16)));
         }
     for (int i = 0; i < R; i++) {
         _mm512_storeu_ps(lanes[i], acc0[i]);
@@ -846,7 +857,8 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
             const uint8_t *row = r[i] + 64 * b;
             prefetch_ahead(row, 64);
             for (int j = 0; j < 4; j++) {
-                __m256 wj = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 16 * j)));
+                __m128i h = _mm_loadu_si128((const __m128i *)(row + 16 * j));
+                __m256 wj = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
                 acc[i][j] = _mm256_add_ps(acc[i][j], _mm256_mul_ps(wj, _mm256_loadu_ps(x + 32 * b + 8 * j)));
             }
         }
@@ -854,7 +866,11 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
 #else
     for (int64_t b = 0; b < nb; b++)
         for (int i = 0; i < R; i++)
-            for (int l = 0; l < 32; l++) lanes[i][l] += f16_to_f32(r[i] + 64 * b + 2 * l) * x[32 * b + l];
+            for (int l = 0; l < 32; l++) {
+                const uint8_t *p = r[i] + 64 * b + 2 * l;
+                float w = bf16 ? q8_bits_float(((uint32_t)p[0] | ((uint32_t)p[1] << 8)) << 16) : f16_to_f32(p);
+                lanes[i][l] += w * x[32 * b + l];
+            }
 #endif
     for (int i = 0; i < R; i++) {
         float sum = 0.0f;
@@ -865,11 +881,19 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
 
 static float row_f16(const uint8_t *row, const uint8_t *act, int64_t nb) {
     float out;
-    rows_f16_in_turn(1, &row, act, nb, &out);
+    rows_f16_in_turn(1, 0, &row, act, nb, &out);
     return out;
 }
 static void rows_f16(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
-    rows_f16_in_turn(4, r, act, nb, out);
+    rows_f16_in_turn(4, 0, r, act, nb, out);
+}
+static float row_bf16(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    float out;
+    rows_f16_in_turn(1, 1, &row, act, nb, &out);
+    return out;
+}
+static void rows_bf16(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    rows_f16_in_turn(4, 1, r, act, nb, out);
 }
 
 static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -1068,6 +1092,612 @@ static void rows_iq4_xs(const uint8_t *const *r, const uint8_t *act, int64_t nb,
     rows_k(NULL, 1, dot_iq4_xs, 136, 4, r, act, nb, out);
 }
 
+/* The IQ codebook and ternary types against Q8_K blocks (llama.cpp's ggml_vec_dot_<type>_q8_K): per 32 values an
+ * unsigned magnitude byte (a grid value, a ternary digit, or 1) times a sign byte (+1 / -1 / 0) times the
+ * activation, the first 16 values' integer dot times one scale and the last 16's times another, all exact in
+ * int32; one float step per block. The grids are ops/quants/<type>.py's, handed over by qdot8_set_grid. */
+static uint64_t iq2xs_grid8[512], iq2s_grid8[1024], iq1s_grid8[2048];  /* 8 values a point, as bytes */
+static uint32_t iq3xxs_grid4[256], iq3s_grid4[512];                     /* 4 values a point, as bytes */
+static uint64_t byte_signs[256];         /* the 8 signs (+1 / -1 bytes) of each sign byte: bit j set, j negative */
+static uint64_t iq1s_plus1[2048];        /* IQ1_S's grid plus one (0, 1, 2: unsigned bytes for maddubs) */
+#define ONES8 0x0101010101010101ull
+
+/* Copy the grid of GGUF type `type` (17 IQ2_XS, 22 IQ2_S, 18 IQ3_XXS, 21 IQ3_S, 19 IQ1_S: its points' values as
+ * bytes, `bytes` of them); -1 for another type or size. */
+int qdot8_set_grid(int type, const uint8_t *grid, int64_t bytes) {
+    void *table = type == 17 ? (void *)iq2xs_grid8 : type == 22 ? (void *)iq2s_grid8 : type == 18 ? (void *)iq3xxs_grid4
+                  : type == 21 ? (void *)iq3s_grid4 : type == 19 ? (void *)iq1s_grid8 : NULL;
+    int64_t size = type == 17 ? (int64_t)sizeof iq2xs_grid8 : type == 22 ? (int64_t)sizeof iq2s_grid8
+                   : type == 18 ? (int64_t)sizeof iq3xxs_grid4 : type == 21 ? (int64_t)sizeof iq3s_grid4
+                   : (int64_t)sizeof iq1s_grid8;
+    if (table == NULL || bytes != size) return -1;
+    memcpy(table, grid, (size_t)size);
+    if (type == 19)
+        for (int i = 0; i < 2048; i++)
+            for (int j = 0; j < 8; j++)
+                iq1s_plus1[i] = (iq1s_plus1[i] & ~(0xffull << (8 * j))) | (uint64_t)(uint8_t)(grid[8 * i + j] + 1) << (8 * j);
+    for (int i = 0; i < 256; i++) {
+        uint64_t s = 0;
+        for (int j = 0; j < 8; j++) s |= (uint64_t)(((i >> j) & 1) ? 0xff : 0x01) << (8 * j);
+        byte_signs[i] = s;
+    }
+    return 0;
+}
+
+static inline uint64_t grid4_pair(const uint32_t *grid, int lo, int hi) {   /* two 4-value points: 8 bytes */
+    return grid[lo] | ((uint64_t)grid[hi] << 32);
+}
+
+/* acc + lo * (dot of values 0..15) + hi * (dot of values 16..31): value j = byte j of g times byte j of s (as
+ * int8; sign_epi8's: -1, 0 or +1) times q[j]. */
+#if defined(__AVX2__)
+typedef __m256i isum32;
+static inline __m256i dot32(__m256i acc, const uint64_t *g, const uint64_t *s, int lo, int hi, const int8_t *q) {
+    __m256i u = _mm256_set_epi64x((long long)g[3], (long long)g[2], (long long)g[1], (long long)g[0]);
+    __m256i sg = _mm256_set_epi64x((long long)s[3], (long long)s[2], (long long)s[1], (long long)s[0]);
+    __m256i prod = _mm256_maddubs_epi16(u, _mm256_sign_epi8(load256(q), sg));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(prod, scale_pair(lo, hi)));
+}
+#define ISUM_ZERO _mm256_setzero_si256()
+#define ISUM_TOTAL(a) hsum_i32(a)
+#else
+typedef int isum32;
+static inline int dot32(int acc, const uint64_t *g, const uint64_t *s, int lo, int hi, const int8_t *q) {
+    int sum[2] = {0, 0};
+    for (int j = 0; j < 32; j++) {
+        int u = (int)((g[j / 8] >> (8 * (j % 8))) & 255), sign = (int8_t)((s[j / 8] >> (8 * (j % 8))) & 255);
+        sum[j / 16] += u * (sign > 0 ? q[j] : sign < 0 ? -q[j] : 0);
+    }
+    return acc + lo * sum[0] + hi * sum[1];
+}
+#define ISUM_ZERO 0
+#define ISUM_TOTAL(a) (a)
+#endif
+
+#if defined(IQ2_VECTOR)
+/* The AVX-512 (VBMI, BITALG, VNNI) integer sums of the codebook types, 64 values per step: the 64 magnitude bytes
+ * `u` (a grid row gather), the activations negated where `neg` is set, the products of pairs (maddubs: words) times
+ * the step's scales (dpwssd; words 8p..8p+7 scale values 16p..16p+15) into the 16 lanes of acc (exact). */
+static inline __attribute__((always_inline)) __m512i dot64(__m512i acc, __m512i u, uint64_t negative, const int8_t *q, __m512i scales) {
+    __m512i q8 = _mm512_loadu_si512(q);
+    __mmask64 neg;      /* as asm: a load (as iq2_xxs_sums) */
+    __asm__("kmovq %1, %0" : "=k"(neg) : "m"(negative));
+    return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u, _mm512_mask_sub_epi8(q8, neg, _mm512_setzero_si512(), q8)),
+                               scales);
+}
+
+/* Step i's scale words from 16 words `ls` (one per 16 values of the block). */
+static inline __m512i step_scales(__m256i ls, int i) {
+    const __m512i pieces = _mm512_set_epi64(0x0003000300030003, 0x0003000300030003, 0x0002000200020002,
+                                            0x0002000200020002, 0x0001000100010001, 0x0001000100010001, 0, 0);
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(pieces, _mm512_set1_epi16((short)(4 * i))),
+                                    _mm512_castsi256_si512(ls));
+}
+
+/* 16 words 2 n + 1 of 8 bytes of scale nibble pairs `v` (word 2j: the low nibble of byte j, 2j + 1: the high). */
+static inline __m256i nibble_scales(__m128i v) {
+    __m128i n = _mm_unpacklo_epi8(_mm_and_si128(v, _mm_set1_epi8(15)), _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)));
+    __m256i w = _mm256_cvtepu8_epi16(n);
+    return _mm256_add_epi16(_mm256_add_epi16(w, w), _mm256_set1_epi16(1));
+}
+
+/* 32 sign bytes (byte c: the 8 signs of values 8c..8c+7) of 32 7-bit ksigns indices (bytes), parity restored. */
+static inline __m256i ksign_bytes(__m256i index) {
+    return _mm512_castsi512_si256(_mm512_permutex2var_epi8(_mm512_loadu_si512(iq2_ksigns_bytes),
+                                                           _mm512_castsi256_si512(index),
+                                                           _mm512_loadu_si512(iq2_ksigns_bytes + 64)));
+}
+
+/* One codebook block unpacked: per 64 values the magnitudes (a grid gather), the sign mask and the scale words. */
+typedef struct { __m512i grid[4], scales[4]; uint64_t negative[4]; } codebook_block;
+
+/* The integer sums of an unpacked block against one row's activation block (16 lanes adding to bsum). */
+static inline __attribute__((always_inline)) __m512i codebook_sums(const codebook_block *u, const q8k_block *y) {
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) acc = dot64(acc, u->grid[i], u->negative[i], y->qs + 64 * i, u->scales[i]);
+    return acc;
+}
+
+static inline __attribute__((always_inline)) void iq3_xxs_unpack(const uint8_t *b, codebook_block *u) {
+    __m256i aux = load256(b + 66);
+    __m256i ls = _mm256_castsi128_si256(_mm256_cvtepi32_epi16(_mm256_srli_epi32(aux, 28)));
+    ls = _mm256_add_epi16(_mm256_add_epi16(ls, ls), _mm256_set1_epi16(1));   /* words 0-7: the 32s' scales */
+    ls = _mm256_permutexvar_epi16(_mm256_set_epi16(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0), ls);
+    /* byte 4 ib + l: bits 7l.. of aux[ib] (multishift: 8 bits from each offset of the 64-bit lane) */
+    __m256i index = _mm256_and_si256(_mm256_multishift_epi64_epi8(
+        _mm256_set1_epi64x(0x352e2720150e0700), aux), _mm256_set1_epi8(127));
+    _mm256_storeu_si256((__m256i *)u->negative, ksign_bytes(index));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        u->grid[i] = _mm512_i32gather_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * i))),
+                                            (const void *)iq3xxs_grid4, 4);
+        u->scales[i] = step_scales(ls, i);
+    }
+}
+
+static inline __attribute__((always_inline)) void iq3_s_unpack(const uint8_t *b, codebook_block *u) {
+    uint32_t scales;            /* the 4 bytes of the 8 32s' scales (the block's last: no wider load) */
+    memcpy(&scales, b + 106, 4);
+    memcpy(u->negative, b + 74, 32);
+    __m256i ls = _mm256_permutexvar_epi16(_mm256_set_epi16(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                                          nibble_scales(_mm_cvtsi32_si128((int)scales)));   /* doubled up */
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * i)));
+        uint16_t high;
+        memcpy(&high, b + 66 + 2 * i, 2);
+        index = _mm512_mask_or_epi32(index, (__mmask16)high, index, _mm512_set1_epi32(256));
+        u->grid[i] = _mm512_i32gather_epi32(index, (const void *)iq3s_grid4, 4);
+        u->scales[i] = step_scales(ls, i);
+    }
+}
+
+static inline __attribute__((always_inline)) void iq2_xs_unpack(const uint8_t *b, codebook_block *u) {
+    __m512i qs = _mm512_loadu_si512(b + 2);
+    _mm256_storeu_si256((__m256i *)u->negative, ksign_bytes(_mm512_cvtepi16_epi8(_mm512_srli_epi16(qs, 9))));
+    __m256i ls = nibble_scales(_mm_loadl_epi64((const __m128i *)(b + 66)));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m256i index = _mm256_and_si256(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * i))),
+                                         _mm256_set1_epi32(511));
+        u->grid[i] = _mm512_i32gather_epi64(index, (const void *)iq2xs_grid8, 8);
+        u->scales[i] = step_scales(ls, i);
+    }
+}
+
+static inline __attribute__((always_inline)) void iq2_s_unpack(const uint8_t *b, codebook_block *u) {
+    memcpy(u->negative, b + 34, 32);
+    __m256i ls = nibble_scales(_mm_loadl_epi64((const __m128i *)(b + 74)));
+    const __m256i shifts = _mm256_set_epi32(14, 12, 10, 8, 6, 4, 2, 0);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        uint16_t high;
+        memcpy(&high, b + 66 + 2 * i, 2);
+        __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i))),
+            _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), shifts), _mm256_set1_epi32(3)), 8));
+        u->grid[i] = _mm512_i32gather_epi64(index, (const void *)iq2s_grid8, 8);
+        u->scales[i] = step_scales(ls, i);
+    }
+}
+
+#define CODEBOOK_SUMS(type)                                                                                      \
+    static inline __attribute__((always_inline)) __m512i type##_sums(const uint8_t *b, const q8k_block *y) {     \
+        codebook_block u;                                                                                        \
+        type##_unpack(b, &u);                                                                                    \
+        return codebook_sums(&u, y);                                                                             \
+    }
+CODEBOOK_SUMS(iq3_xxs)
+CODEBOOK_SUMS(iq3_s)
+CODEBOOK_SUMS(iq2_xs)
+CODEBOOK_SUMS(iq2_s)
+#endif
+
+/* IQ3_XXS (98 bytes: d, 64 grid indices, 8 u32 of signs and scale) against a Q8_K block: (d_w d_x) bsum, bsum =
+ * sum over the 32s of (2 ls + 1) times their dot (0.25 per row at the end). */
+static inline float dot_iq3_xxs(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    int bsum;
+#if defined(IQ2_VECTOR)
+    bsum = _mm512_reduce_add_epi32(iq3_xxs_sums(b, y));
+#else
+    const uint8_t *q3 = b + 2;
+    isum32 acc = ISUM_ZERO;
+    for (int ib = 0; ib < 8; ib++, q3 += 8) {
+        uint32_t aux;
+        memcpy(&aux, b + 66 + 4 * ib, 4);
+        uint64_t g[4], s[4];
+        for (int l = 0; l < 4; l++) {
+            g[l] = grid4_pair(iq3xxs_grid4, q3[2 * l], q3[2 * l + 1]);
+            s[l] = iq2_sign_bytes[(aux >> (7 * l)) & 127];
+        }
+        int ls = (int)(2 * (aux >> 28) + 1);
+        acc = dot32(acc, g, s, ls, ls, y->qs + 32 * ib);
+    }
+    bsum = ISUM_TOTAL(acc);
+#endif
+    return (f16_to_f32(b) * y->d) * (float)bsum;
+}
+
+/* IQ3_S (110 bytes: d, qs[64], qh[8], signs[32], scales[4]) against a Q8_K block: (d_w d_x) bsum, the 32s'
+ * scales 2 ls + 1. */
+static inline float dot_iq3_s(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    int bsum;
+#if defined(IQ2_VECTOR)
+    bsum = _mm512_reduce_add_epi32(iq3_s_sums(b, y));
+#else
+    const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
+    isum32 acc = ISUM_ZERO;
+    for (int ib = 0; ib < 8; ib++) {
+        uint64_t g[4], s[4];
+        for (int l = 0; l < 4; l++) {
+            int e = 8 * ib + 2 * l;
+            g[l] = grid4_pair(iq3s_grid4, qs[e] | (((qh[ib] >> (2 * l)) & 1) << 8),
+                              qs[e + 1] | (((qh[ib] >> (2 * l + 1)) & 1) << 8));
+            s[l] = byte_signs[signs[4 * ib + l]];
+        }
+        int ls = 2 * ((scales[ib / 2] >> (4 * (ib % 2))) & 15) + 1;
+        acc = dot32(acc, g, s, ls, ls, y->qs + 32 * ib);
+    }
+    bsum = ISUM_TOTAL(acc);
+#endif
+    return (f16_to_f32(b) * y->d) * (float)bsum;
+}
+
+/* IQ2_XS (74 bytes: d, u16 qs[32] = grid index | sign index << 9, scales[8]) against a Q8_K block: (d_w d_x)
+ * bsum, a scale 2 ls + 1 per 16 values (0.125 per row at the end). */
+static inline float dot_iq2_xs(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    int bsum;
+#if defined(IQ2_VECTOR)
+    bsum = _mm512_reduce_add_epi32(iq2_xs_sums(b, y));
+#else
+    const uint8_t *scales = b + 66;
+    isum32 acc = ISUM_ZERO;
+    for (int ib = 0; ib < 8; ib++) {
+        uint64_t g[4], s[4];
+        for (int l = 0; l < 4; l++) {
+            int v = b[2 + 8 * ib + 2 * l] | (b[3 + 8 * ib + 2 * l] << 8);
+            g[l] = iq2xs_grid8[v & 511];
+            s[l] = iq2_sign_bytes[v >> 9];
+        }
+        acc = dot32(acc, g, s, 2 * (scales[ib] & 15) + 1, 2 * (scales[ib] >> 4) + 1, y->qs + 32 * ib);
+    }
+    bsum = ISUM_TOTAL(acc);
+#endif
+    return (f16_to_f32(b) * y->d) * (float)bsum;
+}
+
+/* IQ2_S (82 bytes: d, qs[32], signs[32], qh[8], scales[8]) against a Q8_K block: as IQ2_XS, 10-bit grid indices
+ * and a sign byte per 8 values. */
+static inline float dot_iq2_s(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    int bsum;
+#if defined(IQ2_VECTOR)
+    bsum = _mm512_reduce_add_epi32(iq2_s_sums(b, y));
+#else
+    const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66, *scales = b + 74;
+    isum32 acc = ISUM_ZERO;
+    for (int ib = 0; ib < 8; ib++) {
+        uint64_t g[4], s[4];
+        for (int l = 0; l < 4; l++) {
+            g[l] = iq2s_grid8[qs[4 * ib + l] | (((qh[ib] >> (2 * l)) & 3) << 8)];
+            s[l] = byte_signs[signs[4 * ib + l]];
+        }
+        acc = dot32(acc, g, s, 2 * (scales[ib] & 15) + 1, 2 * (scales[ib] >> 4) + 1, y->qs + 32 * ib);
+    }
+    bsum = ISUM_TOTAL(acc);
+#endif
+    return (f16_to_f32(b) * y->d) * (float)bsum;
+}
+
+#if defined(IQ2_VECTOR) && defined(__BMI2__)
+#define IQ1_VECTOR 1
+/* IQ1_S / IQ1_M unpacked, 64 values a step: the grid plus one (0, 1, 2: unsigned bytes for maddubs, gathered), the
+ * scale words, IQ1_M's delta sign masks (bit j: value j's 8 have a negative delta); the scale of each 16 values
+ * (`ls16`) and, IQ1_S, that times its delta's sign (`lsd16`). The grid's -1 is taken off as each 16's scale times its
+ * activation sum (bsums). */
+typedef struct { __m512i grid[4], scales[4]; uint64_t negative[4]; __m256i ls16, lsd16; } iq1_block;
+
+static inline __attribute__((always_inline)) __m512i iq1_gather(const uint8_t *qs, __m256i high) {  /* 8 points */
+    __m256i index = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs)),
+                                    _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(7)), 8));
+    return _mm512_i32gather_epi64(index, (const void *)iq1s_plus1, 8);
+}
+
+static inline __attribute__((always_inline)) void iq1_s_unpack(const uint8_t *b, iq1_block *u) {
+    __m128i h = _mm_loadu_si128((const __m128i *)(b + 34));           /* the 8 qh words */
+    __m128i ls = _mm_and_si128(_mm_srli_epi16(h, 12), _mm_set1_epi16(7));
+    ls = _mm_add_epi16(_mm_add_epi16(ls, ls), _mm_set1_epi16(1));
+    __m128i lsd = _mm_mask_sub_epi16(ls, _mm_movepi16_mask(h), _mm_setzero_si128(), ls);   /* bit 15: delta < 0 */
+    const __m256i twice = _mm256_set_epi16(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    u->ls16 = _mm256_permutexvar_epi16(twice, _mm256_castsi128_si256(ls));
+    u->lsd16 = _mm256_permutexvar_epi16(twice, _mm256_castsi128_si256(lsd));
+    const __m256i shifts = _mm256_set_epi32(9, 6, 3, 0, 9, 6, 3, 0);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {      /* points 8i..8i+7: qh words 2i (4 points) and 2i + 1 */
+        __m256i qh = _mm256_permutevar8x32_epi32(_mm256_cvtepu16_epi32(h), _mm256_set_epi32(
+            2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i, 2 * i, 2 * i, 2 * i));
+        u->grid[i] = iq1_gather(b + 2 + 8 * i, _mm256_srlv_epi32(qh, shifts));
+        u->scales[i] = step_scales(u->ls16, i);
+    }
+}
+
+static inline __attribute__((always_inline)) float iq1_s_term(const iq1_block *u, const q8k_block *y, float d) {
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u->grid[i], _mm512_loadu_si512(y->qs + 64 * i)), u->scales[i]);
+    __m256i bsums = load256(y->bsums);
+    int sumi = _mm512_reduce_add_epi32(acc) - hsum_i32(_mm256_madd_epi16(u->ls16, bsums));
+    int sumd = hsum_i32(_mm256_madd_epi16(u->lsd16, bsums));
+    return (d * y->d) * ((float)sumi + 0.125f * (float)sumd);
+}
+
+static inline __attribute__((always_inline)) void iq1_m_unpack(const uint8_t *b, iq1_block *u) {
+    __m256i ls = _mm256_permutexvar_epi16(_mm256_set_epi16(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                          _mm256_castsi128_si256(_mm_loadl_epi64((const __m128i *)(b + 48))));
+    ls = _mm256_and_si256(_mm256_srlv_epi16(ls, _mm256_set_epi16(9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0, 9, 6, 3, 0)),
+                          _mm256_set1_epi16(7));
+    u->ls16 = _mm256_add_epi16(_mm256_add_epi16(ls, ls), _mm256_set1_epi16(1));      /* word j: the 16s' scale j */
+    u->lsd16 = _mm256_setzero_si256();
+    const __m256i shifts = _mm256_set_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        uint32_t qh;                    /* the 8 nibbles of this step's chunks */
+        memcpy(&qh, b + 32 + 4 * i, 4);
+        u->grid[i] = iq1_gather(b + 8 * i, _mm256_srlv_epi32(_mm256_set1_epi32((int)qh), shifts));
+        u->scales[i] = step_scales(u->ls16, i);
+        u->negative[i] = _pdep_u64(_pext_u32(qh, 0x88888888u), 0x0101010101010101ull) * 0xff;
+    }
+}
+
+static inline __attribute__((always_inline)) float iq1_m_term(const iq1_block *u, const q8k_block *y, float d) {
+    __m512i acc = _mm512_setzero_si512(), accd = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i q8 = _mm512_loadu_si512(y->qs + 64 * i);
+        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(u->grid[i], q8), u->scales[i]);
+        accd = dot64(accd, _mm512_set1_epi8(1), u->negative[i], y->qs + 64 * i, u->scales[i]);
+    }
+    int sumi = _mm512_reduce_add_epi32(acc) - hsum_i32(_mm256_madd_epi16(u->ls16, load256(y->bsums)));
+    return (d * y->d) * ((float)sumi + 0.125f * (float)_mm512_reduce_add_epi32(accd));
+}
+#endif
+
+/* IQ1_S (50 bytes: d, qs[32], u16 qh[8]) against a Q8_K block: (d_w d_x) (sumi + 0.125 sumd), sumi = sum over
+ * the 32s of ls times their dot with the grid (-1, 0, 1), sumd = sum of ls delta times their activation sum. */
+static inline float dot_iq1_s(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+#if defined(IQ1_VECTOR)
+    iq1_block u;
+    iq1_s_unpack(b, &u);
+    return iq1_s_term(&u, y, f16_to_f32(b));
+#else
+    const uint64_t ones[4] = {ONES8, ONES8, ONES8, ONES8};
+    isum32 acc = ISUM_ZERO;
+    int sumd = 0;
+    for (int ib = 0; ib < 8; ib++) {
+        int h = b[34 + 2 * ib] | (b[35 + 2 * ib] << 8), ls = 2 * ((h >> 12) & 7) + 1;
+        uint64_t s[4];
+        for (int l = 0; l < 4; l++) s[l] = iq1s_grid8[b[2 + 4 * ib + l] | (((h >> (3 * l)) & 7) << 8)];
+        acc = dot32(acc, ones, s, ls, ls, y->qs + 32 * ib);
+        sumd += ls * (h & 0x8000 ? -1 : 1) * (y->bsums[2 * ib] + y->bsums[2 * ib + 1]);
+    }
+    return (f16_to_f32(b) * y->d) * ((float)ISUM_TOTAL(acc) + 0.125f * (float)sumd);
+#endif
+}
+
+/* IQ1_M (56 bytes: qs[32], qh[16], u16 sc[4], d in the top nibbles of sc) against a Q8_K block: as IQ1_S with a
+ * scale per 16 values and a delta per 8. */
+static inline float iq1_m_scale(const uint8_t *b) {       /* IQ1_M's d: the top nibbles of its 4 scale words */
+    uint16_t sc[4];
+    memcpy(sc, b + 48, 8);
+    uint16_t bits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+    return f16_to_f32((const uint8_t *)&bits);
+}
+
+static inline float dot_iq1_m(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    float d = iq1_m_scale(b);
+#if defined(IQ1_VECTOR)
+    iq1_block u;
+    iq1_m_unpack(b, &u);
+    return iq1_m_term(&u, y, d);
+#else
+    uint16_t sc[4];
+    memcpy(sc, b + 48, 8);
+    const uint64_t ones[4] = {ONES8, ONES8, ONES8, ONES8};
+    isum32 acc = ISUM_ZERO, accd = ISUM_ZERO;
+    for (int ib = 0; ib < 8; ib++) {
+        uint64_t s[4], delta[4];
+        for (int l = 0; l < 4; l++) {
+            int nib = (b[32 + 2 * ib + l / 2] >> (4 * (l % 2))) & 15;
+            s[l] = iq1s_grid8[b[4 * ib + l] | ((nib & 7) << 8)];
+            delta[l] = nib & 8 ? ~0ull : ONES8;
+        }
+        int lo = 2 * ((sc[ib / 2] >> (6 * (ib % 2))) & 7) + 1, hi = 2 * ((sc[ib / 2] >> (6 * (ib % 2) + 3)) & 7) + 1;
+        acc = dot32(acc, ones, s, lo, hi, y->qs + 32 * ib);
+        accd = dot32(accd, ones, delta, lo, hi, y->qs + 32 * ib);
+    }
+    return (d * y->d) * ((float)ISUM_TOTAL(acc) + 0.125f * (float)ISUM_TOTAL(accd));
+#endif
+}
+
+static inline int bsums_total(const q8k_block *y) {
+    int s = 0;
+    for (int j = 0; j < 16; j++) s += y->bsums[j];
+    return s;
+}
+
+/* TQ2_0 (66 bytes: 2-bit codes q, d) against a Q8_K block: (d_w d_x) isum, isum = sum (q - 1) x = sum q x - sum x. */
+#if defined(IQ2_VECTOR)
+/* TQ2_0 unpacked: its 256 codes, 64 a step (step i: bit pairs 2 (i % 2) and 2 (i % 2) + 1 of qs[32 (i / 2)..]).
+ * The codes' -1 is taken off as the activations' sum. */
+typedef struct { __m512i codes[4]; } tq2_block;
+
+static inline __attribute__((always_inline)) void tq2_0_unpack(const uint8_t *b, tq2_block *u) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i shift = _mm512_set_epi64(4 * (i % 2) + 2, 4 * (i % 2) + 2, 4 * (i % 2) + 2, 4 * (i % 2) + 2,
+                                         4 * (i % 2), 4 * (i % 2), 4 * (i % 2), 4 * (i % 2));
+        u->codes[i] = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(load256(b + 32 * (i / 2))), shift),
+                                       _mm512_set1_epi8(3));
+    }
+}
+
+static inline __attribute__((always_inline)) float tq2_0_term(const tq2_block *u, const q8k_block *y, float d) {
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) acc = _mm512_dpbusd_epi32(acc, u->codes[i], _mm512_loadu_si512(y->qs + 64 * i));
+    return (d * y->d) * (float)(_mm512_reduce_add_epi32(acc) - bsums_total(y));
+}
+#endif
+
+static inline float dot_tq2_0(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+#if defined(IQ2_VECTOR)
+    tq2_block u;
+    tq2_0_unpack(b, &u);
+    return tq2_0_term(&u, y, f16_to_f32(b + 64));
+#else
+    int isum = 0;
+#if defined(__AVX2__)
+    __m256i acc = _mm256_setzero_si256();
+    for (int c = 0; c < 2; c++) {
+        __m256i v = load256(b + 32 * c);
+        for (int s = 0; s < 4; s++) {
+            __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, 2 * s), _mm256_set1_epi8(3));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(q, load256(y->qs + 128 * c + 32 * s)),
+                                                          _mm256_set1_epi16(1)));
+        }
+    }
+    isum = hsum_i32(acc);
+#else
+    for (int j = 0; j < 256; j++) isum += ((b[32 * (j / 128) + j % 32] >> (2 * ((j / 32) % 4))) & 3) * y->qs[j];
+#endif
+    return (f16_to_f32(b + 64) * y->d) * (float)(isum - bsums_total(y));
+#endif
+}
+
+#if defined(IQ2_VECTOR)
+static inline __m512i base3_digit512(__m512i v, __m512i mult) {  /* per byte: ((v mult mod 256) 3) >> 8, 0..2 */
+    const __m512i low = _mm512_set1_epi16(0x00ff), high = _mm512_set1_epi16((short)0xff00), three = _mm512_set1_epi16(3);
+    __m512i q = _mm512_or_si512(_mm512_and_si512(_mm512_mullo_epi16(v, mult), low), _mm512_slli_epi16(
+        _mm512_mullo_epi16(_mm512_srli_epi16(v, 8), _mm512_srli_epi16(mult, 8)), 8));
+    return _mm512_or_si512(_mm512_srli_epi16(_mm512_mullo_epi16(_mm512_and_si512(q, low), three), 8),
+                           _mm512_and_si512(_mm512_mullo_epi16(_mm512_srli_epi16(q, 8), three), high));
+}
+#endif
+
+#if defined(__AVX2__)
+static inline __m256i base3_digit(__m256i v, __m256i mult) {  /* per byte: ((v mult mod 256) 3) >> 8, 0..2 */
+    const __m256i low = _mm256_set1_epi16(0x00ff), high = _mm256_set1_epi16((short)0xff00), three = _mm256_set1_epi16(3);
+    __m256i q = _mm256_or_si256(_mm256_and_si256(_mm256_mullo_epi16(v, mult), low), _mm256_slli_epi16(
+        _mm256_mullo_epi16(_mm256_srli_epi16(v, 8), _mm256_srli_epi16(mult, 8)), 8));
+    return _mm256_or_si256(_mm256_srli_epi16(_mm256_mullo_epi16(_mm256_and_si256(q, low), three), 8),
+                           _mm256_and_si256(_mm256_mullo_epi16(_mm256_srli_epi16(q, 8), three), high));
+}
+#endif
+
+#if defined(IQ2_VECTOR)
+/* TQ1_0 unpacked: its 256 digits, 64 a step: [digits 0, 1 of qs[0..31]], [2, 3], [4; 0, 1 of qs[32..47]],
+ * [2, 3, 4 of those; qh's]. The codes' -1 is taken off as the activations' sum. */
+typedef struct { __m512i digits[4]; } tq1_block;
+
+static inline __attribute__((always_inline)) void tq1_0_unpack(const uint8_t *b, tq1_block *u) {
+    __m256i qs = load256(b);
+    __m128i rest = _mm_loadu_si128((const __m128i *)(b + 32));
+    uint32_t qh;
+    memcpy(&qh, b + 48, 4);
+    const int p1 = 0x01010101, p3 = 0x03030303, p9 = 0x09090909, p27 = 0x1b1b1b1b, p81 = 0x51515151;
+    __m512i both = _mm512_broadcast_i64x4(qs), three = _mm512_broadcast_i32x4(rest);
+    u->digits[0] = base3_digit512(both, _mm512_set_epi32(p3, p3, p3, p3, p3, p3, p3, p3, p1, p1, p1, p1, p1, p1, p1, p1));
+    u->digits[1] = base3_digit512(both, _mm512_set_epi32(p27, p27, p27, p27, p27, p27, p27, p27, p9, p9, p9, p9, p9, p9,
+                                                         p9, p9));
+    u->digits[2] = base3_digit512(_mm512_inserti64x4(both, _mm256_broadcastsi128_si256(rest), 1),
+                                  _mm512_set_epi32(p3, p3, p3, p3, p1, p1, p1, p1, p81, p81, p81, p81, p81, p81, p81, p81));
+    u->digits[3] = base3_digit512(_mm512_inserti32x4(three, _mm_set1_epi32((int)qh), 3),
+                                  _mm512_set_epi32(p27, p9, p3, p1, p81, p81, p81, p81, p27, p27, p27, p27, p9, p9, p9, p9));
+}
+
+static inline __attribute__((always_inline)) float tq1_0_term(const tq1_block *u, const q8k_block *y, float d) {
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) acc = _mm512_dpbusd_epi32(acc, u->digits[i], _mm512_loadu_si512(y->qs + 64 * i));
+    return (d * y->d) * (float)(_mm512_reduce_add_epi32(acc) - bsums_total(y));
+}
+#endif
+
+/* TQ1_0 (54 bytes: qs[48], qh[4] of base-3 digits q, d) against a Q8_K block: (d_w d_x) (sum q x - sum x).
+ * Values 32p + l are digit p of qs[l], 160 + 16p + l digit p of qs[32 + l], 240 + 4p + l digit p of qh[l]. */
+static inline float dot_tq1_0(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+#if defined(IQ2_VECTOR)
+    tq1_block u;
+    tq1_0_unpack(b, &u);
+    return tq1_0_term(&u, y, f16_to_f32(b + 52));
+#else
+    int isum = 0;
+#if defined(__AVX2__)
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc = _mm256_setzero_si256(), qs = load256(b);
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    for (int p = 0; p < 5; p++)
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(
+            base3_digit(qs, _mm256_set1_epi8((char)pow3[p])), load256(y->qs + 32 * p)), ones));
+    __m128i rest = _mm_loadu_si128((const __m128i *)(b + 32));
+    __m256i pairs = _mm256_set_m128i(rest, rest);
+    for (int p = 0; p < 2; p++)         /* digits 2p (values 160 + 32p..) and 2p + 1 (the next 16) */
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(base3_digit(pairs, _mm256_set_m128i(
+            _mm_set1_epi8((char)pow3[2 * p + 1]), _mm_set1_epi8((char)pow3[2 * p]))), load256(y->qs + 160 + 32 * p)), ones));
+    uint32_t qh;
+    memcpy(&qh, b + 48, 4);
+    __m256i last = _mm256_set_m128i(_mm_set1_epi32((int)qh), rest);     /* digit 4 of qs[32..47], then qh's digits */
+    __m256i mult = _mm256_set_m128i(_mm_set_epi32(0x1b1b1b1b, 0x09090909, 0x03030303, 0x01010101), _mm_set1_epi8(81));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(base3_digit(last, mult), load256(y->qs + 224)),
+                                                  ones));
+    isum = hsum_i32(acc);
+#else
+    static const int pow3[5] = {1, 3, 9, 27, 81};
+    for (int j = 0; j < 256; j++) {
+        int byte = j < 160 ? b[j % 32] : j < 240 ? b[32 + (j - 160) % 16] : b[48 + (j - 240) % 4];
+        int p = j < 160 ? j / 32 : j < 240 ? (j - 160) / 16 : (j - 240) / 4;
+        isum += ((((byte * pow3[p]) & 255) * 3) >> 8) * y->qs[j];
+    }
+#endif
+    return (f16_to_f32(b + 52) * y->d) * (float)(isum - bsums_total(y));
+#endif
+}
+
+#if defined(IQ2_VECTOR)
+/* Blocks w[0..4) of bb bytes (d first) against y[0..4) added to acc: their integer sums (`sums`) reduced together,
+ * their float terms lane by lane (the dot functions' operations), then added in block order: the same bits. */
+#define STEP4_SUMS(type, bb)                                                                                     \
+    static inline float step4_##type(float acc, const uint8_t *w, const q8k_block *y) {                         \
+        float t[4];                                                                                              \
+        uint16_t h[4];                                                                                           \
+        for (int i = 0; i < 4; i++) {                                                                            \
+            prefetch_ahead(w + bb * i, bb);                                                                      \
+            memcpy(&h[i], w + bb * i, 2);                                                                        \
+        }                                                                                                        \
+        __m128i sums = sum4_epi32(type##_sums(w, y), type##_sums(w + bb, y + 1), type##_sums(w + 2 * bb, y + 2), \
+                                  type##_sums(w + 3 * bb, y + 3));                                               \
+        __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));                                            \
+        __m128 yd = _mm_set_ps(y[3].d, y[2].d, y[1].d, y[0].d);                                                  \
+        _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(d, yd), _mm_cvtepi32_ps(sums)));                                  \
+        return (((acc + t[0]) + t[1]) + t[2]) + t[3];                                                            \
+    }
+STEP4_SUMS(iq3_xxs, 98)
+STEP4_SUMS(iq3_s, 110)
+STEP4_SUMS(iq2_xs, 74)
+STEP4_SUMS(iq2_s, 82)
+#define STEP4_CODEBOOK(type) step4_##type
+#else
+#define STEP4_CODEBOOK(type) NULL
+#endif
+
+/* The rows of the types above (one row; four rows in turn), `factor` applied to each row's sum at the end. */
+#define CODEBOOK_ROWS(type, bb, factor, step)                                                                    \
+    static float row_##type(const uint8_t *row, const uint8_t *act, int64_t nb) {                                 \
+        float acc;                                                                                               \
+        rows_k(step, 4, dot_##type, bb, 1, &row, act, nb, &acc);                                                 \
+        return factor * acc;                                                                                     \
+    }                                                                                                            \
+    static void rows_##type(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {              \
+        rows_k(step, 4, dot_##type, bb, 4, r, act, nb, out);                                                     \
+        for (int i = 0; i < 4; i++) out[i] *= factor;                                                            \
+    }
+CODEBOOK_ROWS(iq3_xxs, 98, 0.25f, STEP4_CODEBOOK(iq3_xxs))
+CODEBOOK_ROWS(iq3_s, 110, 1.0f, STEP4_CODEBOOK(iq3_s))
+CODEBOOK_ROWS(iq2_xs, 74, 0.125f, STEP4_CODEBOOK(iq2_xs))
+CODEBOOK_ROWS(iq2_s, 82, 0.125f, STEP4_CODEBOOK(iq2_s))
+CODEBOOK_ROWS(iq1_s, 50, 1.0f, NULL)
+CODEBOOK_ROWS(iq1_m, 56, 1.0f, NULL)
+CODEBOOK_ROWS(tq2_0, 66, 1.0f, NULL)
+CODEBOOK_ROWS(tq1_0, 54, 1.0f, NULL)
+
 /* Output rows [n0, n1) of y [M, N]: each (row, output) through `row_dot` (bs values in bb bytes per weight
  * block, ab bytes per activation block). */
 static inline __attribute__((always_inline)) void rows_q8(
@@ -1123,6 +1753,12 @@ static const row_type *other_type(int type) {
         {20, row_iq4_nl, rows_iq4_nl, 32, 18, sizeof(q8_0_block)},
         {39, row_mxfp4, rows_mxfp4, 32, 17, sizeof(q8_0_block)},
         {3, row_q4_1, rows_q4_1, 32, 20, sizeof(q8_1_block)}, {7, row_q5_1, rows_q5_1, 32, 24, sizeof(q8_1_block)},
+        {18, row_iq3_xxs, rows_iq3_xxs, 256, 98, sizeof(q8k_block)},
+        {21, row_iq3_s, rows_iq3_s, 256, 110, sizeof(q8k_block)},
+        {17, row_iq2_xs, rows_iq2_xs, 256, 74, sizeof(q8k_block)}, {22, row_iq2_s, rows_iq2_s, 256, 82, sizeof(q8k_block)},
+        {19, row_iq1_s, rows_iq1_s, 256, 50, sizeof(q8k_block)}, {29, row_iq1_m, rows_iq1_m, 256, 56, sizeof(q8k_block)},
+        {35, row_tq2_0, rows_tq2_0, 256, 66, sizeof(q8k_block)}, {34, row_tq1_0, rows_tq1_0, 256, 54, sizeof(q8k_block)},
+        {30, row_bf16, rows_bf16, 32, 64, 32 * sizeof(float)},
     };
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
         if (types[i].type == type) return &types[i];
@@ -1130,8 +1766,9 @@ static const row_type *other_type(int type) {
 }
 
 /* y [M, N] rows [n0, n1) = x @ W.T for a weight of GGUF type `type` (16 IQ2_XXS after qdot8_set_iq2_xxs,
- * 10 Q2_K, 12 Q4_K, 11 Q3_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS: `xq` from q8_quantize kind 0; 8 Q8_0, 2 Q4_0, 6 Q5_0,
- * 20 IQ4_NL, 39 MXFP4: kind 1; 3 Q4_1, 7 Q5_1: kind 3; 1 F16: kind 2),
+ * 10 Q2_K, 12 Q4_K, 11 Q3_K, 13 Q5_K, 14 Q6_K, 23 IQ4_XS, 35 TQ2_0, 34 TQ1_0 and after qdot8_set_grid 18 IQ3_XXS,
+ * 21 IQ3_S, 17 IQ2_XS, 22 IQ2_S, 19 IQ1_S, 29 IQ1_M: `xq` from q8_quantize kind 0; 8 Q8_0, 2 Q4_0, 6 Q5_0,
+ * 20 IQ4_NL, 39 MXFP4: kind 1; 3 Q4_1, 7 Q5_1: kind 3; 1 F16: kind 2; 30 BF16: kind 4),
  * M <= 16; experts as in qgemv.c (row m
  * uses the weight at w + experts[m] * expert_bytes; experts[m] < 0 gives 0). Returns -1 for a call it cannot
  * serve. */
@@ -1640,6 +2277,62 @@ static void rows4_q2_k(const uint8_t *w, int64_t N, int64_t K, const q8k_block *
 
 #endif
 
+#if defined(IQ2_VECTOR)
+/* Rows [n0, n1) of a plain IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S weight (bb bytes a block, d first) against M <= 16 rows
+ * of Q8_K blocks: each block unpacked once (grid gathers, sign masks, scales) and dotted with every row's block;
+ * row m adds its terms (d_w d_x) bsum in block order, then `factor`: the 1-row call's operations, so its bits. */
+static inline __attribute__((always_inline)) void rows_codebook(void (*unpack)(const uint8_t *, codebook_block *),
+        const int bb, const float factor, const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M,
+        float *y, int64_t n0, int64_t n1) {
+    int64_t nb = K / 256;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * nb * bb;
+        float acc[Q8_MAX_ROWS] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = row + b * bb;
+            prefetch_ahead(blk, bb);
+            codebook_block u;
+            unpack(blk, &u);
+            float d = f16_to_f32(blk);
+            for (int64_t m = 0; m < M; m++) {
+                const q8k_block *xm = x + m * nb + b;
+                acc[m] += (d * xm->d) * (float)_mm512_reduce_add_epi32(codebook_sums(&u, xm));
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = factor * acc[m];
+    }
+}
+#endif
+
+/* Rows [n0, n1) of a plain IQ1_S / IQ1_M / TQ1_0 / TQ2_0 weight against M <= 16 rows of Q8_K blocks: each block unpacked
+ * once and its term computed for every row as the 1-row kernel computes it, added in block order: the same bits. */
+#define UNPACKED_ROWS(type, block_t, bb, d_of)                                                                   \
+    static void rows_m_##type(const uint8_t *w, int64_t N, int64_t K, const q8k_block *x, int64_t M, float *y,   \
+                              int64_t n0, int64_t n1) {                                                          \
+        int64_t nb = K / 256;                                                                                    \
+        for (int64_t n = n0; n < n1; n++) {                                                                      \
+            const uint8_t *row = w + n * nb * bb;                                                                \
+            float acc[Q8_MAX_ROWS] = {0};                                                                        \
+            for (int64_t b = 0; b < nb; b++) {                                                                   \
+                const uint8_t *blk = row + b * bb;                                                               \
+                prefetch_ahead(blk, bb);                                                                         \
+                block_t u;                                                                                       \
+                type##_unpack(blk, &u);                                                                          \
+                float d = d_of;                                                                                  \
+                for (int64_t m = 0; m < M; m++) acc[m] += type##_term(&u, x + m * nb + b, d);                    \
+            }                                                                                                    \
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = acc[m];                                               \
+        }                                                                                                        \
+    }
+#if defined(IQ1_VECTOR)
+UNPACKED_ROWS(iq1_s, iq1_block, 50, f16_to_f32(blk))
+UNPACKED_ROWS(iq1_m, iq1_block, 56, iq1_m_scale(blk))
+#endif
+#if defined(IQ2_VECTOR)
+UNPACKED_ROWS(tq1_0, tq1_block, 54, f16_to_f32(blk + 52))
+UNPACKED_ROWS(tq2_0, tq2_block, 66, f16_to_f32(blk + 64))
+#endif
+
 /* qdot8 (same arguments and results, bit for bit) with the rows of a plain weight (experts == NULL, M >= 2)
  * sharing each block's unpacking where the target has AVX2; every other call is qdot8's. */
 int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
@@ -1666,6 +2359,18 @@ int qdot8_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *
 #else
         case 10: if (K % 256) return -1; rows8_q2_k(w, N, K, xq, M, y, n0, n1); return 0;
         case 12: if (K % 256) return -1; rows8_q4_k(w, N, K, xq, M, y, n0, n1); return 0;
+#endif
+#if defined(IQ2_VECTOR)
+        case 18: if (K % 256) return -1; rows_codebook(iq3_xxs_unpack, 98, 0.25f, w, N, K, xq, M, y, n0, n1); return 0;
+        case 21: if (K % 256) return -1; rows_codebook(iq3_s_unpack, 110, 1.0f, w, N, K, xq, M, y, n0, n1); return 0;
+        case 17: if (K % 256) return -1; rows_codebook(iq2_xs_unpack, 74, 0.125f, w, N, K, xq, M, y, n0, n1); return 0;
+        case 22: if (K % 256) return -1; rows_codebook(iq2_s_unpack, 82, 0.125f, w, N, K, xq, M, y, n0, n1); return 0;
+        case 34: if (K % 256) return -1; rows_m_tq1_0(w, N, K, xq, M, y, n0, n1); return 0;
+        case 35: if (K % 256) return -1; rows_m_tq2_0(w, N, K, xq, M, y, n0, n1); return 0;
+#endif
+#if defined(IQ1_VECTOR)
+        case 19: if (K % 256) return -1; rows_m_iq1_s(w, N, K, xq, M, y, n0, n1); return 0;
+        case 29: if (K % 256) return -1; rows_m_iq1_m(w, N, K, xq, M, y, n0, n1); return 0;
 #endif
 #if defined(WIDE_ROWS) && defined(__F16C__)
         case 8: if (K % 32) return -1; return wide_q8_0(w, N, K, xq, M, y, n0, n1);

@@ -18,10 +18,11 @@
   output the same bits for any M and thread count (1.2-2.2x BLAS on the tiles at M = 32, docs/cpu.md, "Prefill");
   the other types' tiles are taken in turn by the kernel pool's threads (`kernels.split`).
 - `dot="q8"` (`--cpu-dot q8`, OpSet(cpu_dot="q8")): for M <= SMALL_M the types qdot8.c reads
-  (`kernels.Q8_TYPES`: IQ2_XXS, the K-quants, IQ4_XS, the legacy types, IQ4_NL, MXFP4) round the activations to
-  8 bits per block and multiply in integers, F16 rounds them to f16, as llama.cpp does (backends/cpu/qdot8.c,
-  reference ops/q8_activations.py); for larger M, Q8_0 weights take the 8-bit GEMM (backends/cpu/qgemm8.c) on
-  AMX, AVX-512 VNNI or AVX2 (its plain C path is slower than the tiles); everything else as above.
+  (`kernels.Q8_TYPES`: the K-quants, the legacy types, the IQ and TQ types, MXFP4) round the activations to
+  8 bits per block and multiply in integers, F16 and BF16 round them to f16 and bf16, as llama.cpp does
+  (backends/cpu/qdot8.c, reference ops/q8_activations.py); for larger M, Q8_0 weights take the 8-bit GEMM
+  (backends/cpu/qgemm8.c) on AMX, AVX-512 VNNI or AVX2 (its plain C path is slower than the tiles); everything else
+  as above.
 - For M <= SMALL_M every path is batch-invariant without a loop over rows: the kernel does the same
   arithmetic for each row whatever M is, and dense products run in fixed groups of rows
   (`rows.grouped_product`), so row r of an M-row call equals the 1-row call bit for bit.

@@ -1,7 +1,10 @@
-"""Q4_K weights repacked at load for `--cpu-dot q8` (backends/cpu/q4krepack.c; docs/cpu.md, "Q4_K repacked at load
-(session 13)"): the whole groups of 16 rows rewritten in place, the same bytes in a layout the 8-bit kernels take
-16 rows at a time. A repacked weight is a `RepackedQ4K`, not a QTensor, so nothing that reads stored Q4_K blocks
-(the exact kernels, dequantize, the reference backend) can be handed one by mistake: it has no `qtype`."""
+"""Q4_K, Q2_K and Q8_0 weights repacked at load for `--cpu-dot q8` (backends/cpu/q4krepack.c, q2krepack.c,
+q8repack.c; docs/cpu.md, "Q4_K repacked at load (session 13)" and the two "Several rows within 1.3x" sections of
+session 14): the whole groups of 16 rows rewritten in place, the same bytes in a layout the 8-bit kernels take 16 rows
+at a time. A repacked weight is a `RepackedQ4K`, `RepackedQ2K` or `RepackedQ8_0`, not a QTensor, so nothing that
+reads stored blocks (the exact kernels, dequantize, the reference backend) can be handed one by mistake: it has no
+`qtype`. The load repacks the routed experts' Q4_K and Q2_K stacks; Q8_0's layout is not used by the model yet (its
+M = 1 is slower)."""
 from __future__ import annotations
 
 import ctypes
@@ -28,64 +31,93 @@ class RepackedQ4K:
     name: str = ""
 
 
+@dataclass(frozen=True)
+class RepackedQ2K:
+    """A Q2_K weight, 2-D [N, K] or a stack of experts [E, N, K], whose bytes `data` (uint8 [..., N, row_bytes]) hold
+    its whole groups of 16 rows in q2krepack.c's layout; only `product` and `bind` read it."""
+
+    shape: tuple[int, ...]
+    data: torch.Tensor
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class RepackedQ8_0:
+    """A Q8_0 weight [N, K] whose bytes `data` (uint8 [N, row_bytes]) hold its whole groups of 16 rows in
+    q8repack.c's layout; only `product` and `bind` read it."""
+
+    shape: tuple[int, ...]
+    data: torch.Tensor
+    name: str = ""
+
+
 def repackable(w: object) -> bool:
-    """Whether `w` is a Q4_K QTensor (2-D or a stack) with whole blocks that the library here can repack."""
-    return (type(w) is QTensor and w.qtype.name == "Q4_K" and len(w.shape) in (2, 3) and w.shape[-1] % 256 == 0
-            and w.shape[-2] >= GROUP and kernels.built())
+    """Whether `w` is a QTensor of a type with a layout (Q4_K, Q2_K: 2-D or a stack; Q8_0: 2-D) with whole blocks that
+    the library here can repack."""
+    layout = LAYOUTS.get(w.qtype.name) if type(w) is QTensor else None
+    return (layout is not None and len(w.shape) in ((2, 3) if layout.stacks else (2,))
+            and w.shape[-1] % w.qtype.block_size == 0 and w.shape[-2] >= GROUP and kernels.built())
 
 
-def repack(w: QTensor) -> RepackedQ4K:
+def repack(w: QTensor) -> Repacked:
     """`w` repacked in place (its data must be writable memory of this process, e.g. `--weights memory`'s copy): `w`
     itself must not be used afterwards."""
     if not repackable(w):
-        raise ValueError(f"repack: not a repackable Q4_K weight: {getattr(w, 'qtype', type(w).__name__)} "
+        raise ValueError(f"repack: not a repackable Q4_K, Q2_K or Q8_0 weight: {getattr(w, 'qtype', type(w).__name__)} "
                          f"{tuple(getattr(w, 'shape', ()))}")
-    _rewrite(w.data, w.shape, back=False)
-    return RepackedQ4K(w.shape, w.data, w.name)
+    layout = LAYOUTS[w.qtype.name]
+    _rewrite(w.data, w.shape, back=False, layout=layout)
+    return layout.record(w.shape, w.data, w.name)
 
 
-def unpack(w: RepackedQ4K) -> QTensor:
-    """`w` rewritten in place back into the stored Q4_K blocks (`w` must not be used afterwards)."""
-    _rewrite(w.data, w.shape, back=True)
-    return QTensor(get("Q4_K"), w.shape, w.data, w.name)
+def unpack(w: Repacked) -> QTensor:
+    """`w` rewritten in place back into the stored blocks (`w` must not be used afterwards)."""
+    layout = layout_of(w)
+    _rewrite(w.data, w.shape, back=True, layout=layout)
+    return QTensor(get(layout.qtype), w.shape, w.data, w.name)
 
 
-def _rewrite(data: torch.Tensor, shape: tuple[int, ...], back: bool) -> None:
-    """q4kr_repack on every 2-D weight of `data` (one, or each expert of a stack)."""
+def _rewrite(data: torch.Tensor, shape: tuple[int, ...], back: bool, layout: Layout) -> None:
+    """The layout's repack (q4kr_repack, q2kr_repack) on every 2-D weight of `data` (one, or each expert of a
+    stack)."""
     if not data.is_contiguous():
         raise ValueError("repack: the weight's bytes are not contiguous")
     n, k = shape[-2], shape[-1]
     for matrix in data.reshape(-1, n, data.shape[-1]):
-        rc = kernels.lib().q4kr_repack(matrix.data_ptr(), n, k, int(back))
+        rc = getattr(kernels.lib(), f"{layout.prefix}_repack")(matrix.data_ptr(), n, k, int(back))
         if rc:
             raise MemoryError(f"repack: no memory for a group of 16 rows of {k} values") if rc == -2 else \
-                ValueError(f"repack: rows of {k} values are not whole Q4_K blocks")
+                ValueError(f"repack: rows of {k} values are not whole {layout.qtype} blocks")
 
 
-def product(x: torch.Tensor, w: RepackedQ4K, experts: torch.Tensor | None = None) -> torch.Tensor:
-    """`x [M, K] @ W.T` with x rounded to 8 bits (M <= MAX_ROWS; `experts` as in kernels.qdot8): kernels.qdot8's bits
-    on the stored weight. Float32 [M, N]."""
+def product(x: torch.Tensor, w: Repacked, experts: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [M, K] @ W.T` with x rounded to 8 bits (M <= MAX_ROWS; `experts` as in kernels.qdot8, stacks only):
+    kernels.qdot8's bits on the stored weight. Float32 [M, N]."""
     x = x.to(torch.float32).contiguous()
     M, K = x.shape
     if M > kernels.MAX_ROWS or K != w.shape[-1]:
         raise ValueError(f"repacked product: need at most {kernels.MAX_ROWS} rows of {w.shape[-1]} values, got {M}x{K}")
-    xq = kernels.q8_quantize(x, "Q4_K")
-    rc, y = kernels.split_rows(kernel(), kernels.Q4KR_TYPE, w.data, w.shape[-2], experts, xq, M, K)
+    layout = layout_of(w)
+    if experts is not None and not layout.stacks:
+        raise ValueError(f"repacked product: a repacked {layout.qtype} weight is a single matrix, it takes no experts")
+    xq = kernels.q8_quantize(x, layout.qtype)
+    rc, y = kernels.split_rows(kernel(w), layout.code, w.data, w.shape[-2], experts, xq, M, K)
     if rc:
         raise MemoryError(f"repacked product: no memory for {M} rows") if rc == -2 else \
             ValueError(f"repacked product: unsupported call (M={M}, K={K})")
     return y
 
 
-def experts_product(x: torch.Tensor, w: RepackedQ4K, ids: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+def experts_product(x: torch.Tensor, w: Repacked, ids: torch.Tensor,
+                    first: torch.Tensor) -> torch.Tensor:
     """Prefill's routed experts of a repacked stack in one library call, as `kernels.experts_product(..., "q8")` on
     the stored stack (the same bits)."""
     x = x.to(torch.float32).contiguous()
     P, K = x.shape
-    rows = kernels.q8_quantize(x, "Q4_K")
+    rows = kernels.q8_quantize(x, layout_of(w).qtype)
     data, ids, first = w.data.contiguous(), ids.to(torch.int64).contiguous(), first.to(torch.int64).contiguous()
     y = torch.empty((P, w.shape[-2]), dtype=torch.float32)
-    rc = kernels.lib().experts_gemm_pool(1, kernels.Q4KR_TYPE, data.data_ptr(), data[0].numel(), ids.data_ptr(),
+    rc = kernels.lib().experts_gemm_pool(1, layout_of(w).code, data.data_ptr(), data[0].numel(), ids.data_ptr(),
                                          first.data_ptr(), w.shape[-2], K, rows.data_ptr(),
                                          rows.numel() // max(P, 1), y.data_ptr(), ids.shape[0], kernels.threads())
     if rc:
@@ -93,41 +125,69 @@ def experts_product(x: torch.Tensor, w: RepackedQ4K, ids: torch.Tensor, first: t
     return y
 
 
-def kernel() -> ctypes._CFuncPtr:
-    """The library's row kernel of repacked weights (q4kr_rows: qdot8_rows' arguments)."""
-    return kernels.lib().q4kr_rows
+def kernel(w: Repacked) -> ctypes._CFuncPtr:
+    """The library's row kernel of repacked weights like `w` (q4kr_rows, q2kr_rows: qdot8_rows' arguments)."""
+    return getattr(kernels.lib(), f"{layout_of(w).prefix}_rows")
 
 
 def require_q8(dot: str) -> None:
     """ValueError off q8: a repacked weight has only the 8-bit kernels (the exact ones read the stored layout)."""
     if dot != "q8":
-        raise ValueError(f"a repacked Q4_K weight is multiplied under --cpu-dot q8 only, not {dot!r}")
+        raise ValueError(f"a repacked weight is multiplied under --cpu-dot q8 only, not {dot!r}")
 
 
-def repacked_rows(dot: str) -> tuple[int, int]:
-    """The address of the repacked row kernel and its type code (`require_q8`)."""
+def repacked_rows(dot: str, w: Repacked) -> tuple[int, int]:
+    """The address of the row kernel of repacked weights like `w` and its type code (`require_q8`)."""
     require_q8(dot)
-    return ctypes.cast(kernel(), ctypes.c_void_p).value, kernels.Q4KR_TYPE
+    return ctypes.cast(kernel(w), ctypes.c_void_p).value, layout_of(w).code
 
 
-def bind(w: RepackedQ4K) -> kernels.Bound:
-    """The product of `w` with up to MAX_ROWS rows bound once (kernels.bind's record, q4kr_rows its kernel)."""
-    return kernels.bound(*repacked_rows("q8"), w.data, w.shape, kernels.Q8_TYPES["Q4_K"])
+def bind(w: Repacked) -> kernels.Bound:
+    """The product of `w` with up to MAX_ROWS rows bound once (kernels.bind's record, its repacked row kernel)."""
+    return kernels.bound(*repacked_rows("q8", w), w.data, w.shape, kernels.Q8_TYPES[layout_of(w).qtype])
 
 
-def amx_from(rows: int | None = None) -> int:
-    """The fewest rows a repacked weight's product takes on the AMX tiles (where the CPU has them); `rows` sets it
-    (17: never)."""
-    return kernels.lib().q4kr_amx_from(rows or 0)
+def amx_from(qtype: str, rows: int | None = None) -> int:
+    """The fewest rows a repacked `qtype` weight's product takes on the AMX tiles (where the CPU has them); `rows` sets
+    it (17: never)."""
+    return getattr(kernels.lib(), f"{LAYOUTS[qtype].prefix}_amx_from")(rows or 0)
 
 
 def worthwhile() -> bool:
-    """Whether repacking pays here: the library is built with its vector kernels (AVX-512 VNNI)."""
-    return kernels.built() and bool(kernels.lib().q4kr_vector())
+    """Whether repacking pays here: the library is built with its layouts' vector kernels (AVX-512 VNNI)."""
+    return kernels.built() and all(getattr(kernels.lib(), f"{layout.prefix}_vector")() for layout in LAYOUTS.values())
 
 
 def repack_experts(experts: Experts) -> Experts:
-    """`experts` with its Q4_K stacks repacked in place (`repack`; the other stacks as they are)."""
+    """`experts` with its stacks of a layout that takes stacks (Q4_K, Q2_K) repacked in place (`repack`; the other
+    stacks as they are)."""
     stacks = {name: getattr(experts, name) for name in ("gate", "up", "down")}
     new = {name: repack(w) for name, w in stacks.items() if repackable(w) and len(w.shape) == 3}
     return dataclasses.replace(experts, **new) if new else experts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A repacked layout: the stored type it holds, its record, its type code, the prefix of its library functions
+    (`<prefix>_repack`, `_rows`, `_amx_from`, `_vector`) and whether it takes stacks of experts."""
+
+    qtype: str
+    record: type
+    code: int
+    prefix: str
+    stacks: bool
+
+
+LAYOUTS = {"Q4_K": Layout("Q4_K", RepackedQ4K, kernels.Q4KR_TYPE, "q4kr", stacks=True),
+           "Q2_K": Layout("Q2_K", RepackedQ2K, kernels.Q2KR_TYPE, "q2kr", stacks=True),
+           "Q8_0": Layout("Q8_0", RepackedQ8_0, kernels.Q8R_TYPE, "q8r", stacks=False)}
+REPACKED = (RepackedQ4K, RepackedQ2K, RepackedQ8_0)       # the records a repacked weight can be
+Repacked = RepackedQ4K | RepackedQ2K | RepackedQ8_0
+
+
+def layout_of(w: Repacked) -> Layout:
+    """The layout of a repacked weight (TypeError for anything else)."""
+    for layout in LAYOUTS.values():
+        if type(w) is layout.record:
+            return layout
+    raise TypeError(f"not a repacked weight: {type(w).__name__}")

@@ -1,7 +1,8 @@
 """`bench.py amx-rows`: `--cpu-dot q8`'s several-row products (backends/cpu/qdot8amx.c) of a routed expert's and the
 attention's weights, M = 1..16 rows, with the AMX tiles off (qdot8_rows' AVX-512 path), on from the break-even
-row count (the default) and on for every M from 2, the three interleaved call by call; for the Q4_K weights also
-`repacked`: a copy repacked as `--weights memory` would hold it (backends/cpu/repack.py, its own VNNI and AMX paths).
+row count (the default) and on for every M from 2, the three interleaved call by call; for the Q4_K, Q2_K and Q8_0
+weights also `repacked`: a copy repacked as `--weights memory` would hold it (backends/cpu/repack.py, its own VNNI and
+AMX paths; Q8_0's is not yet used by the model: docs/cpu.md, "Several rows within 1.3x: Q4_K and Q8_0 (session 14)").
 
 Each time is the minimum over `--rounds` calls of the calling thread's CPU time, one thread, with the weight
 evicted before every call (a buffer larger than the last-level cache summed, as `bench.py cpu --gemv`); `x_M1`
@@ -27,12 +28,13 @@ SHAPES = (  # (type, N, K, what V4 Flash stores in it)
     ("Q4_K", 4096, 2048, "routed down (q4)"),
     ("Q2_K", 4096, 2048, "routed down (q2)"),
     ("IQ2_XXS", 2048, 4096, "routed gate/up (q2)"),
+    ("Q2_K", 24576, 2048, "bench.py cpu --gemv's Q2_K"),
 )
 SETTINGS = {"off": (False, False), "default": (True, False), "every_m": (True, True)}   # amx_rows(on, every_m)
 
 
 def time_rows(w, x: torch.Tensor, rounds: int, evict: np.ndarray,
-              repacked: repack.RepackedQ4K | None) -> dict[str, float]:
+              repacked: repack.Repacked | None) -> dict[str, float]:
     """Minimum thread CPU seconds of `kernels.qdot8(x, w)` per setting (and of `repack.product(x, repacked)`),
     interleaved, each call after an eviction."""
     best = dict.fromkeys([*SETTINGS, *(["repacked"] if repacked is not None else [])], float("inf"))
@@ -49,6 +51,13 @@ def time_rows(w, x: torch.Tensor, rounds: int, evict: np.ndarray,
     return best
 
 
+def repacked_copy(qtype: str, shape: tuple[int, ...],
+                  seed_rows: int) -> repack.Repacked | None:
+    """The bench weight of `qtype` and `shape` repacked (a fresh copy), None for the types without a repack."""
+    w = weight(qtype, *shape, seed_rows)
+    return repack.repack(w) if repack.repackable(w) else None
+
+
 def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     """One row per (weight, M): ms and time over M = 1 for each setting."""
     if not kernels.built():
@@ -62,7 +71,7 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     try:
         for qtype, n, k, what in SHAPES:
             w = weight(qtype, 32 if args.smoke else n, k, 8 if args.smoke else 64)
-            r = repack.repack(weight(qtype, *w.shape, 8 if args.smoke else 64)) if repack.repackable(w) else None
+            r = repacked_copy(qtype, w.shape, 8 if args.smoke else 64)
             x = torch.randn(16, k, generator=torch.Generator().manual_seed(1))
             first: dict[str, float] = {}
             for M in args.rows:

@@ -1,10 +1,10 @@
-"""Collect an importance matrix: run the model over a text and sum, per input column of every matmul weight,
-the squares of the rows fed to it (llama.cpp's `llama-imatrix`, llama.cpp #4861 and #9400 for the file).
+"""Collect an importance matrix: run the model over a text and sum, per input column of every matmul weight, the squares
+of the rows fed to it (llama.cpp's `llama-imatrix`, llama.cpp #4861 and #9400 for the file).
 
-`RecordingOps` wraps the model's OpSet: each `qmatmul`, `grouped_qmatmul`, `moe` and `shared_expert` call records
-its inputs (the fused `qmatmul_norm_rope`, `hc_pre_norm`, `hc_post_pre_norm`, `attention_output` and
-`compressor_store` those of their products) and then calls the wrapped op unchanged, so the forward's numerics are
-the plain model's.
+`RecordingOps` wraps the model's OpSet: each `qmatmul`, `grouped_qmatmul`, `moe` and `shared_expert` call records its
+inputs (the fused `qmatmul_norm_rope`, `attention_input`, `indexer_query`, `hc_pre_norm`, `hc_post_pre_norm`,
+`attention_output` and `compressor_store` those of their products) and then calls the wrapped op unchanged, so the
+forward's numerics are the plain model's.
 """
 from __future__ import annotations
 
@@ -60,6 +60,18 @@ class RecordingOps:
     def qmatmul_norm_rope(self, x: Any, w: QTensor, *args: Any) -> Any:
         self.record(w, x)
         return self._inner.qmatmul_norm_rope(x, w, *args)
+
+    def attention_input(self, x: Any, q_a: QTensor, q_a_norm: Any, q_b: QTensor, kv: QTensor, *args: Any) -> Any:
+        self.record(q_a, x)
+        self.record(kv, x)
+        out = self._inner.attention_input(x, q_a, q_a_norm, q_b, kv, *args)
+        self.record(q_b, out[0])    # q_b's rows: the query latent
+        return out
+
+    def indexer_query(self, q_lat: Any, x: Any, q_b: QTensor, proj: QTensor, *args: Any) -> Any:
+        self.record(q_b, q_lat)
+        self.record(proj, x)
+        return self._inner.indexer_query(q_lat, x, q_b, proj, *args)
 
     def hc_pre_norm(self, X: Any, fn: QTensor, scale: Any, base: Any, norm: Any, iters: int, hc_eps: float,
                     rms_eps: float) -> Any:

@@ -1,0 +1,125 @@
+"""Q8_0 repacked for `--cpu-dot q8` (backends/cpu/q8repack.c, backends/cpu/repack.py): the repack is a permutation of
+the bytes (and back), and the repacked kernels give today's q8 Q8_0 bits (kernels.qdot8 on the stored weight, itself
+checked against ops/q8_activations.py) for M = 1..16, 1/2/3 threads with chunk splits inside a group, row counts
+that are not whole groups, an odd block count, with the AMX tiles, the VNNI rows and the AVX2 and plain C builds."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.cpu import kernels, repack
+from ops import q8_activations as ref
+from ops.quants import QTensor
+from tests.test_cpu_q8 import rebuild_with
+
+pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library cannot be built here")
+
+
+def weight(*shape: int, seed: int = 0) -> QTensor:
+    """A random Q8_0 weight."""
+    return QTensor.quantize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) / 16, "Q8_0", "w")
+
+
+def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
+    """Random rows, an all-zero block among them."""
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0
+    return x
+
+
+def repacked(w: QTensor) -> repack.RepackedQ8_0:
+    """A repacked copy of `w` (w itself unchanged)."""
+    return repack.repack(QTensor(w.qtype, w.shape, w.data.clone(), w.name))
+
+
+@pytest.fixture
+def threads_split(monkeypatch):
+    """Every weight split into chunks (a chunk boundary inside a group of 16 rows); torch's thread count restored."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_repack_is_a_permutation_and_back():
+    """A group's blocks hold the 16 rows' scales and values in other places (pairs of blocks, values first), the rows
+    past the last whole group stay as stored, unpack gives the stored bytes back, and there is no quant type."""
+    w = weight(37, 96)                                          # 3 blocks a row: a pair and an odd last block
+    r = repacked(w)
+    assert not torch.equal(r.data[:32], w.data[:32])
+    assert torch.equal(r.data[32:], w.data[32:])
+    stored = w.data[:16].reshape(16, 3, 34)
+    group = r.data[:16].reshape(-1)
+    for b, (values, scales) in enumerate(((0, 1024), (512, 1056), (1088, 1600))):
+        assert torch.equal(group[scales:scales + 32].view(torch.int16), stored[:, b, :2].reshape(-1).view(torch.int16))
+        block = group[values:values + 512].reshape(8, 16, 4)    # vector k: row n's values 4k .. 4k + 3
+        assert torch.equal(block.permute(1, 0, 2).reshape(16, 32), stored[:, b, 2:])
+    assert torch.equal(repack.unpack(r).data, w.data)
+    assert not hasattr(r, "qtype")
+
+
+@pytest.mark.parametrize("amx_from", (2, 9, 17))
+def test_repacked_equals_stored_for_every_m_and_thread_split(amx_from, threads_split):
+    """87 output rows (five whole groups: four read at once and one alone, 7 rows in the stored layout) of 480 values
+    (15 blocks) and 200 rows (12 groups) of 1024: kernels.qdot8's bits (and the reference's) for M = 1..16, on 1
+    thread and split across 2 and 3; with the tiles from 2 rows, from 9 and never."""
+    before = repack.amx_from("Q8_0")
+    repack.amx_from("Q8_0", amx_from)
+    try:
+        for n, k in ((87, 480), (200, 1024)):
+            w, x = weight(n, k), activations(16, k)
+            r = repacked(w)
+            expected = kernels.qdot8(x, w)
+            assert torch.equal(expected[:3], ref.qdot8(x[:3], w))
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                for M in range(1, 17) if threads == 1 else (1, 3, 9, 16):
+                    assert torch.equal(repack.product(x[:M], r), expected[:M]), (amx_from, n, k, threads, M)
+    finally:
+        repack.amx_from("Q8_0", before)
+
+
+def test_large_output_written_around_the_cache(threads_split):
+    """An output of at least 1 MB (16 rows x 16400: q8repack.c streams whole groups' outputs past the cache, a group
+    cut by a chunk stored as usual): kernels.qdot8's bits on 1 and 2 threads, with the tiles and the VNNI rows."""
+    w, x = weight(16400, 64, seed=7), activations(16, 64, seed=8)
+    r = repacked(w)
+    expected = kernels.qdot8(x, w)
+    before = repack.amx_from("Q8_0")
+    try:
+        for amx_from, threads in ((2, 1), (2, 2), (17, 1)):
+            repack.amx_from("Q8_0", amx_from)
+            torch.set_num_threads(threads)
+            assert torch.equal(repack.product(x, r), expected), (amx_from, threads)
+    finally:
+        repack.amx_from("Q8_0", before)
+
+
+def test_refusals():
+    """A type without a layout, fewer than 16 rows, a Q8_0 stack, experts, too many activation rows: clear errors."""
+    with pytest.raises(ValueError, match="not a repackable Q4_K, Q2_K or Q8_0 weight: .*Q5_K"):
+        repack.repack(QTensor.quantize(torch.randn(16, 256), "Q5_K", "w"))
+    with pytest.raises(ValueError, match="not a repackable"):
+        repack.repack(weight(8, 256))
+    stack = weight(32, 256)
+    with pytest.raises(ValueError, match="not a repackable"):
+        repack.repack(QTensor(stack.qtype, (2, 16, 256), stack.data.reshape(2, 16, -1), "stack"))
+    r = repacked(weight(16, 256))
+    with pytest.raises(ValueError, match="takes no experts"):
+        repack.product(torch.randn(2, 256), r, torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        repack.product(torch.randn(17, 256), r)
+
+
+def test_build_without_avx512(tmp_path, monkeypatch):
+    """The build without AVX-512 (the plain C group kernel, as on AVX2 and plain C targets): the same bits, M = 1, 2,
+    16."""
+    flags = "-mno-avx512f"
+    w, x = weight(21, 480, seed=5), activations(16, 480, seed=6)
+    expected = kernels.qdot8(x, w)
+    rebuild_with(flags, tmp_path, monkeypatch)
+    assert not repack.worthwhile()
+    r = repacked(w)
+    for M in (1, 2, 16):
+        assert torch.equal(repack.product(x[:M], r), expected[:M]), (flags, M)
