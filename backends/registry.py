@@ -44,8 +44,8 @@ OPS = (
     "embed", "rms_norm", "rope_tail", "hc_pre", "hc_post", "hc_head", "compress", "index_scores",
     "sparse_attention", "store_rows", "shared_expert", "fp8_sim", "fp4_sim", "hadamard", "grouped_qmatmul",
     "hc_pre_norm", "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store",   # fused: a
-    "attention_input", "indexer_query", "ffn",  # sequence of the ops above in one call (docs/cpu.md, "Fused decode
-)                                               # ops")
+    "attention_input", "indexer_query", "ffn",  # sequence of the ops above in one call (docs/cpu.md, "Fused
+)                                               # decode ops")
 
 WEIGHT_OPS = ("qmatmul", "moe", "shared_expert", "embed", "hc_head", "grouped_qmatmul", "hc_pre_norm",   # ops
               "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store",  # reading weights
