@@ -44,16 +44,16 @@ OPS = (
     "embed", "rms_norm", "rope_tail", "hc_pre", "hc_post", "hc_head", "compress", "index_scores",
     "sparse_attention", "store_rows", "shared_expert", "fp8_sim", "fp4_sim", "hadamard", "grouped_qmatmul",
     "hc_pre_norm", "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store",   # fused: a
-    "attention_input", "indexer_query",  # sequence of the ops above in one call (docs/cpu.md, "Fused decode ops")
-)
+    "attention_input", "indexer_query", "ffn",  # sequence of the ops above in one call (docs/cpu.md, "Fused
+)                                               # decode ops")
 
 WEIGHT_OPS = ("qmatmul", "moe", "shared_expert", "embed", "hc_head", "grouped_qmatmul", "hc_pre_norm",   # ops
               "hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store",  # reading weights
-              "attention_input", "indexer_query")
+              "attention_input", "indexer_query", "ffn")
 CPU_DOTS = ("exact", "q8")   # the cpu backend's dot products: exact float (default), 8-bit activations
 CPU_DOT_OPS = ("qmatmul", "moe", "shared_expert", "grouped_qmatmul", "hc_pre_norm", "hc_post_pre_norm",  # the cpu
                "qmatmul_norm_rope", "attention_output", "compressor_store", "attention_input",  # ops taking
-               "indexer_query")  # `dot=`
+               "indexer_query", "ffn")  # `dot=`
 
 
 @dataclass(frozen=True)

@@ -496,9 +496,11 @@ class DeepseekV4:
                                                          a.hc_sinkhorn_iters, a.hc_eps, a.rms_eps)
         X, x, post, comb = self.ops.hc_post_pre_norm(X, self.attention(L, x, plan, cache), post, comb, hc.fn, hc.scale,
                                                      hc.base, L.ffn_norm, a.hc_sinkhorn_iters, a.hc_eps, a.rms_eps)
-        routed, shared = self.ops.moe(x, ids, L.experts), self.ops.shared_expert(x, *L.shared, L.shared_clamp)
-        # the ranks' routed experts summed (ep), with their shared expert rows too (tp)
-        ffn = self.tp_sum(routed + shared) if self.tensor_parallel else self.ops.all_reduce(routed) + shared
+        if self.ops.parallel:   # the ranks' routed experts summed (ep), with their shared expert rows too (tp)
+            routed, shared = self.ops.moe(x, ids, L.experts), self.ops.shared_expert(x, *L.shared, L.shared_clamp)
+            ffn = self.tp_sum(routed + shared) if self.tensor_parallel else self.ops.all_reduce(routed) + shared
+        else:
+            ffn = self.ops.ffn(x, ids, L.experts, *L.shared, L.shared_clamp)
         return X, (ffn, post, comb)
 
     def hc_pre(self, X: Array, hc: HyperConnection, norm: Array) -> tuple[Array, Array, Array]:

@@ -2,10 +2,10 @@
 
 Every byte the op needs is read once and every output byte written once: all tensor arguments (weights in
 their stored blocks) and the outputs, except where the contract reads a subset, which `IDEAL` states per op:
-embed reads only the asked rows of its table; moe only its router and the experts the rows pick;
-sparse_attention only the listed cache rows; index_scores the keys some query sees; indexer_topk the scores
-of visible columns; store_rows and attention_input write only their rows into the cache, compressor_store only its
-rows into its rings. The traffic benchmark divides a kernel's measured bytes by this figure (its re-read ratio).
+embed reads only the asked rows of its table; moe (and ffn, with its shared expert) only its router and the experts
+the rows pick; sparse_attention only the listed cache rows; index_scores the keys some query sees; indexer_topk the
+scores of visible columns; store_rows and attention_input write only their rows into the cache, compressor_store only
+its rows into its rings. The traffic benchmark divides a kernel's measured bytes by this figure (its re-read ratio).
 """
 from __future__ import annotations
 
@@ -91,10 +91,15 @@ def attention_input(out, x: torch.Tensor, q_a: QTensor, q_a_norm, q_b: QTensor, 
     return read + slots.numel() * cache.shape[-1] * cache.element_size()
 
 
+def ffn(out, x: torch.Tensor, ids: torch.Tensor, ex, gate: QTensor, up: QTensor, down: QTensor, clamp) -> int:
+    """moe's bytes (x, ids, the router, the experts picked, the output) and the shared expert's three weights."""
+    return moe(out, x, ids, ex) + nbytes((gate, up, down))
+
+
 IDEAL: dict[str, Callable[..., int]] = {  # op -> ideal bytes (output first, then the op's arguments)
     "embed": embed, "moe": moe, "sparse_attention": sparse_attention, "index_scores": index_scores,
     "indexer_topk": indexer_topk, "store_rows": store_rows, "compressor_store": compressor_store,
-    "attention_input": attention_input,
+    "attention_input": attention_input, "ffn": ffn,
 }
 
 

@@ -77,6 +77,13 @@ def shared_expert_case(M: int, seed: int) -> tuple[tuple, list[tuple]]:
     return (x, *w, 10.0), [(x[m:m + 1], *w, 10.0) for m in range(M)]
 
 
+def ffn_case(M: int, seed: int) -> tuple[tuple, list[tuple]]:
+    """A layer's routed experts (bias routing) and shared expert (D 128, as shared_expert_case) on M rows and alone."""
+    (x, ids, experts), _ = moe_case(M, seed, hashed=False)
+    (_, *shared, clamp), _ = shared_expert_case(M, seed)
+    return (x, ids, experts, *shared, clamp), [(x[m:m + 1], ids[m:m + 1], experts, *shared, clamp) for m in range(M)]
+
+
 def store_case(M: int, seed: int) -> tuple[tuple, list[tuple]]:
     """Rows stored (FP8 no-RoPE dims, F16) at distinct slots, batched and one at a time."""
     slots = torch.randperm(32, generator=torch.Generator().manual_seed(seed))[:M]
@@ -175,7 +182,7 @@ CACHES = {"store_rows": (1, 0), "compressor_store": (5, 0), "attention_input": (
 CASES = {"sparse_attention": attention_case, "grouped_qmatmul": grouped_case,
          "moe": lambda M, seed: moe_case(M, seed, hashed=False),
          "moe_hashed": lambda M, seed: moe_case(M, seed, hashed=True), "index_scores": index_case,
-         "shared_expert": shared_expert_case, "store_rows": store_case,
+         "shared_expert": shared_expert_case, "store_rows": store_case, "ffn": ffn_case,
          **{op: (lambda M, seed, op=op: row_case(op, M, seed)) for op in ("hc_pre", "hc_post", "rope_tail",
                                                                            "compress", "hc_head", "embed")},
          **{op: (lambda M, seed, op=op: fused_case(op, M, seed)) for op in FUSED}}

@@ -204,7 +204,7 @@ def test_a_traced_step_calls_the_cpu_ops_as_custom_ops_and_gives_the_eager_bits(
                                                  strict=True))
     called = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
     fused = {"hc_pre_norm", "hc_post_pre_norm", "attention_input", "indexer_query", "attention_output",
-             "compressor_store", "moe", "shared_expert", "store_rows", "sparse_attention", "hc_post", "embed",
+             "compressor_store", "ffn", "store_rows", "sparse_attention", "hc_post", "embed",
              "hc_head", "qmatmul"}
     assert {f"ds4_step.{op}" for op in fused} <= called
     assert not any(t.startswith("ds4.") for t in called)       # no traced fallback reaching the bare kernels

@@ -1,10 +1,10 @@
 """The fused ops (ops/hc_pre_norm.py, ops/hc_post_pre_norm.py, ops/qmatmul_norm_rope.py, ops/attention_output.py,
-ops/compressor_store.py, ops/attention_input.py, ops/indexer_query.py): the reference is the sequence of references;
-the cpu backend's one C call is the bits of its own ops called one by one (exact and q8, 1/2/3 kernel threads, M =
-1..17, the last past the kernels' 16 rows); Triton (interpreter) and MLX close to the reference."""
+ops/compressor_store.py, ops/attention_input.py, ops/indexer_query.py, ops/ffn.py): the reference is the sequence of
+references; the cpu backend's one C call is the bits of its own ops called one by one (exact and q8, 1/2/3 kernel
+threads, M = 1..17, the last past the kernels' 16 rows); Triton (interpreter) and MLX close to the reference."""
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from backends.registry import implementations
 from ops.attention_input import attention_input, attention_input_of
 from ops.attention_output import attention_output, attention_output_of
 from ops.compressor_store import compressor_store, compressor_store_of
+from ops.ffn import ffn, ffn_of
 from ops.fp4_sim import fp4_sim
 from ops.grouped_qmatmul import grouped_qmatmul
 from ops.hadamard import hadamard
@@ -22,11 +23,13 @@ from ops.hc_post_pre_norm import hc_post_pre_norm, hc_post_pre_norm_of
 from ops.hc_pre import hc_pre
 from ops.hc_pre_norm import hc_pre_norm, hc_pre_norm_of
 from ops.indexer_query import indexer_query, indexer_query_of
+from ops.moe import Experts, moe
 from ops.qmatmul import qmatmul
 from ops.qmatmul_norm_rope import qmatmul_norm_rope, qmatmul_norm_rope_of
 from ops.quants import QTensor
 from ops.rms_norm import rms_norm
 from ops.rope_tail import rope_freqs, rope_tail
+from ops.shared_expert import shared_expert
 from ops.store_rows import store_rows
 
 S, D, HD = 4, 64, 32     # streams, hidden, head width (the head's tail of 16 values rotated)
@@ -100,6 +103,33 @@ def query_case(M: int, qtypes: str = "Q8_0", seed: int = 0, di: int = 64) -> tup
             torch.arange(M) * 37 + seed, rope_freqs(16, 10000.0), M % 3 != 2, (6 * di) ** 0.5)
 
 
+@cache
+def ffn_weights(qtype: str, hashed: bool) -> tuple[Experts, list[QTensor]]:
+    """8 routed experts (top 3 of 256 x 256; hash or bias routing) and a shared expert (512 inner), made once per type
+    (quantizing to the k-quants in torch takes seconds)."""
+    g = torch.Generator().manual_seed(int(hashed))
+    E, n, K = 8, 256, 256
+    stack = [QTensor.quantize(torch.randn(E, *s, generator=g) / 16, qtype, name)
+             for s, name in (((n, K), "ffn_gate_exps.weight"), ((n, K), "ffn_up_exps.weight"),
+                             ((K, n), "ffn_down_exps.weight"))]
+    shared = [QTensor.quantize(torch.randn(*s, generator=g) / 16, qtype, name)
+              for s, name in (((512, K), "ffn_gate_shexp.weight"), ((512, K), "ffn_up_shexp.weight"),
+                              ((K, 512), "ffn_down_shexp.weight"))]
+    ex = Experts(QTensor.quantize(torch.randn(E, K, generator=g) / 16, "F16", "ffn_gate_inp.weight"),
+                 None if hashed else torch.randn(E, generator=g) / 8,
+                 torch.randint(0, E, (50, 3), generator=g) if hashed else None, *stack, 3, 1.5, not hashed, 0.7)
+    return ex, shared
+
+
+def ffn_case(M: int, qtype: str = "Q8_0", seed: int = 0) -> tuple:
+    """A layer's routed experts and shared expert (`ffn_weights`; hash routing on odd seeds), the shared clamp on
+    unless M % 3 == 2."""
+    g = torch.Generator().manual_seed(seed)
+    ex, shared = ffn_weights(qtype, seed % 2 == 1)
+    return (torch.randn(M, 256, generator=g), torch.randint(0, 50, (M,), generator=g), ex, *shared,
+            0.7 if M % 3 != 2 else None)
+
+
 def test_references_are_the_unfused_sequences():
     X, fn, scale, base, norm, iters, hc_eps, rms_eps = hc_case(3)
     mixes = qmatmul(rms_norm(X.reshape(3, S * D), None, rms_eps), fn)
@@ -140,6 +170,8 @@ def test_references_are_the_unfused_sequences():
     q = rope_tail(qmatmul(q_lat, q_b).reshape(3, 3, di), pos, freqs)
     got = indexer_query(*query_case(3))
     assert torch.equal(got[0], fp4_sim(hadamard(q))) and torch.equal(got[1], qmatmul(x, proj) / root) and sim
+    x, ids, ex, gate, up, down, clamp = ffn_case(3)
+    assert torch.equal(ffn(*ffn_case(3)), moe(x, ids, ex) + shared_expert(x, gate, up, down, clamp))
 
 
 def unfused_cpu(op: str, dot: str):
@@ -157,15 +189,17 @@ def unfused_cpu(op: str, dot: str):
         return attention_input_of(unfused_cpu("qmatmul_norm_rope", dot), impl("store_rows", "cpu"))
     if op == "indexer_query":
         return indexer_query_of(mm, impl("rope_tail", "cpu"), impl("hadamard", "cpu"), impl("fp4_sim", "cpu"))
+    if op == "ffn":
+        return ffn_of(partial(impl("moe", "cpu"), dot=dot), partial(impl("shared_expert", "cpu"), dot=dot))
     return qmatmul_norm_rope_of(mm, impl("rms_norm", "cpu"), impl("rope_tail", "cpu"))
 
 
 CASE = {"hc_pre_norm": hc_case, "hc_post_pre_norm": post_case, "qmatmul_norm_rope": projection_case,
         "attention_output": output_case, "compressor_store": compressor_case, "attention_input": input_case,
-        "indexer_query": query_case}
+        "indexer_query": query_case, "ffn": ffn_case}
 REFERENCE = {"hc_pre_norm": hc_pre_norm, "hc_post_pre_norm": hc_post_pre_norm, "qmatmul_norm_rope": qmatmul_norm_rope,
              "attention_output": attention_output, "compressor_store": compressor_store,
-             "attention_input": attention_input, "indexer_query": indexer_query}
+             "attention_input": attention_input, "indexer_query": indexer_query, "ffn": ffn}
 
 
 CPU_CASES = [("hc_pre_norm", "F16", "exact"), ("hc_pre_norm", "F16", "q8"), ("hc_pre_norm", "Q8_0", "exact"),
@@ -179,7 +213,8 @@ CPU_CASES = [("hc_pre_norm", "F16", "exact"), ("hc_pre_norm", "F16", "q8"), ("hc
              ("attention_input", "Q8_0", "exact"), ("attention_input", "Q8_0", "q8"), ("attention_input", "Q4_K", "q8"),
              ("attention_input", "Q8_0/F16", "q8"), ("attention_input", "Q4_K/Q8_0", "exact"),
              ("indexer_query", "Q8_0", "exact"), ("indexer_query", "Q8_0", "q8"), ("indexer_query", "Q8_0/F16", "q8"),
-             ("indexer_query", "Q4_K/F16", "exact")]
+             ("indexer_query", "Q4_K/F16", "exact"), ("ffn", "Q4_K", "q8"), ("ffn", "Q2_K", "q8"),
+             ("ffn", "Q8_0", "exact")]
 
 
 @pytest.mark.parametrize("op,qtype,dot", CPU_CASES)
@@ -189,13 +224,13 @@ def test_cpu_is_the_unfused_cpu_ops_bits(op, qtype, dot, monkeypatch):
     the reference."""
     monkeypatch.setattr(kernels, "SPLIT_BYTES", 1 << 12)
     called = []
-    name = "hc_pre_norm" if op == "hc_post_pre_norm" else op      # its C call: glue.hc_pre_norm(..., after=)
+    name = {"hc_post_pre_norm": "hc_pre_norm", "ffn": "route_moe_shared"}.get(op, op)   # its C call's wrapper
     fused_c = getattr(glue, name)
     monkeypatch.setattr(glue, name, lambda *a, **k: called.append(fused_c(*a, **k)) or called[-1])
     fused, unfused = partial(impl(op, "cpu"), dot=dot), unfused_cpu(op, dot)
     reference = REFERENCE[op]
-    served = {"attention_output": (1, 2, 5) if qtype != "F32" else ()}.get(op, (1, 2, 5, 16))  # 2 groups: <= 8
-    # rows; F32 weights take BLAS
+    served = {"attention_output": (1, 2, 5) if qtype != "F32" else (), "ffn": (1, 2, 5)}.get(op, (1, 2, 5, 16))
+    # attention_output's 2 groups and ffn's 3 experts a row: up to 16 products' rows; F32 weights take BLAS
 
     def case(M: int) -> tuple:     # fresh arguments for each call (compressor_store writes its rings)
         args = CASE[op](M, qtype, M)
@@ -227,7 +262,7 @@ def test_triton_is_close_to_the_reference():
                              strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         for op in ("hc_post_pre_norm", "qmatmul_norm_rope", "attention_output", "compressor_store", "attention_input",
-                   "indexer_query"):
+                   "indexer_query", "ffn"):
             got, want = impl(op, "triton")(*CASE[op](M, "Q8_0")), REFERENCE[op](*CASE[op](M, "Q8_0"))
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -274,6 +309,11 @@ def test_mlx_is_close_to_the_reference():
     got = impl("indexer_query", "mlx")(m(q_lat), m(x), place(q_b), place(proj), di, m(pos), m(freqs), sim, root)
     for a, b in zip(got, indexer_query(*query_case(3)), strict=True):
         torch.testing.assert_close(torch_of(a), b, rtol=1e-4, atol=1e-4)
+    x, ids, ex, gate, up, down, clamp = ffn_case(3, seed=1)
+    mex = Experts(place(ex.router), None, m(ex.tid2eid), place(ex.gate), place(ex.up), place(ex.down), ex.top_k,
+                  ex.route_scale, ex.normalize, ex.clamp)
+    got = impl("ffn", "mlx")(m(x), m(ids), mex, place(gate), place(up), place(down), clamp)
+    torch.testing.assert_close(torch_of(got), ffn(*ffn_case(3, seed=1)), rtol=1e-4, atol=1e-4)
 
 
 def test_cpu_attention_input_refuses_a_slot_outside_the_cache():

@@ -108,7 +108,7 @@ def test_cli_json_shows_every_op_on_mlx(tiny_gguf, engines):
     out = json.loads(r.stdout)
     assert out["generated_ids"] == greedy(engines[0], [0, 5, 9, 17], mtp_draft=0)[:8]
     report = out["backends"]
-    assert {"qmatmul", "moe", "sparse_attention", "indexer_topk", "verify_argmax", "hc_pre_norm"} <= set(report)
+    assert {"qmatmul", "ffn", "sparse_attention", "indexer_topk", "verify_argmax", "hc_pre_norm"} <= set(report)
     assert {r["backend"] for r in report.values()} == {"mlx"}
     explained = [line.split() for line in r.stderr.splitlines() if line.split()[:1] and line.split()[0] in report]
     assert len(explained) == len(report) and all(row[1] == "mlx" for row in explained)

@@ -49,6 +49,7 @@ SHAPES: dict[str, Callable[..., list]] = {
     "grouped_qmatmul": lambda x, w, dot="exact": _float32((x.shape[0], w.shape[0])),
     "moe": lambda x, ids, experts, dot="exact": _float32(x.shape),
     "shared_expert": lambda x, gate, up, down, clamp, dot="exact": _float32((x.shape[0], down.shape[-2])),
+    "ffn": lambda x, ids, experts, gate, up, down, clamp, dot="exact": _float32(x.shape),
     "embed": lambda table, ids: _float32((ids.shape[0], table.shape[1])),
     "rms_norm": lambda x, weight=None, eps=1e-6: _float32(x.shape),
     "rope_tail": lambda x, positions, freqs, inverse=False: _float32(x.shape),

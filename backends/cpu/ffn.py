@@ -10,9 +10,11 @@ backends/cpu/glue.c, the bits of ops.exp_poly.swiglu_poly). So row r equals the 
 over rows. Prefill (larger M)
 groups each expert's rows, all the experts of a layer in one kernel call per projection (qgemm.c). Expert stacks
 repacked at load (`repack.RepackedQ4K` and `RepackedQ2K`, `--cpu-dot q8` with the weights in memory) take their own
-kernels.
+kernels. `ffn` (ops/ffn.py) runs a decode's routed experts and shared expert in one C call (`glue.route_moe_shared`).
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,7 @@ from backends.cpu.qmatmul import qmatmul
 from backends.cpu.rows import rowwise
 from backends.registry import register
 from ops import moe as reference
+from ops.ffn import ffn_of
 from ops.moe import Experts, check_owned, owned_pairs, select
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
@@ -146,7 +149,7 @@ def grouped(x: torch.Tensor, chosen: torch.Tensor, w: torch.Tensor, ex: Experts,
     return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, rows, experts_product(h, ex.down, ids, first, dot))
 
 
-def experts_product(x: torch.Tensor, w: QTensor | repack.RepackedQ4K, ids: torch.Tensor, first: torch.Tensor,
+def experts_product(x: torch.Tensor, w: QTensor | repack.Repacked, ids: torch.Tensor, first: torch.Tensor,
                     dot: str) -> torch.Tensor:
     """`kernels.experts_product`, or a repacked stack's (q8 only: the same bits as the stored stack's)."""
     if type(w) in repack.REPACKED:
@@ -188,3 +191,17 @@ def shared_expert(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, cl
     if clamp is not None:
         g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
     return qmatmul(rowwise(F.silu, g) * u, down, dot)
+
+
+@register("ffn", "cpu", batch_invariant=True)
+def ffn(x: torch.Tensor, ids: torch.Tensor, experts: Experts, gate: QTensor, up: QTensor, down: QTensor,
+        clamp: float | None, dot: str = "exact") -> torch.Tensor:
+    """The routed experts' output of each row of `x` plus the shared expert's; `dot` as in qmatmul. A decode's rows are
+    routed and run through the routed and the shared experts in one C call where the kernels serve both
+    (`glue.route_moe_shared`, the bits of moe + shared_expert); else the two ops."""
+    if x.shape[0] <= SMALL_M and glue.ready():
+        x32 = x.to(torch.float32)
+        fused = glue.route_moe_shared(x32, router_scores(x32, experts, dot), ids, experts, (gate, up, down), clamp, dot)
+        if fused is not None:
+            return fused
+    return ffn_of(partial(moe, dot=dot), partial(shared_expert, dot=dot))(x, ids, experts, gate, up, down, clamp)

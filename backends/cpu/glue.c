@@ -628,3 +628,20 @@ int glue_indexer_query(const product_t *p, int q8_q, int q8_w, const float *q_la
     for (int64_t i = 0; i < M * p[1].N; i++) w[i] = p[1].y[i] / root;
     return 0;
 }
+
+/* ffn (ops/ffn.py): glue_moe_rows of the routed experts (p: the stacks' gate, up and down products, the rows routed
+ * by `route` into chosen and w) into out, then glue_moe_rows of the shared expert (s: its 2-D weights' products on
+ * the rows x as they are, no routing weight) into s_out, then out += s_out: the bits of moe, shared_expert and the
+ * float32 add. Returns glue_moe_rows' code (1: a token id outside the routing table). */
+int glue_ffn(const product_t *p, const route_t *route, int64_t *chosen, float *w, const float *x, float *xs,
+             int q8_rows, int q8_kind, void *hq, int has_clamp, float clamp, float *h, int64_t M, int64_t k,
+             const product_t *s, int s_q8_rows, int s_q8_kind, void *s_hq, int s_has_clamp, float s_clamp, float *s_h,
+             float *s_out, float *out, int threads) {
+    int rc = glue_moe_rows(p, route, chosen, w, x, xs, q8_rows, q8_kind, hq, has_clamp, clamp, h, M, k, out, threads);
+    if (rc) return rc;
+    rc = glue_moe_rows(s, NULL, NULL, NULL, x, (float *)x, s_q8_rows, s_q8_kind, s_hq, s_has_clamp, s_clamp, s_h, M, 1,
+                       s_out, threads);
+    if (rc) return rc;
+    for (int64_t i = 0; i < M * s[2].N; i++) out[i] += s_out[i];
+    return 0;
+}

@@ -9,7 +9,7 @@ import ctypes
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -17,7 +17,7 @@ from ops.moe import Experts
 from ops.quants import QTensor
 
 from . import kernels
-from .repack import REPACKED, RepackedQ2K, RepackedQ4K, layout_of, repacked_rows
+from .repack import REPACKED, Repacked, layout_of, repacked_rows
 from .scratch import SCRATCH
 
 _bound: ctypes.CDLL | None = None
@@ -44,6 +44,10 @@ def _lib() -> ctypes.CDLL:
         k.glue_products.restype = k.glue_route.restype = k.glue_moe_rows.restype = ctypes.c_int
         k.glue_moe_rows.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int,
                                     ctypes.c_float, ptr, i64, i64, ptr, ctypes.c_int]
+        k.glue_ffn.restype = ctypes.c_int
+        k.glue_ffn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int,
+                               ctypes.c_float, ptr, i64, i64, ptr, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int,
+                               ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
         k.glue_route.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
         k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
         k.glue_hc_pre_norm.restype = k.glue_qmatmul_norm_rope.restype = ctypes.c_int
@@ -186,32 +190,32 @@ class ProductArgs(ctypes.Structure):
                 ("parts", ctypes.c_int64)]
 
 
-def type_name(w: QTensor | RepackedQ4K | RepackedQ2K) -> str:
+def type_name(w: QTensor | Repacked) -> str:
     """The quant type of w's values (a repacked Q4_K weight's is Q4_K, a repacked Q2_K weight's Q2_K)."""
     return layout_of(w).qtype if type(w) in REPACKED else w.qtype.name
 
 
-def row_kernel(w: QTensor | RepackedQ4K, dot: str) -> tuple[int, int]:
+def row_kernel(w: QTensor | Repacked, dot: str) -> tuple[int, int]:
     """The address of w's row kernel under `dot` and the type code it takes (a repacked weight: its own, q8 only)."""
     if type(w) in REPACKED:
         return repacked_rows(dot, w)
     return kernels.row_kernel(dot == "q8"), kernels.GGML_TYPE[w.qtype.name]
 
 
-def served(x: torch.Tensor, w: QTensor | RepackedQ4K, experts: torch.Tensor | None, dot: str) -> bool:
+def served(x: torch.Tensor, w: QTensor | Repacked, experts: torch.Tensor | None, dot: str) -> bool:
     """Whether `products` serves rows x with the quantized weight w (2-D, or stacked [E, N, K] with `experts`)."""
     stacked = experts is not None
     return (not stacked or experts.shape == x.shape[:1]) and serves(x.shape[0], x.shape[-1], w, stacked, dot)
 
 
-def serves(M: int, K: int, w: QTensor | RepackedQ4K, stacked: bool, dot: str) -> bool:
+def serves(M: int, K: int, w: QTensor | Repacked, stacked: bool, dot: str) -> bool:
     """Whether `products` serves M rows of K values with the quantized weight w (2-D, or `stacked` [E, N, K])."""
     name = type_name(w)
     kernel = kernels.q8_available(name, K) if dot == "q8" else kernels.available(name, K)
     return kernel and len(w.shape) == 2 + stacked and name != "F32" and M <= kernels.MAX_ROWS and w.shape[-1] == K
 
 
-def product_args(kernel: int | None, w: QTensor | RepackedQ4K, experts: torch.Tensor | None, M: int, rows: int,
+def product_args(kernel: int | None, w: QTensor | Repacked, experts: torch.Tensor | None, M: int, rows: int,
                  y: int, alive: list, dot: str = "exact") -> ProductArgs:
     """One product of a `glue_products` call: M prepared rows at address `rows` (float32, or q8's rounded blocks)
     times the weight `w` (row m: expert experts[m] of a stack) into float32 [M, N] at address `y`, through `kernel`
@@ -228,7 +232,7 @@ def product_args(kernel: int | None, w: QTensor | RepackedQ4K, experts: torch.Te
                        1 if kernels.threads() == 1 else max(1, min(N, kernels.pool_parts(read))))
 
 
-def products(calls: list[tuple[torch.Tensor, QTensor | RepackedQ4K, torch.Tensor | None]],
+def products(calls: list[tuple[torch.Tensor, QTensor | Repacked, torch.Tensor | None]],
              dot: str = "exact") -> list[torch.Tensor] | None:
     """[x @ W.T for each (x [M, K], W, experts)] in one pass of the kernel pool (glue.c's glue_products): a thread
     that finishes its chunks of one weight goes on to the next, and the pool's threads are handed work once. With
@@ -331,7 +335,7 @@ class BoundExpert:
     hq_row_bytes: int       # bytes of one rounded row of the down product's input (`dot="q8"`), else 0
 
 
-def bind_expert(gate: QTensor | RepackedQ4K, up: QTensor | RepackedQ4K, down: QTensor | RepackedQ4K, dot: str,
+def bind_expert(gate: QTensor | Repacked, up: QTensor | Repacked, down: QTensor | Repacked, dot: str,
                 routed: bool) -> BoundExpert | None:
     """glue_moe_rows' arguments of the three weights (`routed`: stacks [E, N, K] of experts, else 2-D; a repacked
     Q4_K stack takes its own row kernel), or None where the kernels do not serve them."""
@@ -380,25 +384,106 @@ def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen:
     return expert_rows(x, (gate, up, down), M, k, clamp, dot, flat, weights)
 
 
-def route_moe_rows(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Experts,
-                   dot: str = "exact") -> torch.Tensor | None:
-    """`route`, then `moe_rows` over the experts it chose, in one C call (the routing's ids and weights in the thread's
-    scratch): the bits of the two calls. None where either would not serve the call, or the stacks do not hold every
-    expert (expert parallelism)."""
+def route_args(p: torch.Tensor, ids: torch.Tensor, ex: Experts) -> RouteArgs | None:
+    """glue_route's arguments for routing rows by scores p [M, E] (float32, contiguous) and ids [M] (int64, contiguous)
+    before their experts, ex `routable`; the caller keeps the tensors they point into alive. None where glue_route
+    would not serve it or the stacks do not hold every expert (expert parallelism)."""
     table = ex.tid2eid
     k = ex.top_k if table is None else table.shape[1]
     M, E = p.shape
     if k > ROUTE_MAX_K or not ex.holds_all() or not ready():
         return None
-    p, b = f32(p), None if ex.bias is None else f32(ex.bias)
-    t = None if table is None else table.to(torch.int64).contiguous()
-    ids = ids.to(torch.int64).contiguous()
+    b = ex.bias
     if ids.shape != (M,) or (b is not None and b.shape != (E,)) or k > E:
         raise ValueError(f"moe: scores {tuple(p.shape)}, ids {tuple(ids.shape)}, top_k {k}, bias "
                          f"{None if b is None else tuple(b.shape)}")
-    route = RouteArgs(p.data_ptr(), E, None if b is None else b.data_ptr(), None if t is None else t.data_ptr(),
-                      0 if t is None else t.shape[0], ids.data_ptr(), int(ex.normalize), ex.route_scale)
-    return expert_rows(x, (ex.gate, ex.up, ex.down), M, k, ex.clamp, dot, route=route)
+    return RouteArgs(p.data_ptr(), E, None if b is None else b.data_ptr(), None if table is None else table.data_ptr(),
+                     0 if table is None else table.shape[0], ids.data_ptr(), int(ex.normalize), ex.route_scale)
+
+
+def route_moe_rows(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Experts,
+                   dot: str = "exact") -> torch.Tensor | None:
+    """`route`, then `moe_rows` over the experts it chose, in one C call (the routing's ids and weights in the thread's
+    scratch): the bits of the two calls. None where either would not serve the call, or the stacks do not hold every
+    expert (expert parallelism)."""
+    p, ids = f32(p), ids.to(torch.int64).contiguous()
+    ex = routable(ex)
+    route = route_args(p, ids, ex)
+    if route is None:
+        return None
+    k = ex.top_k if ex.tid2eid is None else ex.tid2eid.shape[1]
+    return expert_rows(x, (ex.gate, ex.up, ex.down), x.shape[0], k, ex.clamp, dot, route=route)
+
+
+def routable(ex: Experts) -> Experts:
+    """`ex` with its bias float32 and its table int64, both contiguous (what glue_route reads)."""
+    bias = None if ex.bias is None else f32(ex.bias)
+    table = None if ex.tid2eid is None else ex.tid2eid.to(torch.int64).contiguous()
+    return ex if bias is ex.bias and table is ex.tid2eid else replace(ex, bias=bias, tid2eid=table)
+
+
+def route_moe_shared(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Experts,
+                     shared: tuple[QTensor, QTensor, QTensor], clamp: float | None,
+                     dot: str = "exact") -> torch.Tensor | None:
+    """`route_moe_rows` then `moe_rows` of the shared expert's weights `shared` on the same rows, added, in one C call
+    (glue.c's glue_ffn): the bits of the cpu ops moe + shared_expert. None where either call would not serve."""
+    p, ids = f32(p), ids.to(torch.int64).contiguous()
+    ex = routable(ex)
+    route = route_args(p, ids, ex)
+    gate, up, down = shared
+    if route is None or x.dim() != 2 or x.shape[1] != gate.shape[-1] or down.shape[-2] != ex.down.shape[-2]:
+        return None
+    k = ex.top_k if ex.tid2eid is None else ex.tid2eid.shape[1]
+    M = x.shape[0]
+    routed = bound_experts(x, (ex.gate, ex.up, ex.down), M, k, dot, True)
+    own = bound_experts(x, shared, M, 1, dot, False)
+    if routed is None or own is None:
+        return None
+    x = f32(x)
+    P, K, inner, si, n = M * k, x.shape[1], ex.gate.shape[-2], gate.shape[-2], down.shape[-2]
+    out = torch.empty((M, n), dtype=torch.float32)
+    threads = kernels.threads()
+    f = FLOAT_BYTES * P
+    with SCRATCH(8 * P, f, f * K if k > 1 else 0, P * routed.xq_row_bytes, f * inner, P * routed.hq_row_bytes,
+                 f * inner, f * inner, f * n, M * own.xq_row_bytes, FLOAT_BYTES * M * si, M * own.hq_row_bytes,
+                 FLOAT_BYTES * M * si, FLOAT_BYTES * M * si, FLOAT_BYTES * M * n, FLOAT_BYTES * M * n) as \
+            (picked, picked_w, xs, xq, h, hq, g, u, y, s_xq, s_h, s_hq, s_g, s_u, s_y, s_out):
+        src = xs if k > 1 else x.data_ptr()
+        fill(routed, src, xq, h, hq, (g, u, y), P, picked, True, dot, threads)
+        fill(own, x.data_ptr(), s_xq, s_h, s_hq, (s_g, s_u, s_y), M, None, False, dot, threads)
+        rc = _lib().glue_ffn(routed.args, ctypes.byref(route), picked, picked_w, x.data_ptr(), src, routed.q8_rows,
+                             routed.q8_down, hq, 1, ex.clamp, h, M, k, own.args, own.q8_rows, own.q8_down, s_hq,
+                             clamp is not None, 0.0 if clamp is None else clamp, s_h, s_out, out.data_ptr(), threads)
+    check_rc(rc, route, (ex.gate, ex.up, ex.down), dot)
+    return out
+
+
+def bound_experts(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M: int, k: int, dot: str,
+                  routed: bool) -> BoundExpert | None:
+    """The weights' glue_moe_rows arguments (`EXPERTS`, bound on first use) for M rows of x, k experts a row; None
+    where the library or the kernels do not serve them, or the pairs are more than MAX_ROWS."""
+    if not ready() or x.dim() != 2 or x.shape[1] != weights[0].shape[-1] or M * k > kernels.MAX_ROWS:
+        return None
+    return EXPERTS.value(weights, (dot, routed, threading.get_ident()), lambda: bind_expert(*weights, dot, routed))
+
+
+def fill(bound: BoundExpert, src: int, xq: int, h: int, hq: int, ys: tuple[int, int, int], P: int, experts: int | None,
+         routed: bool, dot: str, threads: int) -> None:
+    """A call's rows (src, or under q8 their rounded copy xq; the down product's h or hq), outputs ys, pair count P and
+    experts in the bound arguments, each product's pool split by the bytes it reads."""
+    for arg, rows, y, read in zip(bound.args, (src, src, h) if dot != "q8" else (xq, xq, hq), ys, bound.reads,
+                                  strict=True):
+        arg.x, arg.M, arg.y, arg.experts = rows, P, y, experts
+        arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if routed else read)))
+
+
+def check_rc(rc: int, route: RouteArgs | None, weights: tuple[QTensor, QTensor, QTensor], dot: str) -> None:
+    """glue_moe_rows' or glue_ffn's return code as the error it stands for."""
+    if rc == 1:
+        raise ValueError(f"moe: a token id outside the {route.table_rows}-row expert table or an expert outside "
+                         f"{route.E}")
+    if rc:
+        raise ValueError(f"moe: unsupported call ({', '.join(type_name(t) for t in weights)}, dot={dot})")
 
 
 def expert_rows(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M: int, k: int, clamp: float | None,
@@ -408,10 +493,8 @@ def expert_rows(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M: i
     float32), or written by the call's routing (`route`), or neither (the shared expert's 2-D weights). The weights'
     arguments are bound on first use (`EXPERTS`); the temporaries are the thread's scratch (`SCRATCH`)."""
     gate, up, down = weights
-    if not ready() or x.dim() != 2 or x.shape[1] != gate.shape[-1] or M * k > kernels.MAX_ROWS:
-        return None
     routed = chosen is not None or route is not None
-    bound = EXPERTS.value(weights, (dot, routed, threading.get_ident()), lambda: bind_expert(*weights, dot, routed))
+    bound = bound_experts(x, weights, M, k, dot, routed)
     if bound is None:
         return None
     x = f32(x)
@@ -423,23 +506,16 @@ def expert_rows(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M: i
                  P * bound.hq_row_bytes, f * inner, f * inner, f * n) as (picked, picked_w, xs, xq, h, hq, *ys):
         src = xs if k > 1 else x.data_ptr()
         experts = picked if route else None if chosen is None else chosen.data_ptr()
-        for arg, rows, y, read in zip(bound.args, (src, src, h) if dot != "q8" else (xq, xq, hq), ys, bound.reads,
-                                      strict=True):
-            arg.x, arg.M, arg.y, arg.experts = rows, P, y, experts
-            arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if routed else read)))
+        fill(bound, src, xq, h, hq, tuple(ys), P, experts, routed, dot, threads)
         rc = _lib().glue_moe_rows(bound.args, None if route is None else ctypes.byref(route), picked,
                                   picked_w if route else None if w is None else w.data_ptr(), x.data_ptr(), src,
                                   bound.q8_rows, bound.q8_down, hq, clamp is not None, 0.0 if clamp is None else clamp,
                                   h, M, k, out.data_ptr(), threads)
-    if rc == 1:
-        raise ValueError(f"moe: a token id outside the {route.table_rows}-row expert table or an expert outside "
-                         f"{route.E}")
-    if rc:
-        raise ValueError(f"moe: unsupported call ({type_name(gate)}, {type_name(up)}, {type_name(down)}, dot={dot})")
+    check_rc(rc, route, weights, dot)
     return out
 
 
-def q8_kind(w: QTensor | RepackedQ4K, dot: str) -> int:
+def q8_kind(w: QTensor | Repacked, dot: str) -> int:
     """The rounding kind of the rows of a product with weight `w` under q8 (qdot8.c's q8_quantize), else -1."""
     return kernels.Q8_TYPES[type_name(w)] if dot == "q8" else -1
 
@@ -479,7 +555,7 @@ def bind_products(weights: tuple[QTensor, ...], stacked: tuple[bool, ...], dot: 
                          reads, stacked)
 
 
-def bound_args(weights: tuple[QTensor | RepackedQ4K, ...], stacked: tuple[bool, ...],
+def bound_args(weights: tuple[QTensor | Repacked, ...], stacked: tuple[bool, ...],
                dot: str) -> tuple[ctypes.Array, tuple[torch.Tensor, ...], tuple[int, ...]]:
     """glue_products' arguments of `weights` (2-D, or `stacked` [E, N, K] experts) with their row kernels under `dot`
     and no rows yet, the contiguous raw blocks they point into, and the weight bytes each product reads a row (of a

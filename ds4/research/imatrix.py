@@ -1,11 +1,10 @@
 """Collect an importance matrix: run the model over a text and sum, per input column of every matmul weight, the squares
 of the rows fed to it (llama.cpp's `llama-imatrix`, llama.cpp #4861 and #9400 for the file).
 
-`RecordingOps` wraps the model's OpSet: each `qmatmul`, `grouped_qmatmul`, `moe` and `shared_expert` call records its
-inputs (the fused `qmatmul_norm_rope`, `attention_input`, `indexer_query`, `hc_pre_norm`, `hc_post_pre_norm`,
-`attention_output` and `compressor_store` those of their products) and then calls the wrapped op unchanged, so the
-forward's numerics are the plain model's.
-"""
+`RecordingOps` wraps the model's OpSet: each `qmatmul`, `grouped_qmatmul`, `moe` and `shared_expert` call (`ffn` as
+those two) records its inputs (the fused `qmatmul_norm_rope`, `attention_input`, `indexer_query`, `hc_pre_norm`,
+`hc_post_pre_norm`, `attention_output` and `compressor_store` those of their products) and then calls the wrapped op
+unchanged, so the forward's numerics are the plain model's."""
 from __future__ import annotations
 
 import re
@@ -114,6 +113,9 @@ class RecordingOps:
             g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
         self.record(down, F.silu(g) * u)
         return self._inner.shared_expert(x, gate, up, down, clamp)
+
+    def ffn(self, x: Any, ids: Any, ex: Experts, gate: QTensor, up: QTensor, down: QTensor, clamp: float | None) -> Any:
+        return self.moe(x, ids, ex) + self.shared_expert(x, gate, up, down, clamp)   # the bits of ffn (ops/ffn.py)
 
     def moe(self, x: Any, ids: Any, ex: Experts) -> Any:
         rows = self._rows(x)
