@@ -362,12 +362,9 @@ int q4kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
               const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
     if (type != Q4KR_TYPE || K % 256 || M < 1 || M > GROUP) return -1;
     const uint8_t *x = xq;
-    int64_t nb = K / 256, row_bytes = nb * QK_BYTES, whole = N / GROUP * GROUP;
-    if (n1 > whole) {           /* the rows past the last group: the stored layout */
-        int rc = qdot8(12, w, expert_bytes, experts, N, K, xq, M, y, n0 > whole ? n0 : whole, n1);
-        if (rc) return rc;
-        n1 = whole;
-    }
+    int64_t nb = K / 256, row_bytes = nb * QK_BYTES;
+    int rc = stored_rows(12, w, expert_bytes, experts, N, K, xq, M, y, n0, &n1);     /* past the last group */
+    if (rc) return rc;
     int own = experts != NULL;
     int64_t live[GROUP], rows = live_rows(experts, M, y, N, n0, n1, live);
     if (rows == 0) return 0;

@@ -214,12 +214,9 @@ int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *ex
     (void)expert_bytes;
     if (type != Q8R_TYPE || K % 32 || M < 1 || M > GROUP || experts != NULL) return -1;
     const uint8_t *x = xq;
-    int64_t nb = K / 32, row_bytes = nb * Q8_0_BYTES, whole = N / GROUP * GROUP;
-    if (n1 > whole) {           /* the rows past the last group: the stored layout */
-        int rc = qdot8(8, w, 0, NULL, N, K, xq, M, y, n0 > whole ? n0 : whole, n1);
-        if (rc) return rc;
-        n1 = whole;
-    }
+    int64_t nb = K / 32, row_bytes = nb * Q8_0_BYTES;
+    int rc = stored_rows(8, w, 0, NULL, N, K, xq, M, y, n0, &n1);     /* past the last group */
+    if (rc) return rc;
     if (n0 >= n1) return 0;
 #if REPACK_VNNI
     int32_t *sx = NULL;

@@ -63,6 +63,17 @@ static inline int path_for(int64_t M, int amx_from) {
     return REPACK_VNNI;
 }
 
+/* Outputs [n0, n1) of the rows past the last whole group (stored_type's stored layout, by qdot8) where n1 reaches
+ * them, and n1 cut to the last whole group; returns qdot8's code (0: done). */
+static inline int stored_rows(int stored_type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts,
+                              int64_t N, int64_t K, const void *xq, int64_t M, float *y, int64_t n0, int64_t *n1) {
+    int64_t whole = N / GROUP * GROUP;
+    if (*n1 <= whole) return 0;
+    int rc = qdot8(stored_type, w, expert_bytes, experts, N, K, xq, M, y, n0 > whole ? n0 : whole, *n1);
+    if (rc == 0) *n1 = whole;
+    return rc;
+}
+
 /* The activation rows a call computes (`experts` NULL: all M; else those with an expert, experts[m] >= 0, the others'
  * outputs [n0, n1) set to 0): their indices into live, their count returned. */
 static inline int64_t live_rows(const int64_t *experts, int64_t M, float *y, int64_t N, int64_t n0, int64_t n1,
