@@ -222,7 +222,7 @@ int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *ex
     int32_t *sx = NULL;
     int stream = M * N * (int64_t)sizeof(float) >= STREAM_BYTES;
 #if REPACK_AMX
-    int tiles = path_for(M, amx_rows_from) == 2;
+    int tiles = M >= amx_rows_from && qdot8amx_on(-1);
     if (tiles) tiles_for_32(M);
     else
 #endif
