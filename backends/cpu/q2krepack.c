@@ -320,7 +320,12 @@ static void rows_groups(int path, const uint8_t *w, int64_t row_bytes, int64_t n
         for (int i = 0; i < R; i++)
             for (int64_t m = 0; m < M; m++) group_row_c(g[i], nb, x + m * nb * Q8K_BYTES, out[i][m]);
 #endif
-        for (int i = 0; i < R; i++) store_group(out[i], (a + i * q) * GROUP, M, y, N, n0, n1);
+        for (int i = 0; i < R; i++) {
+            int64_t first = (a + i * q) * GROUP;
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t n = first < n0 ? n0 : first; n < first + GROUP && n < n1; n++)
+                    y[m * N + n] = out[i][m][n - first];
+        }
     }
 }
 

@@ -350,7 +350,9 @@ static void rows_groups(int path, const uint8_t *w, int64_t row_bytes, int64_t n
         (void)path;
         for (int64_t m = 0; m < M; m++) group_row_c(g, nb, x + m * nb * Q8K_BYTES, out[m]);
 #endif
-        store_group(out, a * GROUP, M, y, N, n0, n1);
+        int64_t first = a * GROUP;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = first < n0 ? n0 : first; n < first + GROUP && n < n1; n++) y[m * N + n] = out[m][n - first];
     }
 }
 

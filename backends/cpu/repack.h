@@ -1,6 +1,6 @@
 /* What the repacked layouts (q4krepack.c, q2krepack.c, q8repack.c) share: the group-rewrite loop, the build's
  * paths (REPACK_VNNI, REPACK_AMX), the entry points `<prefix>_amx_from` and `<prefix>_vector`, the AMX tile setup,
- * the live activation rows of a call with experts, and a group's outputs stored into y. */
+ * the rows past the last whole group and the live activation rows of a call with experts. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -95,13 +95,6 @@ static inline uint8_t *live_activations(const uint8_t *x, const int64_t *live, i
     if (xs != NULL)
         for (int64_t i = 0; i < rows; i++) memcpy(xs + i * bytes, x + live[i] * bytes, (size_t)bytes);
     return xs;
-}
-
-/* A group's outputs out[m][n] (M rows, weight rows first .. first + 15) stored into y [M, N] where inside [n0, n1). */
-static inline void store_group(float (*out)[GROUP], int64_t first, int64_t M, float *y, int64_t N, int64_t n0,
-                               int64_t n1) {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = first < n0 ? n0 : first; n < first + GROUP && n < n1; n++) y[m * N + n] = out[m][n - first];
 }
 
 #if REPACK_AMX
