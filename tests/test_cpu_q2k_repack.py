@@ -5,42 +5,24 @@ row counts that are not whole groups, routed experts by index, with the AMX tile
 plain C builds; a tiny model with Q2_K routed down stacks repacks them and keeps its tokens and logits."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from backends.cpu import kernels, repack
 from ops import q8_activations as ref
 from ops.quants import QTensor
+from tests import repack_helpers as helpers
 from tests.test_cpu_q8 import rebuild_with
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library cannot be built here")
 
 
-def weight(*shape: int, seed: int = 0) -> QTensor:
-    """A random Q2_K weight."""
-    return QTensor.quantize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) / 16, "Q2_K", "w")
-
-
-def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
-    """Random rows, an all-zero block among them."""
-    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed))
-    x[0, :256] = 0
-    return x
-
-
-def repacked(w: QTensor) -> repack.RepackedQ2K:
-    """A repacked copy of `w` (w itself unchanged)."""
-    return repack.repack(QTensor(w.qtype, w.shape, w.data.clone(), w.name))
-
-
-@pytest.fixture
-def threads_split(monkeypatch):
-    """Every weight split into chunks (a chunk boundary inside a group of 16 rows); torch's thread count restored."""
-    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(kernels, "_pool_threads", 0)
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+weight = functools.partial(helpers.weight, "Q2_K")
+activations = helpers.activations
+repacked = helpers.repacked
+threads_split = helpers.threads_split
 
 
 def test_repack_is_a_permutation_and_back():
@@ -144,9 +126,8 @@ def q2_down_tiny(tmp_path_factory) -> str:
 def test_model_on_repacked_weights_equals_mapped(q2_down_tiny):
     """`--weights memory --cpu-dot q8` repacks the routed Q2_K (and Q4_K) stacks at load (typed, in place); prefill,
     decode and a 9-row call of the unfused path give the mapped weights' tokens and logits bit for bit."""
-    from tests.test_cpu_q4k_repack import run
-    ids, logits, mapped = run(q2_down_tiny, "mmap")
-    ids2, logits2, copied = run(q2_down_tiny, "memory")
+    ids, logits, mapped = helpers.run(q2_down_tiny, "mmap")
+    ids2, logits2, copied = helpers.run(q2_down_tiny, "memory")
     assert all(type(L.experts.down) is repack.RepackedQ2K and type(L.experts.gate) is repack.RepackedQ4K
                for L in copied.model.layers) == repack.worthwhile()
     assert all(type(L.experts.down) is QTensor and L.experts.down.qtype.name == "Q2_K" for L in mapped.model.layers)

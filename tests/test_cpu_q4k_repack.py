@@ -5,42 +5,24 @@ row counts that are not whole groups, routed experts by index, with the AMX tile
 plain C builds."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from backends.cpu import kernels, repack
 from ops import q8_activations as ref
 from ops.quants import QTensor
+from tests import repack_helpers as helpers
 from tests.test_cpu_q8 import rebuild_with
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library cannot be built here")
 
 
-def weight(*shape: int, seed: int = 0) -> QTensor:
-    """A random Q4_K weight."""
-    return QTensor.quantize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) / 16, "Q4_K", "w")
-
-
-def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
-    """Random rows, an all-zero block among them."""
-    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed))
-    x[0, :256] = 0
-    return x
-
-
-def repacked(w: QTensor) -> repack.RepackedQ4K:
-    """A repacked copy of `w` (w itself unchanged)."""
-    return repack.repack(QTensor(w.qtype, w.shape, w.data.clone(), w.name))
-
-
-@pytest.fixture
-def threads_split(monkeypatch):
-    """Every weight split into chunks (a chunk boundary inside a group of 16 rows); torch's thread count restored."""
-    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(kernels, "_pool_threads", 0)
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+weight = functools.partial(helpers.weight, "Q4_K")
+activations = helpers.activations
+repacked = helpers.repacked
+threads_split = helpers.threads_split
 
 
 def test_repack_is_a_permutation_and_back():
@@ -127,23 +109,12 @@ def q4_tiny(tmp_path_factory) -> str:
     return path
 
 
-def run(path: str, weights: str, prompt: int = 20, tokens: int = 5) -> tuple[list[int], list[torch.Tensor], object]:
-    """Greedy ids of a q8 run, the logits behind each (a prompt prefilled in one chunk, then decode steps) and the
-    engine."""
-    import ds4
-    engine = ds4.load(path, weights=weights, cpu_dot="q8", prefill_chunk=32)
-    logits: list[torch.Tensor] = []
-    ids = [t.id for t in engine.generate(list(range(3, 3 + prompt)), raw=True, max_tokens=tokens, mtp_draft=0,
-                                         on_logits=logits.append) if t.id >= 0]
-    return ids, logits, engine
-
-
 def test_model_on_repacked_weights_equals_mapped(q4_tiny):
     """`--weights memory --cpu-dot q8` repacks the routed Q4_K stacks at load (typed, in place); prefill (the routed
     experts' groups), decode and a 3-row verify (more than 16 (row, expert) pairs) give the mapped weights' tokens and
     logits bit for bit; `--weights mmap` and the exact path keep the stored blocks."""
-    ids, logits, mapped = run(q4_tiny, "mmap")
-    ids2, logits2, copied = run(q4_tiny, "memory")
+    ids, logits, mapped = helpers.run(q4_tiny, "mmap")
+    ids2, logits2, copied = helpers.run(q4_tiny, "memory")
     stacks = [w for L in copied.model.layers for w in (L.experts.gate, L.experts.up, L.experts.down)]
     assert all(type(w) is repack.RepackedQ4K for w in stacks) == repack.worthwhile()
     assert all(type(w) is QTensor for L in mapped.model.layers for w in (L.experts.gate, L.experts.down))

@@ -4,42 +4,24 @@ checked against ops/q8_activations.py) for M = 1..16, 1/2/3 threads with chunk s
 that are not whole groups, an odd block count, with the AMX tiles, the VNNI rows and the AVX2 and plain C builds."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from backends.cpu import kernels, repack
 from ops import q8_activations as ref
 from ops.quants import QTensor
+from tests import repack_helpers as helpers
 from tests.test_cpu_q8 import rebuild_with
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library cannot be built here")
 
 
-def weight(*shape: int, seed: int = 0) -> QTensor:
-    """A random Q8_0 weight."""
-    return QTensor.quantize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) / 16, "Q8_0", "w")
-
-
-def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
-    """Random rows, an all-zero block among them."""
-    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed))
-    x[0, :32] = 0
-    return x
-
-
-def repacked(w: QTensor) -> repack.RepackedQ8_0:
-    """A repacked copy of `w` (w itself unchanged)."""
-    return repack.repack(QTensor(w.qtype, w.shape, w.data.clone(), w.name))
-
-
-@pytest.fixture
-def threads_split(monkeypatch):
-    """Every weight split into chunks (a chunk boundary inside a group of 16 rows); torch's thread count restored."""
-    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
-    monkeypatch.setattr(kernels, "_pool_threads", 0)
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+weight = functools.partial(helpers.weight, "Q8_0")
+activations = functools.partial(helpers.activations, block=32)
+repacked = helpers.repacked
+threads_split = helpers.threads_split
 
 
 def test_repack_is_a_permutation_and_back():

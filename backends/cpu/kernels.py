@@ -39,7 +39,8 @@ from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
                                                              "pool.c", "qdot8amx.c", "glue.c",
                                                              "step.c", "q4krepack.c", "q2krepack.c", "q8repack.c"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("iq2_xxs_groups.h", "half.h"))   # included by SOURCES
+HEADERS = tuple(Path(__file__).with_name(name)     # included by SOURCES
+                for name in ("iq2_xxs_groups.h", "half.h", "repack.h"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
              "IQ3_XXS": 18, "IQ3_S": 21, "IQ2_XS": 17, "IQ2_S": 22, "IQ1_S": 19, "IQ1_M": 29, "TQ1_0": 34, "TQ2_0": 35,

@@ -19,12 +19,9 @@
  * isum = sum_j sc_j dot_j and msum = sum_j m_j bsums_j, then acc += (d_x d) isum - (d_x dmin) msum in block order,
  * so every output has qdot8's bits, for any M and any split of the rows. Built with qgemv.c by backends/cpu/kernels.py.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 #include "half.h"
+#include "repack.h"
 
-#define GROUP 16            /* weight rows repacked together */
 #define QK_BYTES 84         /* a stored Q2_K block */
 #define GB (GROUP * QK_BYTES)       /* a group's block: 1344 bytes */
 #define Q8K_BYTES 320       /* q8_quantize's Q8_K block: int8 qs[256], float d, int16 bsums[16], padding */
@@ -32,10 +29,6 @@
 #define SC_AT(j, n) (64 + 32 * ((j) / 2) + 2 * (n) + (j) % 2)      /* the scale byte of group j, row n */
 #define QS_AT 320           /* the 2-bit field vectors */
 #define STREAMS 2           /* groups whose weight streams are fetched at once (measured: 1, 2, 4, 8) */
-
-int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
-          const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);           /* qdot8.c: the stored layout */
-int qdot8amx_on(int on);                                                         /* qdot8amx.c: the AMX switch */
 
 /* One group's nb blocks: `from` (16 stored rows of nb blocks) into `to` (the repacked layout), or back (`back`). */
 static void group_pack(const uint8_t *from, uint8_t *to, int64_t nb, int back) {
@@ -60,24 +53,12 @@ static void group_pack(const uint8_t *from, uint8_t *to, int64_t nb, int back) {
         }
 }
 
-/* Rewrite the whole groups of a [N, K] Q2_K weight in place into the repacked layout (`back` 0) or back to the
- * stored one (`back` 1); rows past N / 16 * 16 are left as they are. Returns 0, -1 for K not whole blocks, -2 out
- * of memory. */
+/* Rewrite the whole groups of a [N, K] Q2_K weight in place (repack.h's repack_groups). */
 int q2kr_repack(uint8_t *w, int64_t N, int64_t K, int back) {
-    if (K % 256 || K <= 0) return -1;
-    int64_t nb = K / 256, bytes = GROUP * nb * QK_BYTES;
-    uint8_t *tmp = malloc((size_t)bytes);
-    if (tmp == NULL) return -2;
-    for (int64_t g = 0; g + GROUP <= N; g += GROUP) {
-        uint8_t *region = w + g * nb * QK_BYTES;
-        memcpy(tmp, region, (size_t)bytes);
-        group_pack(tmp, region, nb, back);
-    }
-    free(tmp);
-    return 0;
+    return repack_groups(w, N, K, back, 256, QK_BYTES, group_pack);
 }
 
-#if !(defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__))
+#if !REPACK_VNNI
 /* One group (16 weight rows at `g`, nb repacked blocks) against one activation row `x`: out[n], plain C. */
 static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float out[GROUP]) {
     for (int n = 0; n < GROUP; n++) out[n] = 0.0f;
@@ -104,9 +85,7 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 }
 #endif
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
-#define Q2KR_VNNI 1
-#include <immintrin.h>
+#if REPACK_VNNI
 
 #define AHEAD 1024      /* bytes of each weight stream prefetched ahead: STREAMS streams, */
 #define AHEAD_ROWS 4096 /* one stream (several rows) */
@@ -213,24 +192,14 @@ static void group_rows(const int R, const uint8_t *const *g, int64_t nb, const u
             }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#define Q2KR_AMX 1
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+#if REPACK_AMX
 
 /* tmm0, tmm1: A tiles of M activation rows x 64 values; tmm2, tmm3: B tiles of 16 x 64 (the scaled fields of 64
  * values of the 16 weight rows); tmm4: the M x 16 isum; tmm5: A tile of M rows x 32 bytes (the activations' 16-value
  * sums); tmm6: B tile of 8 x 64 (the mins as int16 pairs, or shifted into the high bytes); tmm7: M x 16 msum parts. */
 static void tiles_for(int64_t M) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
     const int rows[8] = {(int)M, (int)M, 16, 16, (int)M, (int)M, 8, (int)M}, cols[8] = {64, 64, 64, 64, 64, 32, 64, 64};
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = (uint8_t)rows[t];
-        c.colsb[t] = (uint16_t)cols[t];
-    }
-    asm volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    tiles_load(rows, cols);
 }
 
 typedef struct { int32_t isum[GROUP][GROUP], low[GROUP][GROUP], high[GROUP][GROUP]; } block_sums;
@@ -321,37 +290,7 @@ static void group_tiles(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t 
 #endif
 #endif
 
-static int amx_rows_from = 7;       /* q2kr_amx_from: the fewest rows that take the tiles */
-
-/* The fewest activation rows for which a plain weight's groups take the AMX tiles (`from` >= 2 sets it; 17: never);
- * returns it. */
-int q2kr_amx_from(int from) {
-    if (from >= 2) amx_rows_from = from;
-    return amx_rows_from;
-}
-
-/* Whether the repacked kernels are the vector ones here (AVX-512 VNNI; else the plain C loop, slower than qdot8's
- * kernels on the stored layout, so a weight is worth repacking only where this is 1). */
-int q2kr_vector(void) {
-#if defined(Q2KR_VNNI)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* Which path serves M rows here: 2 AMX tiles, 1 AVX-512 VNNI, 0 plain C. */
-static int path_for(int64_t M) {
-#if defined(Q2KR_AMX)
-    if (M >= amx_rows_from && qdot8amx_on(-1)) return 2;
-#endif
-    (void)M;
-#if defined(Q2KR_VNNI)
-    return 1;
-#else
-    return 0;
-#endif
-}
+REPACK_SWITCHES(q2kr, 7)
 
 /* Rows [n0, n1) of y [M, N] from groups [a0, a1) of the weight `w` against M activation rows on `path`
  * (path_for): STREAMS groups at a time (a, a + q, .., q the range over STREAMS: that many streams of the weight
@@ -365,9 +304,9 @@ static void rows_groups(int path, const uint8_t *w, int64_t row_bytes, int64_t n
         const uint8_t *g[STREAMS];
         for (int i = 0; i < STREAMS; i++) g[i] = w + (a + i * q) * step;
         float out[STREAMS][GROUP][GROUP];
-#if defined(Q2KR_VNNI)
+#if REPACK_VNNI
         __m512 acc[STREAMS][GROUP];
-#if defined(Q2KR_AMX)
+#if REPACK_AMX
         if (path == 2)
             for (int i = 0; i < R; i++) group_tiles(g[i], nb, x, M, acc[i]);
         else
@@ -398,31 +337,16 @@ int q2kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
               const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
     if (type != Q2KR_TYPE || K % 256 || M < 1 || M > GROUP) return -1;
     const uint8_t *x = xq;
-    int64_t nb = K / 256, row_bytes = nb * QK_BYTES, whole = N / GROUP * GROUP;
-    if (n1 > whole) {           /* the rows past the last group: the stored layout */
-        int rc = qdot8(10, w, expert_bytes, experts, N, K, xq, M, y, n0 > whole ? n0 : whole, n1);
-        if (rc) return rc;
-        n1 = whole;
-    }
+    int64_t nb = K / 256, row_bytes = nb * QK_BYTES;
+    int rc = stored_rows(10, w, expert_bytes, experts, N, K, xq, M, y, n0, &n1);     /* past the last group */
+    if (rc) return rc;
     int own = experts != NULL;
-    int64_t live[GROUP], rows = 0;          /* the activation rows computed: all, or those with an expert */
-    for (int64_t m = 0; m < M; m++) {
-        if (own && experts[m] < 0) {
-            for (int64_t n = n0; n < n1; n++) y[m * N + n] = 0.0f;
-            continue;
-        }
-        live[rows++] = m;
-    }
-    uint8_t *xs = NULL;
-    if (own && rows < M) {          /* the live rows' activations together */
-        if (rows == 0) return 0;
-        xs = malloc((size_t)(rows * nb * Q8K_BYTES));
-        if (xs == NULL) return -2;
-        for (int64_t i = 0; i < rows; i++)
-            memcpy(xs + i * nb * Q8K_BYTES, x + live[i] * nb * Q8K_BYTES, (size_t)(nb * Q8K_BYTES));
-    }
-    int path = path_for(own ? 1 : rows);
-#if defined(Q2KR_AMX)
+    int64_t live[GROUP], rows = live_rows(experts, M, y, N, n0, n1, live);
+    if (rows == 0) return 0;
+    uint8_t *xs = NULL;         /* the live rows' activations together, where some rows have no expert */
+    if (rows < M && (xs = live_activations(x, live, rows, nb * Q8K_BYTES)) == NULL) return -2;
+    int path = path_for(own ? 1 : rows, amx_rows_from);
+#if REPACK_AMX
     if (path == 2 && n0 < n1) tiles_for(rows);
 #endif
     if (!own) rows_groups(path, w, row_bytes, nb, x, rows, n0 / GROUP, (n1 + GROUP - 1) / GROUP, y, N, n0, n1);
@@ -430,7 +354,7 @@ int q2kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
         for (int64_t i = 0; i < rows; i++)
             rows_groups(path, w + experts[live[i]] * expert_bytes, row_bytes, nb, (xs != NULL ? xs : x) + i * nb *
                         Q8K_BYTES, 1, n0 / GROUP, (n1 + GROUP - 1) / GROUP, y + live[i] * N, N, n0, n1);
-#if defined(Q2KR_AMX)
+#if REPACK_AMX
     if (path == 2 && n0 < n1) _tile_release();
 #endif
     free(xs);

@@ -21,21 +21,14 @@
  * (float)isum does; msum is below 2^21), so every output has qdot8's bits, for any M and any split of the rows.
  * Built with qgemv.c by backends/cpu/kernels.py.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 #include "half.h"
+#include "repack.h"
 
-#define GROUP 16            /* weight rows repacked together */
 #define QK_BYTES 144        /* a stored Q4_K block */
 #define GB (GROUP * QK_BYTES)       /* a group's block: 2304 bytes */
 #define Q8K_BYTES 320       /* q8_quantize's Q8_K block: int8 qs[256], float d, int16 bsums[16], padding */
 #define Q4KR_TYPE 1012      /* the repacked layout's type code in the kernel library (no GGUF type) */
 #define MIN_AT(j, n) (32 * ((j) / 2) + 2 * (n) + (j) % 2)     /* the min of sub-block j, row n: its entry */
-
-int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
-          const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);           /* qdot8.c: the stored layout */
-int qdot8amx_on(int on);                                                         /* qdot8amx.c: the AMX switch */
 
 /* A stored block's 8 scales and 8 mins (6 bits each), as qdot8.c's dot_q4_k unpacks them. */
 static void stored_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
@@ -100,21 +93,9 @@ static void group_pack(const uint8_t *from, uint8_t *to, int64_t nb, int back) {
     }
 }
 
-/* Rewrite the whole groups of a [N, K] Q4_K weight in place into the repacked layout (`back` 0) or back to the
- * stored one (`back` 1); rows past N / 16 * 16 are left as they are. Returns 0, -1 for K not whole blocks, -2 out
- * of memory. */
+/* Rewrite the whole groups of a [N, K] Q4_K weight in place (repack.h's repack_groups). */
 int q4kr_repack(uint8_t *w, int64_t N, int64_t K, int back) {
-    if (K % 256 || K <= 0) return -1;
-    int64_t nb = K / 256, bytes = GROUP * nb * QK_BYTES;
-    uint8_t *tmp = malloc((size_t)bytes);
-    if (tmp == NULL) return -2;
-    for (int64_t g = 0; g + GROUP <= N; g += GROUP) {
-        uint8_t *region = w + g * nb * QK_BYTES;
-        memcpy(tmp, region, (size_t)bytes);
-        group_pack(tmp, region, nb, back);
-    }
-    free(tmp);
-    return 0;
+    return repack_groups(w, N, K, back, 256, QK_BYTES, group_pack);
 }
 
 /* The float terms of one row pair (weight row n, activation block): shared by every path below, scalar form. */
@@ -122,7 +103,7 @@ static inline float term_of(float dx, float d, float dmin, float isum, float msu
     return (dx * d) * isum - (dx * dmin) * msum;
 }
 
-#if !(defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__))
+#if !REPACK_VNNI
 /* One group (16 weight rows at `g`, nb repacked blocks) against one activation row `x`: out[n], plain C. */
 static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float out[GROUP]) {
     for (int n = 0; n < GROUP; n++) out[n] = 0.0f;
@@ -153,9 +134,7 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 }
 #endif
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
-#define Q4KR_VNNI 1
-#include <immintrin.h>
+#if REPACK_VNNI
 
 typedef struct { __m512 d, dmin, sc[8]; __m512i mn[4]; } block_scales;  /* lane n: row n; mn[i] its mins of
                                                                              * sub-blocks 2i, 2i + 1 as int16 pairs */
@@ -303,23 +282,7 @@ static void group_rows(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M
         }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#define Q4KR_AMX 1
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
-
-/* tmm0, tmm1: A tiles of M activation rows x 32 bytes (one sub-block); tmm2, tmm3: B tiles of 8 x 64 (the 16 weight
- * rows' nibbles of a sub-block); tmm4-7: M x 16 int32 sums. */
-static void tiles_for(int64_t M) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = (uint8_t)(t == 2 || t == 3 ? 8 : M);
-        c.colsb[t] = (uint16_t)(t < 2 ? 32 : 64);
-    }
-    asm volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
-}
+#if REPACK_AMX
 
 /* Block b of one group (`gb`) on the tiles: per sub-block one `tdpbsud` (activations signed, nibbles unsigned) gives
  * the M x 16 dots, stored to c[j]. */
@@ -366,37 +329,7 @@ static void group_tiles(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t 
 #endif
 #endif
 
-static int amx_rows_from = 10;      /* q4kr_amx_from: the fewest rows that take the tiles */
-
-/* The fewest activation rows for which a plain weight's groups take the AMX tiles (`from` >= 2 sets it; 17: never);
- * returns it. */
-int q4kr_amx_from(int from) {
-    if (from >= 2) amx_rows_from = from;
-    return amx_rows_from;
-}
-
-/* Whether the repacked kernels are the vector ones here (AVX-512 VNNI; else the plain C loop, slower than qdot8's
- * kernels on the stored layout, so a weight is worth repacking only where this is 1). */
-int q4kr_vector(void) {
-#if defined(Q4KR_VNNI)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* Which path serves M rows here: 2 AMX tiles, 1 AVX-512 VNNI, 0 plain C. */
-static int path_for(int64_t M) {
-#if defined(Q4KR_AMX)
-    if (M >= amx_rows_from && qdot8amx_on(-1)) return 2;
-#endif
-    (void)M;
-#if defined(Q4KR_VNNI)
-    return 1;
-#else
-    return 0;
-#endif
-}
+REPACK_SWITCHES(q4kr, 10)
 
 /* Rows [n0, n1) of y [M, N] from groups [a0, a1) of the weight `w` against M activation rows on `path`
  * (path_for), one group after another. */
@@ -405,9 +338,9 @@ static void rows_groups(int path, const uint8_t *w, int64_t row_bytes, int64_t n
     for (int64_t a = a0; a < a1; a++) {
         const uint8_t *g = w + a * GROUP * row_bytes;
         float out[GROUP][GROUP];
-#if defined(Q4KR_VNNI)
+#if REPACK_VNNI
         __m512 acc[GROUP];
-#if defined(Q4KR_AMX)
+#if REPACK_AMX
         if (path == 2) group_tiles(g, nb, x, M, acc);
         else
 #endif
@@ -431,30 +364,15 @@ int q4kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
               const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
     if (type != Q4KR_TYPE || K % 256 || M < 1 || M > GROUP) return -1;
     const uint8_t *x = xq;
-    int64_t nb = K / 256, row_bytes = nb * QK_BYTES, whole = N / GROUP * GROUP;
-    if (n1 > whole) {           /* the rows past the last group: the stored layout */
-        int rc = qdot8(12, w, expert_bytes, experts, N, K, xq, M, y, n0 > whole ? n0 : whole, n1);
-        if (rc) return rc;
-        n1 = whole;
-    }
+    int64_t nb = K / 256, row_bytes = nb * QK_BYTES;
+    int rc = stored_rows(12, w, expert_bytes, experts, N, K, xq, M, y, n0, &n1);     /* past the last group */
+    if (rc) return rc;
     int own = experts != NULL;
-    int64_t live[GROUP], rows = 0;          /* the activation rows computed: all, or those with an expert */
-    for (int64_t m = 0; m < M; m++) {
-        if (own && experts[m] < 0) {
-            for (int64_t n = n0; n < n1; n++) y[m * N + n] = 0.0f;
-            continue;
-        }
-        live[rows++] = m;
-    }
-    uint8_t *xs = NULL;
-    if (own && rows < M) {          /* the live rows' activations together */
-        if (rows == 0) return 0;
-        xs = malloc((size_t)(rows * nb * Q8K_BYTES));
-        if (xs == NULL) return -2;
-        for (int64_t i = 0; i < rows; i++)
-            memcpy(xs + i * nb * Q8K_BYTES, x + live[i] * nb * Q8K_BYTES, (size_t)(nb * Q8K_BYTES));
-    }
-#if defined(Q4KR_VNNI)
+    int64_t live[GROUP], rows = live_rows(experts, M, y, N, n0, n1, live);
+    if (rows == 0) return 0;
+    uint8_t *xs = NULL;         /* the live rows' activations together, where some rows have no expert */
+    if (rows < M && (xs = live_activations(x, live, rows, nb * Q8K_BYTES)) == NULL) return -2;
+#if REPACK_VNNI
     if (own || rows == 1) {         /* a weight row of its own: four streams of groups */
         for (int64_t i = 0; i < rows; i++)
             own_groups(w + (own ? experts[live[i]] * expert_bytes : 0), row_bytes, nb,
@@ -464,16 +382,16 @@ int q4kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
         return 0;
     }
 #endif
-    int path = path_for(own ? 1 : rows);
-#if defined(Q4KR_AMX)
-    if (path == 2 && n0 < n1) tiles_for(rows);
+    int path = path_for(own ? 1 : rows, amx_rows_from);
+#if REPACK_AMX
+    if (path == 2 && n0 < n1) tiles_for_32(rows);
 #endif
     if (!own) rows_groups(path, w, row_bytes, nb, x, rows, n0 / GROUP, (n1 + GROUP - 1) / GROUP, y, N, n0, n1);
     else            /* the plain C build's rows with a weight of their own */
         for (int64_t i = 0; i < rows; i++)
             rows_groups(path, w + experts[live[i]] * expert_bytes, row_bytes, nb, (xs != NULL ? xs : x) + i * nb *
                         Q8K_BYTES, 1, n0 / GROUP, (n1 + GROUP - 1) / GROUP, y + live[i] * N, N, n0, n1);
-#if defined(Q4KR_AMX)
+#if REPACK_AMX
     if (path == 2 && n0 < n1) _tile_release();
 #endif
     free(xs);

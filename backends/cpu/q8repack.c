@@ -16,12 +16,9 @@
  * dot, so every output has qdot8's bits, for any M and any split of the rows. Built with qgemv.c by
  * backends/cpu/kernels.py.
  */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 #include "half.h"
+#include "repack.h"
 
-#define GROUP 16            /* weight rows repacked together */
 #define STREAMS 4           /* groups read at once (more or fewer measured no faster) */
 #define Q8_0_BYTES 34       /* a stored Q8_0 block: f16 d, 32 int8 */
 #define GB (GROUP * Q8_0_BYTES)     /* a group's block: 544 bytes */
@@ -34,10 +31,6 @@ static inline int64_t values_at(int64_t b) { return b / 2 * 2 * GB + b % 2 * 512
 static inline int64_t scales_at(int64_t b, int64_t nb) {
     return b / 2 * 2 * GB + (b / 2 * 2 + 1 < nb ? 1024 : 512) + b % 2 * 32;
 }
-
-int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
-          const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);           /* qdot8.c: the stored layout */
-int qdot8amx_on(int on);                                                         /* qdot8amx.c: the AMX switch */
 
 /* One group's nb blocks: `from` (16 stored rows of nb blocks) into `to` (the repacked layout), or back (`back`). */
 static void group_pack(const uint8_t *from, uint8_t *to, int64_t nb, int back) {
@@ -57,24 +50,12 @@ static void group_pack(const uint8_t *from, uint8_t *to, int64_t nb, int back) {
         }
 }
 
-/* Rewrite the whole groups of a [N, K] Q8_0 weight in place into the repacked layout (`back` 0) or back to the
- * stored one (`back` 1); rows past N / 16 * 16 are left as they are. Returns 0, -1 for K not whole blocks, -2 out
- * of memory. */
+/* Rewrite the whole groups of a [N, K] Q8_0 weight in place (repack.h's repack_groups). */
 int q8r_repack(uint8_t *w, int64_t N, int64_t K, int back) {
-    if (K % 32 || K <= 0) return -1;
-    int64_t nb = K / 32, bytes = GROUP * nb * Q8_0_BYTES;
-    uint8_t *tmp = malloc((size_t)bytes);
-    if (tmp == NULL) return -2;
-    for (int64_t g = 0; g + GROUP <= N; g += GROUP) {
-        uint8_t *region = w + g * nb * Q8_0_BYTES;
-        memcpy(tmp, region, (size_t)bytes);
-        group_pack(tmp, region, nb, back);
-    }
-    free(tmp);
-    return 0;
+    return repack_groups(w, N, K, back, 32, Q8_0_BYTES, group_pack);
 }
 
-#if !(defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__))
+#if !REPACK_VNNI
 /* One group (16 weight rows at `g`, nb repacked blocks) against one activation row `x`: out[n], plain C. */
 static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float out[GROUP]) {
     for (int n = 0; n < GROUP; n++) out[n] = 0.0f;
@@ -92,9 +73,7 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 }
 #endif
 
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__F16C__)
-#define Q8R_VNNI 1
-#include <immintrin.h>
+#if REPACK_VNNI
 
 #define AHEAD 2048      /* bytes of each stream prefetched ahead (1024..8192 and the T1 hint measured no better) */
 #define STREAM_BYTES (1 << 20)  /* outputs at least this large are written around the cache (whole groups): their
@@ -166,23 +145,7 @@ static void block_sums(const uint8_t *x, int64_t blocks, int32_t *sx) {
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#define Q8R_AMX 1
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
-
-/* tmm0, tmm1: A tiles of M activation rows x 32 bytes (one block); tmm2, tmm3: B tiles of 8 x 64 (the group's
- * block); tmm4-7: M x 16 int32 sums. */
-static void tiles_for(int64_t M) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = (uint8_t)(t == 2 || t == 3 ? 8 : M);
-        c.colsb[t] = (uint16_t)(t < 2 ? 32 : 64);
-    }
-    asm volatile("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
-}
+#if REPACK_AMX
 
 /* One block's float steps from its tile sums (M x 16, dense): acc[m] = acc[m] + (d_w d_x) isum. */
 static inline void block_steps(const uint8_t *g, int64_t b, int64_t nb, const uint8_t *xb, int64_t ldx, int64_t M,
@@ -240,23 +203,7 @@ static inline __attribute__((always_inline)) void groups_tiles(const int G, cons
 #endif
 #endif
 
-static int amx_rows_from = 6;       /* q8r_amx_from: the fewest rows that take the tiles (measured: docs/cpu.md) */
-
-/* The fewest activation rows for which a repacked weight's groups take the AMX tiles (`from` >= 2 sets it; 17:
- * never); returns it. */
-int q8r_amx_from(int from) {
-    if (from >= 2) amx_rows_from = from;
-    return amx_rows_from;
-}
-
-/* Whether the repacked kernels are the vector ones here (AVX-512 VNNI; else the plain C loop). */
-int q8r_vector(void) {
-#if defined(Q8R_VNNI)
-    return 1;
-#else
-    return 0;
-#endif
-}
+REPACK_SWITCHES(q8r, 6)
 
 /* y [M, N] rows [n0, n1) = x @ W.T for a Q8_0 weight whose whole groups q8r_repack rewrote (type Q8R_TYPE), the
  * activations `xq` from q8_quantize kind 1; the arguments as qdot8's, without experts (`experts` must be NULL).
@@ -267,19 +214,16 @@ int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *ex
     (void)expert_bytes;
     if (type != Q8R_TYPE || K % 32 || M < 1 || M > GROUP || experts != NULL) return -1;
     const uint8_t *x = xq;
-    int64_t nb = K / 32, row_bytes = nb * Q8_0_BYTES, whole = N / GROUP * GROUP;
-    if (n1 > whole) {           /* the rows past the last group: the stored layout */
-        int rc = qdot8(8, w, 0, NULL, N, K, xq, M, y, n0 > whole ? n0 : whole, n1);
-        if (rc) return rc;
-        n1 = whole;
-    }
+    int64_t nb = K / 32, row_bytes = nb * Q8_0_BYTES;
+    int rc = stored_rows(8, w, 0, NULL, N, K, xq, M, y, n0, &n1);     /* past the last group */
+    if (rc) return rc;
     if (n0 >= n1) return 0;
-#if defined(Q8R_VNNI)
+#if REPACK_VNNI
     int32_t *sx = NULL;
     int stream = M * N * (int64_t)sizeof(float) >= STREAM_BYTES;
-#if defined(Q8R_AMX)
+#if REPACK_AMX
     int tiles = M >= amx_rows_from && qdot8amx_on(-1);
-    if (tiles) tiles_for(M);
+    if (tiles) tiles_for_32(M);
     else
 #endif
     {
@@ -295,9 +239,9 @@ int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *ex
         const uint8_t *g[8];
         for (int i = 0; i < STREAMS; i++) g[i] = w + (a + i * q) * GROUP * row_bytes;
         float out[8][GROUP][GROUP];
-#if defined(Q8R_VNNI)
+#if REPACK_VNNI
         __m512 acc[8][GROUP];
-#if defined(Q8R_AMX)
+#if REPACK_AMX
         if (tiles && G == 4) groups_tiles(4, g, nb, x, M, acc);
         else if (tiles) groups_tiles(1, g, nb, x, M, acc);
         else
@@ -309,7 +253,7 @@ int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *ex
             int64_t first = (a + i * q) * GROUP;
             int whole_group = first >= n0 && first + GROUP <= n1;
             for (int64_t m = 0; m < M; m++) {
-#if defined(Q8R_VNNI)
+#if REPACK_VNNI
                 float *to = whole_group ? y + m * N + first : out[i][m];
                 if (stream && whole_group && ((uintptr_t)to & 63) == 0) _mm512_stream_ps(to, acc[i][m]);
                 else _mm512_storeu_ps(to, acc[i][m]);
@@ -321,10 +265,10 @@ int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *ex
             }
         }
     }
-#if defined(Q8R_AMX)
+#if REPACK_AMX
     if (tiles) _tile_release();
 #endif
-#if defined(Q8R_VNNI)
+#if REPACK_VNNI
     if (stream) _mm_sfence();       /* the streamed outputs ordered before the caller's (or the pool's) next store */
     free(sx);
 #endif

@@ -22,33 +22,26 @@ GROUP = 16      # weight rows repacked together (rows past the last whole group 
 
 
 @dataclass(frozen=True)
-class RepackedQ4K:
-    """A Q4_K weight, 2-D [N, K] or a stack of experts [E, N, K], whose bytes `data` (uint8 [..., N, row_bytes]) hold
-    its whole groups of 16 rows in q4krepack.c's layout; only `product` and `bind` read it."""
+class _Repacked:
+    """The fields of a repacked weight: its shape, 2-D [N, K] or (Q4_K, Q2_K) a stack of experts [E, N, K], and its
+    bytes `data` (uint8 [..., N, row_bytes]) holding its whole groups of 16 rows in its layout; one distinct type per
+    layout below, so nothing takes one layout's bytes for another's; only `product` and `bind` read them."""
 
     shape: tuple[int, ...]
     data: torch.Tensor
     name: str = ""
 
 
-@dataclass(frozen=True)
-class RepackedQ2K:
-    """A Q2_K weight, 2-D [N, K] or a stack of experts [E, N, K], whose bytes `data` (uint8 [..., N, row_bytes]) hold
-    its whole groups of 16 rows in q2krepack.c's layout; only `product` and `bind` read it."""
-
-    shape: tuple[int, ...]
-    data: torch.Tensor
-    name: str = ""
+class RepackedQ4K(_Repacked):
+    """A Q4_K weight in q4krepack.c's layout."""
 
 
-@dataclass(frozen=True)
-class RepackedQ8_0:
-    """A Q8_0 weight [N, K] whose bytes `data` (uint8 [N, row_bytes]) hold its whole groups of 16 rows in
-    q8repack.c's layout; only `product` and `bind` read it."""
+class RepackedQ2K(_Repacked):
+    """A Q2_K weight in q2krepack.c's layout."""
 
-    shape: tuple[int, ...]
-    data: torch.Tensor
-    name: str = ""
+
+class RepackedQ8_0(_Repacked):
+    """A Q8_0 weight [N, K] in q8repack.c's layout."""
 
 
 def repackable(w: object) -> bool:

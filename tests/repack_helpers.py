@@ -1,0 +1,48 @@
+"""What the repacked-layout tests (test_cpu_q4k_repack.py, test_cpu_q2k_repack.py, test_cpu_q8_repack.py) share: a
+random weight of a type, activation rows with an all-zero block, a repacked copy, the thread-split fixture and a q8
+model run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.cpu import kernels, repack
+from ops.quants import QTensor
+
+
+def weight(qtype: str, *shape: int, seed: int = 0) -> QTensor:
+    """A random weight of `qtype`."""
+    return QTensor.quantize(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) / 16, qtype, "w")
+
+
+def activations(M: int, K: int, seed: int = 1, block: int = 256) -> torch.Tensor:
+    """Random rows, an all-zero activation block (`block` values) among them."""
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed))
+    x[0, :block] = 0
+    return x
+
+
+def repacked(w: QTensor) -> repack.Repacked:
+    """A repacked copy of `w` (w itself unchanged)."""
+    return repack.repack(QTensor(w.qtype, w.shape, w.data.clone(), w.name))
+
+
+@pytest.fixture
+def threads_split(monkeypatch):
+    """Every weight split into chunks (a chunk boundary inside a group of 16 rows); torch's thread count restored."""
+    monkeypatch.setattr(kernels, "SPLIT_BYTES", 1)
+    monkeypatch.setattr(kernels, "_pool_threads", 0)
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def run(path: str, weights: str, prompt: int = 20, tokens: int = 5) -> tuple[list[int], list[torch.Tensor], object]:
+    """Greedy ids of a q8 run, the logits behind each (a prompt prefilled in one chunk, then decode steps) and the
+    engine."""
+    import ds4
+    engine = ds4.load(path, weights=weights, cpu_dot="q8", prefill_chunk=32)
+    logits: list[torch.Tensor] = []
+    ids = [t.id for t in engine.generate(list(range(3, 3 + prompt)), raw=True, max_tokens=tokens, mtp_draft=0,
+                                         on_logits=logits.append) if t.id >= 0]
+    return ids, logits, engine
