@@ -1615,6 +1615,21 @@ static inline __attribute__((always_inline)) int grouped(
 }
 #endif
 
+/* qgemv's case for a type `t` (deq_t; dot_t and unpack_t where GROUPED) of `bs`-value blocks of `bb` bytes: rows of
+ * whole `gbs`-value steps (`gbb` bytes, groups of `g`, `mins`: whether it has a min term) on the grouped path where
+ * GROUPED, else (and for other rows) dequantize-then-multiply; ROWS: that only. */
+#define ROWS(t, bs, bb) do { rows_of(deq_##t, bs, bb, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0; } \
+    while (0)
+#if GROUPED
+#define GROUPED_OR_ROWS(t, bs, bb, gbs, gbb, g, mins) do { \
+        if (K % (gbs) == 0) \
+            return grouped(dot_##t, unpack_##t, gbs, gbb, g, mins, w, expert_bytes, experts, N, K, x, M, y, n0, n1); \
+        ROWS(t, bs, bb); \
+    } while (0)
+#else
+#define GROUPED_OR_ROWS(t, bs, bb, gbs, gbb, g, mins) ROWS(t, bs, bb)
+#endif
+
 /* y [M, N] rows [n0, n1) = x [M, K] @ W.T for a weight of GGUF block type `type` (0 F32, 1 F16, 8 Q8_0,
  * 12 Q4_K, 10 Q2_K, 16 IQ2_XXS after qgemv_set_iq2_xxs, 14 Q6_K, 13 Q5_K, 11 Q3_K, 2 Q4_0, 3 Q4_1,
  * 6 Q5_0, 7 Q5_1, 20 IQ4_NL, 23 IQ4_XS), M <= MAX_ROWS. experts == NULL: every row uses
@@ -1625,7 +1640,7 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     if (M > MAX_ROWS) return -1;
     switch (type) {
     case 0: if (K % 64) return -1; rows_of(NULL, 64, 256, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 1: if (K % 32) return -1; rows_of(deq_f16, 32, 64, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 1: if (K % 32) return -1; ROWS(f16, 32, 64);
     case 8:
         if (K % 32) return -1;
 #if GROUPED
@@ -1664,86 +1679,28 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
 #endif
         return K % 256 ? -1 : k_quant_rows(deq_q2_k, unpack_q2_k, 84, 16, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
-    case 14: if (K % 256) return -1;
-#if GROUPED
-        return grouped(dot_q6_k, unpack_q6_k, 256, 210, 64, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_q6_k, 256, 210, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 13: if (K % 256) return -1;
-#if GROUPED
-        return grouped(dot_q5_k, unpack_q5_k, 256, 176, 32, 1, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_q5_k, 256, 176, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 11: if (K % 256) return -1;
-#if GROUPED
-        return grouped(dot_q3_k, unpack_q3_k, 256, 110, 64, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_q3_k, 256, 110, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 2: if (K % 32) return -1;
-#if GROUPED
-        if (K % 128 == 0)
-            return grouped(dot_q4_0, unpack_q4_0, 128, 72, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_q4_0, 32, 18, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 3: if (K % 32) return -1;
-#if GROUPED
-        if (K % 128 == 0)
-            return grouped(dot_q4_1, unpack_q4_1, 128, 80, 32, 1, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_q4_1, 32, 20, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 6: if (K % 32) return -1;
-#if GROUPED
-        if (K % 128 == 0)
-            return grouped(dot_q5_0, unpack_q5_0, 128, 88, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_q5_0, 32, 22, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 7: if (K % 32) return -1;
-#if GROUPED
-        if (K % 128 == 0)
-            return grouped(dot_q5_1, unpack_q5_1, 128, 96, 32, 1, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_q5_1, 32, 24, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 20: if (K % 32) return -1;
-#if GROUPED
-        if (K % 128 == 0)
-            return grouped(dot_iq4_nl, unpack_iq4_nl, 128, 72, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_iq4_nl, 32, 18, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 23: if (K % 256) return -1;
-#if GROUPED
-        return grouped(dot_iq4_xs, unpack_iq4_xs, 256, 136, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_iq4_xs, 256, 136, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 14: if (K % 256) return -1; GROUPED_OR_ROWS(q6_k, 256, 210, 256, 210, 64, 0);
+    case 13: if (K % 256) return -1; GROUPED_OR_ROWS(q5_k, 256, 176, 256, 176, 32, 1);
+    case 11: if (K % 256) return -1; GROUPED_OR_ROWS(q3_k, 256, 110, 256, 110, 64, 0);
+    case 2: if (K % 32) return -1; GROUPED_OR_ROWS(q4_0, 32, 18, 128, 72, 32, 0);
+    case 3: if (K % 32) return -1; GROUPED_OR_ROWS(q4_1, 32, 20, 128, 80, 32, 1);
+    case 6: if (K % 32) return -1; GROUPED_OR_ROWS(q5_0, 32, 22, 128, 88, 32, 0);
+    case 7: if (K % 32) return -1; GROUPED_OR_ROWS(q5_1, 32, 24, 128, 96, 32, 1);
+    case 20: if (K % 32) return -1; GROUPED_OR_ROWS(iq4_nl, 32, 18, 128, 72, 32, 0);
+    case 23: if (K % 256) return -1; GROUPED_OR_ROWS(iq4_xs, 256, 136, 256, 136, 32, 0);
     /* the IQ grids after qgemv_set_<type> and qgemv_set_iq_signs: 18 IQ3_XXS, 21 IQ3_S, 17 IQ2_XS, 22 IQ2_S, 19 IQ1_S,
      * 29 IQ1_M; 34 TQ1_0, 35 TQ2_0, 39 MXFP4, 30 BF16 (dequantize-then-multiply but IQ3_XXS, IQ2_XS, TQ2_0 and MXFP4
      * on AVX-512) */
-    case 18: if (K % 256) return -1;
-#if GROUPED
-        return grouped(dot_iq3_xxs, unpack_iq3_xxs, 256, 98, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_iq3_xxs, 256, 98, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 21: if (K % 256) return -1; rows_of(deq_iq3_s, 256, 110, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 17: if (K % 256) return -1;
-#if GROUPED
-        return grouped(dot_iq2_xs, unpack_iq2_xs, 256, 74, 64, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_iq2_xs, 256, 74, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 22: if (K % 256) return -1; rows_of(deq_iq2_s, 256, 82, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 19: if (K % 256) return -1; rows_of(deq_iq1_s, 256, 50, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 29: if (K % 256) return -1; rows_of(deq_iq1_m, 256, 56, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 34: if (K % 256) return -1; rows_of(deq_tq1_0, 256, 54, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 35: if (K % 256) return -1;
-#if GROUPED
-        return grouped(dot_tq2_0, unpack_tq2_0, 256, 66, 64, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_tq2_0, 256, 66, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 39: if (K % 32) return -1;
-#if GROUPED
-        if (K % 128 == 0)
-            return grouped(dot_mxfp4, unpack_mxfp4, 128, 68, 32, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        rows_of(deq_mxfp4, 32, 17, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
-    case 30: if (K % 32) return -1; rows_of(deq_bf16, 32, 64, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
+    case 18: if (K % 256) return -1; GROUPED_OR_ROWS(iq3_xxs, 256, 98, 256, 98, 32, 0);
+    case 21: if (K % 256) return -1; ROWS(iq3_s, 256, 110);
+    case 17: if (K % 256) return -1; GROUPED_OR_ROWS(iq2_xs, 256, 74, 256, 74, 64, 0);
+    case 22: if (K % 256) return -1; ROWS(iq2_s, 256, 82);
+    case 19: if (K % 256) return -1; ROWS(iq1_s, 256, 50);
+    case 29: if (K % 256) return -1; ROWS(iq1_m, 256, 56);
+    case 34: if (K % 256) return -1; ROWS(tq1_0, 256, 54);
+    case 35: if (K % 256) return -1; GROUPED_OR_ROWS(tq2_0, 256, 66, 256, 66, 64, 0);
+    case 39: if (K % 32) return -1; GROUPED_OR_ROWS(mxfp4, 32, 17, 128, 68, 32, 0);
+    case 30: if (K % 32) return -1; ROWS(bf16, 32, 64);
     default: return -1;
     }
 }
