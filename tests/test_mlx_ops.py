@@ -382,5 +382,5 @@ def test_bench_model_on_mlx(capsys):
     row = captured.out.splitlines()[1].split(",")
     assert row[:3] == ["mlx", "q2", "3"] and float(row[5]) > 0
     served = [line.split()[1] for line in captured.err.splitlines() if line.split()[:1] == ["qmatmul"]
-              or line.split()[:1] == ["moe"] or line.split()[:1] == ["sparse_attention"]]
+              or line.split()[:1] == ["ffn"] or line.split()[:1] == ["sparse_attention"]]
     assert served == ["mlx"] * 3
