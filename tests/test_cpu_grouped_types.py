@@ -1,5 +1,6 @@
 """qgemv.c's grouped exact path for Q6_K, Q5_K, Q3_K, IQ4_XS, the 32-value types, MXFP4, IQ2_XS, IQ3_XXS, TQ2_0
-(`dot_<type>` for rows of their own, `unpack_<type>` for M > 1; docs/cpu.md "The other types' exact M = 1 kernels"):
+and Q2_K (`dot_<type>` for rows of their own, `unpack_<type>` for M > 1; docs/cpu.md "The other types' exact M = 1
+kernels", "Exact 2- and 3-bit kernels at M = 1"):
 within float32 rounding of the reference's dequantized weight times x (summed in float64), plain and by expert, on
 row counts that leave rows after the four-row steps and on rows the grouped path does not take (32-value types,
 K % 128 != 0); every row of an M-row call the bits of its 1-row call, for M = 1..16 and 1, 2 and 3 threads."""
@@ -12,8 +13,8 @@ from backends.cpu import kernels
 from ops.quants import QTensor
 
 TYPES = ("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "IQ2_XS", "IQ3_XXS",
-         "TQ2_0")
-SUPER_BLOCK = dict.fromkeys(("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "IQ2_XS", "IQ3_XXS", "TQ2_0"), 256)   # others: 32 values
+         "TQ2_0", "Q2_K")
+SUPER_BLOCK = dict.fromkeys(("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "IQ2_XS", "IQ3_XXS", "TQ2_0", "Q2_K"), 256)   # others: 32
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library is off (DS4_CPU_KERNELS=0)")
 

@@ -734,19 +734,6 @@ static inline void unpack_q4_k(const uint8_t *b, float *q, float *scale, float *
 #endif
 }
 
-static inline void unpack_q2_k(const uint8_t *b, float *q, float *scale, float *low) {    /* 84 bytes, G 16 */
-    float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
-    const uint8_t *s = b, *qs = b + 16;
-    i32x16 sv = widen16(s);
-    store16(scale, splat16(d) * float16(sv & 15));
-    store16(low, splat16(dmin) * float16(sv >> 4));
-    for (int k = 0; k < 2; k++)
-        for (int h = 0; h < 2; h++) {
-            i32x16 v = widen16(qs + 32 * k + 16 * h);
-            for (int i = 0; i < 4; i++) store16(q + 128 * k + 32 * i + 16 * h, float16((v >> (2 * i)) & 3));
-        }
-}
-
 static inline void unpack_iq2_xxs(const uint8_t *b, float *q, float *scale, float *low) {  /* 66 bytes, G 32 */
     (void)low;
     float d = half_to_float(b);
@@ -770,18 +757,9 @@ typedef void (*unpack_fn)(const uint8_t *, float *, float *, float *);
 
 /* One row's share of one block straight from its packed bytes, in registers (decode, and each routed expert's
  * row): add_block's arithmetic on the values the unpack_ function gives (the same bits), without storing and
- * reloading them. Measured for IQ2_XXS 9-10% faster at M = 1; Q2_K's (it also needs its group sums of x) is
- * dot_q2_k, further down. */
+ * reloading them. Measured for IQ2_XXS 9-10% faster at M = 1; Q2_K's (on x reordered per call) is q2_k_dot,
+ * further down. */
 typedef void (*dot_fn)(acc_t *, const uint8_t *, const float *x, const float *xsum);  /* xsum: for group mins */
-
-/* The part of a block that depends only on its own bytes (Q2_K: the group scales, and the mins' term with the row's
- * group sums of x), made by an ahead_fn one block before the block's products (a products_fn) by own_rows4_ahead:
- * the same operations in the same order per accumulator, so the same bits as the dot_fn that runs the two in turn,
- * but a block's products no longer wait for their scales (Q2_K at M = 1: 0.86-0.91x the time for one matrix,
- * 0.94-0.98x for routed experts; IQ2_XXS's scales and sign masks made so measured no faster). */
-typedef struct { float scale[16]; } __attribute__((aligned(64))) ahead_t;
-typedef void (*ahead_fn)(acc_t *, const uint8_t *, const float *xsum, ahead_t *);
-typedef void (*products_fn)(acc_t *, const uint8_t *, const float *x, const ahead_t *);
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__AVX512BW__)
 /* With VBMI/BITALG (Sapphire Rapids, Zen 4) the block's bookkeeping is vector work done once per block: its 32
@@ -985,63 +963,19 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int bs, int G) {
 }
 
 #if defined(__AVX512F__)
-/* Q2_K's one-row counterpart of unpack_q2_k + add_block (the same operations in the same order, so the same
- * bits), in registers: each 2-bit value becomes its float by a vpermps lookup (of the low 4 bits of its byte,
- * or of the byte shifted by 4: no mask, one shift per 4 values), and the group scales are broadcast from memory.
- * q2_k_ahead makes the scales and adds the mins' term, q2_k_products the 16 groups' products. */
-static inline __attribute__((always_inline)) void q2_k_ahead(acc_t *a, const uint8_t *b, const float *xsum,
-                                                             ahead_t *p) {
-    i32x16 sv = widen16(b);
-    uint32_t dm;        /* d and dmin (f16), converted together: exact, as half_to_float */
-    memcpy(&dm, b + 80, 4);
-    __m512 dms = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)));
-    /* + 0: splat16's */
-    store16(p->scale, (v16)_mm512_permutexvar_ps(_mm512_setzero_si512(), dms) * float16(sv & 15) + 0.0f);
-    a->low = fma16((v16)_mm512_permutexvar_ps(_mm512_set1_epi32(1), dms) * float16(sv >> 4), load16(xsum), a->low);
-}
-
-static inline __attribute__((always_inline)) void q2_k_products(acc_t *a, const uint8_t *b, const float *x,
-                                                                const ahead_t *p) {
-    static const float levels[2][16] __attribute__((aligned(64))) = {   /* the low / high 2 bits of a 4-bit index */
-        {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}, {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}};
-    const __m512 low_bits = _mm512_load_ps(levels[0]), high_bits = _mm512_load_ps(levels[1]);
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; j++) {      /* in the order k, h, i: groups g = 8k + 2i + h */
-        int k = j / 8, h = (j / 4) % 2, i = j % 4, g = 8 * k + 2 * i + h;
-        __m512i v = (__m512i)widen16(b + 16 + 32 * k + 16 * h);      /* value i: bits 2i, 2i + 1 of byte */
-        v16 q = (v16)_mm512_permutexvar_ps(i < 2 ? v : _mm512_srli_epi32(v, 4), i % 2 ? high_bits : low_bits);
-        v16 t = q * load16(x + 16 * g);
-        v16 sc;     /* as asm: a load (gcc would permute in registers, its index vector built on port 5) */
-        __asm__("vbroadcastss %1, %0" : "=v"(sc) : "m"(p->scale[g]));
-        a->part[g % ACCS] = fma16(sc, t, a->part[g % ACCS]);
-    }
-}
-
-static inline __attribute__((always_inline)) void dot_q2_k(acc_t *a, const uint8_t *b, const float *x,
-                                                           const float *xsum) {
-    ahead_t p;
-    q2_k_ahead(a, b, xsum, &p);
-    q2_k_products(a, b, x, &p);
-}
-
 /* Rows [n0, n1) where each row has a weight of its own (decode, routed experts), four at a time: rows n, n + q,
  * n + 2q and n + 3q (q a quarter of the range) block by block, so the weight is fetched as four streams at once
- * (measured 10-16% faster from memory than one row after another for Q4_K, ~5% for Q8_0's LM head; the same
- * for the compute-bound Q2_K and IQ2_XXS, which take it to share one driver); each row
- * still takes `dot` on its blocks in order, so the same bits as one row at a time; where `ahead` is not NULL,
- * each row's next block's ahead runs before this block's products instead (the same bits as `dot`). bs values in
- * bb bytes per `dot`; G: the group size of types with group mins (their sums of x made once per call), 0 without.
- * Returns 0, or -2 out of memory. */
-static inline __attribute__((always_inline)) int own_rows4_ahead(
-        dot_fn dot, ahead_fn ahead, products_fn products, const int bs, const int bb, const int G, const uint8_t *w,
-        int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-        int64_t n0, int64_t n1) {
+ * (measured 10-16% faster from memory than one row after another for Q4_K, ~5% for Q8_0's LM head); each row
+ * still takes `dot` on its blocks in order, so the same bits as one row at a time. bs values in bb bytes per
+ * `dot`; xsum: each row's sums of x per group, 16 per block, for types with group mins (NULL without).
+ * Returns 0. */
+static inline __attribute__((always_inline)) int own_rows4_sums(
+        dot_fn dot, const int bs, const int bb, const float *xsum, const uint8_t *w, int64_t expert_bytes,
+        const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / bs, row_bytes = nb * bb, q = (n1 - n0) / 4;
-    float *xsum = G ? group_sums(x, M, K, bs, G) : NULL;
-    if (G && xsum == NULL) return -2;
     for (int64_t m = 0; m < M; m++) {
         const uint8_t *base = w + (experts == NULL ? 0 : experts[m] * expert_bytes);
-        const float *xm = x + m * K, *sm = G ? xsum + m * nb * 16 : NULL;
+        const float *xm = x + m * K, *sm = xsum == NULL ? NULL : xsum + m * nb * 16;
         float *ym = y + m * N;
         if (experts != NULL && experts[m] < 0) {        /* another rank's */
             for (int64_t n = n0; n < n1; n++) ym[n] = 0.0f;
@@ -1050,23 +984,14 @@ static inline __attribute__((always_inline)) int own_rows4_ahead(
         for (int64_t n = n0; n < n0 + q; n++) {
             const uint8_t *r[4];
             acc_t a[4] = {0};
-            ahead_t next[2][4];     /* ahead != NULL: block b's (b % 2) and b + 1's */
             for (int i = 0; i < 4; i++) r[i] = base + (n + i * q) * row_bytes;
-            if (ahead != NULL)
-                for (int i = 0; i < 4; i++) ahead(&a[i], r[i], sm, &next[0][i]);
             for (int64_t b = 0; b < nb; b++)
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
                     prefetch_block(r[i] + b * bb, bb);
-                    if (ahead == NULL) {
-                        dot(&a[i], r[i] + b * bb, xm + b * bs, G ? sm + b * 16 : NULL);
-                        continue;
-                    }
-                    if (b + 1 < nb)
-                        ahead(&a[i], r[i] + (b + 1) * bb, G ? sm + (b + 1) * 16 : NULL, &next[(b + 1) % 2][i]);
-                    products(&a[i], r[i] + b * bb, xm + b * bs, &next[b % 2][i]);
+                    dot(&a[i], r[i] + b * bb, xm + b * bs, sm == NULL ? NULL : sm + b * 16);
                 }
-            if (G == 0) {
+            if (sm == NULL) {
                 float out[4];
                 finish4(a, out);
                 for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
@@ -1079,19 +1004,130 @@ static inline __attribute__((always_inline)) int own_rows4_ahead(
             acc_t a = {0};
             for (int64_t b = 0; b < nb; b++) {
                 prefetch_block(row + b * bb, bb);
-                dot(&a, row + b * bb, xm + b * bs, G ? sm + b * 16 : NULL);
+                dot(&a, row + b * bb, xm + b * bs, sm == NULL ? NULL : sm + b * 16);
             }
-            ym[n] = finish(&a, G != 0);
+            ym[n] = finish(&a, sm != NULL);
         }
     }
+    return 0;
+}
+
+/* own_rows4_sums with each row's group sums of x made here (groups of G values; G = 0: none). Returns 0, or -2 out
+ * of memory. */
+static inline __attribute__((always_inline)) int own_rows4(
+        dot_fn dot, const int bs, const int bb, const int G, const uint8_t *w, int64_t expert_bytes,
+        const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
+    float *xsum = G ? group_sums(x, M, K, bs, G) : NULL;
+    if (G && xsum == NULL) return -2;
+    own_rows4_sums(dot, bs, bb, xsum, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
     free(xsum);
     return 0;
 }
 
-static inline __attribute__((always_inline)) int own_rows4(
-        dot_fn dot, const int bs, const int bb, const int G, const uint8_t *w, int64_t expert_bytes,
-        const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
-    return own_rows4_ahead(dot, NULL, NULL, bs, bb, G, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+/* Q2_K (84 bytes, 256 values in 16 groups of 16 with a scale and a min each) without widening its bytes: the 64
+ * bytes of 2-bit values are one vector, whose dword lane j holds bytes 4j..4j+3. Value i (bits 2i, 2i + 1) of byte
+ * 4j + r is looked up by one vpermps, whose index is the dword's low 4 bits: the dword shifted right by 8r + 4(i / 2)
+ * (7 shifts a block), in a table of the index's low (i even) or high (i odd) 2 bits. x is reordered once per call
+ * to match (q2_k_order): vector (i, r)'s lane j meets position 128 (j / 8) + 32 i + 4 (j % 8) + r. The 4 vectors
+ * of one i are summed (a multiply, 3 multiply-adds) and multiplied into the row's accumulator (one: 3% faster than
+ * four, fewer registers spilled) by their groups' scales, spread over the lanes (lanes 4h..4h+3 belong to group 8 (h / 2) + 2 i + h % 2); the mins' term is
+ * (dmin m) . (the groups' sums of x), one multiply-add a block. A block costs 16 lookups, 20 multiply(-add)s, 7
+ * shifts and 4 scale spreads on the two 512-bit ports (was 18 lookups, 35 multiply(-add)s, 5 widenings and 4
+ * shifts). The one-row (q2_k_dot) and the several-row (q2_k_unpack + q2_k_add) paths make the same operations in
+ * the same order, so every row has the same bits at any M and thread split. */
+static const float q2_k_levels[2][16] __attribute__((aligned(64))) = {     /* a 4-bit index's low / high 2 bits */
+    {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}, {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}};
+
+static float *q2_k_order(const float *x, int64_t M, int64_t K) {     /* x reordered per block (NULL: no memory) */
+    float *out = malloc((size_t)(M * K) * sizeof(float));
+    if (out == NULL) return NULL;
+    for (int64_t b = 0; b < M * K; b += 256)
+        for (int v = 0; v < 16; v++)        /* vector (i, r) = (v / 4, v % 4) */
+            for (int j = 0; j < 16; j++)
+                out[b + 16 * v + j] = x[b + 128 * (j / 8) + 32 * (v / 4) + 4 * (j % 8) + v % 4];
+    return out;
+}
+
+/* A block's scales spread over the lanes of each i (scale[i]) and its mins (low: d and dmin converted together by
+ * vcvtph2ps, exact as half_to_float). */
+static inline __attribute__((always_inline)) void q2_k_scales(const uint8_t *b, __m512 *scale, __m512 *low) {
+    i32x16 sv = widen16(b);
+    uint32_t dm;
+    memcpy(&dm, b + 80, 4);
+    __m512 dms = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)));
+    __m512 sc = (__m512)((v16)_mm512_permutexvar_ps(_mm512_setzero_si512(), dms) * float16(sv & 15));
+    *low = (__m512)((v16)_mm512_permutexvar_ps(_mm512_set1_epi32(1), dms) * float16(sv >> 4));
+    for (int i = 0; i < 4; i++)
+        scale[i] = _mm512_permutexvar_ps(_mm512_set_epi32(9 + 2 * i, 9 + 2 * i, 9 + 2 * i, 9 + 2 * i, 8 + 2 * i,
+            8 + 2 * i, 8 + 2 * i, 8 + 2 * i, 1 + 2 * i, 1 + 2 * i, 1 + 2 * i, 1 + 2 * i, 2 * i, 2 * i, 2 * i, 2 * i), sc);
+}
+
+static inline __attribute__((always_inline)) __m512 q2_k_values(__m512i raw, int i, int r) {    /* vector (i, r) */
+    int shift = 8 * r + 4 * (i / 2);
+    return _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(raw, shift) : raw, _mm512_load_ps(q2_k_levels[i % 2]));
+}
+
+static inline void q2_k_dot(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {
+    __m512 scale[4], low;
+    q2_k_scales(b, scale, &low);
+    a->low = fma16((v16)low, load16(xsum), a->low);
+    __m512i raw = _mm512_loadu_si512(b + 16);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        v16 t = (v16)q2_k_values(raw, i, 0) * load16(x + 64 * i);
+        for (int r = 1; r < 4; r++) t = fma16((v16)q2_k_values(raw, i, r), load16(x + 64 * i + 16 * r), t);
+        a->part[0] = fma16((v16)scale[i], t, a->part[0]);
+    }
+}
+
+typedef struct { v16 value[16], scale[4], low; } q2_k_block;
+
+static inline void q2_k_unpack(const uint8_t *b, q2_k_block *u) {
+    q2_k_scales(b, (__m512 *)u->scale, (__m512 *)&u->low);
+    __m512i raw = _mm512_loadu_si512(b + 16);
+    for (int v = 0; v < 16; v++) u->value[v] = (v16)q2_k_values(raw, v / 4, v % 4);
+}
+
+static inline __attribute__((always_inline)) void q2_k_add(acc_t *a, const q2_k_block *u, const float *x,
+                                                           const float *xsum) {
+    a->low = fma16(u->low, load16(xsum), a->low);
+    for (int i = 0; i < 4; i++) {
+        v16 t = u->value[4 * i] * load16(x + 64 * i);
+        for (int r = 1; r < 4; r++) t = fma16(u->value[4 * i + r], load16(x + 64 * i + 16 * r), t);
+        a->part[0] = fma16(u->scale[i], t, a->part[0]);
+    }
+}
+
+/* qgemv's Q2_K rows [n0, n1) (K % 256 == 0): rows of their own through q2_k_dot, else each block unpacked once and
+ * added to the M rows. Returns 0, or -2 out of memory. */
+static int q2_k_rows(const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+                     const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
+    int64_t nb = K / 256;
+    float *xo = q2_k_order(x, M, K), *xsum = group_sums(x, M, K, 256, 16);
+    if (xo == NULL || xsum == NULL) {
+        free(xo);
+        free(xsum);
+        return -2;
+    }
+    if (experts != NULL || M == 1) {
+        own_rows4_sums(q2_k_dot, 256, 84, xsum, w, expert_bytes, experts, N, K, xo, M, y, n0, n1);
+    } else {
+        q2_k_block u;
+        acc_t acc[MAX_ROWS];
+        for (int64_t n = n0; n < n1; n++) {     /* one weight for every row: each block unpacked once */
+            memset(acc, 0, sizeof(acc_t) * M);
+            const uint8_t *row = w + n * nb * 84;
+            for (int64_t b = 0; b < nb; b++) {
+                prefetch_block(row + b * 84, 84);
+                q2_k_unpack(row + b * 84, &u);
+                for (int64_t m = 0; m < M; m++) q2_k_add(&acc[m], &u, xo + m * K + b * 256, xsum + (m * nb + b) * 16);
+            }
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = finish(&acc[m], 1);
+        }
+    }
+    free(xo);
+    free(xsum);
+    return 0;
 }
 #endif
 
@@ -1569,7 +1605,7 @@ static inline void unpack_iq2_xs(const uint8_t *b, float *q, float *scale, float
 }
 
 /* TQ2_0: d * (q - 1) with 2-bit q (element 128c + 32s + l: bits 2s of qs[32c + l]); the values -1, 0, 1 by one
- * vpermps each from the low 4 bits of a byte (or of the byte shifted by 4), as dot_q2_k; groups of 64 scaled by d. */
+ * vpermps each from the low 4 bits of a byte (or of the byte shifted by 4); groups of 64 scaled by d. */
 static inline __attribute__((always_inline)) __m512 tq2_0_values(const uint8_t *b, int c, int s, int half) {
     static const float levels[2][16] __attribute__((aligned(64))) = {   /* bits 0-1 / 2-3 of a 4-bit index, minus 1 */
         {-1, 0, 1, 2, -1, 0, 1, 2, -1, 0, 1, 2, -1, 0, 1, 2}, {-1, -1, -1, -1, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2}};
@@ -1672,13 +1708,12 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         return K % 256 ? -1 : k_quant_rows(deq_q4_k, unpack_q4_k, 144, 32, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
     case 10:
+        if (K % 256) return -1;
 #if defined(__AVX512F__)
-        if (K % 256 == 0 && (experts != NULL || M == 1))
-            return own_rows4_ahead(dot_q2_k, q2_k_ahead, q2_k_products, 256, 84, 16, w, expert_bytes, experts, N, K,
-                                   x, M, y, n0, n1);
+        return q2_k_rows(w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#else
+        ROWS(q2_k, 256, 84);
 #endif
-        return K % 256 ? -1 : k_quant_rows(deq_q2_k, unpack_q2_k, 84, 16, w, expert_bytes, experts, N, K,
-                                                x, M, y, n0, n1);
     case 14: if (K % 256) return -1; GROUPED_OR_ROWS(q6_k, 256, 210, 256, 210, 64, 0);
     case 13: if (K % 256) return -1; GROUPED_OR_ROWS(q5_k, 256, 176, 256, 176, 32, 1);
     case 11: if (K % 256) return -1; GROUPED_OR_ROWS(q3_k, 256, 110, 256, 110, 64, 0);
