@@ -1054,9 +1054,13 @@ static inline __attribute__((always_inline)) void q2_k_scales(const uint8_t *b, 
     i32x16 sv = widen16(b);
     uint32_t dm;
     memcpy(&dm, b + 80, 4);
-    __m512 dms = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)));
-    __m512 sc = (__m512)((v16)_mm512_permutexvar_ps(_mm512_setzero_si512(), dms) * float16(sv & 15));
-    *low = (__m512)((v16)_mm512_permutexvar_ps(_mm512_set1_epi32(1), dms) * float16(sv >> 4));
+    float dms[4] __attribute__((aligned(16)));
+    _mm_store_ps(dms, _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)));
+    v16 d, dmin;    /* as asm: loads (gcc would permute in registers, on the shuffle port) */
+    __asm__("vbroadcastss %1, %0" : "=v"(d) : "m"(dms[0]));
+    __asm__("vbroadcastss %1, %0" : "=v"(dmin) : "m"(dms[1]));
+    __m512 sc = (__m512)(d * float16(sv & 15));
+    *low = (__m512)(dmin * float16(sv >> 4));
     for (int i = 0; i < 4; i++)
         scale[i] = _mm512_permutexvar_ps(_mm512_set_epi32(9 + 2 * i, 9 + 2 * i, 9 + 2 * i, 9 + 2 * i, 8 + 2 * i,
             8 + 2 * i, 8 + 2 * i, 8 + 2 * i, 1 + 2 * i, 1 + 2 * i, 1 + 2 * i, 1 + 2 * i, 2 * i, 2 * i, 2 * i, 2 * i), sc);
