@@ -1024,21 +1024,24 @@ static inline __attribute__((always_inline)) int own_rows4(
     return 0;
 }
 
-/* Q2_K (84 bytes, 256 values in 16 groups of 16 with a scale and a min each) without widening its bytes: the 64
- * bytes of 2-bit values are one vector, whose dword lane j holds bytes 4j..4j+3. Value i (bits 2i, 2i + 1) of byte
- * 4j + r is looked up by one vpermps, whose index is the dword's low 4 bits: the dword shifted right by 8r + 4(i / 2)
- * (7 shifts a block), in a table of the index's low (i even) or high (i odd) 2 bits. x is reordered once per call
- * to match (q2_k_order): vector (i, r)'s lane j meets position 128 (j / 8) + 32 i + 4 (j % 8) + r. The 4 vectors
- * of one i are summed (a multiply, 3 multiply-adds) and multiplied into the row's accumulator (one: 3% faster than
- * four, fewer registers spilled) by their groups' scales, spread over the lanes (lanes 4h..4h+3 belong to group 8 (h / 2) + 2 i + h % 2); the mins' term is
- * (dmin m) . (the groups' sums of x), one multiply-add a block. A block costs 16 lookups, 20 multiply(-add)s, 7
- * shifts and 4 scale spreads on the two 512-bit ports (was 18 lookups, 35 multiply(-add)s, 5 widenings and 4
- * shifts). The one-row (q2_k_dot) and the several-row (q2_k_unpack + q2_k_add) paths make the same operations in
- * the same order, so every row has the same bits at any M and thread split. */
+/* Q2_K and Q3_K (256 values in 16 groups of 16; Q2_K with a scale and a min each, Q3_K with a signed scale) without
+ * widening their bytes: both keep element 128k + 32i + l's low 2 bits in bits 2i of byte 32k + l of 64 bytes, which
+ * are one vector, whose dword lane j holds bytes 4j..4j+3. Value i of byte 4j + r is looked up by one vpermps, whose
+ * index is the dword's low 4 bits: for Q2_K the dword shifted right by 8r + 4(i / 2) (7 shifts a block) in a table
+ * of the index's low (i even) or high (i odd) 2 bits; for Q3_K a vector per i of 3-bit codes (the 2 bits | hmask's
+ * bit << 2, made 64 at a time) shifted right by 8r, in a table of code - 4. x is reordered once per call to match
+ * (two_bit_order): vector (i, r)'s lane j meets element 128 (j / 8) + 32 i + 4 (j % 8) + r. The 4 vectors of one i
+ * are summed (a multiply, 3 multiply-adds) and multiplied into the row's accumulator (one: 3% faster than four,
+ * fewer registers spilled) by their groups' scales spread over the lanes (lanes 4h..4h+3 belong to group
+ * 8 (h / 2) + 2 i + h % 2; d times the integer scale, exact); Q2_K's mins' term is (dmin m) . (the groups' sums of
+ * x), one multiply-add a block. A Q2_K block costs 16 lookups, 21 multiply(-add)s, 7 shifts and 4 scale spreads on
+ * the two 512-bit ports (was 18 lookups, 35 multiply(-add)s, 5 widenings and 4 shifts). The one-row (<type>_dot)
+ * and the several-row (<type>_unpack + two_bit_add) paths make the same operations in the same order, so every row
+ * has the same bits at any M and thread split. */
 static const float q2_k_levels[2][16] __attribute__((aligned(64))) = {     /* a 4-bit index's low / high 2 bits */
     {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}, {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}};
 
-static float *q2_k_order(const float *x, int64_t M, int64_t K) {     /* x reordered per block (NULL: no memory) */
+static float *two_bit_order(const float *x, int64_t M, int64_t K) {   /* x reordered per block (NULL: no memory) */
     float *out = malloc((size_t)(M * K) * sizeof(float));
     if (out == NULL) return NULL;
     for (int64_t b = 0; b < M * K; b += 256)
@@ -1048,8 +1051,14 @@ static float *q2_k_order(const float *x, int64_t M, int64_t K) {     /* x reorde
     return out;
 }
 
-/* A block's scales spread over the lanes of each i (scale[i]) and its mins (low: d and dmin converted together by
- * vcvtph2ps, exact as half_to_float). */
+static inline __attribute__((always_inline)) void spread_scales(__m512 sc, __m512 *scale) {  /* group g at lane g */
+    for (int i = 0; i < 4; i++)
+        scale[i] = _mm512_permutexvar_ps(_mm512_set_epi32(9 + 2 * i, 9 + 2 * i, 9 + 2 * i, 9 + 2 * i, 8 + 2 * i,
+            8 + 2 * i, 8 + 2 * i, 8 + 2 * i, 1 + 2 * i, 1 + 2 * i, 1 + 2 * i, 1 + 2 * i, 2 * i, 2 * i, 2 * i, 2 * i), sc);
+}
+
+/* A Q2_K block's scales spread over the lanes of each i (scale[i]) and its mins (low: d and dmin converted together
+ * by vcvtph2ps, exact as half_to_float). */
 static inline __attribute__((always_inline)) void q2_k_scales(const uint8_t *b, __m512 *scale, __m512 *low) {
     i32x16 sv = widen16(b);
     uint32_t dm;
@@ -1059,11 +1068,8 @@ static inline __attribute__((always_inline)) void q2_k_scales(const uint8_t *b, 
     v16 d, dmin;    /* as asm: loads (gcc would permute in registers, on the shuffle port) */
     __asm__("vbroadcastss %1, %0" : "=v"(d) : "m"(dms[0]));
     __asm__("vbroadcastss %1, %0" : "=v"(dmin) : "m"(dms[1]));
-    __m512 sc = (__m512)(d * float16(sv & 15));
     *low = (__m512)(dmin * float16(sv >> 4));
-    for (int i = 0; i < 4; i++)
-        scale[i] = _mm512_permutexvar_ps(_mm512_set_epi32(9 + 2 * i, 9 + 2 * i, 9 + 2 * i, 9 + 2 * i, 8 + 2 * i,
-            8 + 2 * i, 8 + 2 * i, 8 + 2 * i, 1 + 2 * i, 1 + 2 * i, 1 + 2 * i, 1 + 2 * i, 2 * i, 2 * i, 2 * i, 2 * i), sc);
+    spread_scales((__m512)(d * float16(sv & 15)), scale);
 }
 
 static inline __attribute__((always_inline)) __m512 q2_k_values(__m512i raw, int i, int r) {    /* vector (i, r) */
@@ -1071,7 +1077,7 @@ static inline __attribute__((always_inline)) __m512 q2_k_values(__m512i raw, int
     return _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(raw, shift) : raw, _mm512_load_ps(q2_k_levels[i % 2]));
 }
 
-static inline void q2_k_dot(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {
+static inline void q2_k_dot(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {    /* 84 bytes */
     __m512 scale[4], low;
     q2_k_scales(b, scale, &low);
     a->low = fma16((v16)low, load16(xsum), a->low);
@@ -1084,17 +1090,65 @@ static inline void q2_k_dot(acc_t *a, const uint8_t *b, const float *x, const fl
     }
 }
 
-typedef struct { v16 value[16], scale[4], low; } q2_k_block;
+typedef struct { v16 value[16], scale[4], low; } two_bit_block;
 
-static inline void q2_k_unpack(const uint8_t *b, q2_k_block *u) {
+static inline void q2_k_unpack(const uint8_t *b, two_bit_block *u) {
     q2_k_scales(b, (__m512 *)u->scale, (__m512 *)&u->low);
     __m512i raw = _mm512_loadu_si512(b + 16);
     for (int v = 0; v < 16; v++) u->value[v] = (v16)q2_k_values(raw, v / 4, v % 4);
 }
 
-static inline __attribute__((always_inline)) void q2_k_add(acc_t *a, const q2_k_block *u, const float *x,
-                                                           const float *xsum) {
-    a->low = fma16(u->low, load16(xsum), a->low);
+#if defined(__AVX512BW__)
+/* Q3_K (110 bytes: hmask 32, qs 64, scales 12, d): the codes of each i (bit 2: hmask's bit 4k + i of byte l; bit 3
+ * left as it falls, which the table ignores) and the scales d * (6-bit scale - 32) spread over the lanes. */
+static inline __attribute__((always_inline)) void q3_k_codes(const uint8_t *b, __m512i *code, __m512 *scale) {
+    __m512i qs = _mm512_loadu_si512(b + 32);                  /* k = 0 in bytes 0-31, k = 1 in 32-63 */
+    __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+    __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(hm), _mm256_srli_epi16(hm, 4), 1);   /* bit i at bit i */
+    for (int i = 0; i < 4; i++) {       /* (qs >> 2i) bits 0-1, (h << 2 - i) bits 2-7: bit select by 3 */
+        __m512i bit = i < 2 ? _mm512_slli_epi16(h, 2 - i) : i > 2 ? _mm512_srli_epi16(h, i - 2) : h;
+        code[i] = _mm512_ternarylogic_epi32(i ? _mm512_srli_epi16(qs, 2 * i) : qs, bit, _mm512_set1_epi8(3), 0xe4);
+    }
+    __m128i raw = _mm_insert_epi32(_mm_loadl_epi64((const __m128i *)(b + 96)), *(const int32_t *)(b + 104), 2);
+    i32x16 bytes = (i32x16)_mm512_cvtepu8_epi32(raw);
+    i32x16 low = __builtin_shufflevector(bytes, bytes, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    i32x16 top = __builtin_shufflevector(bytes, bytes, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11);
+    const i32x16 low_shift = {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
+    const i32x16 top_shift = {0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6};
+    v16 d;
+    float dv = half_to_float(b + 108);
+    __asm__("vbroadcastss %1, %0" : "=v"(d) : "m"(dv));
+    spread_scales((__m512)(d * float16((((low >> low_shift) & 15) | (((top >> top_shift) & 3) << 4)) - 32)), scale);
+}
+
+static inline __attribute__((always_inline)) __m512 q3_k_values(const __m512i *code, int i, int r) {    /* (i, r) */
+    static const float levels[16] __attribute__((aligned(64))) = {-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3};
+    return _mm512_permutexvar_ps(r ? _mm512_srli_epi32(code[i], 8 * r) : code[i], _mm512_load_ps(levels));
+}
+
+static inline void q3_k_dot(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {    /* 110 bytes */
+    (void)xsum;
+    __m512i code[4];
+    __m512 scale[4];
+    q3_k_codes(b, code, scale);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        v16 t = (v16)q3_k_values(code, i, 0) * load16(x + 64 * i);
+        for (int r = 1; r < 4; r++) t = fma16((v16)q3_k_values(code, i, r), load16(x + 64 * i + 16 * r), t);
+        a->part[0] = fma16((v16)scale[i], t, a->part[0]);
+    }
+}
+
+static inline void q3_k_unpack(const uint8_t *b, two_bit_block *u) {
+    __m512i code[4];
+    q3_k_codes(b, code, (__m512 *)u->scale);
+    for (int v = 0; v < 16; v++) u->value[v] = (v16)q3_k_values(code, v / 4, v % 4);
+}
+#endif
+
+static inline __attribute__((always_inline)) void two_bit_add(acc_t *a, const two_bit_block *u, const float *x,
+                                                              const float *xsum) {
+    if (xsum != NULL) a->low = fma16(u->low, load16(xsum), a->low);
     for (int i = 0; i < 4; i++) {
         v16 t = u->value[4 * i] * load16(x + 64 * i);
         for (int r = 1; r < 4; r++) t = fma16(u->value[4 * i + r], load16(x + 64 * i + 16 * r), t);
@@ -1102,31 +1156,34 @@ static inline __attribute__((always_inline)) void q2_k_add(acc_t *a, const q2_k_
     }
 }
 
-/* qgemv's Q2_K rows [n0, n1) (K % 256 == 0): rows of their own through q2_k_dot, else each block unpacked once and
- * added to the M rows. Returns 0, or -2 out of memory. */
-static int q2_k_rows(const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
-                     const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
+/* qgemv's rows [n0, n1) of Q2_K or Q3_K (K % 256 == 0; bb bytes a block; mins: Q2_K's group mins): rows of their own
+ * through `dot`, else each block unpacked once and added to the M rows. Returns 0, or -2 out of memory. */
+static inline __attribute__((always_inline)) int two_bit_rows(
+        dot_fn dot, void (*unpack)(const uint8_t *, two_bit_block *), const int bb, const int mins, const uint8_t *w,
+        int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y,
+        int64_t n0, int64_t n1) {
     int64_t nb = K / 256;
-    float *xo = q2_k_order(x, M, K), *xsum = group_sums(x, M, K, 256, 16);
-    if (xo == NULL || xsum == NULL) {
+    float *xo = two_bit_order(x, M, K), *xsum = mins ? group_sums(x, M, K, 256, 16) : NULL;
+    if (xo == NULL || (mins && xsum == NULL)) {
         free(xo);
         free(xsum);
         return -2;
     }
     if (experts != NULL || M == 1) {
-        own_rows4_sums(q2_k_dot, 256, 84, xsum, w, expert_bytes, experts, N, K, xo, M, y, n0, n1);
+        own_rows4_sums(dot, 256, bb, xsum, w, expert_bytes, experts, N, K, xo, M, y, n0, n1);
     } else {
-        q2_k_block u;
+        two_bit_block u;
         acc_t acc[MAX_ROWS];
         for (int64_t n = n0; n < n1; n++) {     /* one weight for every row: each block unpacked once */
             memset(acc, 0, sizeof(acc_t) * M);
-            const uint8_t *row = w + n * nb * 84;
+            const uint8_t *row = w + n * nb * bb;
             for (int64_t b = 0; b < nb; b++) {
-                prefetch_block(row + b * 84, 84);
-                q2_k_unpack(row + b * 84, &u);
-                for (int64_t m = 0; m < M; m++) q2_k_add(&acc[m], &u, xo + m * K + b * 256, xsum + (m * nb + b) * 16);
+                prefetch_block(row + b * bb, bb);
+                unpack(row + b * bb, &u);
+                for (int64_t m = 0; m < M; m++)
+                    two_bit_add(&acc[m], &u, xo + m * K + b * 256, mins ? xsum + (m * nb + b) * 16 : NULL);
             }
-            for (int64_t m = 0; m < M; m++) y[m * N + n] = finish(&acc[m], 1);
+            for (int64_t m = 0; m < M; m++) y[m * N + n] = finish(&acc[m], mins);
         }
     }
     free(xo);
@@ -1254,82 +1311,6 @@ static inline void unpack_q6_k(const uint8_t *b, float *values, float *scale, fl
     q6_k_bytes(b, q);
     store16(sc, int8_floats16(b + 192));
     scaled_bytes_unpack(q, sc, half_to_float(b + 208), values, scale);
-}
-
-/* Q3_K's 256 values as 4-bit codes: bits 0-2 the value + 4 (qs's 2 bits | hmask's bit << 2; element 128c + 32i + l:
- * bits 2i of qs[32c + l], bit 4c + i of hmask[l]), bit 3 set in the odd sub-blocks of 16 (the second half of each
- * 32); and its 16 six-bit scales minus 32 as floats (deq_q3_k's), returned in one vector. */
-static inline __m512 q3_k_codes(const uint8_t *b, uint8_t *code) {
-#if defined(__AVX512BW__)
-    __m512i qs = _mm512_loadu_si512(b + 32);                  /* c = 0 in bytes 0-31, c = 1 in 32-63 */
-    __m256i hm = _mm256_loadu_si256((const __m256i *)b);
-    __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(hm), _mm256_srli_epi16(hm, 4), 1);   /* bit i at bit i */
-    const __m512i three = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4);
-    const __m512i odd = _mm512_set_epi64(0x0808080808080808, 0x0808080808080808, 0, 0, 0x0808080808080808,
-                                         0x0808080808080808, 0, 0);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {
-        __m512i low = _mm512_ternarylogic_epi32(_mm512_srli_epi16(qs, 2 * i), three, odd, 0xea);     /* a & b | c */
-        __m512i bit = i < 2 ? _mm512_slli_epi16(h, 2 - i) : _mm512_srli_epi16(h, i - 2);           /* to bit 2 */
-        __m512i v = _mm512_ternarylogic_epi32(low, bit, four, 0xf8);                              /* a | b & c */
-        _mm256_store_si256((__m256i *)(code + 32 * i), _mm512_castsi512_si256(v));
-        _mm256_store_si256((__m256i *)(code + 128 + 32 * i), _mm512_extracti64x4_epi64(v, 1));
-    }
-#else
-    u8x32 hm, qs[2], odd = {0};
-    memcpy(&hm, b, 32);
-    memcpy(qs, b + 32, 64);
-    for (int l = 16; l < 32; l++) odd[l] = 8;
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) {
-        int c = j / 4, i = j % 4;
-        u8x32 v = ((qs[c] >> (2 * i)) & 3) | (((hm >> j) & 1) << 2) | odd;
-        memcpy(code + 32 * j, &v, 32);
-    }
-#endif
-    __m128i raw = _mm_insert_epi32(_mm_loadl_epi64((const __m128i *)(b + 96)), *(const int32_t *)(b + 104), 2);
-    i32x16 bytes = (i32x16)_mm512_cvtepu8_epi32(raw);
-    i32x16 low = __builtin_shufflevector(bytes, bytes, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
-    i32x16 top = __builtin_shufflevector(bytes, bytes, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11);
-    const i32x16 low_shift = {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
-    const i32x16 top_shift = {0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6};
-    return (__m512)float16((((low >> low_shift) & 15) | (((top >> top_shift) & 3) << 4)) - 32);
-}
-
-/* The values scale * q of Q3_K's sub-blocks 2p and 2p + 1 (exact small integers, as scaled_bytes_unpack's), looked up
- * by one vpermps each from a table of the 8 values times either scale: no int-to-float conversion (port 0, which
- * also takes every multiply-add on this machine's AVX-512), one multiply per 32 values. */
-static inline __attribute__((always_inline)) __m512 q3_k_pair(const uint8_t *code, __m512 sc, int p, int h) {
-    const __m512 levels = _mm512_set_ps(3, 2, 1, 0, -1, -2, -3, -4, 3, 2, 1, 0, -1, -2, -3, -4);
-    __m512 scales = _mm512_permutexvar_ps(_mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
-        2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p), sc);
-    __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(code + 32 * p + 16 * h)));
-    return _mm512_permutexvar_ps(v, _mm512_mul_ps(levels, scales));
-}
-
-static inline void dot_q3_k(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {    /* 110 bytes */
-    (void)xsum;
-    uint8_t code[256] __attribute__((aligned(64)));
-    __m512 sc = q3_k_codes(b, code);
-    v16 dv = splat16(half_to_float(b + 108));
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; g++) {       /* scaled_bytes_dot's order */
-        v16 t = {0};
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) {
-            v16 w = (v16)q3_k_pair(code, sc, 2 * g + i / 2, i % 2);
-            t = i == 0 ? w * load16(x + 64 * g) : fma16(w, load16(x + 64 * g + 16 * i), t);
-        }
-        a->part[g] = fma16(dv, t, a->part[g]);
-    }
-}
-
-static inline void unpack_q3_k(const uint8_t *b, float *values, float *scale, float *low) {    /* G 64 */
-    (void)low;
-    uint8_t code[256] __attribute__((aligned(64)));
-    __m512 sc = q3_k_codes(b, code);
-    for (int j = 0; j < 16; j++) _mm512_storeu_ps(values + 16 * j, q3_k_pair(code, sc, j / 2, j % 2));
-    for (int g = 0; g < 4; g++) scale[g] = half_to_float(b + 108);
 }
 
 /* Q5_K: Q4_K's scales and nibbles (dot_q4_k's way), + 16 where the value's bit of qh is set (a masked add: exact);
@@ -1714,13 +1695,19 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 10:
         if (K % 256) return -1;
 #if defined(__AVX512F__)
-        return q2_k_rows(w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+        return two_bit_rows(q2_k_dot, q2_k_unpack, 84, 1, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
 #else
         ROWS(q2_k, 256, 84);
 #endif
     case 14: if (K % 256) return -1; GROUPED_OR_ROWS(q6_k, 256, 210, 256, 210, 64, 0);
     case 13: if (K % 256) return -1; GROUPED_OR_ROWS(q5_k, 256, 176, 256, 176, 32, 1);
-    case 11: if (K % 256) return -1; GROUPED_OR_ROWS(q3_k, 256, 110, 256, 110, 64, 0);
+    case 11:
+        if (K % 256) return -1;
+#if defined(__AVX512BW__)
+        return two_bit_rows(q3_k_dot, q3_k_unpack, 110, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#else
+        ROWS(q3_k, 256, 110);
+#endif
     case 2: if (K % 32) return -1; GROUPED_OR_ROWS(q4_0, 32, 18, 128, 72, 32, 0);
     case 3: if (K % 32) return -1; GROUPED_OR_ROWS(q4_1, 32, 20, 128, 80, 32, 1);
     case 6: if (K % 32) return -1; GROUPED_OR_ROWS(q5_0, 32, 22, 128, 88, 32, 0);
