@@ -14,7 +14,7 @@ from ops.quants import QTensor
 
 TYPES = ("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "IQ2_XS", "IQ3_XXS",
          "TQ2_0", "Q2_K")
-SUPER_BLOCK = dict.fromkeys(("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "IQ2_XS", "IQ3_XXS", "TQ2_0", "Q2_K"), 256)   # others: 32
+SUPER_BLOCK = dict.fromkeys(("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "IQ2_XS", "IQ3_XXS", "TQ2_0", "Q2_K"), 256)  # else 32
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library is off (DS4_CPU_KERNELS=0)")
 
