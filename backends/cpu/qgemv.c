@@ -1209,6 +1209,22 @@ static inline __attribute__((always_inline)) int k_quant_rows(
 }
 
 #if GROUPED
+/* Q4_K's and Q5_K's groups 2c and 2c + 1 (products t0, t1) into their accumulators, times the scales in sv[0..7] */
+static inline __attribute__((always_inline)) void k_pair_add(acc_t *a, const float *sv, int c, v16 t0, v16 t1) {
+    v16 s0, s1;     /* as asm: loads (gcc would permute in registers, on the shuffle port) */
+    __asm__("vbroadcastss %1, %0" : "=v"(s0) : "m"(sv[2 * c]));
+    __asm__("vbroadcastss %1, %0" : "=v"(s1) : "m"(sv[2 * c + 1]));
+    a->part[(2 * c) % ACCS] = fma16(s0, t0, a->part[(2 * c) % ACCS]);
+    a->part[(2 * c + 1) % ACCS] = fma16(s1, t1, a->part[(2 * c + 1) % ACCS]);
+}
+
+/* Their mins' term: lanes 0-7 the mins (a 256-bit load of sv's lanes 8-15) times the group sums; lanes 8-15 stay as
+ * they are (0) */
+static inline __attribute__((always_inline)) void k_mins_add(acc_t *a, const float *sv, const float *xsum) {
+    a->low = (v16)_mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_load_ps(sv + 8)), (__m512)load16(xsum),
+                                        (__m512)a->low, 0x00ff);
+}
+
 /* One row's share of one Q4_K block in registers: unpack_q4_k then add_block's arithmetic (the same bits),
  * without storing the values; the scales unpacked in one vector and each nibble turned into its float by one vpermps
  * from a table of 0..15 (measured ~1.3x faster at M = 1 than unpack + add_block). */
@@ -1226,15 +1242,9 @@ static inline void dot_q4_k(acc_t *a, const uint8_t *b, const float *x, const fl
         t0 = fma16((v16)_mm512_permutexvar_ps(v1, nibble), load16(x + 64 * c + 16), t0);
         v16 t1 = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), nibble) * load16(x + 64 * c + 32);
         t1 = fma16((v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibble), load16(x + 64 * c + 48), t1);
-        v16 s0, s1;     /* as asm: loads (gcc would permute in registers, on the shuffle port) */
-        __asm__("vbroadcastss %1, %0" : "=v"(s0) : "m"(sv[2 * c]));
-        __asm__("vbroadcastss %1, %0" : "=v"(s1) : "m"(sv[2 * c + 1]));
-        a->part[(2 * c) % ACCS] = fma16(s0, t0, a->part[(2 * c) % ACCS]);
-        a->part[(2 * c + 1) % ACCS] = fma16(s1, t1, a->part[(2 * c + 1) % ACCS]);
+        k_pair_add(a, sv, c, t0, t1);
     }
-    /* lanes 0-7: the mins (a 256-bit load of sv's lanes 8-15) times the group sums; lanes 8-15 stay as they are (0) */
-    a->low = (v16)_mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_load_ps(sv + 8)), (__m512)load16(xsum),
-                                        (__m512)a->low, 0x00ff);
+    k_mins_add(a, sv, xsum);
 }
 #endif
 
@@ -1335,14 +1345,9 @@ static inline void dot_q5_k(acc_t *a, const uint8_t *b, const float *x, const fl
         t0 = fma16((v16)q5_k_values(v1, h1, 2 * c), load16(x + 64 * c + 16), t0);
         v16 t1 = (v16)q5_k_values(_mm512_srli_epi32(v0, 4), h0, 2 * c + 1) * load16(x + 64 * c + 32);
         t1 = fma16((v16)q5_k_values(_mm512_srli_epi32(v1, 4), h1, 2 * c + 1), load16(x + 64 * c + 48), t1);
-        v16 s0, s1;
-        __asm__("vbroadcastss %1, %0" : "=v"(s0) : "m"(sv[2 * c]));
-        __asm__("vbroadcastss %1, %0" : "=v"(s1) : "m"(sv[2 * c + 1]));
-        a->part[(2 * c) % ACCS] = fma16(s0, t0, a->part[(2 * c) % ACCS]);
-        a->part[(2 * c + 1) % ACCS] = fma16(s1, t1, a->part[(2 * c + 1) % ACCS]);
+        k_pair_add(a, sv, c, t0, t1);
     }
-    a->low = (v16)_mm512_mask3_fmadd_ps(_mm512_castps256_ps512(_mm256_load_ps(sv + 8)), (__m512)load16(xsum),
-                                        (__m512)a->low, 0x00ff);
+    k_mins_add(a, sv, xsum);
 }
 
 static inline void unpack_q5_k(const uint8_t *b, float *q, float *scale, float *low) {    /* 176 bytes, G 32 */
