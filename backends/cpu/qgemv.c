@@ -967,9 +967,8 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int bs, int G) {
  * n + 2q and n + 3q (q a quarter of the range) block by block, so the weight is fetched as four streams at once
  * (measured 10-16% faster from memory than one row after another for Q4_K, ~5% for Q8_0's LM head); each row
  * still takes `dot` on its blocks in order, so the same bits as one row at a time. bs values in bb bytes per
- * `dot`; xsum: each row's sums of x per group, 16 per block, for types with group mins (NULL without).
- * Returns 0. */
-static inline __attribute__((always_inline)) int own_rows4_sums(
+ * `dot`; xsum: each row's sums of x per group, 16 per block, for types with group mins (NULL without). */
+static inline __attribute__((always_inline)) void own_rows4_sums(
         dot_fn dot, const int bs, const int bb, const float *xsum, const uint8_t *w, int64_t expert_bytes,
         const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / bs, row_bytes = nb * bb, q = (n1 - n0) / 4;
@@ -1009,7 +1008,6 @@ static inline __attribute__((always_inline)) int own_rows4_sums(
             ym[n] = finish(&a, sm != NULL);
         }
     }
-    return 0;
 }
 
 /* own_rows4_sums with each row's group sums of x made here (groups of G values; G = 0: none). Returns 0, or -2 out
