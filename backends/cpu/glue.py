@@ -333,6 +333,7 @@ class BoundExpert:
     q8_down: int            # the rounding kind of the down product's rows (`dot="q8"`), else -1
     xq_row_bytes: int       # bytes of one rounded row of the gate and up products' input (`dot="q8"`), else 0
     hq_row_bytes: int       # bytes of one rounded row of the down product's input (`dot="q8"`), else 0
+    filled: tuple | None = None     # what `fill` last wrote into `args` (the next call's are mostly the same)
 
 
 def bind_expert(gate: QTensor | Repacked, up: QTensor | Repacked, down: QTensor | Repacked, dot: str,
@@ -480,11 +481,20 @@ def bound_experts(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M:
 def fill(bound: BoundExpert, src: int, xq: int, h: int, hq: int, ys: tuple[int, int, int], P: int, experts: int | None,
          routed: bool, dot: str, threads: int) -> None:
     """A call's rows (src, or under q8 their rounded copy xq; the down product's h or hq), outputs ys, pair count P and
-    experts in the bound arguments, each product's pool split by the bytes it reads."""
-    for arg, rows, y, read in zip(bound.args, (src, src, h) if dot != "q8" else (xq, xq, hq), ys, bound.reads,
-                                  strict=True):
-        arg.x, arg.M, arg.y, arg.experts = rows, P, y, experts
-        arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if routed else read)))
+    experts in the bound arguments, each product's pool split by the bytes it reads. Only what changed since the last
+    call is written (the scratch addresses stay the same from call to call; the rows of an unrepeated input move)."""
+    rows = (src, src, h) if dot != "q8" else (xq, xq, hq)
+    state = (rows, ys, P, experts, threads, kernels.SPLIT_BYTES)
+    if state == bound.filled:
+        return
+    if bound.filled is not None and state[1:] == bound.filled[1:]:
+        for arg, x in zip(bound.args, rows, strict=True):
+            arg.x = x
+    else:
+        for arg, x, y, read in zip(bound.args, rows, ys, bound.reads, strict=True):
+            arg.x, arg.M, arg.y, arg.experts = x, P, y, experts
+            arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if routed else read)))
+    bound.filled = state
 
 
 def check_rc(rc: int, route: RouteArgs | None, weights: tuple[QTensor, QTensor, QTensor], dot: str) -> None:
