@@ -253,6 +253,8 @@ class Session:
 
     def _check_ids(self, ids) -> list[int]:
         """`ids` as a list of python ints in the vocabulary, else UsageError."""
+        if type(ids) is list and len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self.model.args.vocab_size:
+            return [ids[0]]     # a decode's token: what the checks below give, without their generic tests
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         if isinstance(ids, str | bytes) or not hasattr(ids, "__iter__"):
