@@ -1027,19 +1027,6 @@ static inline void finish4(const acc_t *a, float *out) {
 }
 #endif
 
-/* finish() of four rows with group mins at once (the same bits): finish4's sums of the parts and of the mins' lanes
- * (as a part of its own), each in finish's order, then the difference. At K = 256 (one block a row: the 89M model's
- * routed experts) finish's two chains of 16 scalar adds a row cost about as much as the block (measured 0.76-0.83x
- * the time of a Q4_K call there, 0.72x for Q2_K). */
-static inline void finish4_mins(const acc_t *a, float *out) {
-    float s[4], t[4];
-    acc_t lows[4];
-    finish4(a, s);
-    for (int i = 0; i < 4; i++) lows[i] = (acc_t){.part = {a[i].low}};
-    finish4(lows, t);
-    for (int i = 0; i < 4; i++) out[i] = s[i] - t[i];
-}
-
 /* Output rows [n0, n1) of y [M, N] (one weight for every row; a row of its own goes through own_rows4) through a
  * grouped unpacker (bs values in bb bytes, groups of G values, each a multiple of ACCS groups per block); xsum:
  * each row's sums of x per group, 16 per block (or NULL). */
@@ -1168,9 +1155,7 @@ static inline __attribute__((always_inline)) int own_rows4_ahead(
                 finish4(a, out);
                 for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
             } else {
-                float out[4];
-                finish4_mins(a, out);
-                for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
+                for (int i = 0; i < 4; i++) ym[n + i * q] = finish(&a[i], 1);
             }
         }
         for (int64_t n = n0 + 4 * q; n < n1; n++) {     /* the last (n1 - n0) % 4 rows */
