@@ -14,6 +14,7 @@ recursively.
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 import os
 from collections import Counter
@@ -86,7 +87,7 @@ def state_bytes(model: DeepseekV4, ctx: int, prefill_chunk: int, mtp: MTPHead | 
 def check_finite(logits: torch.Tensor, positions: list[int], what: str) -> None:
     """Read back after a forward (never inside one): NonFiniteError naming the first position whose row of
     `logits` [rows, V] holds NaN or Inf."""
-    if logits.is_meta or bool(torch.isfinite(logits.sum(-1)).all()):  # meta: no values; a finite sum has no NaN/Inf
+    if logits.is_meta or math.isfinite(logits.sum().item()):  # meta: no values; a finite sum has no NaN/Inf
         return
     finite = torch.isfinite(logits).all(-1)
     if not bool(finite.all()):
@@ -252,6 +253,8 @@ class Session:
 
     def _check_ids(self, ids) -> list[int]:
         """`ids` as a list of python ints in the vocabulary, else UsageError."""
+        if type(ids) is list and len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self.model.args.vocab_size:
+            return [ids[0]]     # a decode's token: what the checks below give, without their generic tests
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         if isinstance(ids, str | bytes) or not hasattr(ids, "__iter__"):

@@ -246,6 +246,7 @@ _KEPT: dict[int, dict[tuple, Array]] = {}   # per OpSet, by id (a plain dict: a 
                                             # with the OpSet
 KEPT_ARRAYS = 4096   # plan arrays kept per OpSet; all dropped when full
 SMALL_ROWS = 16      # forwards of up to this many rows (decode, verify) slice their ring arrays from kept ones
+INT_BLOCK = 4096     # values of each kept array `int_range` slices
 
 
 def kept_array(ops: OpSet, key: tuple, values: Callable[[], list], dtype: str = "int64") -> Array:
@@ -261,6 +262,16 @@ def kept_array(ops: OpSet, key: tuple, values: Callable[[], list], dtype: str = 
             arrays.clear()
         array = arrays[key] = ops.array(values(), dtype)
     return array
+
+
+def int_range(ops: OpSet, start: int, M: int) -> Array:
+    """[start, start + M) as an array (positions, a decode's token id): for up to SMALL_ROWS values from 0 up a slice
+    of one kept array per INT_BLOCK values (a small list through ops.array costs ~5 us, a slice ~1)."""
+    if M > SMALL_ROWS or start < 0:
+        return ops.array(list(range(start, start + M)))
+    first = start - start % INT_BLOCK
+    kept = kept_array(ops, ("ints", first), lambda: list(range(first, first + INT_BLOCK + SMALL_ROWS)))
+    return kept[start - first:start - first + M]
 
 
 def residues(ops: OpSet, pos: range, n: int) -> Array:
@@ -280,6 +291,19 @@ def ring_rows(ops: OpSet, cap: int, window: int, pos: range) -> Array:
     return rows[0] if len(rows) == 1 else ops.cat(rows)
 
 
+def early_ring_rows(ops: OpSet, cap: int, window: int, pos: range, valid_from: int) -> Array:
+    """[[(p - b) % cap if p - b >= valid_from else -1 for b in range(window)] for p in pos] (rows that do not see a
+    whole window yet): each row's first p - valid_from + 1 slots sliced as in `ring_rows`, the rest from a kept row
+    of -1."""
+    seq = kept_array(ops, ("descending", cap, window), lambda: [[-j % cap for j in range(cap + window)]])
+    none = kept_array(ops, ("none", window), lambda: [[-1] * window])
+    rows = []
+    for p in pos:
+        n = max(0, min(window, p - valid_from + 1))
+        rows.append(ops.cat([seq[:, -p % cap:-p % cap + n], none[:, :window - n]], dim=1))
+    return rows[0] if len(rows) == 1 else ops.cat(rows)
+
+
 def plan_compressor(ops: OpSet, pos: range, ratio: int, cap: int, scratch: int | None = None) -> CompressorPlan:
     """Ring slots and completed blocks of a compressor of `ratio` with a ring of `cap` slots. With a
     `scratch` row (a fixed-capacity plan) every row pools its own block, and a block that is not complete
@@ -296,7 +320,9 @@ def plan_compressor(ops: OpSet, pos: range, ratio: int, cap: int, scratch: int |
     tokens = [[b * ratio + i for i in range(ratio)] for b in blocks]     # the ring slots depend on b * ratio % cap
     ring = (ratio, cap, tuple(b * ratio % cap for b in blocks))
     prev = kept_array(ops, ("prev", *ring), lambda: [[(t - ratio) % cap for t in row] for row in tokens])
-    return CompressorPlan(slots, ape, ops.array(targets), ops.array([b * ratio for b in blocks]),
+    one = scratch is None and len(blocks) == 1      # an eager decode's completed block: its values from kept arrays
+    return CompressorPlan(slots, ape, int_range(ops, targets[0], 1) if one else ops.array(targets),
+                          int_range(ops, blocks[0] * ratio, 1) if one else ops.array([b * ratio for b in blocks]),
                           kept_array(ops, ("tokens", *ring), lambda: [[t % cap for t in row] for row in tokens]), prev,
                           kept_array(ops, ("prev_valid", ratio, tuple(b > 0 for b in blocks)),
                                      lambda: [[[t >= ratio] for t in row] for row in tokens], "bool"))
@@ -316,12 +342,13 @@ def plan_positions(ops: OpSet, start: int, M: int, window: int, cache: LayerCach
     pos = range(start, start + M)
     if raw_plan is None:
         cap, full = cache.raw_cap, start - valid_from >= window - 1   # full: every row sees `window` rows
-        if full and M <= SMALL_ROWS:
-            raw = ring_rows(ops, cap, window, pos)
-        else:
+        if M > SMALL_ROWS:
             raw = ops.array([[(p - b) % cap if p - b >= valid_from else -1 for b in range(window)] for p in pos])
+        else:
+            raw = ring_rows(ops, cap, window, pos) if full else early_ring_rows(ops, cap, window, pos, valid_from)
         n_raw = (window,) * M if fixed or full else tuple(max(0, min(window, p - valid_from + 1)) for p in pos)
-        raw_plan = Plan(ops.array(list(pos)), residues(ops, pos, cap), raw, n_raw)
+        raw_plan = Plan(ops.array(list(pos)) if fixed else int_range(ops, start, M), residues(ops, pos, cap), raw,
+                        n_raw)
     plan = raw_plan
     ratio = cache.ratio
     if not ratio:
@@ -419,7 +446,10 @@ class DeepseekV4:
             raise ValueError(f"step must be one of {STEPS}, got {step!r}")
         plans = self.plan(start, len(ids), caches, fixed=step != "eager")
         run = runner or (self.compiled_step() if step == "compiled" else self.run)
-        return run(self.ops.array(list(ids)), plans, caches, logit_index(self.ops, logit_rows))
+        # an eager decode's token id from a kept array (a compiled step's or graph's inputs stay arrays of their own)
+        one = len(ids) == 1 and step == "eager" and runner is None
+        token_ids = int_range(self.ops, int(ids[0]), 1) if one else self.ops.array(list(ids))
+        return run(token_ids, plans, caches, logit_index(self.ops, logit_rows))
 
     def compiled_step(self):
         """`run` compiled by the OpSet, built once per model (a graph per row count, traced on first use)."""

@@ -29,6 +29,23 @@ def test_regions_are_disjoint_aligned_and_one_block_at_a_time():
         scratch(-1)
 
 
+def test_a_repeated_layout_is_remembered_until_the_buffer_grows():
+    """A layout used before gets its remembered addresses; once the buffer grew they are the new buffer's, never the
+    freed one's."""
+    scratch = Scratch()
+    with scratch(100, 200) as first:
+        first = list(first)
+    with scratch(8):
+        pass
+    with scratch(100, 200) as again:
+        assert list(again) == first
+    with scratch(1 << 20):      # grows: a new buffer
+        pass
+    with scratch(100, 200) as moved:
+        base = scratch.base
+        assert moved[0] == base and base <= moved[1] < base + scratch.size
+
+
 def test_each_thread_has_its_own_buffer():
     seen = {}
 

@@ -14,8 +14,6 @@ kernels. `ffn` (ops/ffn.py) runs a decode's routed experts and shared expert in 
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 
@@ -23,7 +21,6 @@ from backends.cpu.qmatmul import qmatmul
 from backends.cpu.rows import rowwise
 from backends.registry import register
 from ops import moe as reference
-from ops.ffn import ffn_of
 from ops.moe import Experts, check_owned, owned_pairs, select
 from ops.qmatmul import SMALL_M
 from ops.quants import QTensor
@@ -79,7 +76,12 @@ def route(x: torch.Tensor, ids: torch.Tensor, ex: Experts, dot: str = "exact") -
 
 def router_scores(x: torch.Tensor, ex: Experts, dot: str = "exact") -> torch.Tensor:
     """sqrt(softplus(router · x)) [M, E] (ops.moe's scores)."""
-    return rowwise(lambda v: torch.sqrt(F.softplus(v)), qmatmul(x, ex.router, dot))
+    return rowwise(sqrt_softplus, qmatmul(x, ex.router, dot))
+
+
+def sqrt_softplus(v: torch.Tensor) -> torch.Tensor:
+    """sqrt(softplus(v)), the root taken in place (the same bits)."""
+    return torch.sqrt_(F.softplus(v))
 
 
 def route_scores(p: torch.Tensor, ids: torch.Tensor, ex: Experts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,9 +98,14 @@ def route_scores(p: torch.Tensor, ids: torch.Tensor, ex: Experts) -> tuple[torch
 def moe(x: torch.Tensor, ids: torch.Tensor, experts: Experts, dot: str = "exact") -> torch.Tensor:
     """Routed-expert output of each row of `x` (shared expert not included); `dot`: as in qmatmul. A decode's rows are
     routed and run through their experts in one C call where the kernels serve it (`glue.route_moe_rows`)."""
-    M, D = x.shape
     x = x.to(torch.float32)
-    p = router_scores(x, experts, dot)
+    return routed_experts(x, router_scores(x, experts, dot), ids, experts, dot)
+
+
+def routed_experts(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, experts: Experts,
+                   dot: str = "exact") -> torch.Tensor:
+    """`moe` of float32 rows x from their router scores p (`router_scores`)."""
+    M, D = x.shape
     if M <= SMALL_M:
         fused = glue.route_moe_rows(x, p, ids, experts, dot)
         if fused is not None:     # decode: route, then the calls below, in one C call: the same bits
@@ -199,9 +206,11 @@ def ffn(x: torch.Tensor, ids: torch.Tensor, experts: Experts, gate: QTensor, up:
     """The routed experts' output of each row of `x` plus the shared expert's; `dot` as in qmatmul. A decode's rows are
     routed and run through the routed and the shared experts in one C call where the kernels serve both
     (`glue.route_moe_shared`, the bits of moe + shared_expert); else the two ops."""
+    x32 = x.to(torch.float32)
+    p = router_scores(x32, experts, dot)
     if x.shape[0] <= SMALL_M and glue.ready():
-        x32 = x.to(torch.float32)
-        fused = glue.route_moe_shared(x32, router_scores(x32, experts, dot), ids, experts, (gate, up, down), clamp, dot)
+        fused = glue.route_moe_shared(x32, p, ids, experts, (gate, up, down), clamp, dot)
         if fused is not None:
             return fused
-    return ffn_of(partial(moe, dot=dot), partial(shared_expert, dot=dot))(x, ids, experts, gate, up, down, clamp)
+    # ops.ffn's sum of the two cpu ops, the router's scores made once
+    return routed_experts(x32, p, ids, experts, dot) + shared_expert(x, gate, up, down, clamp, dot)

@@ -333,6 +333,7 @@ class BoundExpert:
     q8_down: int            # the rounding kind of the down product's rows (`dot="q8"`), else -1
     xq_row_bytes: int       # bytes of one rounded row of the gate and up products' input (`dot="q8"`), else 0
     hq_row_bytes: int       # bytes of one rounded row of the down product's input (`dot="q8"`), else 0
+    filled: tuple | None = None     # what `fill` last wrote into `args` (the next call's are mostly the same)
 
 
 def bind_expert(gate: QTensor | Repacked, up: QTensor | Repacked, down: QTensor | Repacked, dot: str,
@@ -384,10 +385,23 @@ def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen:
     return expert_rows(x, (gate, up, down), M, k, clamp, dot, flat, weights)
 
 
-def route_args(p: torch.Tensor, ids: torch.Tensor, ex: Experts) -> RouteArgs | None:
-    """glue_route's arguments for routing rows by scores p [M, E] (float32, contiguous) and ids [M] (int64, contiguous)
-    before their experts, ex `routable`; the caller keeps the tensors they point into alive. None where glue_route
-    would not serve it or the stacks do not hold every expert (expert parallelism)."""
+@dataclass
+class Routing:
+    """glue_route's arguments for routing rows before their experts (`routing`): `args` points into `scores` and
+    `ids` (kept alive here) and into the bias and table of `experts` (`routable`); k experts a row."""
+
+    args: RouteArgs
+    experts: Experts
+    k: int
+    scores: torch.Tensor
+    ids: torch.Tensor
+
+
+def routing(p: torch.Tensor, ids: torch.Tensor, ex: Experts) -> Routing | None:
+    """The routing of rows by scores p [M, E] and token ids [M] before their experts in one C call; None where
+    glue_route would not serve it or the stacks do not hold every expert (expert parallelism)."""
+    p, ids = f32(p), ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+    ex = routable(ex)
     table = ex.tid2eid
     k = ex.top_k if table is None else table.shape[1]
     M, E = p.shape
@@ -397,8 +411,9 @@ def route_args(p: torch.Tensor, ids: torch.Tensor, ex: Experts) -> RouteArgs | N
     if ids.shape != (M,) or (b is not None and b.shape != (E,)) or k > E:
         raise ValueError(f"moe: scores {tuple(p.shape)}, ids {tuple(ids.shape)}, top_k {k}, bias "
                          f"{None if b is None else tuple(b.shape)}")
-    return RouteArgs(p.data_ptr(), E, None if b is None else b.data_ptr(), None if table is None else table.data_ptr(),
+    args = RouteArgs(p.data_ptr(), E, None if b is None else b.data_ptr(), None if table is None else table.data_ptr(),
                      0 if table is None else table.shape[0], ids.data_ptr(), int(ex.normalize), ex.route_scale)
+    return Routing(args, ex, k, p, ids)
 
 
 def route_moe_rows(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Experts,
@@ -406,19 +421,19 @@ def route_moe_rows(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Expe
     """`route`, then `moe_rows` over the experts it chose, in one C call (the routing's ids and weights in the thread's
     scratch): the bits of the two calls. None where either would not serve the call, or the stacks do not hold every
     expert (expert parallelism)."""
-    p, ids = f32(p), ids.to(torch.int64).contiguous()
-    ex = routable(ex)
-    route = route_args(p, ids, ex)
-    if route is None:
+    r = routing(p, ids, ex)
+    if r is None:
         return None
-    k = ex.top_k if ex.tid2eid is None else ex.tid2eid.shape[1]
-    return expert_rows(x, (ex.gate, ex.up, ex.down), x.shape[0], k, ex.clamp, dot, route=route)
+    ex = r.experts
+    return expert_rows(x, (ex.gate, ex.up, ex.down), x.shape[0], r.k, ex.clamp, dot, route=r.args)
 
 
 def routable(ex: Experts) -> Experts:
     """`ex` with its bias float32 and its table int64, both contiguous (what glue_route reads)."""
     bias = None if ex.bias is None else f32(ex.bias)
-    table = None if ex.tid2eid is None else ex.tid2eid.to(torch.int64).contiguous()
+    table = ex.tid2eid
+    if table is not None and (table.dtype != torch.int64 or not table.is_contiguous()):
+        table = table.to(torch.int64).contiguous()
     return ex if bias is ex.bias and table is ex.tid2eid else replace(ex, bias=bias, tid2eid=table)
 
 
@@ -427,14 +442,11 @@ def route_moe_shared(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Ex
                      dot: str = "exact") -> torch.Tensor | None:
     """`route_moe_rows` then `moe_rows` of the shared expert's weights `shared` on the same rows, added, in one C call
     (glue.c's glue_ffn): the bits of the cpu ops moe + shared_expert. None where either call would not serve."""
-    p, ids = f32(p), ids.to(torch.int64).contiguous()
-    ex = routable(ex)
-    route = route_args(p, ids, ex)
+    r = routing(p, ids, ex)
     gate, up, down = shared
-    if route is None or x.dim() != 2 or x.shape[1] != gate.shape[-1] or down.shape[-2] != ex.down.shape[-2]:
+    if r is None or x.dim() != 2 or x.shape[1] != gate.shape[-1] or down.shape[-2] != ex.down.shape[-2]:
         return None
-    k = ex.top_k if ex.tid2eid is None else ex.tid2eid.shape[1]
-    M = x.shape[0]
+    ex, k, M = r.experts, r.k, x.shape[0]
     routed = bound_experts(x, (ex.gate, ex.up, ex.down), M, k, dot, True)
     own = bound_experts(x, shared, M, 1, dot, False)
     if routed is None or own is None:
@@ -443,18 +455,17 @@ def route_moe_shared(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Ex
     P, K, inner, si, n = M * k, x.shape[1], ex.gate.shape[-2], gate.shape[-2], down.shape[-2]
     out = torch.empty((M, n), dtype=torch.float32)
     threads = kernels.threads()
-    f = FLOAT_BYTES * P
+    f, fm = FLOAT_BYTES * P, FLOAT_BYTES * M
     with SCRATCH(8 * P, f, f * K if k > 1 else 0, P * routed.xq_row_bytes, f * inner, P * routed.hq_row_bytes,
-                 f * inner, f * inner, f * n, M * own.xq_row_bytes, FLOAT_BYTES * M * si, M * own.hq_row_bytes,
-                 FLOAT_BYTES * M * si, FLOAT_BYTES * M * si, FLOAT_BYTES * M * n, FLOAT_BYTES * M * n) as \
-            (picked, picked_w, xs, xq, h, hq, g, u, y, s_xq, s_h, s_hq, s_g, s_u, s_y, s_out):
+                 f * inner, f * inner, f * n, M * own.xq_row_bytes, fm * si, M * own.hq_row_bytes, fm * si, fm * si,
+                 fm * n, fm * n) as (picked, picked_w, xs, xq, h, hq, g, u, y, s_xq, s_h, s_hq, s_g, s_u, s_y, s_out):
         src = xs if k > 1 else x.data_ptr()
         fill(routed, src, xq, h, hq, (g, u, y), P, picked, True, dot, threads)
         fill(own, x.data_ptr(), s_xq, s_h, s_hq, (s_g, s_u, s_y), M, None, False, dot, threads)
-        rc = _lib().glue_ffn(routed.args, ctypes.byref(route), picked, picked_w, x.data_ptr(), src, routed.q8_rows,
+        rc = _lib().glue_ffn(routed.args, ctypes.byref(r.args), picked, picked_w, x.data_ptr(), src, routed.q8_rows,
                              routed.q8_down, hq, 1, ex.clamp, h, M, k, own.args, own.q8_rows, own.q8_down, s_hq,
                              clamp is not None, 0.0 if clamp is None else clamp, s_h, s_out, out.data_ptr(), threads)
-    check_rc(rc, route, (ex.gate, ex.up, ex.down), dot)
+    check_rc(rc, r.args, (ex.gate, ex.up, ex.down), dot)
     return out
 
 
@@ -470,11 +481,20 @@ def bound_experts(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M:
 def fill(bound: BoundExpert, src: int, xq: int, h: int, hq: int, ys: tuple[int, int, int], P: int, experts: int | None,
          routed: bool, dot: str, threads: int) -> None:
     """A call's rows (src, or under q8 their rounded copy xq; the down product's h or hq), outputs ys, pair count P and
-    experts in the bound arguments, each product's pool split by the bytes it reads."""
-    for arg, rows, y, read in zip(bound.args, (src, src, h) if dot != "q8" else (xq, xq, hq), ys, bound.reads,
-                                  strict=True):
-        arg.x, arg.M, arg.y, arg.experts = rows, P, y, experts
-        arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if routed else read)))
+    experts in the bound arguments, each product's pool split by the bytes it reads. Only what changed since the last
+    call is written (the scratch addresses stay the same from call to call; the rows of an unrepeated input move)."""
+    rows = (src, src, h) if dot != "q8" else (xq, xq, hq)
+    state = (rows, ys, P, experts, threads, kernels.SPLIT_BYTES)
+    if state == bound.filled:
+        return
+    if bound.filled is not None and state[1:] == bound.filled[1:]:
+        for arg, x in zip(bound.args, rows, strict=True):
+            arg.x = x
+    else:
+        for arg, x, y, read in zip(bound.args, rows, ys, bound.reads, strict=True):
+            arg.x, arg.M, arg.y, arg.experts = x, P, y, experts
+            arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * P if routed else read)))
+    bound.filled = state
 
 
 def check_rc(rc: int, route: RouteArgs | None, weights: tuple[QTensor, QTensor, QTensor], dot: str) -> None:

@@ -835,46 +835,130 @@ static inline v16 int8_floats16(const uint8_t *p) {    /* 16 int8 as floats */
 #endif
 }
 
-static inline void unpack_q8_0x4(const uint8_t *b, float *q, float *scale, float *low) {   /* 4 x 34 bytes */
-    (void)low;
 #if defined(__AVX512F__)
-    uint16_t h[4];
-    for (int t = 0; t < 4; t++) memcpy(&h[t], b + 34 * t, 2);
-    _mm_storeu_ps(scale, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)));     /* exact, as half_to_float */
-#else
-    for (int t = 0; t < 4; t++) scale[t] = half_to_float(b + 34 * t);
-#endif
-    for (int t = 0; t < 4; t++)
-        for (int i = 0; i < 32; i += 16) store16(q + 32 * t + i, int8_floats16(b + 34 * t + 2 + i));
+/* The exact Q8_0 rows of K % 128 == 0 (the LM head, attention, shared experts): each block's 32 products q * x in
+ * 16 lanes (a multiply, then a fused multiply-add of the second 16), times the block's scale into the row's one
+ * accumulator (a fused multiply-add), the blocks in order; then the 16 lanes added as a tree (q8_0_lanes). Per 16
+ * weights: one sign extension (port 5), one conversion (port 0) and 1.5 multiply-adds: the least an exact float
+ * product of every weight costs (docs/cpu.md, "The 89M exact step"). One chain a row and the tree replace
+ * add_block's four chains and finish's sequential lane sum, which at K = 256 (the 89M model's LM head: 8 blocks a
+ * row) cost ~15% of the call. Every row's arithmetic is fixed by its row and weight alone: the M-row path
+ * (q8_0_weight_rows) does the same operations, so any M and any thread split give the same bits. */
+static inline __attribute__((always_inline)) void q8_0_scales4(const uint8_t *b, float *d) {
+    /* four f16 scales in one 64-bit word (general registers: no narrow stores for a wide load to wait on), converted
+     * exactly (as half_to_float) */
+    uint64_t h = 0;
+    for (int t = 0; t < 4; t++) {
+        uint16_t s;
+        memcpy(&s, b + 34 * t, 2);
+        h |= (uint64_t)s << (16 * t);
+    }
+    _mm_store_ps(d, _mm_cvtph_ps(_mm_cvtsi64_si128((long long)h)));
 }
 
-/* Four Q8_0 blocks (136 bytes) of a row of its own, in registers: unpack_q8_0x4 then add_block (the same bits),
- * the four scales converted at once (measured 3-7% faster at M = 1 on the 563 MB LM head, ~15% from cache). */
-static inline void dot_q8_0x4(acc_t *a, const uint8_t *b, const float *x, const float *xsum) {
-    (void)xsum;
-    float d[4] __attribute__((aligned(16)));
-#if defined(__AVX512F__)
-    uint16_t h[4];
-    for (int t = 0; t < 4; t++) memcpy(&h[t], b + 34 * t, 2);
-    /* exact, as half_to_float; + 0 as splat16's; each scale then broadcast from memory (no shuffle) */
-    _mm_store_ps(d, _mm_add_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h)), _mm_setzero_ps()));
-#pragma GCC unroll 4
-    for (int t = 0; t < 4; t++) {
-        const uint8_t *q = b + 34 * t + 2;
-        v16 s = int8_floats16(q) * load16(x + 32 * t), dt;
-        __asm__("vbroadcastss %1, %0" : "=v"(dt) : "m"(d[t]));
-        a->part[t] = fma16(dt, fma16(int8_floats16(q + 16), load16(x + 32 * t + 16), s), a->part[t]);
-    }
-#else
-    for (int t = 0; t < 4; t++) d[t] = half_to_float(b + 34 * t);
-#pragma GCC unroll 4
-    for (int t = 0; t < 4; t++) {
-        const uint8_t *q = b + 34 * t + 2;
-        v16 s = int8_floats16(q) * load16(x + 32 * t);
-        a->part[t] = fma16(splat16(d[t]), fma16(int8_floats16(q + 16), load16(x + 32 * t + 16), s), a->part[t]);
-    }
-#endif
+static inline __attribute__((always_inline)) __m512 q8_0_block(__m512 acc, const uint8_t *q, const float *x,
+                                                               const float *d) {
+    __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))),
+                             _mm512_loadu_ps(x));
+    s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))),
+                        _mm512_loadu_ps(x + 16), s);
+    __m512 scale;       /* as asm: a broadcast load (no shuffle) */
+    __asm__("vbroadcastss %1, %0" : "=v"(scale) : "m"(*d));
+    return _mm512_fmadd_ps(scale, s, acc);
 }
+
+/* The tree sum of a row's lanes: quarters (0 + 2) + (1 + 3), then of those four lanes (0 + 2) + (1 + 3). */
+static inline float q8_0_lanes(__m512 p) {
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(p), _mm512_extractf32x8_ps(p, 1));
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
+/* q8_0_lanes of four rows at once (the same bits): 9 shuffles and 5 adds for the four rows. */
+static inline void q8_0_lanes4(const __m512 *p, float *out) {
+    __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(p[0], p[1], 0x44), _mm512_shuffle_f32x4(p[0], p[1], 0xee));
+    __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(p[2], p[3], 0x44), _mm512_shuffle_f32x4(p[2], p[3], 0xee));
+    __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));   /* quarter i: row i */
+    c = _mm512_add_ps(c, _mm512_permute_ps(c, 0x4e));
+    c = _mm512_add_ps(c, _mm512_permute_ps(c, 0xb1));
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                                      0, 12, 8, 4, 0), c)));
+}
+
+/* Q8_0 rows [n0, n1) where each row has a weight of its own (decode, routed experts), four at a time as own_rows4
+ * (rows n, n + q, n + 2q, n + 3q: four streams of the weight), the last (n1 - n0) % 4 one by one. */
+static void q8_0_own_rows(const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+                          const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
+    int64_t nb = K / 32, row_bytes = nb * 34, q = (n1 - n0) / 4;
+    float d[4][4] __attribute__((aligned(16)));
+    for (int64_t m = 0; m < M; m++) {
+        const uint8_t *base = w + (experts == NULL ? 0 : experts[m] * expert_bytes);
+        const float *xm = x + m * K;
+        float *ym = y + m * N;
+        if (experts != NULL && experts[m] < 0) {        /* another rank's */
+            for (int64_t n = n0; n < n1; n++) ym[n] = 0.0f;
+            continue;
+        }
+        for (int64_t n = n0; n < n0 + q; n++) {
+            const uint8_t *r[4];
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int i = 0; i < 4; i++) r[i] = base + (n + i * q) * row_bytes;
+            for (int64_t b = 0; b < nb; b += 4)
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t *blk = r[i] + b * 34;
+                    prefetch_block(blk, 136);
+                    q8_0_scales4(blk, d[i]);
+#pragma GCC unroll 4
+                    for (int t = 0; t < 4; t++) acc[i] = q8_0_block(acc[i], blk + 34 * t + 2, xm + (b + t) * 32, &d[i][t]);
+                }
+            float out[4];
+            q8_0_lanes4(acc, out);
+            for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
+        }
+        for (int64_t n = n0 + 4 * q; n < n1; n++) {
+            const uint8_t *row = base + n * row_bytes;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b += 4) {
+                prefetch_block(row + b * 34, 136);
+                q8_0_scales4(row + b * 34, d[0]);
+                for (int t = 0; t < 4; t++) acc = q8_0_block(acc, row + (b + t) * 34 + 2, xm + (b + t) * 32, &d[0][t]);
+            }
+            ym[n] = q8_0_lanes(acc);
+        }
+    }
+}
+
+/* Q8_0 rows [n0, n1) of y [M, N] with one weight for every row: each block's values converted once, then each row
+ * takes q8_0_block's operations on them (the same bits as its own call). */
+static void q8_0_weight_rows(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0,
+                             int64_t n1) {
+    int64_t nb = K / 32, row_bytes = nb * 34;
+    float d[4] __attribute__((aligned(16)));
+    __m512 acc[MAX_ROWS];
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = w + n * row_bytes;
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b += 4) {
+            prefetch_block(row + b * 34, 136);
+            q8_0_scales4(row + b * 34, d);
+            for (int t = 0; t < 4; t++) {
+                const uint8_t *q = row + (b + t) * 34 + 2;
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+                __m512 scale = _mm512_set1_ps(d[t]);
+                for (int64_t m = 0; m < M; m++) {
+                    const float *xb = x + m * K + (b + t) * 32;
+                    __m512 s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+                    acc[m] = _mm512_fmadd_ps(scale, s, acc[m]);
+                }
+            }
+        }
+        for (int64_t m = 0; m < M; m++) y[m * N + n] = q8_0_lanes(acc[m]);
+    }
+}
+#endif
 
 /* One row's share of one unpacked block: ng groups of G values starting at group number j0 of the row. */
 static inline __attribute__((always_inline)) void add_block(acc_t *a, const float *q, const float *scale,
@@ -1689,13 +1773,12 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 8:
         if (K % 32) return -1;
 #if GROUPED
-        if (K % 128 == 0 && (experts != NULL || M == 1))
-            return own_rows4(dot_q8_0x4, 128, 136, 0, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
-#endif
-        if (GROUPED && K % 128 == 0) {
-            rows_grouped(unpack_q8_0x4, 128, 136, 32, w, N, K, x, NULL, M, y, n0, n1);
+        if (K % 128 == 0) {
+            if (experts != NULL || M == 1) q8_0_own_rows(w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+            else q8_0_weight_rows(w, N, K, x, M, y, n0, n1);
             return 0;
         }
+#endif
         if (M == 1 && experts == NULL) n0 = q8_0_rows(w, K, x, y, n0, n1);
         rows_of(deq_q8_0, 32, 34, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
         return 0;

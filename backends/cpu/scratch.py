@@ -12,6 +12,7 @@ import threading
 import torch
 
 ALIGN = 64      # bytes: each region starts on a cache line
+MAX_LAYOUTS = 256   # layouts remembered per thread (prefill's row counts vary; a decode step uses a few dozen)
 
 
 class Scratch(threading.local):
@@ -23,11 +24,16 @@ class Scratch(threading.local):
         self.base = self.size = 0
         self.busy = False
         self.addresses: list[int] = []
+        self.layouts: dict[tuple[int, ...], list[int]] = {}     # the addresses of each layout used with this buffer
 
     def __call__(self, *sizes: int) -> Scratch:
         """Lay out regions of `sizes` bytes (each rounded up to ALIGN) for the next `with`."""
         if self.busy:
             raise RuntimeError("scratch: a region is already in use on this thread (one C call's block at a time)")
+        known = self.layouts.get(sizes)
+        if known is not None:       # a decode step's calls repeat their layouts step after step
+            self.addresses = known
+            return self
         offsets, total = [], 0
         for n in sizes:
             if n < 0:
@@ -38,7 +44,10 @@ class Scratch(threading.local):
             self.size = max(total, 2 * self.size)
             self.buffer = torch.empty(self.size + ALIGN, dtype=torch.uint8)
             self.base = -(-self.buffer.data_ptr() // ALIGN) * ALIGN
-        self.addresses = [self.base + o for o in offsets]
+            self.layouts.clear()
+        if len(self.layouts) >= MAX_LAYOUTS:
+            self.layouts.clear()
+        self.addresses = self.layouts[sizes] = [self.base + o for o in offsets]
         return self
 
     def __enter__(self) -> list[int]:
