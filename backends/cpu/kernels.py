@@ -488,9 +488,13 @@ def experts_product(x: torch.Tensor, w: QTensor, ids: torch.Tensor, first: torch
 # q8's several rows (M = 2..16) of Q8_0, Q4_K, Q2_K and IQ2_XXS weights on AMX tiles (qdot8amx.c, the same bits as
 # qdot8_rows' other paths). DS4_CPU_AMX=0 turns off every AMX path of the library (these and qgemm8's).
 def _bind_amx_rows(k: ctypes.CDLL) -> None:
-    """Declare qdot8amx.c's switch and apply DS4_CPU_AMX=0 (its IQ2_XXS grid is qdot8.c's, set by _bind_q8)."""
+    """Declare qdot8amx.c's switch, build its IQ2_XXS tables from qdot8.c's grid (set by _bind_q8) and apply
+    DS4_CPU_AMX=0."""
     k.qdot8amx_on.restype = ctypes.c_int
     k.qdot8amx_on.argtypes = [ctypes.c_int]
+    k.qdot8amx_set_iq2_xxs.restype = ctypes.c_int
+    if k.qdot8amx_set_iq2_xxs():
+        raise BuildFailed("qdot8amx.c: the IQ2_XXS grid has values other than 8, 25 and 43")
     if os.environ.get("DS4_CPU_AMX") == "0":
         k.qgemm8_amx(0)
         k.qdot8amx_on(0)
