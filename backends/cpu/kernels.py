@@ -38,7 +38,8 @@ from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
                                                              "pool.c", "qdot8amx.c", "glue.c",
-                                                             "step.c", "q4krepack.c", "q2krepack.c", "q8repack.c"))
+                                                             "step.c", "q4krepack.c", "q2krepack.c", "q8repack.c",
+                                                             "iq2repack.c"))
 HEADERS = tuple(Path(__file__).with_name(name)     # included by SOURCES
                 for name in ("iq2_xxs_groups.h", "half.h", "repack.h"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
@@ -679,12 +680,13 @@ def indexer_topk(scores: torch.Tensor, k: int, visible: torch.Tensor) -> torch.T
 Q4KR_TYPE = 1012    # Q4_K repacked (q4krepack.c)
 Q2KR_TYPE = 1010    # Q2_K repacked (q2krepack.c)
 Q8R_TYPE = 1008     # Q8_0 repacked (q8repack.c)
+IQ2R_TYPE = 1016    # IQ2_XXS repacked (iq2repack.c)
 
 
 def _bind_repacked(k: ctypes.CDLL) -> None:
-    """Declare q4krepack.c's, q2krepack.c's and q8repack.c's entry points."""
+    """Declare q4krepack.c's, q2krepack.c's, q8repack.c's and iq2repack.c's entry points."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for prefix in ("q4kr", "q2kr", "q8r"):
+    for prefix in ("q4kr", "q2kr", "q8r", "iq2r"):
         getattr(k, f"{prefix}_repack").restype = ctypes.c_int
         getattr(k, f"{prefix}_repack").argtypes = [ptr, i64, i64, ctypes.c_int]
         getattr(k, f"{prefix}_rows").restype = ctypes.c_int

@@ -234,15 +234,16 @@ static inline void unpack_iq2_xxs(const uint8_t *b, k_tile *t, int64_t k, int r)
     t->d[k][r] = half(b);
 }
 
-/* A unit's blocks (16 weight rows of `kn` blocks from w, rows ldw bytes apart) unpacked into t in the weight's order,
- * row after row, from the `*done`-th to the `target`-th. */
-static inline void unpack_until(int type, const uint8_t *w, int64_t ldw, int64_t kn, k_tile *t, int64_t *done,
-                                int64_t target) {
+/* A unit's blocks (16 weight rows of `kn` blocks from w, rows ldw bytes apart; `interleaved`: iq2repack.c's layout,
+ * one block of the 16 rows after another, kn = 1) unpacked into t in the weight's order, row after row, from the
+ * `*done`-th to the `target`-th. */
+static inline void unpack_until(int type, int interleaved, const uint8_t *w, int64_t ldw, int64_t kn, k_tile *t,
+                                int64_t *done, int64_t target) {
     int bb = type == 12 ? 144 : type == 10 ? 84 : 66;
     for (; *done < target; ++*done) {
         int r = (int)(*done / kn);
         int64_t k = *done % kn;
-        const uint8_t *b = w + r * ldw + k * bb;
+        const uint8_t *b = interleaved ? w + r * bb : w + r * ldw + k * bb;
         prefetch_ahead(b, bb);
         if (type == 12) unpack_q4_k(b, t, k, r);
         else if (type == 10) unpack_q2_k(b, t, k, r);
@@ -267,10 +268,10 @@ static int k_tiles_alloc(int64_t nb, k_tile t[2], void **mem) {
 /* The 256-value K-quants (12 Q4_K, 10 Q2_K, 16 IQ2_XXS), tiles of 16 weight rows from n0, taken in units of up to
  * `CHUNK` blocks (whole rows at V4 Flash's shapes): while a unit's blocks take their tile products and float steps,
  * the next unit's blocks are unpacked in the weight's order (row after row), in slots between the tile products. */
-static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows *x, int64_t M, float *y,
-                 int64_t n0, int64_t n1) {
+static int amx_k(int type, int interleaved, const uint8_t *w, int64_t N, int64_t nb, const k_rows *x, int64_t M,
+                 float *y, int64_t n0, int64_t n1) {
     int bb = type == 12 ? 144 : type == 10 ? 84 : 66;
-    int64_t ldw = nb * bb, kc = nb < CHUNK / (type == 12 ? 2 : 1) ? nb : CHUNK / (type == 12 ? 2 : 1);
+    int64_t ldw = nb * bb, kc = interleaved ? 1 : nb < CHUNK / (type == 12 ? 2 : 1) ? nb : CHUNK / (type == 12 ? 2 : 1);
     int64_t chunks = (nb + kc - 1) / kc, units = (n1 - n0 + TILE - 1) / TILE * chunks;
     k_tile t[2];
     void *mem;
@@ -279,17 +280,17 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
     __m512 acc[TILE];
     tiles_on(64, 16, 0xa);     /* A: tmm0, tmm2; B: tmm1, tmm3 */
     int64_t first = 0;
-    unpack_until(type, w + n0 * ldw, ldw, kc, &t[0], &first, TILE * kc);
+    unpack_until(type, interleaved, w + n0 * ldw, ldw, kc, &t[0], &first, TILE * kc);
     for (int64_t u = 0; u < units; u++) {
         int64_t n = n0 + u / chunks * TILE, c0 = u % chunks * kc, kn = nb - c0 < kc ? nb - c0 : kc;
         int64_t next_n = n0 + (u + 1) / chunks * TILE, next_c0 = (u + 1) % chunks * kc;
         int64_t next_kn = nb - next_c0 < kc ? nb - next_c0 : kc;
         k_tile *cur = &t[u % 2], *next = &t[(u + 1) % 2];
         int64_t done = 0, total = u + 1 < units ? TILE * next_kn : 0;
-        const uint8_t *wn = w + next_n * ldw + next_c0 * bb;
+        const uint8_t *wn = w + next_n * ldw + next_c0 * bb * (interleaved ? TILE : 1);
         /* the next unit's unpacking, spread over 5 slots per block between the tile products (slot s of block k:
          * up to (5 k + s + 1) / (5 kn) of it), so that they overlap */
-#define SLOT(s) unpack_until(type, wn, ldw, next_kn, next, &done, total * (5 * k + (s) + 1) / (5 * kn))
+#define SLOT(s) unpack_until(type, interleaved, wn, ldw, next_kn, next, &done, total * (5 * k + (s) + 1) / (5 * kn))
         if (c0 == 0)
             for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < kn; k++) {
@@ -506,12 +507,29 @@ int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const vo
     if (type == 8) return amx_q8_0(w, N, K / 32, xq, M, y, n0, end) ? -2 : end;
     k_rows x;
     if (k_rows_pack(type, xq, M, K / 256, &x)) return -2;
-    int rc = amx_k(type, w, N, K / 256, &x, M, y, n0, end);
+    int rc = amx_k(type, 0, w, N, K / 256, &x, M, y, n0, end);
     free(x.bq);
     return rc ? rc : end;
 }
+
+/* Output rows [n0, n1) (whole groups of 16) of y [M, N] for an IQ2_XXS weight in iq2repack.c's layout, M = 1..16, on
+ * the tiles, with qdot8's bits; 0, or -2 when out of memory. */
+int qdot8amx_iq2_interleaved(const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
+                             int64_t n0, int64_t n1) {
+    k_rows x;
+    if (k_rows_pack(16, xq, M, K / 256, &x)) return -2;
+    int rc = amx_k(16, 1, w, N, K / 256, &x, M, y, n0, n1);
+    free(x.bq);
+    return rc;
+}
 #else
 int qdot8amx_set_iq2_xxs(void) { return 0; }      /* no tiles here: no tables */
+
+int qdot8amx_iq2_interleaved(const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
+                             int64_t n0, int64_t n1) {
+    (void)w, (void)N, (void)K, (void)xq, (void)M, (void)y, (void)n0, (void)n1;
+    return -1;      /* never called: iq2repack.c takes the tiles only where qdot8amx_on says they are on */
+}
 
 int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
                       int64_t n0, int64_t n1) {

@@ -44,6 +44,10 @@ class RepackedQ8_0(_Repacked):
     """A Q8_0 weight [N, K] in q8repack.c's layout."""
 
 
+class RepackedIQ2XXS(_Repacked):
+    """An IQ2_XXS weight in iq2repack.c's layout."""
+
+
 def repackable(w: object) -> bool:
     """Whether `w` is a QTensor of a type with a layout (Q4_K, Q2_K: 2-D or a stack; Q8_0: 2-D) with whole blocks that
     the library here can repack."""
@@ -173,9 +177,10 @@ class Layout:
 
 LAYOUTS = {"Q4_K": Layout("Q4_K", RepackedQ4K, kernels.Q4KR_TYPE, "q4kr", stacks=True),
            "Q2_K": Layout("Q2_K", RepackedQ2K, kernels.Q2KR_TYPE, "q2kr", stacks=True),
-           "Q8_0": Layout("Q8_0", RepackedQ8_0, kernels.Q8R_TYPE, "q8r", stacks=False)}
-REPACKED = (RepackedQ4K, RepackedQ2K, RepackedQ8_0)       # the records a repacked weight can be
-Repacked = RepackedQ4K | RepackedQ2K | RepackedQ8_0
+           "Q8_0": Layout("Q8_0", RepackedQ8_0, kernels.Q8R_TYPE, "q8r", stacks=False),
+           "IQ2_XXS": Layout("IQ2_XXS", RepackedIQ2XXS, kernels.IQ2R_TYPE, "iq2r", stacks=True)}
+REPACKED = (RepackedQ4K, RepackedQ2K, RepackedQ8_0, RepackedIQ2XXS)       # the records a repacked weight can be
+Repacked = RepackedQ4K | RepackedQ2K | RepackedQ8_0 | RepackedIQ2XXS
 
 
 def layout_of(w: Repacked) -> Layout:
