@@ -54,9 +54,6 @@ static inline __m128i sum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {  
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-/* One group (16 rows, nb interleaved blocks at g) against M activation rows x: out[m][n]. Per block, 4 weight rows
- * at a time: each block unpacked once (iq2_xxs_unpack), its integer dot with every row (iq2_xxs_row), the 4 rows'
- * sums reduced together and their float terms taken lane by lane as qdot8.c's dot_iq2_xxs (d_w d_x) bsum. */
 /* One group against one activation row: out[0][n], each block of 4 rows at a time by qdot8.c's one-row integer
  * dots (iq2_xxs_sums: no unpacked state kept), the 4 sums reduced together. */
 static void group_row(const uint8_t *g, int64_t nb, const uint8_t *x, float out[GROUP][GROUP]) {
@@ -81,6 +78,9 @@ static void group_row(const uint8_t *g, int64_t nb, const uint8_t *x, float out[
     for (int q = 0; q < GROUP / 4; q++) _mm_storeu_ps(out[0] + 4 * q, _mm_mul_ps(_mm_set1_ps(0.125f), acc[q]));
 }
 
+/* One group (16 rows, nb interleaved blocks at g) against M activation rows x: out[m][n]. Per block, 4 weight rows
+ * at a time: each block unpacked once (iq2_xxs_unpack), its integer dot with every row (iq2_xxs_row), the 4 rows'
+ * sums reduced together and their float terms taken lane by lane as qdot8.c's dot_iq2_xxs (d_w d_x) bsum. */
 static void group_rows(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M, float out[GROUP][GROUP]) {
     if (M == 1) {
         group_row(g, nb, x, out);
@@ -150,9 +150,10 @@ int iq2r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
     uint8_t *xs = NULL;         /* the live rows' activations together, where some rows have no expert */
     if (rows < M && (xs = live_activations(x, live, rows, x_bytes)) == NULL) return -2;
     int64_t a0 = n0 / GROUP, a1 = (n1 + GROUP - 1) / GROUP, width = (a1 - a0) * GROUP;
-    float *tiles = NULL;        /* the tiles' outputs, whole groups [a0, a1) (only [n0, n1) are y's to write) */
+    float *tiles = NULL;        /* the tiles' outputs [M, width]: whole groups [a0, a1) (only [n0, n1) are y's) */
     uint8_t *row = NULL;        /* the plain C loop's stored row */
-    if ((path_for(own ? 1 : rows, amx_rows_from) == 2 && (tiles = malloc((size_t)(rows * width) * 4)) == NULL) ||
+    int on_tiles = IQ2R_VECTOR && path_for(own ? 1 : rows, amx_rows_from) == 2;
+    if ((on_tiles && (tiles = malloc((size_t)(rows * width) * 4)) == NULL) ||
         (!IQ2R_VECTOR && (row = malloc((size_t)row_bytes)) == NULL)) {
         free(xs);
         return -2;
@@ -162,7 +163,7 @@ int iq2r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
         int64_t mi = own ? 1 : rows;
         float *yi = own ? y + live[i] * N : y;
         if (tiles != NULL) {
-            rc = qdot8amx_iq2_interleaved(wi, width, K, xi, mi, tiles - a0 * GROUP, a0 * GROUP, a1 * GROUP);
+            rc = qdot8amx_iq2_interleaved(wi + a0 * GROUP * row_bytes, width, K, xi, mi, tiles, 0, width);
             for (int64_t m = 0; m < mi && rc == 0; m++)
                 memcpy(yi + m * N + n0, tiles + m * width + n0 - a0 * GROUP, (size_t)(n1 - n0) * 4);
             continue;

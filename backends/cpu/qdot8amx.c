@@ -129,8 +129,8 @@ static void store_tile(const __m512 *acc, int64_t M, float *y, int64_t N, int64_
 
 /* 16 weight rows of nb blocks, unpacked: per block, the A rows (Q2_K q * scale; Q4_K q * sh, then q * sl; IQ2_XXS
  * the high, then the low parts of its values times their group scales), each weight row's mins against every
- * activation row's bsums (Q2_K, Q4_K) and the rows' scales. A tile is unpacked row after row (the weight read in order, as the
- * one-row kernel reads it) while the tile before it takes its products. */
+ * activation row's bsums (Q2_K, Q4_K) and the rows' scales. A tile is unpacked row after row (the weight read in
+ * order, as the one-row kernel reads it) while the tile before it takes its products. */
 typedef struct {
     int8_t (*a)[2][TILE][256];
     uint8_t (*mins)[TILE][64];
@@ -528,7 +528,7 @@ int qdot8amx_set_iq2_xxs(void) { return 0; }      /* no tiles here: no tables */
 int qdot8amx_iq2_interleaved(const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
                              int64_t n0, int64_t n1) {
     (void)w, (void)N, (void)K, (void)xq, (void)M, (void)y, (void)n0, (void)n1;
-    return -1;      /* never called: iq2repack.c takes the tiles only where qdot8amx_on says they are on */
+    return -1;      /* not called: iq2repack.c takes the tiles only in a build with its vector kernels and AMX */
 }
 
 int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
