@@ -97,9 +97,10 @@ class WeightsReport:
 
 
 def repack_experts(layers: list) -> None:
-    """Repack in place the routed experts' stacks of a repackable type (Q4_K, Q2_K: backends/cpu/repack.py's
+    """Repack in place the routed experts' stacks of a repackable type (Q4_K, Q2_K, IQ2_XXS: backends/cpu/repack.py's
     `LAYOUTS`) of the trunk `layers` (block records with `experts`) for the 8-bit kernels (docs/cpu.md "Q4_K repacked
-    at load (session 13)", "Several rows within 1.3x: Q2_K and IQ2_XXS (session 14)"): the caller does it only for
+    at load (session 13)", "Several rows within 1.3x: Q2_K and IQ2_XXS (session 14)", "IQ2_XXS at several rows
+    (session 15)"): the caller does it only for
     weights read into this process's memory under `--cpu-dot q8` on the CPU, where the copy exists anyway and no exact
     kernel reads them. Nothing is repacked where the vector kernels are not built here."""
     from backends.cpu import repack

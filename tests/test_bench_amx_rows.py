@@ -1,5 +1,5 @@
 """`scripts/bench.py amx-rows` at smoke size: a row per weight and row count, with the three settings' times (and the
-repacked Q4_K's, Q2_K's and Q8_0's)."""
+repacked Q4_K's, Q2_K's, Q8_0's and IQ2_XXS's)."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +20,8 @@ def test_bench_amx_rows_smoke(capsys, monkeypatch):
     assert len(lines) == 1 + 7 * 2 and lines[1].split(",")[6] == "1.00"
     assert lines[0].endswith("repacked_ms,repacked_x_M1")
     repacked = [line.split(",")[-2] for line in lines[1:]]
-    assert [v != "-" for v in repacked] == [line.split(",")[0] in ("Q4_K", "Q2_K", "Q8_0") for line in lines[1:]]
+    with_layout = ("Q4_K", "Q2_K", "Q8_0", "IQ2_XXS")
+    assert [v != "-" for v in repacked] == [line.split(",")[0] in with_layout for line in lines[1:]]
 
 
 def test_bench_amx_rows_rejects_too_many_rows(capsys):

@@ -9,8 +9,9 @@ expert id order (with the kernel library: the gated activation and the sum over 
 backends/cpu/glue.c, the bits of ops.exp_poly.swiglu_poly). So row r equals the 1-row call bit for bit with no loop
 over rows. Prefill (larger M)
 groups each expert's rows, all the experts of a layer in one kernel call per projection (qgemm.c). Expert stacks
-repacked at load (`repack.RepackedQ4K` and `RepackedQ2K`, `--cpu-dot q8` with the weights in memory) take their own
-kernels. `ffn` (ops/ffn.py) runs a decode's routed experts and shared expert in one C call (`glue.route_moe_shared`).
+repacked at load (`repack.RepackedQ4K`, `RepackedQ2K`, `RepackedIQ2XXS`, `--cpu-dot q8` with the weights in memory)
+take their own kernels. `ffn` (ops/ffn.py) runs a decode's routed experts and shared expert in one C call
+(`glue.route_moe_shared`).
 """
 from __future__ import annotations
 

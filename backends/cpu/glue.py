@@ -191,7 +191,7 @@ class ProductArgs(ctypes.Structure):
 
 
 def type_name(w: QTensor | Repacked) -> str:
-    """The quant type of w's values (a repacked Q4_K weight's is Q4_K, a repacked Q2_K weight's Q2_K)."""
+    """The quant type of w's values (a repacked weight's: its layout's stored type, e.g. Q4_K)."""
     return layout_of(w).qtype if type(w) in REPACKED else w.qtype.name
 
 

@@ -1,6 +1,7 @@
-/* IQ2_XXS on AVX-512 VBMI/BITALG, shared by qdot8.c and qdot8amx.c: one block's 4 group pairs unpacked from the
- * 64 bytes after its d (v): the sign masks (bit j of negative[i]: value j of pair i is negative, the parity bit
- * restored) and the grid row index of each 8 values (pairs01: pairs 0-1, pairs23: pairs 2-3, as 32-bit lanes). */
+/* IQ2_XXS on AVX-512 VBMI/BITALG, shared by qdot8.c, qdot8amx.c and iq2repack.c: one block's 4 group pairs unpacked
+ * from the 64 bytes after its d (v): the sign masks (bit j of negative[i]: value j of pair i is negative, the parity
+ * bit restored) and the grid row index of each 8 values (pairs01: pairs 0-1, pairs23: pairs 2-3, as 32-bit lanes);
+ * with VNNI, a block unpacked once and its integer dot with one activation row (several rows' kernels). */
 extern uint64_t iq2_grid_bytes[256];    /* qdot8.c's: the 8 grid values of each index, as bytes (qdot8_set_iq2_xxs) */
 extern uint8_t iq2_ksigns_bytes[128];   /* qdot8.c's: ksigns (each 7-bit sign index with its parity in bit 7) */
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
@@ -18,4 +19,72 @@ static inline void iq2_xxs_groups(__m512i v, uint64_t negative[4], __m512i *pair
     *pairs01 = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(index));
     *pairs23 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(index, 1));
 }
+
+#if defined(__AVX512VNNI__)
+/* IQ2_XXS's integer dot of one block in one vector: its 16 lanes add up to bsum (below). */
+static inline __m512i iq2_xxs_sums(const uint8_t *b, const int8_t *qs) {
+    const uint8_t *p = b + 2;
+    /* The block's 8 groups in one vector: 64-bit lane g = the group's 4 grid indices, then its 32 bits. */
+    __m512i v = _mm512_loadu_si512(p);
+    uint64_t negative[4];       /* per group pair: bit 8c + j set where value j of chunk c is negative */
+    __m512i pairs01, pairs23;
+    iq2_xxs_groups(v, negative, &pairs01, &pairs23);
+    __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {                  /* groups 2i and 2i + 1 */
+        __m512i pair = i < 2 ? pairs01 : pairs23;
+        __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
+        __m512i grid = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
+        __m512i q8 = _mm512_loadu_si512(qs + 64 * i);
+        __mmask64 neg;      /* as asm: a load (gcc would move each mask out of the vector: ~3 uops on the shuffle port) */
+        __asm__("kmovq %1, %0" : "=k"(neg) : "m"(negative[i]));
+        __m512i prod = _mm512_maddubs_epi16(grid, _mm512_mask_sub_epi8(q8, neg, _mm512_setzero_si512(), q8));
+        __m512i ls = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(8 * i)),
+                                                                 _mm256_set1_epi16((short)(8 * i + 4)), 1), scales);
+        acc = _mm512_dpwssd_epi32(acc, prod, ls);
+    }
+    return acc;
+}
+
+/* IQ2_XXS, several rows of one weight: a block unpacked once for all rows (its grid rows, sign masks and group
+ * scales, as iq2_xxs_sums), each row then multiplied by vpdpbusd into lanes of 4 values (|lane| <= 4 * 43 * 127,
+ * so two steps' lanes pack into int16 words exactly) scaled per group by vpdpwssd: per 64 values one operation on
+ * the multiply port fewer than iq2_xxs_sums' vpmaddubsw and vpdpwssd. */
+typedef struct { __m512i grid[4], scale[2]; __mmask64 negative[4]; } iq2_xxs_unpacked;
+
+static inline void iq2_xxs_unpack(const uint8_t *b, iq2_xxs_unpacked *u) {
+    /* packs_epi32(p[2h], p[2h + 1]): in 128-bit lane L, words 0-3 group 4h + (L >= 2), words 4-7 group 4h + 2 +
+     * (L >= 2); int16 word 4g of `scales` is group g's 2 ls + 1 */
+    static const int16_t pick[2][32] __attribute__((aligned(64))) = {
+        {0, 0, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 8, 8, 8, 4, 4, 4, 4, 12, 12, 12, 12, 4, 4, 4, 4, 12, 12, 12, 12},
+        {16, 16, 16, 16, 24, 24, 24, 24, 16, 16, 16, 16, 24, 24, 24, 24,
+         20, 20, 20, 20, 28, 28, 28, 28, 20, 20, 20, 20, 28, 28, 28, 28}};
+    __m512i v = _mm512_loadu_si512(b + 2);
+    uint64_t negative[4];
+    __m512i pairs01, pairs23;
+    iq2_xxs_groups(v, negative, &pairs01, &pairs23);
+    __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
+    for (int h = 0; h < 2; h++) u->scale[h] = _mm512_permutexvar_epi16(_mm512_load_si512(pick[h]), scales);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i pair = i < 2 ? pairs01 : pairs23;
+        __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
+        u->grid[i] = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
+        u->negative[i] = _cvtu64_mask64(negative[i]);
+    }
+}
+
+static inline __m512i iq2_xxs_row(const iq2_xxs_unpacked *u, const int8_t *qs) {   /* 16 lanes adding to bsum */
+    __m512i p[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        __m512i q8 = _mm512_loadu_si512(qs + 64 * i);
+        p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u->grid[i],
+                                   _mm512_mask_sub_epi8(q8, u->negative[i], _mm512_setzero_si512(), q8));
+    }
+    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(p[0], p[1]), u->scale[0]);
+    return _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[2], p[3]), u->scale[1]);
+}
+#endif
 #endif

@@ -38,7 +38,8 @@ from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
                                                              "pool.c", "qdot8amx.c", "glue.c",
-                                                             "step.c", "q4krepack.c", "q2krepack.c", "q8repack.c"))
+                                                             "step.c", "q4krepack.c", "q2krepack.c", "q8repack.c",
+                                                             "iq2repack.c"))
 HEADERS = tuple(Path(__file__).with_name(name)     # included by SOURCES
                 for name in ("iq2_xxs_groups.h", "half.h", "repack.h"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
@@ -488,9 +489,13 @@ def experts_product(x: torch.Tensor, w: QTensor, ids: torch.Tensor, first: torch
 # q8's several rows (M = 2..16) of Q8_0, Q4_K, Q2_K and IQ2_XXS weights on AMX tiles (qdot8amx.c, the same bits as
 # qdot8_rows' other paths). DS4_CPU_AMX=0 turns off every AMX path of the library (these and qgemm8's).
 def _bind_amx_rows(k: ctypes.CDLL) -> None:
-    """Declare qdot8amx.c's switch and apply DS4_CPU_AMX=0 (its IQ2_XXS grid is qdot8.c's, set by _bind_q8)."""
+    """Declare qdot8amx.c's switch, build its IQ2_XXS tables from qdot8.c's grid (set by _bind_q8) and apply
+    DS4_CPU_AMX=0."""
     k.qdot8amx_on.restype = ctypes.c_int
     k.qdot8amx_on.argtypes = [ctypes.c_int]
+    k.qdot8amx_set_iq2_xxs.restype = ctypes.c_int
+    if k.qdot8amx_set_iq2_xxs():
+        raise BuildFailed("qdot8amx.c: the IQ2_XXS grid has values other than 8, 25 and 43")
     if os.environ.get("DS4_CPU_AMX") == "0":
         k.qgemm8_amx(0)
         k.qdot8amx_on(0)
@@ -675,12 +680,13 @@ def indexer_topk(scores: torch.Tensor, k: int, visible: torch.Tensor) -> torch.T
 Q4KR_TYPE = 1012    # Q4_K repacked (q4krepack.c)
 Q2KR_TYPE = 1010    # Q2_K repacked (q2krepack.c)
 Q8R_TYPE = 1008     # Q8_0 repacked (q8repack.c)
+IQ2R_TYPE = 1016    # IQ2_XXS repacked (iq2repack.c)
 
 
 def _bind_repacked(k: ctypes.CDLL) -> None:
-    """Declare q4krepack.c's, q2krepack.c's and q8repack.c's entry points."""
+    """Declare q4krepack.c's, q2krepack.c's, q8repack.c's and iq2repack.c's entry points."""
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for prefix in ("q4kr", "q2kr", "q8r"):
+    for prefix in ("q4kr", "q2kr", "q8r", "iq2r"):
         getattr(k, f"{prefix}_repack").restype = ctypes.c_int
         getattr(k, f"{prefix}_repack").argtypes = [ptr, i64, i64, ctypes.c_int]
         getattr(k, f"{prefix}_rows").restype = ctypes.c_int

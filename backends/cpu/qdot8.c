@@ -177,31 +177,6 @@ static inline __m256i load256(const void *p) { return _mm256_loadu_si256((const 
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define IQ2_VECTOR 1
-/* IQ2_XXS's integer dot of one block in one vector: its 16 lanes add up to bsum (below). */
-static inline __m512i iq2_xxs_sums(const uint8_t *b, const q8k_block *y) {
-    const uint8_t *p = b + 2;
-    /* The block's 8 groups in one vector: 64-bit lane g = the group's 4 grid indices, then its 32 bits. */
-    __m512i v = _mm512_loadu_si512(p);
-    uint64_t negative[4];       /* per group pair: bit 8c + j set where value j of chunk c is negative */
-    __m512i pairs01, pairs23;
-    iq2_xxs_groups(v, negative, &pairs01, &pairs23);
-    __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
-    __m512i acc = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {                  /* groups 2i and 2i + 1 */
-        __m512i pair = i < 2 ? pairs01 : pairs23;
-        __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
-        __m512i grid = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
-        __m512i q8 = _mm512_loadu_si512(y->qs + 64 * i);
-        __mmask64 neg;      /* as asm: a load (gcc would move each mask out of the vector: ~3 uops on the shuffle port) */
-        __asm__("kmovq %1, %0" : "=k"(neg) : "m"(negative[i]));
-        __m512i prod = _mm512_maddubs_epi16(grid, _mm512_mask_sub_epi8(q8, neg, _mm512_setzero_si512(), q8));
-        __m512i ls = _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)(8 * i)),
-                                                                 _mm256_set1_epi16((short)(8 * i + 4)), 1), scales);
-        acc = _mm512_dpwssd_epi32(acc, prod, ls);
-    }
-    return acc;
-}
 #endif
 
 /* IQ2_XXS (66 bytes) against a Q8_K block: d_w d_x bsum (the 0.125 is applied per output). */
@@ -211,7 +186,7 @@ static inline float dot_iq2_xxs(const uint8_t *b, const void *act) {
     int bsum = 0;
 #if defined(IQ2_VECTOR)
     (void)p;
-    bsum = _mm512_reduce_add_epi32(iq2_xxs_sums(b, y));
+    bsum = _mm512_reduce_add_epi32(iq2_xxs_sums(b, y->qs));
 #elif defined(__AVX2__)
     __m256i acc = _mm256_setzero_si256();
     for (int g = 0; g < 8; g++, p += 8) {
@@ -598,8 +573,8 @@ static inline float step4_q2_k(float acc, const uint8_t *w, const q8k_block *y) 
 static inline float step4_iq2_xxs(float acc, const uint8_t *w, const q8k_block *y) {
     float t[4];
     for (int i = 0; i < 4; i++) prefetch_ahead(w + 66 * i, 66);
-    __m128i sums = sum4_epi32(iq2_xxs_sums(w, y), iq2_xxs_sums(w + 66, y + 1),
-                              iq2_xxs_sums(w + 132, y + 2), iq2_xxs_sums(w + 198, y + 3));
+    __m128i sums = sum4_epi32(iq2_xxs_sums(w, y[0].qs), iq2_xxs_sums(w + 66, y[1].qs),
+                              iq2_xxs_sums(w + 132, y[2].qs), iq2_xxs_sums(w + 198, y[3].qs));
     uint16_t h[4];      /* the blocks' d (f16) */
     for (int i = 0; i < 4; i++) memcpy(&h[i], w + 66 * i, 2);
     __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
@@ -2113,46 +2088,6 @@ static int wide_q8_0(const uint8_t *w, int64_t N, int64_t K, const q8_0_block *x
 #endif
 
 #if defined(IQ2_VECTOR)
-/* IQ2_XXS, several rows of one weight: a block unpacked once for all rows (its grid rows, sign masks and group
- * scales, as iq2_xxs_sums), each row then multiplied by vpdpbusd into lanes of 4 values (|lane| <= 4 * 43 * 127,
- * so two steps' lanes pack into int16 words exactly) scaled per group by vpdpwssd: per 64 values one operation on
- * the multiply port fewer than iq2_xxs_sums' vpmaddubsw and vpdpwssd. */
-typedef struct { __m512i grid[4], scale[2]; __mmask64 negative[4]; } iq2_xxs_unpacked;
-
-static inline void iq2_xxs_unpack(const uint8_t *b, iq2_xxs_unpacked *u) {
-    /* packs_epi32(p[2h], p[2h + 1]): in 128-bit lane L, words 0-3 group 4h + (L >= 2), words 4-7 group 4h + 2 +
-     * (L >= 2); int16 word 4g of `scales` is group g's 2 ls + 1 */
-    static const int16_t pick[2][32] __attribute__((aligned(64))) = {
-        {0, 0, 0, 0, 8, 8, 8, 8, 0, 0, 0, 0, 8, 8, 8, 8, 4, 4, 4, 4, 12, 12, 12, 12, 4, 4, 4, 4, 12, 12, 12, 12},
-        {16, 16, 16, 16, 24, 24, 24, 24, 16, 16, 16, 16, 24, 24, 24, 24,
-         20, 20, 20, 20, 28, 28, 28, 28, 20, 20, 20, 20, 28, 28, 28, 28}};
-    __m512i v = _mm512_loadu_si512(b + 2);
-    uint64_t negative[4];
-    __m512i pairs01, pairs23;
-    iq2_xxs_groups(v, negative, &pairs01, &pairs23);
-    __m512i scales = _mm512_or_si512(_mm512_slli_epi64(_mm512_srli_epi64(v, 60), 1), _mm512_set1_epi64(1));
-    for (int h = 0; h < 2; h++) u->scale[h] = _mm512_permutexvar_epi16(_mm512_load_si512(pick[h]), scales);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {
-        __m512i pair = i < 2 ? pairs01 : pairs23;
-        __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
-        u->grid[i] = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
-        u->negative[i] = _cvtu64_mask64(negative[i]);
-    }
-}
-
-static inline __m512i iq2_xxs_row(const iq2_xxs_unpacked *u, const q8k_block *y) {     /* 16 lanes adding to bsum */
-    __m512i p[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {
-        __m512i q8 = _mm512_loadu_si512(y->qs + 64 * i);
-        p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u->grid[i],
-                                   _mm512_mask_sub_epi8(q8, u->negative[i], _mm512_setzero_si512(), q8));
-    }
-    __m512i acc = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(p[0], p[1]), u->scale[0]);
-    return _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(p[2], p[3]), u->scale[1]);
-}
-
 /* Blocks b..b + 3 of one IQ2_XXS weight row (wb: block b's bytes) added to the M rows' sums acc, each row as
  * row_iq2_xxs adds them (step4_iq2_xxs's reduction and float terms), the 4 blocks unpacked once for all rows. */
 static inline void rows_step4_iq2_xxs(const uint8_t *wb, const q8k_block *x, int64_t nb, int64_t b, int64_t M,
@@ -2167,8 +2102,8 @@ static inline void rows_step4_iq2_xxs(const uint8_t *wb, const q8k_block *x, int
     __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
     for (int64_t m = 0; m < M; m++) {
         const q8k_block *a = x + m * nb + b;
-        __m128i sums = sum4_epi32(iq2_xxs_row(&u[0], a), iq2_xxs_row(&u[1], a + 1), iq2_xxs_row(&u[2], a + 2),
-                                  iq2_xxs_row(&u[3], a + 3));
+        __m128i sums = sum4_epi32(iq2_xxs_row(&u[0], a[0].qs), iq2_xxs_row(&u[1], a[1].qs),
+                                  iq2_xxs_row(&u[2], a[2].qs), iq2_xxs_row(&u[3], a[3].qs));
         __m128 yd = _mm_set_ps(a[3].d, a[2].d, a[1].d, a[0].d);
         float t[4];
         _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(d, yd), _mm_cvtepi32_ps(sums)));

@@ -12,8 +12,8 @@
  *   one tile product per 64 values gives isum whole.
  * - Q4_K: the 6-bit scale split as 4 sh + sl (sh < 16, sl < 4): A tiles q * sh and q * sl (at most 225, as
  *   unsigned bytes), isum = 4 C_h + C_l.
- * - IQ2_XXS: the signed grid values as A, one tile product per 32-value group, the groups' sums times
- *   2 ls + 1 added as integers.
+ * - IQ2_XXS: each signed grid value times its 32-value group's 2 ls + 1 (at most 43 x 31) split as 128 h + l into
+ *   two A tiles of signed bytes (looked up from the value's code, sign and ls), bsum = 128 C_h + C_l.
  * - the mins of Q2_K / Q4_K: the mins (unsigned bytes) against the low bytes (tdpbuud) and the high bytes
  *   (tdpbusd) of the sums of 16 activations they multiply, msum = 256 C_high + C_low.
  *
@@ -128,13 +128,12 @@ static void store_tile(const __m512 *acc, int64_t M, float *y, int64_t N, int64_
 }
 
 /* 16 weight rows of nb blocks, unpacked: per block, the A rows (Q2_K q * scale; Q4_K q * sh, then q * sl; IQ2_XXS
- * the signed grid values), each weight row's mins against every activation row's bsums (Q2_K, Q4_K), IQ2_XXS's
- * 2 ls + 1 per group and the rows' scales. A tile is unpacked row after row (the weight read in order, as the
- * one-row kernel reads it) while the tile before it takes its products. */
+ * the high, then the low parts of its values times their group scales), each weight row's mins against every
+ * activation row's bsums (Q2_K, Q4_K) and the rows' scales. A tile is unpacked row after row (the weight read in
+ * order, as the one-row kernel reads it) while the tile before it takes its products. */
 typedef struct {
     int8_t (*a)[2][TILE][256];
     uint8_t (*mins)[TILE][64];
-    int32_t (*scale)[TILE][8];
     float (*d)[TILE], (*dmin)[TILE];
 } k_tile;
 
@@ -187,32 +186,64 @@ static inline void unpack_q4_k(const uint8_t *b, k_tile *t, int64_t k, int r) {
     t->dmin[k][r] = half(b + 2);
 }
 
+/* IQ2_XXS's A tiles: each value times its group's 2 ls + 1 (|w s| <= 43 x 31) split as 128 h + l, h and l signed
+ * bytes (|h| <= 11, -64 <= l < 64), each looked up by one `vpermb` from the value's byte code | ls << 2 (code 0, 1, 2:
+ * grid value 8, 25, 43), then negated where the value is; bsum = 128 C_h + C_l. */
+static uint64_t iq2_grid_codes[256];                /* the 8 codes of each grid row, as bytes */
+static int8_t iq2_scaled_high[64], iq2_scaled_low[64];
+
+/* Build the tables above from qdot8.c's grid (after qdot8_set_iq2_xxs); -1 where a grid value is not 8, 25 or 43. */
+int qdot8amx_set_iq2_xxs(void) {
+    static const int magnitude[4] = {8, 25, 43, 0};
+    for (int i = 0; i < 256; i++) {
+        uint64_t codes = 0;
+        for (int j = 0; j < 8; j++) {
+            int v = (int)((iq2_grid_bytes[i] >> (8 * j)) & 255), c = v == 8 ? 0 : v == 25 ? 1 : v == 43 ? 2 : -1;
+            if (c < 0) return -1;
+            codes |= (uint64_t)c << (8 * j);
+        }
+        iq2_grid_codes[i] = codes;
+    }
+    for (int index = 0; index < 64; index++) {
+        int v = magnitude[index & 3] * (2 * (index >> 2) + 1), h = (v + 64) / 128;
+        iq2_scaled_high[index] = (int8_t)h;
+        iq2_scaled_low[index] = (int8_t)(v - 128 * h);
+    }
+    return 0;
+}
+
 static inline void unpack_iq2_xxs(const uint8_t *b, k_tile *t, int64_t k, int r) {
     __m512i v = _mm512_loadu_si512(b + 2);      /* 66 bytes: d, then qdot8.c's groups: grid rows and sign masks */
     uint64_t negative[4];
     __m512i pairs01, pairs23;
     iq2_xxs_groups(v, negative, &pairs01, &pairs23);
-    for (int i = 0; i < 4; i++) {
+    /* qword g: ls << 2 of group g in byte 0 (ls: the top 4 bits of the group's second word) */
+    __m512i ls = _mm512_slli_epi64(_mm512_srli_epi64(v, 60), 2);
+    const __m512i high = _mm512_loadu_si512(iq2_scaled_high), low = _mm512_loadu_si512(iq2_scaled_low);
+    for (int i = 0; i < 4; i++) {           /* values 64 i .. 64 i + 63: groups 2 i, 2 i + 1 */
         __m512i pair = i < 2 ? pairs01 : pairs23;
         __m256i idx = i % 2 ? _mm512_extracti64x4_epi64(pair, 1) : _mm512_castsi512_si256(pair);
-        __m512i grid = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_bytes, 8);
-        _mm512_store_si512(t->a[k][0][r] + 64 * i, _mm512_mask_sub_epi8(grid, negative[i], _mm512_setzero_si512(), grid));
+        __m512i codes = _mm512_i32gather_epi64(idx, (const void *)iq2_grid_codes, 8);
+        __m512i scale = _mm512_permutexvar_epi8(_mm512_inserti64x4(_mm512_set1_epi8((char)(16 * i)),
+                                                                   _mm256_set1_epi8((char)(16 * i + 8)), 1), ls);
+        __m512i index = _mm512_or_si512(codes, scale), zero = _mm512_setzero_si512();
+        __m512i h = _mm512_permutexvar_epi8(index, high), l = _mm512_permutexvar_epi8(index, low);
+        _mm512_store_si512(t->a[k][0][r] + 64 * i, _mm512_mask_sub_epi8(h, negative[i], zero, h));
+        _mm512_store_si512(t->a[k][1][r] + 64 * i, _mm512_mask_sub_epi8(l, negative[i], zero, l));
     }
-    /* 2 ls + 1 of the 8 groups: the top 4 bits of each group's second word */
-    __m256i top = _mm256_srli_epi32(_mm512_cvtepi64_epi32(_mm512_srli_epi64(v, 32)), 28);
-    _mm256_storeu_si256((__m256i *)t->scale[k][r], _mm256_add_epi32(_mm256_slli_epi32(top, 1), _mm256_set1_epi32(1)));
     t->d[k][r] = half(b);
 }
 
-/* A unit's blocks (16 weight rows of `kn` blocks from w, rows ldw bytes apart) unpacked into t in the weight's order,
- * row after row, from the `*done`-th to the `target`-th. */
-static inline void unpack_until(int type, const uint8_t *w, int64_t ldw, int64_t kn, k_tile *t, int64_t *done,
-                                int64_t target) {
+/* A unit's blocks (16 weight rows of `kn` blocks from w, rows ldw bytes apart; `interleaved`: iq2repack.c's layout,
+ * one block of the 16 rows after another, kn = 1) unpacked into t in the weight's order, row after row, from the
+ * `*done`-th to the `target`-th. */
+static inline void unpack_until(int type, int interleaved, const uint8_t *w, int64_t ldw, int64_t kn, k_tile *t,
+                                int64_t *done, int64_t target) {
     int bb = type == 12 ? 144 : type == 10 ? 84 : 66;
     for (; *done < target; ++*done) {
         int r = (int)(*done / kn);
         int64_t k = *done % kn;
-        const uint8_t *b = w + r * ldw + k * bb;
+        const uint8_t *b = interleaved ? w + r * bb : w + r * ldw + k * bb;
         prefetch_ahead(b, bb);
         if (type == 12) unpack_q4_k(b, t, k, r);
         else if (type == 10) unpack_q2_k(b, t, k, r);
@@ -221,15 +252,14 @@ static inline void unpack_until(int type, const uint8_t *w, int64_t ldw, int64_t
 }
 
 static int k_tiles_alloc(int64_t nb, k_tile t[2], void **mem) {
-    size_t one = (size_t)nb * (sizeof *t->a + sizeof *t->mins + sizeof *t->scale + 2 * sizeof *t->d);
+    size_t one = (size_t)nb * (sizeof *t->a + sizeof *t->mins + 2 * sizeof *t->d);
     uint8_t *p = *mem = aligned_alloc(64, 2 * one);
     if (p == NULL) return -2;
     memset(p, 0, 2 * one);      /* the mins' bytes past 8 (Q4_K) or 16 (Q2_K) stay zero */
     for (int i = 0; i < 2; i++, p += one) {
         t[i].a = (void *)p;
         t[i].mins = (void *)(p + nb * sizeof *t->a);
-        t[i].scale = (void *)(p + nb * (sizeof *t->a + sizeof *t->mins));
-        t[i].d = (void *)(p + nb * (sizeof *t->a + sizeof *t->mins + sizeof *t->scale));
+        t[i].d = (void *)(p + nb * (sizeof *t->a + sizeof *t->mins));
         t[i].dmin = t[i].d + nb;
     }
     return 0;
@@ -238,41 +268,44 @@ static int k_tiles_alloc(int64_t nb, k_tile t[2], void **mem) {
 /* The 256-value K-quants (12 Q4_K, 10 Q2_K, 16 IQ2_XXS), tiles of 16 weight rows from n0, taken in units of up to
  * `CHUNK` blocks (whole rows at V4 Flash's shapes): while a unit's blocks take their tile products and float steps,
  * the next unit's blocks are unpacked in the weight's order (row after row), in slots between the tile products. */
-static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows *x, int64_t M, float *y,
-                 int64_t n0, int64_t n1) {
+static int amx_k(int type, int interleaved, const uint8_t *w, int64_t N, int64_t nb, const k_rows *x, int64_t M,
+                 float *y, int64_t n0, int64_t n1) {
     int bb = type == 12 ? 144 : type == 10 ? 84 : 66;
-    int64_t ldw = nb * bb, kc = nb < CHUNK / (type == 12 ? 2 : 1) ? nb : CHUNK / (type == 12 ? 2 : 1);
+    int64_t ldw = nb * bb, kc = interleaved ? 1 : nb < CHUNK / (type == 12 ? 2 : 1) ? nb : CHUNK / (type == 12 ? 2 : 1);
     int64_t chunks = (nb + kc - 1) / kc, units = (n1 - n0 + TILE - 1) / TILE * chunks;
     k_tile t[2];
     void *mem;
     if (k_tiles_alloc(kc, t, &mem)) return -2;
-    int32_t sums[8][TILE][TILE] __attribute__((aligned(64)));
+    int32_t sums[4][TILE][TILE] __attribute__((aligned(64)));
     __m512 acc[TILE];
-    tiles_on(type == 16 ? 32 : 64, type == 16 ? 8 : 16, 0xa);     /* A: tmm0, tmm2; B: tmm1, tmm3 */
+    tiles_on(64, 16, 0xa);     /* A: tmm0, tmm2; B: tmm1, tmm3 */
     int64_t first = 0;
-    unpack_until(type, w + n0 * ldw, ldw, kc, &t[0], &first, TILE * kc);
+    unpack_until(type, interleaved, w + n0 * ldw, ldw, kc, &t[0], &first, TILE * kc);
     for (int64_t u = 0; u < units; u++) {
         int64_t n = n0 + u / chunks * TILE, c0 = u % chunks * kc, kn = nb - c0 < kc ? nb - c0 : kc;
         int64_t next_n = n0 + (u + 1) / chunks * TILE, next_c0 = (u + 1) % chunks * kc;
         int64_t next_kn = nb - next_c0 < kc ? nb - next_c0 : kc;
         k_tile *cur = &t[u % 2], *next = &t[(u + 1) % 2];
         int64_t done = 0, total = u + 1 < units ? TILE * next_kn : 0;
-        const uint8_t *wn = w + next_n * ldw + next_c0 * bb;
+        const uint8_t *wn = w + next_n * ldw + next_c0 * bb * (interleaved ? TILE : 1);
         /* the next unit's unpacking, spread over 5 slots per block between the tile products (slot s of block k:
          * up to (5 k + s + 1) / (5 kn) of it), so that they overlap */
-#define SLOT(s) unpack_until(type, wn, ldw, next_kn, next, &done, total * (5 * k + (s) + 1) / (5 * kn))
+#define SLOT(s) unpack_until(type, interleaved, wn, ldw, next_kn, next, &done, total * (5 * k + (s) + 1) / (5 * kn))
         if (c0 == 0)
             for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t k = 0; k < kn; k++) {
             const int8_t *a = cur->a[k][0][0];
-            if (type == 16) {       /* groups 0-3 (values 32g.., rows 8 (g % 2).. of chunk g / 2) */
-                _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
-                _tile_loadd(0, a, 256); _tile_loadd(1, x->bq[c0 + k][0][0], 64); _tile_dpbssd(4, 0, 1);
-                _tile_loadd(2, a + 32, 256); _tile_loadd(3, x->bq[c0 + k][0][8], 64); _tile_dpbssd(5, 2, 3);
-                SLOT(0);
-                _tile_loadd(0, a + 64, 256); _tile_loadd(1, x->bq[c0 + k][1][0], 64); _tile_dpbssd(6, 0, 1);
-                _tile_loadd(2, a + 96, 256); _tile_loadd(3, x->bq[c0 + k][1][8], 64); _tile_dpbssd(7, 2, 3);
-                SLOT(1);
+            if (type == 16) {       /* 128 C_h + C_l: A tiles h (tmm0) and l (tmm2), B the activations (tmm1) */
+                _tile_zero(4);
+                _tile_zero(5);
+                for (int c = 0; c < 4; c++) {
+                    _tile_loadd(1, x->bq[c0 + k][c], 64);
+                    _tile_loadd(0, a + 64 * c, 256);
+                    _tile_dpbssd(4, 0, 1);
+                    _tile_loadd(2, a + TILE * 256 + 64 * c, 256);
+                    _tile_dpbssd(5, 2, 1);
+                    SLOT(c);
+                }
             } else {
                 _tile_zero(4);
                 _tile_zero(5);
@@ -295,28 +328,17 @@ static int amx_k(int type, const uint8_t *w, int64_t N, int64_t nb, const k_rows
                 _tile_loadd(1, x->bm[c0 + k][1], 64);
                 _tile_dpbusd(7, 0, 1);
             }
-            SLOT(type == 16 ? 2 : 4);
+            SLOT(4);
             __m512 dx = _mm512_load_ps(x->dx[c0 + k]);
-            if (type == 16) {       /* groups 4-7, then bsum = sum of (2 ls + 1) times each group's sum */
-                _tile_stored(4, sums[0], 64); _tile_stored(5, sums[1], 64);
-                _tile_stored(6, sums[2], 64); _tile_stored(7, sums[3], 64);
-                _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
-                _tile_loadd(0, a + 128, 256); _tile_loadd(1, x->bq[c0 + k][2][0], 64); _tile_dpbssd(4, 0, 1);
-                _tile_loadd(2, a + 160, 256); _tile_loadd(3, x->bq[c0 + k][2][8], 64); _tile_dpbssd(5, 2, 3);
-                _tile_loadd(0, a + 192, 256); _tile_loadd(1, x->bq[c0 + k][3][0], 64); _tile_dpbssd(6, 0, 1);
-                _tile_loadd(2, a + 224, 256); _tile_loadd(3, x->bq[c0 + k][3][8], 64); _tile_dpbssd(7, 2, 3);
-                SLOT(3);
-                _tile_stored(4, sums[4], 64); _tile_stored(5, sums[5], 64);
-                _tile_stored(6, sums[6], 64); _tile_stored(7, sums[7], 64);
+            if (type == 16) {
+                _tile_stored(4, sums[0], 64);
+                _tile_stored(5, sums[1], 64);
                 for (int r = 0; r < TILE; r++) {
-                    __m512i bsum = _mm512_setzero_si512();
-                    for (int g = 0; g < 8; g++)
-                        bsum = _mm512_add_epi32(bsum, _mm512_mullo_epi32(_mm512_load_si512(sums[g][r]),
-                                                                         _mm512_set1_epi32(cur->scale[k][r][g])));
+                    __m512i bsum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0][r]), 7),
+                                                    _mm512_load_si512(sums[1][r]));
                     acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(cur->d[k][r]), dx),
                                                                  _mm512_cvtepi32_ps(bsum)));
                 }
-                SLOT(4);
                 continue;
             }
             _tile_stored(4, sums[0], 64);
@@ -485,11 +507,30 @@ int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const vo
     if (type == 8) return amx_q8_0(w, N, K / 32, xq, M, y, n0, end) ? -2 : end;
     k_rows x;
     if (k_rows_pack(type, xq, M, K / 256, &x)) return -2;
-    int rc = amx_k(type, w, N, K / 256, &x, M, y, n0, end);
+    int rc = amx_k(type, 0, w, N, K / 256, &x, M, y, n0, end);
     free(x.bq);
     return rc ? rc : end;
 }
+
+/* Output rows [n0, n1) (whole groups of 16) of y [M, N] for an IQ2_XXS weight in iq2repack.c's layout, M = 1..16, on
+ * the tiles, with qdot8's bits; 0, or -2 when out of memory. */
+int qdot8amx_iq2_interleaved(const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
+                             int64_t n0, int64_t n1) {
+    k_rows x;
+    if (k_rows_pack(16, xq, M, K / 256, &x)) return -2;
+    int rc = amx_k(16, 1, w, N, K / 256, &x, M, y, n0, n1);
+    free(x.bq);
+    return rc;
+}
 #else
+int qdot8amx_set_iq2_xxs(void) { return 0; }      /* no tiles here: no tables */
+
+int qdot8amx_iq2_interleaved(const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
+                             int64_t n0, int64_t n1) {
+    (void)w, (void)N, (void)K, (void)xq, (void)M, (void)y, (void)n0, (void)n1;
+    return -1;      /* not called: iq2repack.c takes the tiles only in a build with its vector kernels and AMX */
+}
+
 int64_t qdot8amx_rows(int type, const uint8_t *w, int64_t N, int64_t K, const void *xq, int64_t M, float *y,
                       int64_t n0, int64_t n1) {
     (void)type, (void)w, (void)N, (void)K, (void)xq, (void)M, (void)y, (void)n1;

@@ -22,6 +22,8 @@ int q4kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
               const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);   /* q4krepack.c: type 1012 */
 int q2kr_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
               const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);   /* q2krepack.c: type 1010 */
+int iq2r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+              const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);   /* iq2repack.c: type 1016 */
 
 #define CHUNK_ROWS 16   /* the kernels' most rows per call */
 
@@ -33,7 +35,7 @@ int experts_gemm(int q8, int type, const uint8_t *w, int64_t expert_bytes, const
         const uint8_t *expert = w + ids[g] * expert_bytes;
         for (int64_t r = first[g]; r < first[g + 1]; r += CHUNK_ROWS) {
             int64_t m = first[g + 1] - r < CHUNK_ROWS ? first[g + 1] - r : CHUNK_ROWS;
-            int rc = q8 ? (type == 1012 ? q4kr_rows : type == 1010 ? q2kr_rows : qdot8_rows)(
+            int rc = q8 ? (type == 1012 ? q4kr_rows : type == 1010 ? q2kr_rows : type == 1016 ? iq2r_rows : qdot8_rows)(
                               type, expert, 0, NULL, N, K, x + r * x_row_bytes, m, y + r * N, 0, N)
                         : qgemv(type, expert, 0, NULL, N, K, (const float *)(x + r * x_row_bytes), m, y + r * N, 0, N);
             if (rc) return rc;

@@ -1,10 +1,10 @@
-"""Q4_K, Q2_K and Q8_0 weights repacked at load for `--cpu-dot q8` (backends/cpu/q4krepack.c, q2krepack.c,
-q8repack.c; docs/cpu.md, "Q4_K repacked at load (session 13)" and the two "Several rows within 1.3x" sections of
-session 14): the whole groups of 16 rows rewritten in place, the same bytes in a layout the 8-bit kernels take 16 rows
-at a time. A repacked weight is a `RepackedQ4K`, `RepackedQ2K` or `RepackedQ8_0`, not a QTensor, so nothing that
-reads stored blocks (the exact kernels, dequantize, the reference backend) can be handed one by mistake: it has no
-`qtype`. The load repacks the routed experts' Q4_K and Q2_K stacks; Q8_0's layout is not used by the model yet (its
-M = 1 is slower)."""
+"""Q4_K, Q2_K, Q8_0 and IQ2_XXS weights repacked at load for `--cpu-dot q8` (backends/cpu/q4krepack.c, q2krepack.c,
+q8repack.c, iq2repack.c; docs/cpu.md, "Q4_K repacked at load (session 13)", the two "Several rows within 1.3x"
+sections of session 14 and "IQ2_XXS at several rows (session 15)"): the whole groups of 16 rows rewritten in place, the
+same bytes in a layout the 8-bit kernels take 16 rows at a time. A repacked weight is a `RepackedQ4K`, `RepackedQ2K`,
+`RepackedQ8_0` or `RepackedIQ2XXS`, not a QTensor, so nothing that reads stored blocks (the exact kernels, dequantize,
+the reference backend) can be handed one by mistake: it has no `qtype`. The load repacks the routed experts' Q4_K, Q2_K
+and IQ2_XXS stacks; Q8_0's layout is not used by the model yet (its M = 1 is slower)."""
 from __future__ import annotations
 
 import ctypes
@@ -44,9 +44,13 @@ class RepackedQ8_0(_Repacked):
     """A Q8_0 weight [N, K] in q8repack.c's layout."""
 
 
+class RepackedIQ2XXS(_Repacked):
+    """An IQ2_XXS weight in iq2repack.c's layout."""
+
+
 def repackable(w: object) -> bool:
-    """Whether `w` is a QTensor of a type with a layout (Q4_K, Q2_K: 2-D or a stack; Q8_0: 2-D) with whole blocks that
-    the library here can repack."""
+    """Whether `w` is a QTensor of a type with a layout (Q4_K, Q2_K, IQ2_XXS: 2-D or a stack; Q8_0: 2-D) with whole
+    blocks that the library here can repack."""
     layout = LAYOUTS.get(w.qtype.name) if type(w) is QTensor else None
     return (layout is not None and len(w.shape) in ((2, 3) if layout.stacks else (2,))
             and w.shape[-1] % w.qtype.block_size == 0 and w.shape[-2] >= GROUP and kernels.built())
@@ -71,7 +75,7 @@ def unpack(w: Repacked) -> QTensor:
 
 
 def _rewrite(data: torch.Tensor, shape: tuple[int, ...], back: bool, layout: Layout) -> None:
-    """The layout's repack (q4kr_repack, q2kr_repack) on every 2-D weight of `data` (one, or each expert of a
+    """The layout's repack (`<prefix>_repack`) on every 2-D weight of `data` (one, or each expert of a
     stack)."""
     if not data.is_contiguous():
         raise ValueError("repack: the weight's bytes are not contiguous")
@@ -119,7 +123,7 @@ def experts_product(x: torch.Tensor, w: Repacked, ids: torch.Tensor,
 
 
 def kernel(w: Repacked) -> ctypes._CFuncPtr:
-    """The library's row kernel of repacked weights like `w` (q4kr_rows, q2kr_rows: qdot8_rows' arguments)."""
+    """The library's row kernel of repacked weights like `w` (`<prefix>_rows`: qdot8_rows' arguments)."""
     return getattr(kernels.lib(), f"{layout_of(w).prefix}_rows")
 
 
@@ -152,8 +156,8 @@ def worthwhile() -> bool:
 
 
 def repack_experts(experts: Experts) -> Experts:
-    """`experts` with its stacks of a layout that takes stacks (Q4_K, Q2_K) repacked in place (`repack`; the other
-    stacks as they are)."""
+    """`experts` with its stacks of a layout that takes stacks (Q4_K, Q2_K, IQ2_XXS) repacked in place (`repack`; the
+    other stacks as they are)."""
     stacks = {name: getattr(experts, name) for name in ("gate", "up", "down")}
     new = {name: repack(w) for name, w in stacks.items() if repackable(w) and len(w.shape) == 3}
     return dataclasses.replace(experts, **new) if new else experts
@@ -173,9 +177,10 @@ class Layout:
 
 LAYOUTS = {"Q4_K": Layout("Q4_K", RepackedQ4K, kernels.Q4KR_TYPE, "q4kr", stacks=True),
            "Q2_K": Layout("Q2_K", RepackedQ2K, kernels.Q2KR_TYPE, "q2kr", stacks=True),
-           "Q8_0": Layout("Q8_0", RepackedQ8_0, kernels.Q8R_TYPE, "q8r", stacks=False)}
-REPACKED = (RepackedQ4K, RepackedQ2K, RepackedQ8_0)       # the records a repacked weight can be
-Repacked = RepackedQ4K | RepackedQ2K | RepackedQ8_0
+           "Q8_0": Layout("Q8_0", RepackedQ8_0, kernels.Q8R_TYPE, "q8r", stacks=False),
+           "IQ2_XXS": Layout("IQ2_XXS", RepackedIQ2XXS, kernels.IQ2R_TYPE, "iq2r", stacks=True)}
+REPACKED = (RepackedQ4K, RepackedQ2K, RepackedQ8_0, RepackedIQ2XXS)       # the records a repacked weight can be
+Repacked = RepackedQ4K | RepackedQ2K | RepackedQ8_0 | RepackedIQ2XXS
 
 
 def layout_of(w: Repacked) -> Layout:
