@@ -105,3 +105,53 @@ def test_build_without_avx512(tmp_path, monkeypatch):
     r = repacked(w)
     for M in (1, 2, 16):
         assert torch.equal(repack.product(x[:M], r), expected[:M]), (flags, M)
+
+
+@pytest.fixture(scope="module")
+def q2_tiny(tmp_path_factory) -> str:
+    """A tiny random model in ds4's q2 mix (Q8_0 attention, shared expert and LM head, rows of 256 values)."""
+    from ds4.tiny.build import write_tiny
+    path = str(tmp_path_factory.mktemp("q2") / "tiny-q2.gguf")
+    write_tiny(path, mix="q2", dim=256, moe_inter_dim=256, n_layers=2, n_hash_layers=1, compress_ratios=(0, 4))
+    return path
+
+
+def test_model_on_repacked_q8_0_equals_mapped(q2_tiny, threads_split):
+    """`--weights memory --cpu-dot q8` repacks the trunk's 2-D Q8_0 weights at load (each block's q_a, q_b, kv,
+    output_b, shared expert, and the LM head; not the grouped output_a): a 20-row prefill (chunks of 16 rows) and
+    decode steps give the mapped weights' tokens and logits bit for bit; the weights' products (qmatmul, the fused
+    attention input and output, the shared expert) equal the stored weights' for M = 1..16 and 20 rows on 1, 2 and 3
+    threads; the exact path keeps the stored blocks and a repacked weight refuses it."""
+    from backends.cpu import ffn, fused, qmatmul
+    from ds4.weights import BLOCK_Q8_0
+    ids, logits, mapped = helpers.run(q2_tiny, "mmap")
+    ids2, logits2, copied = helpers.run(q2_tiny, "memory")
+    layers = copied.model.layers
+    dense = [getattr(L, name) for L in layers for name in BLOCK_Q8_0] + [w for L in layers for w in L.shared]
+    assert all(type(w) is repack.RepackedQ8_0 for w in [*dense, copied.model.output]) == repack.worthwhile()
+    assert all(type(L.output_a) is QTensor for L in layers)
+    assert ids == ids2 and len(ids) == 5
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits2, strict=True))
+    args, stored, packed = mapped.model.args, mapped.model.layers[1], layers[1]
+    hd, g = args.head_dim, torch.Generator().manual_seed(3)
+    x, o = torch.randn(20, args.dim, generator=g), torch.randn(20, args.n_heads, hd, generator=g)
+    groups = stored.output_a.shape[0] // args.o_lora_rank
+
+    def products(L, M: int, head) -> list[torch.Tensor]:
+        pos = torch.arange(M)
+        attn_in = fused.attention_input(x[:M], L.q_a, L.q_a_norm, L.q_b, L.kv, L.kv_norm, args.rms_eps, hd, pos,
+                                        L.freqs, torch.zeros(32, hd), pos, dot="q8")
+        return [qmatmul.qmatmul(x[:M], head, "q8"), *attn_in,
+                fused.attention_output(o[:M], pos, L.freqs, L.output_a, L.output_b, groups, "q8"),
+                ffn.shared_expert(x[:M], *L.shared, L.shared_clamp, "q8")]
+
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        for M in (*range(1, 17), 20) if threads == 1 else (1, 3, 16, 20):
+            expected, got = products(stored, M, mapped.model.output), products(packed, M, copied.model.output)
+            assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), (threads, M)
+    with pytest.raises(ValueError, match="--cpu-dot q8 only"):
+        qmatmul.qmatmul(x[:1], packed.q_a, "exact")
+    import ds4
+    exact = ds4.load(q2_tiny, weights="memory")
+    assert all(type(L.q_a) is QTensor for L in exact.model.layers) and type(exact.model.output) is QTensor

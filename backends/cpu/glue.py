@@ -637,7 +637,7 @@ def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, ep
                                            None if w_norm is None else w_norm.data_ptr(), width, eps, *angles,
                                            out.data_ptr())
     if rc:
-        raise ValueError(f"qmatmul_norm_rope: unsupported call ({w.qtype.name}, dot={dot})")
+        raise ValueError(f"qmatmul_norm_rope: unsupported call ({type_name(w)}, dot={dot})")
     return out
 
 
@@ -683,7 +683,7 @@ def attention_input(x: torch.Tensor, q_a: QTensor, q_a_norm: torch.Tensor | None
     if rc == 1:
         raise ValueError(f"attention_input: a slot is outside the cache's {cache.shape[0]} rows")
     if rc:
-        raise ValueError(f"attention_input: unsupported call ({q_a.qtype.name}, {kv.qtype.name}, {q_b.qtype.name}, "
+        raise ValueError(f"attention_input: unsupported call ({type_name(q_a)}, {type_name(kv)}, {type_name(q_b)}, "
                          f"dot={dot})")
     return q_lat, q, cache
 
@@ -765,7 +765,7 @@ def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
         rc = _lib().glue_attention_output(bound.args, kind_a, kind_b, o.data_ptr(), M, H, hd, cos.data_ptr(),
                                           sin.data_ptr(), cos.shape[-1], groups, rot, xs, u, kernels.threads())
     if rc:
-        raise ValueError(f"attention_output: unsupported call ({wa.qtype.name}, {wb.qtype.name}, dot={dot})")
+        raise ValueError(f"attention_output: unsupported call ({wa.qtype.name}, {type_name(wb)}, dot={dot})")
     return out
 
 
