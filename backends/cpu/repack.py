@@ -3,8 +3,8 @@ q8repack.c; docs/cpu.md, "Q4_K repacked at load (session 13)" and the two "Sever
 session 14): the whole groups of 16 rows rewritten in place, the same bytes in a layout the 8-bit kernels take 16 rows
 at a time. A repacked weight is a `RepackedQ4K`, `RepackedQ2K` or `RepackedQ8_0`, not a QTensor, so nothing that
 reads stored blocks (the exact kernels, dequantize, the reference backend) can be handed one by mistake: it has no
-`qtype`. The load repacks the routed experts' Q4_K and Q2_K stacks; Q8_0's layout is not used by the model yet (its
-M = 1 is slower)."""
+`qtype`. The load repacks the routed experts' Q4_K and Q2_K stacks and the trunk's 2-D Q8_0 weights (docs/cpu.md,
+"The repacked Q8_0 in the model (session 15)").
 from __future__ import annotations
 
 import ctypes
