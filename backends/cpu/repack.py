@@ -4,7 +4,7 @@ session 14): the whole groups of 16 rows rewritten in place, the same bytes in a
 at a time. A repacked weight is a `RepackedQ4K`, `RepackedQ2K` or `RepackedQ8_0`, not a QTensor, so nothing that
 reads stored blocks (the exact kernels, dequantize, the reference backend) can be handed one by mistake: it has no
 `qtype`. The load repacks the routed experts' Q4_K and Q2_K stacks and the trunk's 2-D Q8_0 weights (docs/cpu.md,
-"The repacked Q8_0 in the model (session 15)").
+"The repacked Q8_0 in the model (session 15)")."""
 from __future__ import annotations
 
 import ctypes
