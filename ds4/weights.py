@@ -109,23 +109,26 @@ def repack_experts(layers: list) -> None:
         layer.experts = repack.repack_experts(layer.experts)
 
 
-BLOCK_Q8_0 = ("q_a", "q_b", "kv", "output_b")      # a block's 2-D weights repack_q8_0 takes (Q8_0 in every ds4 mix)
+BLOCK_Q8_0 = ("q_a", "q_b", "kv", "output_a", "output_b")   # a block's 2-D weights repack_q8_0 takes (Q8_0 in
+                                                             # every ds4 mix)
 
 
 def repack_q8_0(model) -> None:
-    """Repack in place the 2-D Q8_0 weights the 8-bit row kernel reads of a trunk `model` (each block's `BLOCK_Q8_0`
-    and shared expert, and the LM head) for the 8-bit kernels (docs/cpu.md "The repacked Q8_0 in the model (session
-    15)"), under the same conditions as `repack_experts`; the grouped output projection (`output_a`, read as a stack
-    of groups) and the MTP head keep the stored blocks, as does a weight of fewer than 16 rows."""
+    """Repack in place the 2-D Q8_0 weights of a trunk `model` (each block's `BLOCK_Q8_0` and shared expert, and the
+    LM head) for the 8-bit kernels (docs/cpu.md "The repacked Q8_0 in the model (session 15)"), under the same
+    conditions as `repack_experts`; the MTP head keeps the stored blocks, as do a weight of fewer than 16 rows and a
+    grouped output projection whose groups (`o_lora_rank` rows each) are not whole groups of 16 rows."""
     from backends.cpu import repack
 
-    def repacked(w):
-        return repack.repack(w) if repack.repackable(w) and w.qtype.name == "Q8_0" and w.data.is_contiguous() else w
+    def repacked(w, rows: int = repack.GROUP):
+        """`w` repacked where it is a contiguous Q8_0 weight of groups of `rows` rows that are whole groups."""
+        ok = repack.repackable(w) and w.qtype.name == "Q8_0" and w.data.is_contiguous() and rows % repack.GROUP == 0
+        return repack.repack(w) if ok else w
 
     if not repack.worthwhile():
         return
     for layer in model.layers:
         for name in BLOCK_Q8_0:
-            setattr(layer, name, repacked(getattr(layer, name)))
+            setattr(layer, name, repacked(getattr(layer, name), model.args.o_lora_rank if name == "output_a" else 16))
         layer.shared = tuple(repacked(w) for w in layer.shared)
     model.output = repacked(model.output)

@@ -62,6 +62,25 @@ def test_repacked_equals_stored_for_every_m_and_thread_split(amx_from, threads_s
         repack.amx_from("Q8_0", before)
 
 
+def test_groups_as_a_stack_of_experts(threads_split):
+    """A 2-D repacked weight's groups of rows as a stack (the grouped output projection's: `groups_of`), each row
+    against its group (-1: none, 0): kernels.qdot8's bits on the stored stack, M = 1..16, 1 and 3 threads; one group
+    (`group_rows`) as a 2-D weight; groups that are not whole groups of 16 rows are refused."""
+    w, x = weight(4 * 48, 320), activations(16, 320)
+    r = repacked(w)
+    stack, stored = repack.groups_of(r, 4), QTensor(w.qtype, (4, 48, 320), w.data.reshape(4, 48, -1), "w")
+    ids = torch.tensor([3, 0, -1, 2, 1, 1, 0, 3, 2, -1, 0, 1, 2, 3, 3, 0])
+    for threads in (1, 3):
+        torch.set_num_threads(threads)
+        for M in range(1, 17):
+            assert torch.equal(repack.product(x[:M], stack, ids[:M]), kernels.qdot8(x[:M], stored, ids[:M])), M
+    group = QTensor(w.qtype, (48, 320), w.data[96:144], "w")
+    assert torch.equal(repack.product(x, repack.group_rows(r, 2, 4)), kernels.qdot8(x, group))
+    assert repack.groups_of(r, 8) is None
+    with pytest.raises(ValueError, match="not whole groups of 16 rows"):
+        repack.group_rows(r, 0, 8)
+
+
 def test_large_output_written_around_the_cache(threads_split):
     """An output of at least 1 MB (16 rows x 16400: q8repack.c streams whole groups' outputs past the cache, a group
     cut by a chunk stored as usual): kernels.qdot8's bits on 1 and 2 threads, with the tiles and the VNNI rows."""
@@ -88,7 +107,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="not a repackable"):
         repack.repack(QTensor(stack.qtype, (2, 16, 256), stack.data.reshape(2, 16, -1), "stack"))
     r = repacked(weight(16, 256))
-    with pytest.raises(ValueError, match="takes no experts"):
+    with pytest.raises(ValueError, match="2-D repacked Q8_0 weight takes no experts"):
         repack.product(torch.randn(2, 256), r, torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="at most 16 rows"):
         repack.product(torch.randn(17, 256), r)
@@ -118,9 +137,10 @@ def q2_tiny(tmp_path_factory) -> str:
 
 def test_model_on_repacked_q8_0_equals_mapped(q2_tiny, threads_split):
     """`--weights memory --cpu-dot q8` repacks the trunk's 2-D Q8_0 weights at load (each block's q_a, q_b, kv,
-    output_b, shared expert, and the LM head; not the grouped output_a): a 20-row prefill (chunks of 16 rows) and
+    output_a, output_b, shared expert, and the LM head): a 20-row prefill (chunks of 16 rows) and
     decode steps give the mapped weights' tokens and logits bit for bit; the weights' products (qmatmul, the fused
-    attention input and output, the shared expert) equal the stored weights' for M = 1..16 and 20 rows on 1, 2 and 3
+    attention input and output, the grouped output projection, the shared expert) equal the stored weights' for
+    M = 1..16 and 20 rows on 1, 2 and 3
     threads; the exact path keeps the stored blocks and a repacked weight refuses it."""
     from backends.cpu import ffn, fused, qmatmul
     from ds4.weights import BLOCK_Q8_0
@@ -129,7 +149,6 @@ def test_model_on_repacked_q8_0_equals_mapped(q2_tiny, threads_split):
     layers = copied.model.layers
     dense = [getattr(L, name) for L in layers for name in BLOCK_Q8_0] + [w for L in layers for w in L.shared]
     assert all(type(w) is repack.RepackedQ8_0 for w in [*dense, copied.model.output]) == repack.worthwhile()
-    assert all(type(L.output_a) is QTensor for L in layers)
     assert ids == ids2 and len(ids) == 5
     assert all(torch.equal(a, b) for a, b in zip(logits, logits2, strict=True))
     args, stored, packed = mapped.model.args, mapped.model.layers[1], layers[1]
@@ -143,6 +162,7 @@ def test_model_on_repacked_q8_0_equals_mapped(q2_tiny, threads_split):
                                         L.freqs, torch.zeros(32, hd), pos, dot="q8")
         return [qmatmul.qmatmul(x[:M], head, "q8"), *attn_in,
                 fused.attention_output(o[:M], pos, L.freqs, L.output_a, L.output_b, groups, "q8"),
+                qmatmul.grouped_qmatmul(o[:M].reshape(M, groups, -1), L.output_a, "q8"),
                 ffn.shared_expert(x[:M], *L.shared, L.shared_clamp, "q8")]
 
     for threads in (1, 2, 3):

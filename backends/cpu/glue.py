@@ -17,7 +17,7 @@ from ops.moe import Experts
 from ops.quants import QTensor
 
 from . import kernels
-from .repack import REPACKED, Repacked, layout_of, repacked_rows
+from .repack import REPACKED, Repacked, groups_of, layout_of, repacked_rows
 from .scratch import SCRATCH
 
 _bound: ctypes.CDLL | None = None
@@ -732,11 +732,12 @@ def group_ids(groups: int, M: int) -> torch.Tensor:
     return ids
 
 
-def bind_output(wa: QTensor, wb: QTensor, groups: int, dot: str) -> BoundProducts | None:
+def bind_output(wa: QTensor | Repacked, wb: QTensor | Repacked, groups: int, dot: str) -> BoundProducts | None:
     """attention_output's two products bound: the groups of `wa` as a stack of experts, then `wb`."""
     n, K = wa.shape[0] // groups, wa.shape[1]
-    stack = QTensor(wa.qtype, (groups, n, K), wa.data.reshape(groups, n, -1), wa.name)
-    return bind_products((stack, wb), (True, False), dot)
+    stack = groups_of(wa, groups) if type(wa) in REPACKED else QTensor(wa.qtype, (groups, n, K),
+                                                                       wa.data.reshape(groups, n, -1), wa.name)
+    return None if stack is None else bind_products((stack, wb), (True, False), dot)
 
 
 def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], wa: QTensor, wb: QTensor,
@@ -765,7 +766,7 @@ def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
         rc = _lib().glue_attention_output(bound.args, kind_a, kind_b, o.data_ptr(), M, H, hd, cos.data_ptr(),
                                           sin.data_ptr(), cos.shape[-1], groups, rot, xs, u, kernels.threads())
     if rc:
-        raise ValueError(f"attention_output: unsupported call ({wa.qtype.name}, {type_name(wb)}, dot={dot})")
+        raise ValueError(f"attention_output: unsupported call ({type_name(wa)}, {type_name(wb)}, dot={dot})")
     return out
 
 

@@ -212,15 +212,22 @@ static inline __attribute__((always_inline)) void groups_tiles(const int G, cons
 REPACK_SWITCHES(q8r, 6)
 
 /* y [M, N] rows [n0, n1) = x @ W.T for a Q8_0 weight whose whole groups q8r_repack rewrote (type Q8R_TYPE), the
- * activations `xq` from q8_quantize kind 1; the arguments as qdot8's, without experts (`experts` must be NULL).
- * A group cut by [n0, n1) is computed whole and only its rows inside stored. Returns -1 for a call it cannot serve,
- * -2 out of memory. */
+ * activations `xq` from q8_quantize kind 1; the arguments as qdot8's: with `experts`, row m against the weight
+ * experts[m] of a stack (expert_bytes apart; -1: another rank's, 0), each as a one-row call (the grouped output
+ * projection's groups, each N rows of whole groups). A group cut by [n0, n1) is computed whole and only its rows
+ * inside stored. Returns -1 for a call it cannot serve, -2 out of memory. */
 int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
              const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
-    (void)expert_bytes;
-    if (type != Q8R_TYPE || K % 32 || M < 1 || M > GROUP || experts != NULL) return -1;
+    if (type != Q8R_TYPE || K % 32 || M < 1 || M > GROUP) return -1;
     const uint8_t *x = xq;
     int64_t nb = K / 32, row_bytes = nb * Q8_0_BYTES;
+    for (int64_t m = 0; experts != NULL && m < M; m++) {
+        int rc = experts[m] < 0 ? 0 : q8r_rows(type, w + experts[m] * expert_bytes, 0, NULL, N, K, x + m * nb * XB, 1,
+                                               y + m * N, n0, n1);
+        for (int64_t n = n0; experts[m] < 0 && n < n1; n++) y[m * N + n] = 0.0f;
+        if (rc) return rc;
+    }
+    if (experts != NULL) return 0;
     int rc = stored_rows(8, w, 0, NULL, N, K, xq, M, y, n0, &n1);     /* past the last group */
     if (rc) return rc;
     if (n0 >= n1) return 0;

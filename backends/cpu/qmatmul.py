@@ -97,7 +97,8 @@ class BoundWeights(kernels.PerWeight):
 def bind(w: QTensor, dot: str, groups: int) -> kernels.Bound | None:
     """`w`'s bound product under `dot` (`BoundWeights.get`), None where the kernels do not serve it."""
     if type(w) in repack.REPACKED:
-        return repack.bind(w) if dot == "q8" and not groups and len(w.shape) == 2 and kernels.built() else None
+        stack = repack.groups_of(w, groups) if groups else w
+        return repack.bind(stack) if dot == "q8" and stack is not None and kernels.built() else None
     if type(w) is not QTensor or len(w.shape) != 2 or not kernels.built():
         return None
     (N, K), name = w.shape, w.qtype.name
@@ -177,7 +178,7 @@ def grouped_qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Te
     (and rounded, under q8) once; eagerly through the weight's bound call (`BOUND`, the same bits). `dot`: as in
     qmatmul."""
     if not torch.compiler.is_compiling() and x.dtype == torch.float32 and x.dim() == 3 and \
-            1 <= x.shape[0] * x.shape[1] <= kernels.MAX_ROWS and isinstance(w, QTensor):
+            1 <= x.shape[0] * x.shape[1] <= kernels.MAX_ROWS and isinstance(w, (QTensor, *repack.REPACKED)):
         M, groups, K = x.shape
         bound = BOUND.get(w, dot, groups)
         if bound is not None and K == bound.k and w.shape[0] == groups * bound.n:    # the bits of glue.products
@@ -186,6 +187,8 @@ def grouped_qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Te
             xs = x.transpose(0, 1).reshape(rows, K).contiguous()      # [G·M, K]: each group's rows together
             y = kernels.bound_product(bound, xs, BOUND.ids(groups, M), parts)
             return y.reshape(groups, M, bound.n).transpose(0, 1).reshape(M, groups * bound.n)
+    if type(w) in repack.REPACKED:
+        return repacked_grouped(x, w, dot)
     check_grouped(x, w)
     M, groups, K = x.shape
     n = w.shape[0] // groups
@@ -198,3 +201,23 @@ def grouped_qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Te
     calls = [(xs[g], group_rows(w, g, groups), None) for g in range(groups)]
     out = glue.products(calls, dot)
     return torch.cat(out if out is not None else [qmatmul(xg, wg, dot) for xg, wg, _ in calls], dim=1)
+
+
+def repacked_grouped(x: torch.Tensor, w: repack.RepackedQ8_0, dot: str) -> torch.Tensor:
+    """`grouped_qmatmul` for a 2-D weight repacked at load whose groups are whole groups of 16 rows (q8 only): up to
+    MAX_ROWS (group, row) pairs as one product over its groups as a stack, else each group's rows as a product of its
+    own (`glue.products`, `repacked_product`): the bits of the stored weight's."""
+    repack.require_q8(dot)
+    if x.dim() != 3 or len(w.shape) != 2 or x.shape[2] != w.shape[1] or repack.groups_of(w, x.shape[1]) is None:
+        raise ValueError(f"grouped_qmatmul: x {tuple(x.shape)} does not fit the repacked {w.name or 'weight'} "
+                         f"{tuple(w.shape)} (groups of whole groups of {repack.GROUP} rows)")
+    M, groups, K = x.shape
+    xs = x.to(torch.float32).transpose(0, 1).contiguous()     # [G, M, K]: each group's rows contiguous
+    if groups * M <= kernels.MAX_ROWS:
+        out = glue.products([(xs.reshape(groups * M, K), repack.groups_of(w, groups),
+                              torch.arange(groups).repeat_interleave(M))], dot)
+        if out is not None:
+            return out[0].reshape(groups, M, -1).transpose(0, 1).reshape(M, w.shape[0])
+    calls = [(xs[g], repack.group_rows(w, g, groups), None) for g in range(groups)]
+    out = glue.products(calls, dot)
+    return torch.cat(out if out is not None else [repacked_product(xg, wg, dot) for xg, wg, _ in calls], dim=1)
