@@ -2,6 +2,7 @@
 into anonymous memory with huge pages, which the CPU kernels read faster (docs/cpu.md "Weights in memory")."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ds4.errors import UsageError
@@ -132,3 +133,26 @@ def repack_q8_0(model) -> None:
             setattr(layer, name, repacked(getattr(layer, name), model.args.o_lora_rank if name == "output_a" else 16))
         layer.shared = tuple(repacked(w) for w in layer.shared)
     model.output = repacked(model.output)
+
+
+def repack_at_load(model) -> None:
+    """Both load-time repacks of a trunk `model` (`repack_experts`, `repack_q8_0`), where `ds4.load` makes them."""
+    repack_experts(model.layers)
+    repack_q8_0(model)
+
+
+def unpack_all(model) -> None:
+    """Every weight of a trunk `model` that `repack_at_load` repacked rewritten back into its stored blocks, in place
+    (a file read into memory whose bytes another model reads afterwards, as `bench.py cpu --full-layers` does)."""
+    from backends.cpu import repack
+
+    def stored(w):
+        return repack.unpack(w) if type(w) in repack.REPACKED else w
+
+    for layer in model.layers:
+        ex = layer.experts
+        layer.experts = dataclasses.replace(ex, gate=stored(ex.gate), up=stored(ex.up), down=stored(ex.down))
+        for name in BLOCK_Q8_0:
+            setattr(layer, name, stored(getattr(layer, name)))
+        layer.shared = tuple(stored(w) for w in layer.shared)
+    model.output = stored(model.output)

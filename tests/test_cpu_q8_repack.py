@@ -175,3 +175,22 @@ def test_model_on_repacked_q8_0_equals_mapped(q2_tiny, threads_split):
     import ds4
     exact = ds4.load(q2_tiny, weights="memory")
     assert all(type(L.q_a) is QTensor for L in exact.model.layers) and type(exact.model.output) is QTensor
+
+
+def test_full_width_bench_repacks_as_load_and_restores(q2_tiny, monkeypatch):
+    """`bench.py cpu --full-layers` on a file read into memory under q8 makes ds4.load's repacks for its run
+    (`full_width.as_loaded`) and rewrites the file's bytes back after, so an exact run on the same opened file reads
+    the stored blocks; a mapped file is never repacked."""
+    from ds4.bench import full_width
+    from ds4.formats import gguf
+    seen = []
+    monkeypatch.setattr(full_width, "greedy", lambda s, out: seen.append(type(s.model.output)) or int(out.argmax()))
+    f = gguf.open(q2_tiny, "memory")
+    stored = {name: f.raw(name).data.clone() for name in f.tensors}
+    for dot in ("q8", "exact"):
+        full_width.run_ds4(f, [3, 4, 5], 2, dot)
+        assert all(torch.equal(f.raw(name).data, data) for name, data in stored.items()), dot
+    assert (seen[0] is repack.RepackedQ8_0) == repack.worthwhile() and seen[-1] is QTensor   # the q8 run, the exact
+    mapped = gguf.open(q2_tiny)
+    full_width.run_ds4(mapped, [3, 4, 5], 1, "q8")
+    assert seen[-1] is QTensor
