@@ -258,7 +258,7 @@ def rows(a) -> list[dict]:
         prompt = torch.randint(0, vocab, (a.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
         if a.op_times:
             try:
-                for weights in a.weights:
+                for weights in a.weights or ["mmap"]:
                     f, _ = open_timed(path, weights)
                     for threads in a.threads:
                         kernels.set_threads(threads)
@@ -272,7 +272,7 @@ def rows(a) -> list[dict]:
         times: dict[tuple[str, str, int], list[Timing]] = {}
         try:
             for r in range(a.rounds + 1):          # round 0 warms up (page cache, kernels) and is not counted
-                for weights in a.weights:
+                for weights in a.weights or ["mmap"]:
                     f, load_s = open_timed(path, weights)
                     for threads in a.threads:
                         kernels.set_threads(threads)
