@@ -25,7 +25,7 @@ from ds4.session import Session, check_cuda_graphs, check_size, step_graphs
 from ds4.speculative import SpecMetrics, check_draft, generate_ids
 from ds4.tiny import DEFAULT_MODEL_DIR
 from ds4.tokenizer import StreamDecoder, Tokenizer
-from ds4.weights import WeightsReport, mem_available, plan, repack_experts
+from ds4.weights import WeightsReport, mem_available, plan, repack_at_load
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
@@ -362,7 +362,7 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
         gguf.check_architecture(f, keys=())
         model = open_model(f, opset, **switches)
         if how.mode == "memory" and cpu_dot == "q8" and not compile and str(opset.device).startswith("cpu"):
-            repack_experts(model.layers)
+            repack_at_load(model)
         bar.update()
         try:
             tokenizer = Tokenizer.from_metadata(f.metadata)

@@ -22,6 +22,7 @@ import safetensors
 import safetensors.torch
 import torch
 
+from backends.cpu.repack import REPACKED, layout_of
 from ds4.errors import SessionFileError, UsageError
 from ds4.formats.gguf import _raise_on_termination, remove_stale_temps
 from ops.quants import QTensor
@@ -35,7 +36,9 @@ HEADER_FIELDS = {"layout": dict, "model_id": str | None, "ctx": int, "prefill_ch
 
 
 def tensor_types(root: Any) -> str:
-    """SHA-256 of every quantized weight's name, quant type and shape reachable from a model or MTP head."""
+    """SHA-256 of every quantized weight's name, quant type and shape reachable from a model or MTP head; a weight
+    repacked at load (backends/cpu/repack.py: the stored bytes in another layout) counts as its stored type, so a
+    session saved under `--weights memory --cpu-dot q8` loads in a mapped or exact run and the other way round."""
     seen, found, todo = set(), [], [vars(root)]
     while todo:
         item = todo.pop()
@@ -44,6 +47,8 @@ def tensor_types(root: Any) -> str:
         seen.add(id(item))
         if isinstance(item, QTensor):
             found.append(f"{item.name}:{item.qtype.name}:{tuple(item.shape)}")
+        elif type(item) in REPACKED:
+            found.append(f"{item.name}:{layout_of(item).qtype}:{tuple(item.shape)}")
         elif isinstance(item, dict):
             todo.extend(v for k, v in item.items() if k not in ("trunk", "ops"))
         elif isinstance(item, list | tuple):

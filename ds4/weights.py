@@ -2,6 +2,7 @@
 into anonymous memory with huge pages, which the CPU kernels read faster (docs/cpu.md "Weights in memory")."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ds4.errors import UsageError
@@ -108,3 +109,51 @@ def repack_experts(layers: list) -> None:
         return
     for layer in layers:
         layer.experts = repack.repack_experts(layer.experts)
+
+
+BLOCK_Q8_0 = ("q_a", "q_b", "kv", "output_a", "output_b")   # a block's 2-D weights repack_q8_0 takes (Q8_0 in
+                                                             # every ds4 mix)
+
+
+def repack_q8_0(model) -> None:
+    """Repack in place the 2-D Q8_0 weights of a trunk `model` (each block's `BLOCK_Q8_0` and shared expert, and the
+    LM head) for the 8-bit kernels (docs/cpu.md "The repacked Q8_0 in the model (session 15)"), under the same
+    conditions as `repack_experts`; the MTP head keeps the stored blocks, as do a weight of fewer than 16 rows and a
+    grouped output projection whose groups (`o_lora_rank` rows each) are not whole groups of 16 rows."""
+    from backends.cpu import repack
+
+    def repacked(w, rows: int = repack.GROUP):
+        """`w` repacked where it is a contiguous Q8_0 weight of groups of `rows` rows that are whole groups."""
+        ok = repack.repackable(w) and w.qtype.name == "Q8_0" and w.data.is_contiguous() and rows % repack.GROUP == 0
+        return repack.repack(w) if ok else w
+
+    if not repack.worthwhile():
+        return
+    for layer in model.layers:
+        for name in BLOCK_Q8_0:
+            setattr(layer, name, repacked(getattr(layer, name), model.args.o_lora_rank if name == "output_a" else 16))
+        layer.shared = tuple(repacked(w) for w in layer.shared)
+    model.output = repacked(model.output)
+
+
+def repack_at_load(model) -> None:
+    """Both load-time repacks of a trunk `model` (`repack_experts`, `repack_q8_0`), where `ds4.load` makes them."""
+    repack_experts(model.layers)
+    repack_q8_0(model)
+
+
+def unpack_all(model) -> None:
+    """Every weight of a trunk `model` that `repack_at_load` repacked rewritten back into its stored blocks, in place
+    (a file read into memory whose bytes another model reads afterwards, as `bench.py cpu --full-layers` does)."""
+    from backends.cpu import repack
+
+    def stored(w):
+        return repack.unpack(w) if type(w) in repack.REPACKED else w
+
+    for layer in model.layers:
+        ex = layer.experts
+        layer.experts = dataclasses.replace(ex, gate=stored(ex.gate), up=stored(ex.up), down=stored(ex.down))
+        for name in BLOCK_Q8_0:
+            setattr(layer, name, stored(getattr(layer, name)))
+        layer.shared = tuple(stored(w) for w in layer.shared)
+    model.output = stored(model.output)

@@ -59,3 +59,16 @@ def test_random_flash_layer_has_the_stored_types_and_bytes():
     flat = experts.data.reshape(-1, experts.data.shape[-1])    # large: seed rows repeated down the tensor
     assert torch.equal(flat[64:128], flat[:64]) and not torch.equal(flat[1], flat[0])
     assert PassCost(args, "q2").target_pass(1) > 0
+
+
+def test_bench_model_repacks_as_load_does(capsys, monkeypatch):
+    """On the CPU under --cpu-dot q8 the random weights (in this process's memory) get ds4.load's load-time repacks;
+    the exact run gets none."""
+    from ds4.bench import model
+    calls = []
+    monkeypatch.setattr(model, "repack_at_load", lambda m: calls.append(m.ops.cpu_dot))
+    for dot in ("q8", "exact"):
+        load_bench().main(["model", "--tiny", "--layers", "1", "--prompt", "3", "--decode", "1", "--backend", "cpu",
+                           "--cpu-dot", dot, "--csv", "--reps", "1"])
+    assert calls == ["q8"]
+    assert capsys.readouterr().out.count("\ncpu,q2,1,3,") == 2     # both runs' rows

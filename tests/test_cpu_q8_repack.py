@@ -62,6 +62,25 @@ def test_repacked_equals_stored_for_every_m_and_thread_split(amx_from, threads_s
         repack.amx_from("Q8_0", before)
 
 
+def test_groups_as_a_stack_of_experts(threads_split):
+    """A 2-D repacked weight's groups of rows as a stack (the grouped output projection's: `groups_of`), each row
+    against its group (-1: none, 0): kernels.qdot8's bits on the stored stack, M = 1..16, 1 and 3 threads; one group
+    (`group_rows`) as a 2-D weight; groups that are not whole groups of 16 rows are refused."""
+    w, x = weight(4 * 48, 320), activations(16, 320)
+    r = repacked(w)
+    stack, stored = repack.groups_of(r, 4), QTensor(w.qtype, (4, 48, 320), w.data.reshape(4, 48, -1), "w")
+    ids = torch.tensor([3, 0, -1, 2, 1, 1, 0, 3, 2, -1, 0, 1, 2, 3, 3, 0])
+    for threads in (1, 3):
+        torch.set_num_threads(threads)
+        for M in range(1, 17):
+            assert torch.equal(repack.product(x[:M], stack, ids[:M]), kernels.qdot8(x[:M], stored, ids[:M])), M
+    group = QTensor(w.qtype, (48, 320), w.data[96:144], "w")
+    assert torch.equal(repack.product(x, repack.group_rows(r, 2, 4)), kernels.qdot8(x, group))
+    assert repack.groups_of(r, 8) is None
+    with pytest.raises(ValueError, match="not whole groups of 16 rows"):
+        repack.group_rows(r, 0, 8)
+
+
 def test_large_output_written_around_the_cache(threads_split):
     """An output of at least 1 MB (16 rows x 16400: q8repack.c streams whole groups' outputs past the cache, a group
     cut by a chunk stored as usual): kernels.qdot8's bits on 1 and 2 threads, with the tiles and the VNNI rows."""
@@ -88,7 +107,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="not a repackable"):
         repack.repack(QTensor(stack.qtype, (2, 16, 256), stack.data.reshape(2, 16, -1), "stack"))
     r = repacked(weight(16, 256))
-    with pytest.raises(ValueError, match="takes no experts"):
+    with pytest.raises(ValueError, match="2-D repacked Q8_0 weight takes no experts"):
         repack.product(torch.randn(2, 256), r, torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="at most 16 rows"):
         repack.product(torch.randn(17, 256), r)
@@ -105,3 +124,73 @@ def test_build_without_avx512(tmp_path, monkeypatch):
     r = repacked(w)
     for M in (1, 2, 16):
         assert torch.equal(repack.product(x[:M], r), expected[:M]), (flags, M)
+
+
+@pytest.fixture(scope="module")
+def q2_tiny(tmp_path_factory) -> str:
+    """A tiny random model in ds4's q2 mix (Q8_0 attention, shared expert and LM head, rows of 256 values)."""
+    from ds4.tiny.build import write_tiny
+    path = str(tmp_path_factory.mktemp("q2") / "tiny-q2.gguf")
+    write_tiny(path, mix="q2", dim=256, moe_inter_dim=256, n_layers=2, n_hash_layers=1, compress_ratios=(0, 4))
+    return path
+
+
+def test_model_on_repacked_q8_0_equals_mapped(q2_tiny, threads_split):
+    """`--weights memory --cpu-dot q8` repacks the trunk's 2-D Q8_0 weights at load (each block's q_a, q_b, kv,
+    output_a, output_b, shared expert, and the LM head): a 20-row prefill (chunks of 16 rows) and
+    decode steps give the mapped weights' tokens and logits bit for bit; the weights' products (qmatmul, the fused
+    attention input and output, the grouped output projection, the shared expert) equal the stored weights' for
+    M = 1..16 and 20 rows on 1, 2 and 3
+    threads; the exact path keeps the stored blocks and a repacked weight refuses it."""
+    from backends.cpu import ffn, fused, qmatmul
+    from ds4.weights import BLOCK_Q8_0
+    ids, logits, mapped = helpers.run(q2_tiny, "mmap")
+    ids2, logits2, copied = helpers.run(q2_tiny, "memory")
+    layers = copied.model.layers
+    dense = [getattr(L, name) for L in layers for name in BLOCK_Q8_0] + [w for L in layers for w in L.shared]
+    assert all(type(w) is repack.RepackedQ8_0 for w in [*dense, copied.model.output]) == repack.worthwhile()
+    assert ids == ids2 and len(ids) == 5
+    assert all(torch.equal(a, b) for a, b in zip(logits, logits2, strict=True))
+    args, stored, packed = mapped.model.args, mapped.model.layers[1], layers[1]
+    hd, g = args.head_dim, torch.Generator().manual_seed(3)
+    x, o = torch.randn(20, args.dim, generator=g), torch.randn(20, args.n_heads, hd, generator=g)
+    groups = stored.output_a.shape[0] // args.o_lora_rank
+
+    def products(L, M: int, head) -> list[torch.Tensor]:
+        pos = torch.arange(M)
+        attn_in = fused.attention_input(x[:M], L.q_a, L.q_a_norm, L.q_b, L.kv, L.kv_norm, args.rms_eps, hd, pos,
+                                        L.freqs, torch.zeros(32, hd), pos, dot="q8")
+        return [qmatmul.qmatmul(x[:M], head, "q8"), *attn_in,
+                fused.attention_output(o[:M], pos, L.freqs, L.output_a, L.output_b, groups, "q8"),
+                qmatmul.grouped_qmatmul(o[:M].reshape(M, groups, -1), L.output_a, "q8"),
+                ffn.shared_expert(x[:M], *L.shared, L.shared_clamp, "q8")]
+
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        for M in (*range(1, 17), 20) if threads == 1 else (1, 3, 16, 20):
+            expected, got = products(stored, M, mapped.model.output), products(packed, M, copied.model.output)
+            assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), (threads, M)
+    with pytest.raises(ValueError, match="--cpu-dot q8 only"):
+        qmatmul.qmatmul(x[:1], packed.q_a, "exact")
+    import ds4
+    exact = ds4.load(q2_tiny, weights="memory")
+    assert all(type(L.q_a) is QTensor for L in exact.model.layers) and type(exact.model.output) is QTensor
+
+
+def test_full_width_bench_repacks_as_load_and_restores(q2_tiny, monkeypatch):
+    """`bench.py cpu --full-layers` on a file read into memory under q8 makes ds4.load's repacks for its run
+    (`full_width.as_loaded`) and rewrites the file's bytes back after, so an exact run on the same opened file reads
+    the stored blocks; a mapped file is never repacked."""
+    from ds4.bench import full_width
+    from ds4.formats import gguf
+    seen = []
+    monkeypatch.setattr(full_width, "greedy", lambda s, out: seen.append(type(s.model.output)) or int(out.argmax()))
+    f = gguf.open(q2_tiny, "memory")
+    stored = {name: f.raw(name).data.clone() for name in f.tensors}
+    for dot in ("q8", "exact"):
+        full_width.run_ds4(f, [3, 4, 5], 2, dot)
+        assert all(torch.equal(f.raw(name).data, data) for name, data in stored.items()), dot
+    assert (seen[0] is repack.RepackedQ8_0) == repack.worthwhile() and seen[-1] is QTensor   # the q8 run, the exact
+    mapped = gguf.open(q2_tiny)
+    full_width.run_ds4(mapped, [3, 4, 5], 1, "q8")
+    assert seen[-1] is QTensor

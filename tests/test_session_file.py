@@ -15,6 +15,7 @@ from ds4.tiny.build import tiny_model_weights
 from models.args import ModelArgs
 from models.deepseek_v4 import DeepseekV4
 from models.mtp import MTPHead
+from ops.quants import QTensor
 
 CTX, CHUNK = 96, 8
 TORCH = OpSet("torch")
@@ -224,3 +225,39 @@ def test_mlx_session_round_trip_and_portability(tiny_gguf, tmp_path):
     assert_same_state(a, b)
     on_torch = ds4.load(*tiny_gguf, backend="torch", ctx=CTX, prefill_chunk=CHUNK).session_from_file(tmp_path / "s")
     assert on_torch.tokens == prompt(20)
+
+
+@pytest.fixture(scope="module")
+def q2_tiny(tmp_path_factory) -> str:
+    """A tiny random model in ds4's q2 mix with rows of 256 values, so `--weights memory --cpu-dot q8` repacks its
+    Q8_0 weights and Q2_K experts at load."""
+    from ds4.tiny.build import write_tiny
+    path = str(tmp_path_factory.mktemp("q2") / "tiny-q2.gguf")
+    write_tiny(path, mix="q2", dim=256, moe_inter_dim=256, n_layers=2, n_hash_layers=1, compress_ratios=(0, 4))
+    return path
+
+
+def test_session_moves_between_repacked_and_stored_weights(q2_tiny, tmp_path):
+    """A session saved with the weights repacked at load (`--weights memory --cpu-dot q8`) loads on the mapped exact
+    model and the other way round (the fingerprint counts a repacked weight as its stored type); a model of other
+    tensor types, repacked too, still refuses it."""
+    import ds4
+    from backends.cpu import repack
+    repacked = ds4.load(q2_tiny, weights="memory", cpu_dot="q8", ctx=CTX, prefill_chunk=CHUNK)
+    stored = ds4.load(q2_tiny, weights="mmap", ctx=CTX, prefill_chunk=CHUNK)
+    experts = repacked.model.layers[1].experts
+    assert (type(repacked.model.output), type(experts.down)) == ((repack.RepackedQ8_0, repack.RepackedQ2K)
+                                                                  if repack.worthwhile() else (QTensor, QTensor))
+    assert session_file.tensor_types(repacked.model) == session_file.tensor_types(stored.model)
+    for saver, loader in ((repacked, stored), (stored, repacked)):
+        a = saver.session()
+        a.prefill(prompt(20))
+        a.save(tmp_path / "s")
+        b = loader.session_from_file(tmp_path / "s")
+        assert b.tokens == prompt(20) and torch.equal(a.last_logits, b.last_logits)
+        assert b.decode(7).shape == a.decode(7).shape and b.pos == a.pos == 21
+    other = str(tmp_path / "tiny-q4.gguf")
+    from ds4.tiny.build import write_tiny
+    write_tiny(other, mix="q4", dim=256, moe_inter_dim=256, n_layers=2, n_hash_layers=1, compress_ratios=(0, 4))
+    with pytest.raises(SessionFileError, match="other tensor types"):
+        ds4.load(other, weights="memory", cpu_dot="q8", ctx=CTX, prefill_chunk=CHUNK).session_from_file(tmp_path / "s")

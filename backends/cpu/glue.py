@@ -17,7 +17,7 @@ from ops.moe import Experts
 from ops.quants import QTensor
 
 from . import kernels
-from .repack import REPACKED, Repacked, layout_of, repacked_rows
+from .repack import REPACKED, Repacked, groups_of, layout_of, repacked_rows
 from .scratch import SCRATCH
 
 _bound: ctypes.CDLL | None = None
@@ -657,7 +657,7 @@ def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, ep
                                            None if w_norm is None else w_norm.data_ptr(), width, eps, *angles,
                                            out.data_ptr())
     if rc:
-        raise ValueError(f"qmatmul_norm_rope: unsupported call ({w.qtype.name}, dot={dot})")
+        raise ValueError(f"qmatmul_norm_rope: unsupported call ({type_name(w)}, dot={dot})")
     return out
 
 
@@ -703,7 +703,7 @@ def attention_input(x: torch.Tensor, q_a: QTensor, q_a_norm: torch.Tensor | None
     if rc == 1:
         raise ValueError(f"attention_input: a slot is outside the cache's {cache.shape[0]} rows")
     if rc:
-        raise ValueError(f"attention_input: unsupported call ({q_a.qtype.name}, {kv.qtype.name}, {q_b.qtype.name}, "
+        raise ValueError(f"attention_input: unsupported call ({type_name(q_a)}, {type_name(kv)}, {type_name(q_b)}, "
                          f"dot={dot})")
     return q_lat, q, cache
 
@@ -752,11 +752,12 @@ def group_ids(groups: int, M: int) -> torch.Tensor:
     return ids
 
 
-def bind_output(wa: QTensor, wb: QTensor, groups: int, dot: str) -> BoundProducts | None:
+def bind_output(wa: QTensor | Repacked, wb: QTensor | Repacked, groups: int, dot: str) -> BoundProducts | None:
     """attention_output's two products bound: the groups of `wa` as a stack of experts, then `wb`."""
     n, K = wa.shape[0] // groups, wa.shape[1]
-    stack = QTensor(wa.qtype, (groups, n, K), wa.data.reshape(groups, n, -1), wa.name)
-    return bind_products((stack, wb), (True, False), dot)
+    stack = groups_of(wa, groups) if type(wa) in REPACKED else QTensor(wa.qtype, (groups, n, K),
+                                                                       wa.data.reshape(groups, n, -1), wa.name)
+    return None if stack is None else bind_products((stack, wb), (True, False), dot)
 
 
 def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], wa: QTensor, wb: QTensor,
@@ -785,7 +786,7 @@ def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
         rc = _lib().glue_attention_output(bound.args, kind_a, kind_b, o.data_ptr(), M, H, hd, cos.data_ptr(),
                                           sin.data_ptr(), cos.shape[-1], groups, rot, xs, u, kernels.threads())
     if rc:
-        raise ValueError(f"attention_output: unsupported call ({wa.qtype.name}, {wb.qtype.name}, dot={dot})")
+        raise ValueError(f"attention_output: unsupported call ({type_name(wa)}, {type_name(wb)}, dot={dot})")
     return out
 
 

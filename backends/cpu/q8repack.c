@@ -79,39 +79,48 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 #define STREAM_BYTES (1 << 20)  /* outputs at least this large are written around the cache (whole groups): their
                                  * line fills stalled the stores (docs/cpu.md, session 14) */
 
-/* Block b (of nb) of the group at g against R activation rows (R = 1..4; row r's blocks at x[r], 128 sum(x) of its
- * blocks at sx[r]): `(w + 128) . x` by `vpdpbusd` with 4 activation bytes broadcast, the value vectors loaded once
- * for the R rows, less 128 sum(x); adds each row's term to acc[r] (lane n: weight row n). */
-static inline __attribute__((always_inline)) void block_rows(const int R, const uint8_t *g, int64_t b, int64_t nb,
-                                                             const uint8_t *const *x, const int32_t *const *sx,
-                                                             __m512 *acc) {
+/* Block b (of nb) of G groups (1..4) against R activation rows (R = 1..4; row r's blocks at x[r], 128 sum(x) of its
+ * blocks at sx[r]): `(w + 128) . x` by `vpdpbusd` with 4 activation bytes broadcast, less 128 sum(x); the groups'
+ * value vectors taken a line of each group in turn (the G streams read a line at a time each, as qdot8.c reads its
+ * four rows: whole 544-byte blocks of one group after another measured 2-5% slower at M = 1 on 35.7 MB weights),
+ * each line prefetched once, AHEAD bytes ahead in its stream, and loaded once for the R rows; adds each row's term
+ * to acc[i][m + r] (lane n: group i, weight row n). */
+static inline __attribute__((always_inline)) void blocks_rows(const int G, const int R, const uint8_t *const *g,
+        int64_t b, int64_t nb, const uint8_t *const *x, const int32_t *const *sx, __m512 (*acc)[GROUP], int64_t m) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512i s0[4], s1[4];
-    for (int r = 0; r < R; r++) s0[r] = _mm512_set1_epi32(-sx[r][b]), s1[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int k = 0; k < 8; k += 2) {
-        __m512i q0 = _mm512_xor_si512(_mm512_loadu_si512(g + values_at(b) + 64 * k), flip);
-        __m512i q1 = _mm512_xor_si512(_mm512_loadu_si512(g + values_at(b) + 64 + 64 * k), flip);
+    __m512i s[4][4];
+    const int64_t v = values_at(b), d = scales_at(b, nb);
+    for (int i = 0; i < G; i++)
+        for (int r = 0; r < R; r++) s[i][r] = _mm512_set1_epi32(-sx[r][b]);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        __m512i xk[4];
         for (int r = 0; r < R; r++) {
-            int32_t x0, x1;
+            int32_t x0;
             memcpy(&x0, x[r] + b * XB + 4 + 4 * k, 4);
-            memcpy(&x1, x[r] + b * XB + 8 + 4 * k, 4);
-            s0[r] = _mm512_dpbusd_epi32(s0[r], q0, _mm512_set1_epi32(x0));
-            s1[r] = _mm512_dpbusd_epi32(s1[r], q1, _mm512_set1_epi32(x1));
+            xk[r] = _mm512_set1_epi32(x0);
+        }
+        for (int i = 0; i < G; i++) {
+            _mm_prefetch((const char *)g[i] + v + 64 * k + AHEAD, _MM_HINT_T0);
+            __m512i q = _mm512_xor_si512(_mm512_loadu_si512(g[i] + v + 64 * k), flip);
+            for (int r = 0; r < R; r++) s[i][r] = _mm512_dpbusd_epi32(s[i][r], q, xk[r]);
         }
     }
-    __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + scales_at(b, nb))));
-    for (int r = 0; r < R; r++) {
-        float dx;
-        memcpy(&dx, x[r] + b * XB, 4);
-        __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r]));
-        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx)), isum));
+    for (int i = 0; i < G; i++) {
+        if (b % 2 || b + 1 == nb) _mm_prefetch((const char *)g[i] + d + AHEAD, _MM_HINT_T0);
+        __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g[i] + d)));
+        for (int r = 0; r < R; r++) {
+            float dx;
+            memcpy(&dx, x[r] + b * XB, 4);
+            __m512 isum = _mm512_cvtepi32_ps(s[i][r]);
+            acc[i][m + r] = _mm512_add_ps(acc[i][m + r], _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx)), isum));
+        }
     }
 }
 
 /* G groups (1..4: as many streams of the weight fetched at once, as qdot8.c's own_rows4_q8) against M activation
- * rows, block after block, each group's block four activation rows at a time sharing each load (the rest 1..3 at a
- * time); acc[i][m] lane n: group i, activation row m, weight row n. */
+ * rows, block after block, four activation rows at a time (the rest 1..3 at a time); acc[i][m] lane n: group i,
+ * activation row m, weight row n. */
 static inline __attribute__((always_inline)) void groups_rows(const int G, const uint8_t *const *g, int64_t nb,
         const uint8_t *x, const int32_t *sx, int64_t M, __m512 (*acc)[GROUP]) {
     const uint8_t *xs[GROUP];
@@ -119,19 +128,16 @@ static inline __attribute__((always_inline)) void groups_rows(const int G, const
     for (int64_t m = 0; m < M; m++) xs[m] = x + m * nb * XB, ss[m] = sx + m * nb;
     for (int i = 0; i < G; i++)
         for (int64_t m = 0; m < M; m++) acc[i][m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++)
-        for (int i = 0; i < G; i++) {
-            const uint8_t *gb = g[i] + b * GB;
-            for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T0);
-            int64_t m = 0;
-            for (; m + 4 <= M; m += 4) block_rows(4, g[i], b, nb, xs + m, ss + m, acc[i] + m);
-            switch (M - m) {
-            case 3: block_rows(3, g[i], b, nb, xs + m, ss + m, acc[i] + m); break;
-            case 2: block_rows(2, g[i], b, nb, xs + m, ss + m, acc[i] + m); break;
-            case 1: block_rows(1, g[i], b, nb, xs + m, ss + m, acc[i] + m); break;
-            default: break;
-            }
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) blocks_rows(G, 4, g, b, nb, xs + m, ss + m, acc, m);
+        switch (M - m) {
+        case 3: blocks_rows(G, 3, g, b, nb, xs + m, ss + m, acc, m); break;
+        case 2: blocks_rows(G, 2, g, b, nb, xs + m, ss + m, acc, m); break;
+        case 1: blocks_rows(G, 1, g, b, nb, xs + m, ss + m, acc, m); break;
+        default: break;
         }
+    }
 }
 
 /* 128 sum(x) of every activation block (vpdpbusd's offset for the weight's values + 128). */
@@ -206,15 +212,22 @@ static inline __attribute__((always_inline)) void groups_tiles(const int G, cons
 REPACK_SWITCHES(q8r, 6)
 
 /* y [M, N] rows [n0, n1) = x @ W.T for a Q8_0 weight whose whole groups q8r_repack rewrote (type Q8R_TYPE), the
- * activations `xq` from q8_quantize kind 1; the arguments as qdot8's, without experts (`experts` must be NULL).
- * A group cut by [n0, n1) is computed whole and only its rows inside stored. Returns -1 for a call it cannot serve,
- * -2 out of memory. */
+ * activations `xq` from q8_quantize kind 1; the arguments as qdot8's: with `experts`, row m against the weight
+ * experts[m] of a stack (expert_bytes apart; -1: another rank's, 0), each as a one-row call (the grouped output
+ * projection's groups, each N rows of whole groups). A group cut by [n0, n1) is computed whole and only its rows
+ * inside stored. Returns -1 for a call it cannot serve, -2 out of memory. */
 int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
              const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
-    (void)expert_bytes;
-    if (type != Q8R_TYPE || K % 32 || M < 1 || M > GROUP || experts != NULL) return -1;
+    if (type != Q8R_TYPE || K % 32 || M < 1 || M > GROUP) return -1;
     const uint8_t *x = xq;
     int64_t nb = K / 32, row_bytes = nb * Q8_0_BYTES;
+    for (int64_t m = 0; experts != NULL && m < M; m++) {
+        int rc = experts[m] < 0 ? 0 : q8r_rows(type, w + experts[m] * expert_bytes, 0, NULL, N, K, x + m * nb * XB, 1,
+                                               y + m * N, n0, n1);
+        for (int64_t n = n0; experts[m] < 0 && n < n1; n++) y[m * N + n] = 0.0f;
+        if (rc) return rc;
+    }
+    if (experts != NULL) return 0;
     int rc = stored_rows(8, w, 0, NULL, N, K, xq, M, y, n0, &n1);     /* past the last group */
     if (rc) return rc;
     if (n0 >= n1) return 0;

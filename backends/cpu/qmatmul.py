@@ -23,6 +23,9 @@
   (backends/cpu/qdot8.c, reference ops/q8_activations.py); for larger M, Q8_0 weights take the 8-bit GEMM
   (backends/cpu/qgemm8.c) on AMX, AVX-512 VNNI or AVX2 (its plain C path is slower than the tiles); everything else
   as above.
+- Q8_0 weights repacked at load (`repack.RepackedQ8_0`: `--cpu-dot q8` with the weights in memory) take their own
+  row kernel (backends/cpu/q8repack.c), MAX_ROWS rows a call: the bits of qdot8 and, for more than SMALL_M rows,
+  of qgemm8 on the stored weight (both add whole blocks in order, ops/q8_activations.py).
 - For M <= SMALL_M every path is batch-invariant without a loop over rows: the kernel does the same
   arithmetic for each row whatever M is, and dense products run in fixed groups of rows
   (`rows.grouped_product`), so row r of an M-row call equals the 1-row call bit for bit.
@@ -37,7 +40,7 @@ from ops.grouped_qmatmul import check_grouped, group_rows
 from ops.qmatmul import SMALL_M, check_args
 from ops.quants import QTensor
 
-from . import glue, kernels
+from . import glue, kernels, repack
 
 # Types qgemv.c does not read: served by the reference dequantizer, one tile at a time (qmatmul, moe,
 # shared_expert; correct and batch-invariant, but each decode step dequantizes the weight).
@@ -93,6 +96,9 @@ class BoundWeights(kernels.PerWeight):
 
 def bind(w: QTensor, dot: str, groups: int) -> kernels.Bound | None:
     """`w`'s bound product under `dot` (`BoundWeights.get`), None where the kernels do not serve it."""
+    if type(w) in repack.REPACKED:
+        stack = repack.groups_of(w, groups) if groups else w
+        return repack.bind(stack) if dot == "q8" and stack is not None and kernels.built() else None
     if type(w) is not QTensor or len(w.shape) != 2 or not kernels.built():
         return None
     (N, K), name = w.shape, w.qtype.name
@@ -112,14 +118,16 @@ BOUND = BoundWeights()
 
 
 @register("qmatmul", "cpu", batch_invariant=True)
-def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
+def qmatmul(x: torch.Tensor, w: QTensor | repack.RepackedQ8_0, dot: str = "exact") -> torch.Tensor:
     """`x @ W.T` in float32; `dot="q8"`: the types qdot8.c (M <= SMALL_M) or qgemm8.c (larger M, not plain C) reads,
-    with activations rounded to 8 bits. Eager calls of up to SMALL_M contiguous float32 rows take the weight's bound
-    kernel call (`BOUND`: the same kernel, the same bits)."""
+    with activations rounded to 8 bits, and Q8_0 weights repacked at load (`repacked_product`). Eager calls of up to
+    SMALL_M contiguous float32 rows take the weight's bound kernel call (`BOUND`: the same kernel, the same bits)."""
     if not torch.compiler.is_compiling() and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= SMALL_M:
-        bound = BOUND.get(w, dot) if isinstance(w, QTensor) else None
+        bound = BOUND.get(w, dot) if isinstance(w, (QTensor, *repack.REPACKED)) else None
         if bound is not None and x.shape[1] == bound.k and x.is_contiguous() and w.shape[0] == bound.n:
             return kernels.bound_product(bound, x)
+    if type(w) in repack.REPACKED:
+        return repacked_product(x, w, dot)
     check_args(x, w)
     x = x.to(torch.float32)
     if dot == "q8" and x.shape[0] <= SMALL_M and kernels.q8_available(w.qtype.name, w.shape[1]):
@@ -147,6 +155,20 @@ def qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
     return out
 
 
+def repacked_product(x: torch.Tensor, w: repack.RepackedQ8_0, dot: str) -> torch.Tensor:
+    """`x @ W.T` for a 2-D weight repacked at load (q8 only; ValueError otherwise): MAX_ROWS rows a call of its row
+    kernel (`repack.product`), the bits of qdot8 and qgemm8 on the stored weight."""
+    repack.require_q8(dot)
+    if len(w.shape) != 2 or x.dim() != 2 or x.dtype not in (torch.float32, torch.float16) or x.shape[1] != w.shape[1]:
+        raise ValueError(f"qmatmul: x {x.dtype} {tuple(x.shape)} does not fit the repacked {w.name or 'weight'} "
+                         f"{tuple(w.shape)}")
+    if x.shape[0] == 0:
+        return torch.empty((0, w.shape[0]), dtype=torch.float32)
+    step = kernels.MAX_ROWS
+    out = [repack.product(x[i:i + step], w) for i in range(0, x.shape[0], step)]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
 @register("grouped_qmatmul", "cpu", batch_invariant=True)
 def grouped_qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Tensor:
     """Each group of `x` [M, G, K] times its rows of `w` (contract: ops/grouped_qmatmul.py): with the kernel library
@@ -156,7 +178,7 @@ def grouped_qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Te
     (and rounded, under q8) once; eagerly through the weight's bound call (`BOUND`, the same bits). `dot`: as in
     qmatmul."""
     if not torch.compiler.is_compiling() and x.dtype == torch.float32 and x.dim() == 3 and \
-            1 <= x.shape[0] * x.shape[1] <= kernels.MAX_ROWS and isinstance(w, QTensor):
+            1 <= x.shape[0] * x.shape[1] <= kernels.MAX_ROWS and isinstance(w, (QTensor, *repack.REPACKED)):
         M, groups, K = x.shape
         bound = BOUND.get(w, dot, groups)
         if bound is not None and K == bound.k and w.shape[0] == groups * bound.n:    # the bits of glue.products
@@ -165,6 +187,8 @@ def grouped_qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Te
             xs = x.transpose(0, 1).reshape(rows, K).contiguous()      # [G·M, K]: each group's rows together
             y = kernels.bound_product(bound, xs, BOUND.ids(groups, M), parts)
             return y.reshape(groups, M, bound.n).transpose(0, 1).reshape(M, groups * bound.n)
+    if type(w) in repack.REPACKED:
+        return repacked_grouped(x, w, dot)
     check_grouped(x, w)
     M, groups, K = x.shape
     n = w.shape[0] // groups
@@ -177,3 +201,23 @@ def grouped_qmatmul(x: torch.Tensor, w: QTensor, dot: str = "exact") -> torch.Te
     calls = [(xs[g], group_rows(w, g, groups), None) for g in range(groups)]
     out = glue.products(calls, dot)
     return torch.cat(out if out is not None else [qmatmul(xg, wg, dot) for xg, wg, _ in calls], dim=1)
+
+
+def repacked_grouped(x: torch.Tensor, w: repack.RepackedQ8_0, dot: str) -> torch.Tensor:
+    """`grouped_qmatmul` for a 2-D weight repacked at load whose groups are whole groups of 16 rows (q8 only): up to
+    MAX_ROWS (group, row) pairs as one product over its groups as a stack, else each group's rows as a product of its
+    own (`glue.products`, `repacked_product`): the bits of the stored weight's."""
+    repack.require_q8(dot)
+    if x.dim() != 3 or len(w.shape) != 2 or x.shape[2] != w.shape[1] or repack.groups_of(w, x.shape[1]) is None:
+        raise ValueError(f"grouped_qmatmul: x {tuple(x.shape)} does not fit the repacked {w.name or 'weight'} "
+                         f"{tuple(w.shape)} (groups of whole groups of {repack.GROUP} rows)")
+    M, groups, K = x.shape
+    xs = x.to(torch.float32).transpose(0, 1).contiguous()     # [G, M, K]: each group's rows contiguous
+    if groups * M <= kernels.MAX_ROWS:
+        out = glue.products([(xs.reshape(groups * M, K), repack.groups_of(w, groups),
+                              torch.arange(groups).repeat_interleave(M))], dot)
+        if out is not None:
+            return out[0].reshape(groups, M, -1).transpose(0, 1).reshape(M, w.shape[0])
+    calls = [(xs[g], repack.group_rows(w, g, groups), None) for g in range(groups)]
+    out = glue.products(calls, dot)
+    return torch.cat(out if out is not None else [repacked_product(xg, wg, dot) for xg, wg, _ in calls], dim=1)

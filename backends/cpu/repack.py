@@ -1,10 +1,10 @@
 """Q4_K, Q2_K, Q8_0 and IQ2_XXS weights repacked at load for `--cpu-dot q8` (backends/cpu/q4krepack.c, q2krepack.c,
 q8repack.c, iq2repack.c; docs/cpu.md, "Q4_K repacked at load (session 13)", the two "Several rows within 1.3x"
-sections of session 14 and "IQ2_XXS at several rows (session 15)"): the whole groups of 16 rows rewritten in place, the
-same bytes in a layout the 8-bit kernels take 16 rows at a time. A repacked weight is a `RepackedQ4K`, `RepackedQ2K`,
-`RepackedQ8_0` or `RepackedIQ2XXS`, not a QTensor, so nothing that reads stored blocks (the exact kernels, dequantize,
-the reference backend) can be handed one by mistake: it has no `qtype`. The load repacks the routed experts' Q4_K, Q2_K
-and IQ2_XXS stacks; Q8_0's layout is not used by the model yet (its M = 1 is slower)."""
+sections of session 14, "IQ2_XXS at several rows (session 15)" and "The repacked Q8_0 in the model (session 15)"): the
+whole groups of 16 rows rewritten in place, the same bytes in a layout the 8-bit kernels take 16 rows at a time. A
+repacked weight is a `RepackedQ4K`, `RepackedQ2K`, `RepackedQ8_0` or `RepackedIQ2XXS`, not a QTensor, so nothing that
+reads stored blocks (the exact kernels, dequantize, the reference backend) can be handed one by mistake: it has no
+`qtype`. The load repacks the routed experts' Q4_K, Q2_K and IQ2_XXS stacks and the trunk's 2-D Q8_0 weights."""
 from __future__ import annotations
 
 import ctypes
@@ -41,7 +41,7 @@ class RepackedQ2K(_Repacked):
 
 
 class RepackedQ8_0(_Repacked):
-    """A Q8_0 weight [N, K] in q8repack.c's layout."""
+    """A Q8_0 weight [N, K] in q8repack.c's layout (or a view of its groups of rows as a stack, `groups_of`)."""
 
 
 class RepackedIQ2XXS(_Repacked):
@@ -95,8 +95,8 @@ def product(x: torch.Tensor, w: Repacked, experts: torch.Tensor | None = None) -
     if M > kernels.MAX_ROWS or K != w.shape[-1]:
         raise ValueError(f"repacked product: need at most {kernels.MAX_ROWS} rows of {w.shape[-1]} values, got {M}x{K}")
     layout = layout_of(w)
-    if experts is not None and not layout.stacks:
-        raise ValueError(f"repacked product: a repacked {layout.qtype} weight is a single matrix, it takes no experts")
+    if experts is not None and len(w.shape) != 3:
+        raise ValueError(f"repacked product: a 2-D repacked {layout.qtype} weight takes no experts")
     xq = kernels.q8_quantize(x, layout.qtype)
     rc, y = kernels.split_rows(kernel(w), layout.code, w.data, w.shape[-2], experts, xq, M, K)
     if rc:
@@ -125,6 +125,26 @@ def experts_product(x: torch.Tensor, w: Repacked, ids: torch.Tensor,
 def kernel(w: Repacked) -> ctypes._CFuncPtr:
     """The library's row kernel of repacked weights like `w` (`<prefix>_rows`: qdot8_rows' arguments)."""
     return getattr(kernels.lib(), f"{layout_of(w).prefix}_rows")
+
+
+def groups_of(w: RepackedQ8_0, groups: int) -> RepackedQ8_0 | None:
+    """A 2-D repacked Q8_0 weight's `groups` groups of rows as a stack [groups, N / groups, K] (the same bytes: the
+    grouped output projection's, multiplied as a stack of experts), or None where a group is not whole groups of 16
+    rows."""
+    N, K = w.shape
+    n = N // groups
+    if groups < 1 or N % groups or n % GROUP:
+        return None
+    return RepackedQ8_0((groups, n, K), w.data.reshape(groups, n, -1), w.name)
+
+
+def group_rows(w: RepackedQ8_0, g: int, groups: int) -> RepackedQ8_0:
+    """Group `g` of a repacked weight's `groups_of` (a 2-D repacked weight of its rows)."""
+    stack = groups_of(w, groups)
+    if stack is None:
+        raise ValueError(f"repacked {w.name or 'weight'} {tuple(w.shape)}: {groups} groups are not whole groups of "
+                         f"{GROUP} rows")
+    return RepackedQ8_0(stack.shape[1:], stack.data[g], f"{w.name}[{g * stack.shape[1]}:{(g + 1) * stack.shape[1]}]")
 
 
 def require_q8(dot: str) -> None:

@@ -2,8 +2,8 @@
 attention's weights, M = 1..16 rows, with the AMX tiles off (qdot8_rows' AVX-512 path), on from the break-even
 row count (the default) and on for every M from 2, the three interleaved call by call; for the Q4_K, Q2_K, Q8_0 and
 IQ2_XXS weights also `repacked`: a copy repacked as `--weights memory` would hold it (backends/cpu/repack.py, its own
-VNNI and AMX paths; Q8_0's is not yet used by the model: docs/cpu.md, "Several rows within 1.3x: Q4_K and Q8_0
-(session 14)"; IQ2_XXS's: "IQ2_XXS at several rows (session 15)").
+VNNI and AMX paths; docs/cpu.md, "Several rows within 1.3x: Q4_K and Q8_0 (session 14)", "The repacked Q8_0 in the
+model (session 15)" and "IQ2_XXS at several rows (session 15)").
 
 Each time is the minimum over `--rounds` calls of the calling thread's CPU time, one thread, with the weight
 evicted before every call (a buffer larger than the last-level cache summed, as `bench.py cpu --gemv`); `x_M1`

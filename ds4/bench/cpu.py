@@ -14,6 +14,7 @@ sizes and compression ratios llama.cpp's deepseek4 graph accepts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -29,6 +30,7 @@ from ds4.bench import cpu_gemv, full_width
 from ds4.bench.common import greedy, machine
 from ds4.engine import open_model
 from ds4.errors import UsageError
+from ds4.formats import gguf
 from ds4.formats.convert import convert
 from ds4.formats.vocab import real_v4_tokenizer_json
 from ds4.session import Session
@@ -135,16 +137,24 @@ def rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
     binary = os.environ.get("LLAMA_BENCH")
     if binary and not Path(binary).is_file():
         raise UsageError(f"LLAMA_BENCH={binary} is not a file")
-    with tempfile.TemporaryDirectory() as d:
+    weights = a.weights or ["memory"]          # what `--weights auto` gives files of this size
+    with tempfile.TemporaryDirectory() as d, contextlib.ExitStack() as held:
         hf, paths = checkpoint(a.size, Path(a.workdir or d), mixes)
         engines = {"transformers f32": Engine("hf", hf, False, "")}
+
+        def trunk(mix: str, dot: str, how: str) -> DeepseekV4:
+            """The model as `ds4.load` holds it: its own copy of the file, repacked at load where ds4.load does."""
+            return held.enter_context(full_width.as_loaded(gguf.open(paths[mix], how), OpSet(a.backend, cpu_dot=dot)))
+
         for mix in mixes:
-            engines[f"ds4py {mix}"] = Engine("ds4", open_model(paths[mix], OpSet(a.backend)), False, mix)
-            for dot in set(a.cpu_dot) - {"exact"}:
-                engines[f"ds4py {mix} --cpu-dot {dot}"] = Engine(
-                    "ds4", open_model(paths[mix], OpSet(a.backend, cpu_dot=dot)), False, mix)
+            for how in weights:
+                held_as = f" --weights {how}" if len(weights) > 1 else ""
+                engines[f"ds4py {mix}{held_as}"] = Engine("ds4", trunk(mix, "exact", how), False, mix)
+                for dot in sorted(set(a.cpu_dot) - {"exact"}):
+                    engines[f"ds4py {mix} --cpu-dot {dot}{held_as}"] = Engine("ds4", trunk(mix, dot, how), False, mix)
             if a.compile:
-                engines[f"ds4py {mix} compiled"] = Engine("ds4", engines[f"ds4py {mix}"].model, True, mix)
+                exact = f"ds4py {mix}" + (f" --weights {weights[0]}" if len(weights) > 1 else "")
+                engines[f"ds4py {mix} compiled"] = Engine("ds4", engines[exact].model, True, mix)
             if binary:
                 engines[f"llama.cpp {mix}"] = Engine("llama", Path(paths[mix]), False, mix)
         if a.reference:
@@ -174,7 +184,8 @@ def rows(a: argparse.Namespace, device: torch.device) -> list[dict]:
     rows = []
     for threads in a.threads:
         base = statistics.median(a.tokens / t[1] for t in times[("transformers f32", threads)])
-        f32 = statistics.median(a.tokens / t[1] for t in times[(f"ds4py {mixes[0]}", threads)])
+        first = f"ds4py {mixes[0]}" + (f" --weights {weights[0]}" if len(weights) > 1 else "")
+        f32 = statistics.median(a.tokens / t[1] for t in times[(first, threads)])
         for name, e in engines.items():
             ts = times[(name, threads)]
             prefill = statistics.median(a.prompt / t[0] for t in ts)
@@ -226,9 +237,10 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--llama-args", default="", help="--full-layers: extra llama-bench arguments, e.g. '-ub 1'")
     p.add_argument("--cpu-dot", nargs="+", choices=("exact", "q8"), default=["exact"],
                    help="ds4py's cpu dot products to time, interleaved (e.g. exact q8; docs/cpu.md)")
-    p.add_argument("--weights", nargs="+", choices=("mmap", "memory"), default=["mmap"],
-                   help="--full-layers: how ds4py holds the file, interleaved (e.g. mmap memory: mapped, or read into "
-                        "memory with huge pages; docs/cpu.md)")
+    p.add_argument("--weights", nargs="+", choices=("mmap", "memory"),
+                   help="how ds4py holds the file, interleaved (e.g. mmap memory: mapped, or read into memory with "
+                        "huge pages, and under --cpu-dot q8 repacked at load as ds4.load does; docs/cpu.md); default "
+                        "mmap with --full-layers, else memory (what --weights auto gives these small files)")
     p.add_argument("--full-tiny", action="store_true", help="--full-layers at the tiny model's sizes (smoke test)")
     p.add_argument("--png", help="--full-layers: also plot tok/s against threads into this PNG")
     p.add_argument("--op-times", action="store_true",

@@ -3,7 +3,8 @@ to its first N layers (real vocabulary and tokenizer, random weights in the ds4 
 
 The file is written once per (mix, N) with the seed-rows trick of ds4/tiny/random_model.py (every byte at its
 own address, generated in seconds). ds4py prefills a prompt and decodes greedily (once per `--cpu-dot` given, and
-per `--weights` given: the file mapped or read into memory, opened once per round; `load_s` is that opening);
+per `--weights` given: the file mapped or read into memory, opened once per round; `load_s` is that opening; read
+into memory and under `--cpu-dot q8` with `ds4.load`'s repacks of the weights, restored after each run);
 when `LLAMA_BENCH` names a llama-bench binary, it runs on the same file (`-p` prompt, `-n` tokens) right after,
 for each thread count, in interleaved rounds. The table gives the median tok/s, the weight bytes a decode token
 reads per second and that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp.
@@ -20,7 +21,8 @@ import statistics
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from ds4.formats.vocab import real_v4_metadata
 from ds4.session import Session
 from ds4.tiny.build import FLASH_SIZES, TINY, tiny_metadata
 from ds4.tiny.random_model import random_weight
+from ds4.weights import repack_at_load, unpack_all
 from models.args import ModelArgs, model_shapes
 from ops.quants import get
 
@@ -96,19 +99,35 @@ def open_timed(path: Path, weights: str) -> tuple[gguf.GGUFFile, float]:
     return f, time.perf_counter() - t0
 
 
-def run_ds4(f: gguf.GGUFFile, prompt: list[int], tokens: int, cpu_dot: str = "exact") -> Timing:
-    """ds4py on the opened file: after an untimed prefill of `prompt`, prefill it again in one chunk, then `tokens`
-    greedy decode steps (`cpu_dot`: the cpu backend's dot product, docs/cpu.md)."""
+@contextmanager
+def as_loaded(f: gguf.GGUFFile, ops: OpSet) -> Iterator:
+    """The trunk model of the opened file on `ops`, with `ds4.load`'s load-time repacks where it makes them (the file
+    read into memory, `--cpu-dot q8`; docs/cpu.md "Weights in memory"), the file's stored bytes restored after (the
+    same opened file serves the other runs of a round)."""
     from ds4.engine import open_model
-    model = open_model(f, OpSet("auto", cpu_dot=cpu_dot))
-    Session(model, len(prompt) + 1, len(prompt)).prefill(prompt)     # warm-up, as llama-bench's (see op_times)
-    s = Session(model, len(prompt) + tokens + 1, len(prompt))
-    t0 = time.perf_counter()
-    tok = greedy(s, s.prefill(prompt))
-    t1 = time.perf_counter()
-    for _ in range(tokens):
-        tok = greedy(s, s.decode(tok))
-    return Timing(len(prompt) / (t1 - t0), tokens / (time.perf_counter() - t1))
+    model = open_model(f, ops)
+    repacked = f.weights == "memory" and ops.cpu_dot == "q8"
+    if repacked:
+        repack_at_load(model)
+    try:
+        yield model
+    finally:
+        if repacked:
+            unpack_all(model)
+
+
+def run_ds4(f: gguf.GGUFFile, prompt: list[int], tokens: int, cpu_dot: str = "exact") -> Timing:
+    """ds4py on the opened file (`as_loaded`): after an untimed prefill of `prompt`, prefill it again in one chunk,
+    then `tokens` greedy decode steps (`cpu_dot`: the cpu backend's dot product, docs/cpu.md)."""
+    with as_loaded(f, OpSet("auto", cpu_dot=cpu_dot)) as model:
+        Session(model, len(prompt) + 1, len(prompt)).prefill(prompt)     # warm-up, as llama-bench's (see op_times)
+        s = Session(model, len(prompt) + tokens + 1, len(prompt))
+        t0 = time.perf_counter()
+        tok = greedy(s, s.prefill(prompt))
+        t1 = time.perf_counter()
+        for _ in range(tokens):
+            tok = greedy(s, s.decode(tok))
+        return Timing(len(prompt) / (t1 - t0), tokens / (time.perf_counter() - t1))
 
 
 def engine_name(cpu_dot: str) -> str:
@@ -173,19 +192,18 @@ def op_times(f: gguf.GGUFFile, prompt: list[int], tokens: int, threads: int, cpu
     The warm-up matters: a freshly opened model's first prefill also pays a page fault per newly touched range
     of the mapped file (~60,000 on the 2-layer q4 file at 32 tokens, ~0.12 s of a ~1.1 s prefill), which
     run_ds4's warm-up prefill takes too, so the totals here match its figures."""
-    from ds4.engine import open_model
     ops = TimedOps("auto", cpu_dot=cpu_dot)
-    model = open_model(f, ops)
-    for _ in range(2):         # the first run warms the page cache and the kernels up
-        s = Session(model, len(prompt) + tokens + 1, len(prompt))
-        last: list[int] = []
-        prefill = timed_phase(ops, lambda: last.append(greedy(s, s.prefill(prompt))))  # noqa: B023
+    with as_loaded(f, ops) as model:
+        for _ in range(2):         # the first run warms the page cache and the kernels up
+            s = Session(model, len(prompt) + tokens + 1, len(prompt))
+            last: list[int] = []
+            prefill = timed_phase(ops, lambda: last.append(greedy(s, s.prefill(prompt))))  # noqa: B023
 
-        def decode_all():
-            for _ in range(tokens):
-                last.append(greedy(s, s.decode(last[-1])))  # noqa: B023
+            def decode_all():
+                for _ in range(tokens):
+                    last.append(greedy(s, s.decode(last[-1])))  # noqa: B023
 
-        decode = timed_phase(ops, decode_all, tokens)
+            decode = timed_phase(ops, decode_all, tokens)
     out = []
     last_rows = {OUTSIDE: 1, TOTAL: 2}
     names = prefill.wall.keys() | decode.wall.keys()
@@ -240,7 +258,7 @@ def rows(a) -> list[dict]:
         prompt = torch.randint(0, vocab, (a.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
         if a.op_times:
             try:
-                for weights in a.weights:
+                for weights in a.weights or ["mmap"]:
                     f, _ = open_timed(path, weights)
                     for threads in a.threads:
                         kernels.set_threads(threads)
@@ -254,7 +272,7 @@ def rows(a) -> list[dict]:
         times: dict[tuple[str, str, int], list[Timing]] = {}
         try:
             for r in range(a.rounds + 1):          # round 0 warms up (page cache, kernels) and is not counted
-                for weights in a.weights:
+                for weights in a.weights or ["mmap"]:
                     f, load_s = open_timed(path, weights)
                     for threads in a.threads:
                         kernels.set_threads(threads)

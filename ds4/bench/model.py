@@ -34,6 +34,7 @@ from ds4.cost import PassCost
 from ds4.cuda_graphs import StepGraphs
 from ds4.errors import UsageError
 from ds4.tiny.random_model import random_args, random_model
+from ds4.weights import repack_at_load
 from ops.quants import QTensor
 
 
@@ -52,6 +53,8 @@ def rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         ops = OpSet(args.backend, device="mlx" if args.backend == "mlx" else str(device), parallel=args.parallel,
                     cpu_dot=args.cpu_dot)
         model = random_model(margs, args.mix, ops, seed=0)
+        if device.type == "cpu" and args.cpu_dot == "q8" and not (args.parallel or args.cuda_graphs):
+            repack_at_load(model)    # the weights are in this process's memory: ds4.load's load-time repacks
         step_bytes = PassCost(margs, args.mix).target_pass(1)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(1, margs.vocab_size, (args.prompt,), generator=g).tolist()
