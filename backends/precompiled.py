@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACED_SOURCES = ("ops", "backends", "models")   # what a compiled step's code depends on
-CUSTOM_OPS = ("backends.cpu.kernels",)            # the modules defining the torch ops a step may call (ds4::qgemv)
+STEP_KERNEL = "backends.cpu.step_kernel"   # defines the torch ops a step may call (ds4::qgemv), its kernel in C++
 # inductor's settings for a step: no size, stride and alignment assertions around every op call of the generated code
 # (the fake kernels' shapes are the ops' contracts, tested against the ops)
 STEP_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
@@ -284,13 +284,16 @@ def exported(fn: Callable, slots: list[Slot], args: tuple, traced: dict) -> torc
 
 @dataclasses.dataclass
 class Step:
-    """A loaded step: the package's C++ runner, the model's weights it takes first and its outputs' pattern."""
+    """A loaded step: the package's C++ runner, the model's weights it takes first, its outputs' pattern and what runs
+    before it (the C++ kernel's thread count set)."""
 
     runner: Any
     weights: list[torch.Tensor]
     outputs: list[bool] | None
+    before: Callable[[], None]
 
     def __call__(self, tensors: list[torch.Tensor]):
+        self.before()
         out = iter(self.runner.run(self.weights + tensors))
         if self.outputs is None:
             return next(out)
@@ -336,6 +339,7 @@ class PrecompiledStep:
 
     def load_or_compile(self, sig: tuple, args: tuple) -> Step:
         """The step of signature `sig`: loaded from its file when there, else exported, compiled and saved."""
+        importlib.import_module(STEP_KERNEL).load()     # built once: a failure to build is raised, not retried
         slots = weight_slots(self.owner) if self.owner is not None else []
         path = self.path(sig, slots)
         weights = [slot.get() for slot in slots]
@@ -373,8 +377,8 @@ def compile_package(fn: Callable, slots: list[Slot], args: tuple, path: Path) ->
 
 
 def load(path: Path, weights: list[torch.Tensor]) -> Step:
-    """The package at `path` loaded by torch's C++ loader (the torch ops it calls defined first: CUSTOM_OPS)."""
-    for name in CUSTOM_OPS:
-        importlib.import_module(name)
+    """The package at `path` loaded by torch's C++ loader (the torch ops it calls defined first, ds4::qgemv's kernel in
+    C++: STEP_KERNEL)."""
+    kernel = importlib.import_module(STEP_KERNEL)
     runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    return Step(runner, weights, json.loads(runner.get_metadata()["ds4_outputs"]))
+    return Step(runner, weights, json.loads(runner.get_metadata()["ds4_outputs"]), kernel.sync_threads)
