@@ -21,6 +21,7 @@ import importlib
 import json
 import os
 import platform
+import sys
 import threading
 import types
 import warnings
@@ -40,16 +41,13 @@ _chosen: str | None = None      # the TORCHINDUCTOR_CACHE_DIR this process set (
 
 
 def compile_cache_dir() -> Path:
-    """Where compiled steps are cached across processes: $TORCHINDUCTOR_CACHE_DIR if set to other than
-    inductor's /tmp default (which inductor itself writes into the environment once used), else
-    $DS4_CACHE/inductor (default ~/.cache/ds4py/inductor). Imports inductor only to compare a value this process did
-    not set itself with inductor's default."""
+    """Where compiled steps are cached across processes: $TORCHINDUCTOR_CACHE_DIR if set, unless to inductor's /tmp
+    default (which inductor itself writes into the environment once imported), else $DS4_CACHE/inductor (default
+    ~/.cache/ds4py/inductor). Imports nothing of inductor."""
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen and chosen != _chosen:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-        if os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
-            return Path(chosen)
-    elif chosen:
+    defaults = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if chosen and (chosen == _chosen or defaults is None
+                   or os.path.abspath(chosen) != os.path.abspath(defaults.default_cache_dir())):
         return Path(chosen)
     return Path(os.environ.get("DS4_CACHE", Path.home() / ".cache" / "ds4py")) / "inductor"
 

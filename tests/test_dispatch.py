@@ -83,11 +83,10 @@ print(json.dumps({"loaded": step.loaded, "compiled": step.compiled, "dynamo": "t
 
 
 def test_a_second_process_loads_the_compiled_step_without_tracing(tmp_path):
-    """The compiled step is saved under $DS4_CACHE; a fresh process with the same function and arguments loads the
-    package (inductor's code calling the fused kernel's custom op) with torch's C++ loader: neither dynamo nor inductor
-    imported."""
-    env = {**os.environ, "DS4_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    """The compiled step is saved under $TORCHINDUCTOR_CACHE_DIR; a fresh process with the same function and arguments
+    loads the package (inductor's code calling the fused kernel's custom op) with torch's C++ loader: neither dynamo
+    nor inductor imported."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(ROOT)}
     runs = [json.loads(subprocess.run([sys.executable, "-c", COMPILE_ONCE], env=env, cwd=ROOT, check=True,
                                       capture_output=True, text=True).stdout.splitlines()[-1]) for _ in range(2)]
     assert (runs[0]["compiled"], runs[0]["loaded"]) == (1, 0) and runs[0]["inductor"]
