@@ -154,21 +154,21 @@ def test_the_vector_instruction_probe_runs_once_per_machine(tmp_path, monkeypatc
     monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512")
     probes = []
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: probes.append(1) or "avx512")
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
-    assert precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is True and len(probes) == 1
-    record = tmp_path / "inductor" / "vec_isa.json"
-    assert json.loads(record.read_text())["picked"] == "avx512"
+    with config.patch({"cpp.vec_isa_ok": None}):     # put back after (monkeypatch hides the setting)
+        assert precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is True and len(probes) == 1
+        record = tmp_path / "inductor" / "vec_isa.json"
+        assert json.loads(record.read_text())["picked"] == "avx512"
 
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)     # a later process: the record, no probe
-    assert precompiled.pin_vec_isa() and len(probes) == 1
+        config.cpp.vec_isa_ok = None     # a later process: the record, no probe
+        assert precompiled.pin_vec_isa() and len(probes) == 1
 
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)     # the probe picked other than the flags: probe each time
-    monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512 avx512_vnni amx_tile")
-    assert not precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is None and len(probes) == 1
+        config.cpp.vec_isa_ok = None     # the probe picked other than the flags: probe each time
+        monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512 avx512_vnni amx_tile")
+        assert not precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is None and len(probes) == 1
 
-    record.write_text(json.dumps({"machine": "another machine", "picked": "avx2"}))
-    monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512")
-    assert precompiled.pin_vec_isa() and len(probes) == 2     # probed again, for this machine
+        record.write_text(json.dumps({"machine": "another machine", "picked": "avx2"}))
+        monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512")
+        assert precompiled.pin_vec_isa() and len(probes) == 2     # probed again, for this machine
 
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)    # the user's TORCHINDUCTOR_VEC_ISA_OK=0
-    assert not precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is False and len(probes) == 2
+        config.cpp.vec_isa_ok = False    # the user's TORCHINDUCTOR_VEC_ISA_OK=0
+        assert not precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is False and len(probes) == 2
