@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 
 typedef int (*pool_rows_fn)(void *kernel, int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts,
                             int64_t N, int64_t K, const void *x, int64_t M, float *y, int64_t ldy, int64_t parts,
@@ -15,18 +16,23 @@ typedef int (*pool_rows_fn)(void *kernel, int type, const uint8_t *w, int64_t ex
 static pool_rows_fn pool_rows = nullptr;
 static void *qgemv_kernel = nullptr;
 static int64_t chunks_per_thread = 4, split_bytes = 1 << 20;
+static const char *const *type_names = nullptr;   // by GGUF type number, for errors (kernels.type_name)
+static int64_t n_type_names = 0;
 
 extern "C" {
 int ds4_qgemv_threads = 1;
 
-// The kernel library at `path` (already loaded by the process) and kernels.py's chunking; 0, or -1 if not found.
-int ds4_qgemv_setup(const char *path, int64_t chunks, int64_t split) {
+// The kernel library at `path` (already loaded by the process), kernels.py's chunking and the type names (`names`,
+// kept by the caller); 0, or -1 if not found.
+int ds4_qgemv_setup(const char *path, int64_t chunks, int64_t split, const char *const *names, int64_t n_names) {
     void *library = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
     if (!library) return -1;
     pool_rows = (pool_rows_fn)dlsym(library, "pool_rows");
     qgemv_kernel = dlsym(library, "qgemv");
     chunks_per_thread = chunks;
     split_bytes = split;
+    type_names = names;
+    n_type_names = n_names;
     return pool_rows && qgemv_kernel ? 0 : -1;
 }
 }
@@ -44,7 +50,8 @@ static at::Tensor qgemv(const at::Tensor &x_in, const at::Tensor &data_in, int64
                        experts ? ids.data_ptr<int64_t>() : nullptr, n, K, x.data_ptr<float>(), M, y.data_ptr<float>(),
                        n, parts, ds4_qgemv_threads);
     TORCH_CHECK(rc != -2, "qgemv: no memory for the group sums of ", M, " rows of ", K, " values");
-    TORCH_CHECK(rc == 0, "qgemv: unsupported call (ggml type ", type, ", M=", M, ")");
+    const char *name = type >= 0 && type < n_type_names && type_names[type] ? type_names[type] : nullptr;
+    TORCH_CHECK_VALUE(rc == 0, "qgemv: unsupported call (", name ? name : std::to_string(type), ", M=", M, ")");
     return y;
 }
 

@@ -23,6 +23,7 @@ from backends.cpu import kernels
 
 SOURCE = Path(__file__).with_name("qgemv_op.cpp")
 _threads: ctypes.c_int | None = None     # the C++ kernel's thread count, set before each step (sync_threads)
+_names: ctypes.Array | None = None       # the type names the C++ kernel's errors print, by GGUF type number
 
 
 def library_path() -> Path:
@@ -47,7 +48,7 @@ def build(path: Path) -> None:
 
 def load() -> bool:
     """Build (once) and load the C++ kernel over ds4::qgemv's Python one; False without the kernel library."""
-    global _threads
+    global _threads, _names
     if _threads is not None:
         return True
     library = kernels.lib()
@@ -55,12 +56,15 @@ def load() -> bool:
         return False
     path = library_path()
     if not path.exists():
-        build(path)
+        with quiet_stderr():     # the builder loads what it built too (a failed build raises with its log)
+            build(path)
     with quiet_stderr():     # the dispatcher's note, printed by C++, that the Python kernel is overridden
         torch.ops.load_library(str(path))
     cpp = ctypes.CDLL(str(path))
-    cpp.ds4_qgemv_setup.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64]
-    if cpp.ds4_qgemv_setup(library._name.encode(), kernels.CHUNKS_PER_THREAD, kernels.SPLIT_BYTES):
+    _names = (ctypes.c_char_p * 256)(*(kernels.type_name(t).encode() if kernels.type_name(t) != str(t) else None
+                                      for t in range(256)))
+    cpp.ds4_qgemv_setup.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    if cpp.ds4_qgemv_setup(library._name.encode(), kernels.CHUNKS_PER_THREAD, kernels.SPLIT_BYTES, _names, 256):
         raise RuntimeError(f"{path}: the kernel library {library._name} lacks pool_rows or qgemv")
     _threads = ctypes.c_int.in_dll(cpp, "ds4_qgemv_threads")
     sync_threads()
