@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from backends.precompiled import PrecompiledStep, use_compile_cache, wait_warm_up
+from backends.precompiled import PrecompiledStep, compile_cache_dir, use_compile_cache
 from ds4.errors import BackendUnavailable
 from ops.quants import QTensor
 
@@ -84,27 +84,26 @@ class TorchArrays:
         return x
 
     def compile(self, fn: Callable) -> Callable:
-        """`fn` compiled by torch.compile (inductor) with static shapes: one graph per distinct input shape
-        (a step per verify width), traced on first use and replayed after. CPU only: on CUDA, steps are
-        recorded in CUDA graphs instead (ds4/cuda_graphs.py). Across ranks the step holds its all_reduces. The
-        compiled steps of a single process are saved on disk (`precompiled.compile_cache_dir`), so a later process
-        with the same model shapes and code loads them without tracing or compiling (ranks compile their own)."""
+        """`fn` compiled with static shapes: one step per distinct input signature (a step per verify width),
+        compiled on first use and replayed after. CPU only: on CUDA, steps are recorded in CUDA graphs instead
+        (ds4/cuda_graphs.py). A single process's steps are AOTInductor packages saved on disk
+        (`precompiled.compile_cache_dir`), so a later process with the same model shapes and code loads them without
+        tracing or compiling; across ranks the step holds its all_reduces and each rank compiles it (torch.compile)."""
         if self.device.type != "cpu":
             raise BackendUnavailable(f"compiled steps run on the CPU only for now, not on {self.device}; "
                                      "use --no-compile")
-        wait_warm_up()     # precompiled.warm_up's imports done before this thread imports dynamo or inductor
-        from backends.cpu import kernels
-        torch.compiler.assume_constant_result(kernels.built)   # traced as its value (ctypes is not traceable)
-        # inductor's FX-graph and AOTAutograd caches (keyed by the traced graph, its shapes and torch's version)
-        # kept where a later process finds them, and each compiled step saved whole beside them: a warm start
-        # loads the step without tracing it (backends/precompiled.py); a graph break is an error, not a slow path
-        cache = use_compile_cache()
         if self.world > 1:   # a step holding collectives is compiled in each process (its process group unsaved)
+            from backends.cpu import kernels
+            torch.compiler.assume_constant_result(kernels.built)   # traced as its value (ctypes is not traceable)
+            use_compile_cache()     # inductor's FX-graph and AOTAutograd caches kept where a later process finds them
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # a graph per width
             return torch.compile(fn, dynamic=False, fullgraph=True)
-        if not hasattr(torch.compiler, "load_compiled_function"):
-            raise BackendUnavailable(f"--compile saves its steps with torch.compile's aot_compile, which torch "
-                                     f"{torch.__version__} lacks (torch >= 2.10); upgrade torch or use --no-compile")
+        if not hasattr(torch._C, "_aoti"):
+            raise BackendUnavailable(f"--compile saves its steps with AOTInductor, which this torch "
+                                     f"({torch.__version__}) lacks; upgrade torch or use --no-compile")
+        # each step exported and compiled by AOTInductor once per signature and saved; a warm start loads the package
+        # with torch's C++ loader, importing neither dynamo nor inductor (backends/precompiled.py)
+        cache = compile_cache_dir()
         return PrecompiledStep(fn, cache / "steps")
 
 

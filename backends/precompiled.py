@@ -1,19 +1,16 @@
 """Compiled steps saved whole across processes (`--compile`'s warm start, docs/cpu.md "The compiled step").
 
-torch.compile's ahead-of-time path (`aot_compile`, torch >= 2.10) captures a step once per input signature
-(the shapes, dtypes and host values of its arguments) as dynamo's guards and bytecode plus inductor's code,
-and `save_compiled_function` writes that to one file: a later process loads it with
-`torch.compiler.load_compiled_function` and runs it without tracing the step again (the warm start that
-inductor's caches alone leave to a ~10 s dynamo trace). A file is keyed by the function, its argument
-signature, the model's sizes and the quant type of each of its weights (two mixes of the same sizes keep a file
-each), torch's version, inductor's settings and a hash of the sources a step traces (ops/, backends/, models/),
-so an edit to any of them compiles afresh instead of loading a stale step; a loaded step whose guards still reject
-the arguments (another model of the same signature) is compiled again and its file replaced, with a warning.
-
-`warm_up()` starts in the background what the first step of a process otherwise waits for (dynamo's and inductor's
-runtime imported, inductor's probe of the CPU's vector instructions), so that it overlaps the loading of the weights;
-the probe itself runs once per machine (`pin_vec_isa`: its choice kept beside the steps). A step is compiled without
-inductor's size and alignment assertions (`STEP_OPTIONS`).
+A step is exported once per argument signature (the shapes, strides, dtypes and host values of its arguments) with
+`torch.export` (non-strict), as a function of flat tensors: the weights reachable from the model (its "slots") and the
+arguments' tensors, so that no weight is copied into the compiled code. AOTInductor compiles the exported program into a
+package (`aoti_compile_and_package`: one shared library whose C++ wrapper runs the whole step), and a later process
+loads it with torch's C++ loader (`torch._C._aoti.AOTIModelPackageLoader`) and runs it: no trace, no compile, and
+neither dynamo nor inductor imported (~1.9 s of CPU here). A file is keyed by the function, its argument signature, the
+model's sizes, the quant type and layout of each of its weights (two mixes of the same sizes keep a file each), torch's
+version, the CPU's flags, inductor's TORCHINDUCTOR_* settings and a hash of the sources a step traces (ops/, backends/,
+models/), so an edit to any of them compiles afresh instead of loading a stale step; a file that cannot be loaded is
+compiled again and replaced, with a warning. The signature is ours to check (the loader checks nothing): the key holds
+every tensor's shape, stride and dtype and every host value, which the compiled code is specialised on.
 """
 from __future__ import annotations
 
@@ -24,7 +21,9 @@ import importlib
 import json
 import os
 import platform
+import sys
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -34,68 +33,32 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACED_SOURCES = ("ops", "backends", "models")   # what a compiled step's code depends on
-PROBE_MODULES = ("torch._inductor.cpu_vec_isa", "torch._inductor.codecache", "torch.utils.cpp_extension")
-RUNTIME_MODULES = ("torch._dynamo.aot_compile", "torch._functorch._aot_autograd.aot_autograd_result",
-                   "torch._inductor.output_code", "torch._inductor.async_compile", "torch._inductor.select_algorithm",
-                   "torch._inductor.codegen.memory_planning")   # what loading a saved step and its code imports
+STEP_KERNEL = "backends.cpu.step_kernel"   # defines the torch ops a step may call (ds4::qgemv), its kernel in C++
 # inductor's settings for a step: no size, stride and alignment assertions around every op call of the generated code
-# (~340 a step on the 89M model; the fake kernels' shapes are the ops' contracts, tested against the ops)
+# (the fake kernels' shapes are the ops' contracts, tested against the ops)
 STEP_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
-_warming: threading.Thread | None = None
+_chosen: str | None = None      # the TORCHINDUCTOR_CACHE_DIR this process set (use_compile_cache)
 
 
 def compile_cache_dir() -> Path:
-    """Where compiled steps are cached across processes: $TORCHINDUCTOR_CACHE_DIR if set to other than
-    inductor's /tmp default (which inductor itself writes into the environment once used), else
-    $DS4_CACHE/inductor (default ~/.cache/ds4py/inductor). Imports inductor only to compare with its default."""
+    """Where compiled steps are cached across processes: $TORCHINDUCTOR_CACHE_DIR if set, unless to inductor's /tmp
+    default (which inductor itself writes into the environment once imported), else $DS4_CACHE/inductor (default
+    ~/.cache/ds4py/inductor). Imports nothing of inductor."""
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-        if os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
-            return Path(chosen)
+    defaults = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if chosen and (chosen == _chosen or defaults is None
+                   or os.path.abspath(chosen) != os.path.abspath(defaults.default_cache_dir())):
+        return Path(chosen)
     return Path(os.environ.get("DS4_CACHE", Path.home() / ".cache" / "ds4py")) / "inductor"
 
 
 def use_compile_cache() -> Path:
     """Point inductor's caches (its FX graphs, kernels and vector-instruction probes) at `compile_cache_dir()`, so a
     later process finds them; returns it."""
+    global _chosen
     cache = compile_cache_dir()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    _chosen = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     return cache
-
-
-def warm_up() -> None:
-    """Start, once per process, a background thread importing what a saved step's load needs (RUNTIME_MODULES, ~1.9 s
-    of CPU on this project's VM) while a second one runs inductor's probe of the CPU's vector instruction sets
-    (`pick_vec_isa`: ten child processes loading test libraries, ~1.3 s), so that both overlap the loading of the
-    weights; `wait_warm_up` joins them before this process imports anything of dynamo or inductor itself (two
-    threads importing those packages' circular imports at once could deadlock)."""
-    global _warming
-    if _warming is None:
-        use_compile_cache()     # before the probe writes its test libraries
-        _warming = threading.Thread(target=_warm, name="ds4-compile-warm-up", daemon=True)
-        _warming.start()
-
-
-def _warm() -> None:
-    """The warm-up thread: the probe's modules, then the probe (or its record, `pin_vec_isa`) on a thread of its own
-    beside the other imports."""
-    for name in PROBE_MODULES:
-        importlib.import_module(name)
-    probe = threading.Thread(target=pin_vec_isa, name="ds4-vec-isa-probe", daemon=True)
-    probe.start()
-    for name in RUNTIME_MODULES:
-        importlib.import_module(name)
-    probe.join()
-
-
-def wait_warm_up() -> None:
-    """Wait for `warm_up`'s threads, if started (an import they failed is repeated by the caller, which reports it),
-    then make sure inductor's vector instructions are pinned (`pin_vec_isa`) before a step's key is made."""
-    if _warming is not None:
-        _warming.join()
-    use_compile_cache()     # where the probe writes its test libraries and its record
-    pin_vec_isa()
 
 
 def machine_isa_key() -> str:
@@ -121,7 +84,7 @@ def pin_vec_isa() -> bool:
     say: `cpp.vec_isa_ok` set to True (inductor's own setting, TORCHINDUCTOR_VEC_ISA_OK=1), which trusts the flags.
     The probe (`pick_vec_isa`: a test library built and loaded by a child process per instruction set, ~1.3 s of CPU
     here) runs once per machine, torch and compiler, and its choice is kept in `compile_cache_dir()/vec_isa.json`;
-    where it picked another set than the flags' (a compiler that cannot build one), nothing is set and every process
+    where it picked another set than the flags' (a compiler that cannot build one), nothing is set and every compile
     probes. A value set by the user is left alone. x86-64 only. Returns whether the flags are trusted."""
     from torch._inductor import config
     with _pinned:
@@ -156,27 +119,112 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
+@functools.cache
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags (the compiled library's code uses the vector instructions they name)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
 def inductor_settings() -> str:
-    """sha256 of inductor's settings (`save_config_portable`: its TORCHINDUCTOR_* switches such as the C++ wrapper),
-    which shape the code a step compiles to."""
-    from torch._inductor import config
-    return hashlib.sha256(repr(sorted(config.save_config_portable().items())).encode()).hexdigest()
+    """sha256 of what shapes the code a step compiles to besides the step: inductor's TORCHINDUCTOR_* switches, the
+    C++ compiler asked for, the machine and its CPU flags (read without importing inductor: a warm start imports none
+    of it)."""
+    chosen = sorted((k, v) for k, v in os.environ.items()
+                    if k.startswith("TORCHINDUCTOR_") and k != "TORCHINDUCTOR_CACHE_DIR")
+    return hashlib.sha256(repr((chosen, os.environ.get("CXX"), platform.machine(), cpu_flags())).encode()).hexdigest()
+
+
+def flatten(value: Any, tensors: list[torch.Tensor]) -> tuple:
+    """What a compiled step specializes on: every tensor's shape, stride and dtype and every host value inside
+    `value` (dataclasses, objects, dicts, lists and tuples walked in order); its tensors appended to `tensors`."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return ("tensor", tuple(value.shape), value.stride(), str(value.dtype), value.device.type)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(flatten(v, tensors) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, flatten(v, tensors)) for k, v in value.items()))
+    if dataclasses.is_dataclass(value):
+        return (type(value).__name__, *(flatten(getattr(value, f.name), tensors) for f in dataclasses.fields(value)))
+    if hasattr(value, "__dict__"):
+        return (type(value).__name__, flatten(vars(value), tensors))
+    return (repr(value),)
 
 
 def signature(value: Any) -> tuple:
-    """What a compiled graph specializes on: every tensor's shape and dtype and every host value inside
-    `value` (dataclasses, objects, dicts, lists and tuples walked in order)."""
+    """`flatten`'s signature of `value` alone."""
+    return flatten(value, [])
+
+
+def rebuild(value: Any, tensors) -> Any:
+    """`value` with its tensors (in `flatten`'s order) taken from the iterator `tensors`: new lists, tuples, dicts and
+    dataclasses around them; another object holding a tensor cannot be rebuilt (TypeError)."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype), value.device.type)
+        return next(tensors)
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, *(signature(v) for v in value))
+        return type(value)(rebuild(v, tensors) for v in value)
     if isinstance(value, dict):
-        return ("dict", *((k, signature(v)) for k, v in value.items()))
+        return {k: rebuild(v, tensors) for k, v in value.items()}
     if dataclasses.is_dataclass(value):
-        return (type(value).__name__, *(signature(getattr(value, f.name)) for f in dataclasses.fields(value)))
+        return dataclasses.replace(value, **{f.name: rebuild(getattr(value, f.name), tensors)
+                                             for f in dataclasses.fields(value) if f.init})
     if hasattr(value, "__dict__"):
-        return (type(value).__name__, signature(vars(value)))
-    return (repr(value),)
+        inside: list[torch.Tensor] = []
+        flatten(vars(value), inside)
+        if inside:
+            raise TypeError(f"precompiled: cannot pass the tensors inside a {type(value).__name__} to a compiled step")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where a weight tensor of a step's model sits: `owner[key]` (a list or dict) or `owner.key` (an object)."""
+
+    owner: Any
+    key: Any
+    path: str
+
+    def get(self) -> torch.Tensor:
+        return self.owner[self.key] if isinstance(self.owner, (list, dict)) else getattr(self.owner, self.key)
+
+    def put(self, tensor: torch.Tensor) -> None:
+        if isinstance(self.owner, (list, dict)):
+            self.owner[self.key] = tensor
+        else:
+            object.__setattr__(self.owner, self.key, tensor)     # frozen records (QTensor) too
+
+
+def weight_slots(owner: Any) -> list[Slot]:
+    """Every tensor reachable from `owner`'s attributes, records, lists and dicts, in a fixed order (a step's
+    weights: inputs of the compiled step rather than constants copied into it). Not walked: functions, classes,
+    modules, compiled steps and the OpSet (`owner.ops`). A tensor inside a tuple cannot be swapped (TypeError)."""
+    slots: list[Slot] = []
+    seen: set[int] = set()
+    todo: list[tuple[str, Any]] = [("", owner)]
+    while todo:
+        path, value = todo.pop()
+        if id(value) in seen or isinstance(value, (str, bytes, int, float, type(None), type, types.ModuleType,
+                                                   PrecompiledStep)) or callable(value):
+            continue
+        seen.add(id(value))
+        if isinstance(value, (list, tuple, dict)):
+            items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
+            children = [(f"{path}[{k!r}]", v, k) for k, v in items]
+        elif hasattr(value, "__dict__"):
+            children = [(f"{path}.{k}", v, k) for k, v in vars(value).items() if not (value is owner and k == "ops")]
+        else:
+            continue
+        for child, v, k in children:
+            if isinstance(v, torch.Tensor):
+                if isinstance(value, tuple):
+                    raise TypeError(f"precompiled: the weight {child} sits in a tuple, which a step cannot swap")
+                slots.append(Slot(value, k, child))
+        todo += [(child, v) for child, v, _ in reversed(children) if not isinstance(v, torch.Tensor)]
+    return slots
 
 
 def weight_types(owner: Any) -> str:
@@ -200,65 +248,135 @@ def weight_types(owner: Any) -> str:
     return h.hexdigest()
 
 
+def exported(fn: Callable, slots: list[Slot], args: tuple, traced: dict) -> torch.nn.Module:
+    """`fn` on `args`' structure as a module of flat tensors, for torch.export: the weights in `slots` (swapped in for
+    the call, put back after), then the arguments' tensors; the outputs' pattern recorded in `traced["outputs"]` (per
+    output, tensor or None; None: a single tensor). Its state is in a closure: export copies a module's attributes."""
+
+    class Exported(torch.nn.Module):
+        def forward(self, *flat):
+            weights, rest = flat[:len(slots)], flat[len(slots):]
+            kept = [slot.get() for slot in slots]
+            for slot, tensor in zip(slots, weights, strict=True):
+                slot.put(tensor)
+            try:
+                rebuilt = rebuild(args, iter(rest))
+                out = fn(*rebuilt)
+                written: list[torch.Tensor] = []
+                flatten(rebuilt, written)
+                replaced = [slot.path for slot, tensor in zip(slots, weights, strict=True) if slot.get() is not tensor]
+                if replaced or any(a is not b for a, b in zip(written, rest, strict=True)):
+                    raise TypeError(f"precompiled: the step replaces a tensor of its model or arguments "
+                                    f"({replaced[:3]}) instead of writing it in place; a compiled step cannot do that")
+            finally:
+                for slot, tensor in zip(slots, kept, strict=True):
+                    slot.put(tensor)
+            if isinstance(out, torch.Tensor):
+                traced["outputs"] = None
+                return (out,)
+            traced["outputs"] = [o is not None for o in out]
+            return tuple(o for o in out if o is not None)
+
+    return Exported()
+
+
+@dataclasses.dataclass
+class Step:
+    """A loaded step: the package's C++ runner, the model's weights it takes first, its outputs' pattern and what runs
+    before it (the C++ kernel's thread count set)."""
+
+    runner: Any
+    weights: list[torch.Tensor]
+    outputs: list[bool] | None
+    before: Callable[[], None]
+
+    def __call__(self, tensors: list[torch.Tensor]):
+        self.before()
+        out = iter(self.runner.run(self.weights + tensors))
+        if self.outputs is None:
+            return next(out)
+        return tuple(next(out) if present else None for present in self.outputs)
+
+
 class PrecompiledStep:
     """`fn` compiled ahead of time once per argument signature, each compiled step saved under `directory` and
     loaded from there by later processes (see the module docstring)."""
 
     def __init__(self, fn: Callable, directory: Path):
         self.fn, self.directory = fn, directory
-        self.owner = getattr(fn, "__self__", None)    # a bound method's object: the compiled step's first argument
-        self.steps: dict[tuple, Callable] = {}
+        self.owner = getattr(fn, "__self__", None)    # a bound method's object: whose weights the step takes
+        self.steps: dict[tuple, Step] = {}
         self.loaded = self.compiled = 0               # steps read from disk / compiled in this process
 
     def __getstate__(self) -> dict:
-        """Pickled without its steps (dynamo pickles the objects a step reaches, e.g. an MTP head's trunk, whose
-        compiled step holds unpicklable guards)."""
+        """Pickled without its steps."""
         return {"fn": self.fn, "directory": self.directory}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["fn"], state["directory"])
 
     def __call__(self, *args):
-        sig = signature(args)
+        tensors: list[torch.Tensor] = []
+        sig = flatten(args, tensors)
         step = self.steps.get(sig)
         if step is None:
             step = self.steps[sig] = self.load_or_compile(sig, args)
-        return step(*self.bound(args))
+        return step(tensors)
 
-    def bound(self, args: tuple) -> tuple:
-        """The compiled step's arguments: the bound method's object first."""
-        return args if self.owner is None else (self.owner, *args)
-
-    def path(self, sig: tuple) -> Path:
-        """The file of the step of signature `sig`."""
-        sizes = self.owner.args if hasattr(self.owner, "args") else None     # a model's sizes
-        types = weight_types(self.owner) if self.owner is not None else None
+    def path(self, sig: tuple, slots: list[Slot] | None = None) -> Path:
+        """The file of the step of signature `sig` on the weights `slots` (default: the owner's)."""
+        owner = self.owner
+        slots = weight_slots(owner) if slots is None and owner is not None else slots or []
+        sizes = owner.args if hasattr(owner, "args") else None     # a model's sizes
+        types_ = weight_types(owner) if owner is not None else None
+        layout = [(s.path, flatten(s.get(), [])) for s in slots]
         from backends.registry import step_ops  # the ops a step calls as they are: another graph
-        key = repr((getattr(self.fn, "__qualname__", repr(self.fn)), sig, signature(sizes), types, source_hash(),
-                    inductor_settings(), sorted(STEP_OPTIONS.items()), step_ops()))
-        return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.step"
+        key = repr((getattr(self.fn, "__qualname__", repr(self.fn)), sig, signature(sizes), types_, layout,
+                    source_hash(), inductor_settings(), sorted(STEP_OPTIONS.items()), step_ops()))
+        return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.pt2"
 
-    def load_or_compile(self, sig: tuple, args: tuple) -> Callable:
-        """The step of signature `sig`: loaded from its file when one is there and its guards accept `args`,
-        else compiled (aot_compile) and saved."""
-        wait_warm_up()          # and the vector instructions pinned: part of inductor's settings in the key
-        path = self.path(sig)
+    def load_or_compile(self, sig: tuple, args: tuple) -> Step:
+        """The step of signature `sig`: loaded from its file when there, else exported, compiled and saved."""
+        importlib.import_module(STEP_KERNEL).load()     # built once: a failure to build is raised, not retried
+        slots = weight_slots(self.owner) if self.owner is not None else []
+        path = self.path(sig, slots)
+        weights = [slot.get() for slot in slots]
         if path.exists():
             try:
-                with path.open("rb") as f:
-                    step = torch.compiler.load_compiled_function(f)
-                accepted = step.guard_check(*self.bound(args))
+                step = load(path, weights)
             except Exception as e:     # an unreadable file (another torch, a truncated write): compile afresh
                 warnings.warn(f"compiled step {path} not reused ({type(e).__name__}: {str(e)[:200]}); "
                               "compiling it again", RuntimeWarning, stacklevel=3)
             else:
-                if accepted:
-                    self.loaded += 1
-                    return step
-                warnings.warn(f"compiled step {path} does not fit these arguments (its guards reject them); "
-                              "compiling it again", RuntimeWarning, stacklevel=3)
-        step = torch.compile(self.fn, dynamic=False, fullgraph=True, options=STEP_OPTIONS).aot_compile((args, {}))
-        self.directory.mkdir(parents=True, exist_ok=True)
-        step.save_compiled_function(str(path))
+                self.loaded += 1
+                return step
+        compile_package(self.fn, slots, args, path)
         self.compiled += 1
-        return step
+        return load(path, weights)
+
+
+def compile_package(fn: Callable, slots: list[Slot], args: tuple, path: Path) -> None:
+    """Export `fn` on `args` as a function of the weights in `slots` and the arguments' tensors, compile it with
+    AOTInductor and write the package to `path` (atomically)."""
+    use_compile_cache()     # inductor's caches beside the steps, before inductor is imported
+    pin_vec_isa()
+    traced: dict = {}
+    module = exported(fn, slots, args, traced)
+    tensors: list[torch.Tensor] = []
+    flatten(args, tensors)
+    program = torch.export.export(module, (*(s.get() for s in slots), *tensors), strict=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp.pt2")
+    metadata = {"ds4_outputs": json.dumps(traced["outputs"])}
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(temporary),
+        inductor_configs={**STEP_OPTIONS, "aot_inductor.metadata": metadata})
+    temporary.replace(path)
+
+
+def load(path: Path, weights: list[torch.Tensor]) -> Step:
+    """The package at `path` loaded by torch's C++ loader (the torch ops it calls defined first, ds4::qgemv's kernel in
+    C++: STEP_KERNEL)."""
+    kernel = importlib.import_module(STEP_KERNEL)
+    runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    return Step(runner, weights, json.loads(runner.get_metadata()["ds4_outputs"]), kernel.sync_threads)

@@ -14,7 +14,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from backends import precompiled
 from backends.registry import OpSet
 from ds4 import distributed
 from ds4.chat import chat_ids
@@ -348,8 +347,6 @@ def load(model_path: str | None = None, mtp_path: str | None = None, backend: st
     if cpu_dot != "exact" and strict_backend:
         raise UsageError(f"--cpu-dot {cpu_dot} changes the reference's numbers: it cannot run with --strict-backend")
     opset = OpSet(backend, ops, strict=strict_backend, device=device, parallel=parallel, cpu_dot=cpu_dot)
-    if compile and str(opset.device).startswith("cpu"):
-        precompiled.warm_up()   # dynamo's and inductor's runtime imported while the weights load (docs/cpu.md)
     nbytes = sum(Path(p).stat().st_size for p in (model_path, mtp_path) if p)
     how = plan(weights, nbytes, opset.device, parallel, mem_available())
     with tqdm(total=3, desc="loading", unit="step", leave=False, disable=None) as bar:

@@ -3,7 +3,7 @@
 A fixed plan's shapes and counts depend only on the row count and the cache's capacities, so one graph
 per row count serves every position; it attends to exactly what the eager plan does (the cpu backend
 gives bit-identical logits and state, the references the same within float order). The compiled step
-(torch.compile of the sync-free forward, fullgraph) gives the eager tokens, and strict speculation on a
+(the sync-free forward exported and compiled by AOTInductor) gives the eager tokens, and strict speculation on a
 compiled session still equals plain greedy."""
 from __future__ import annotations
 
@@ -211,7 +211,7 @@ def test_a_traced_step_calls_the_cpu_ops_as_custom_ops_and_gives_the_eager_bits(
 
 
 def test_a_compiled_step_with_the_custom_ops_is_saved_loaded_and_gives_the_eager_tokens(c_ops, tmp_path, monkeypatch):
-    """Inductor's step with the `ds4_step` ops (saved whole: the guards pickle the ops by name) gives the eager tokens;
+    """Inductor's step with the `ds4_step` ops (saved whole: the package calls the ops by name) gives the eager tokens;
     a second model of the same file loads it instead of compiling."""
     monkeypatch.setenv("DS4_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)

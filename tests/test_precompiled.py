@@ -1,5 +1,6 @@
-"""Compiled steps saved whole (backends/precompiled.py): one file per argument signature, reused by a later
-step object, replaced with a warning when unreadable; the key follows the traced sources."""
+"""Compiled steps saved whole (backends/precompiled.py): one AOTInductor package per argument signature, reused by a
+later step object, replaced with a warning when unreadable; the key follows the traced sources, inductor's settings and
+the weights' layout."""
 from __future__ import annotations
 
 import json
@@ -22,28 +23,7 @@ def test_signature_sees_shapes_dtypes_and_host_values():
     assert signature((x, [1, 2])) != signature((torch.zeros(3, 3), [1, 2]))
     assert signature((x, [1, 2])) != signature((x.double(), [1, 2]))
     assert signature((x, [1, 2])) != signature((x, [1, 3]))
-
-
-def test_a_saved_step_is_loaded_by_the_next_step_object_and_a_bad_file_replaced(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    x = torch.randn(4, 8)
-    first = PrecompiledStep(double_plus_one, tmp_path / "steps")
-    assert torch.allclose(first(x), double_plus_one(x))
-    assert (first.compiled, first.loaded) == (1, 0)
-    files = list((tmp_path / "steps").glob("*.step"))
-    assert len(files) == 1
-
-    second = PrecompiledStep(double_plus_one, tmp_path / "steps")
-    assert torch.allclose(second(x), double_plus_one(x))
-    assert (second.compiled, second.loaded) == (0, 1)
-    second(torch.randn(2, 8))                      # another shape: its own step and file
-    assert second.compiled == 1 and len(list((tmp_path / "steps").glob("*.step"))) == 2
-
-    files[0].write_bytes(b"not a step")
-    third = PrecompiledStep(double_plus_one, tmp_path / "steps")
-    with pytest.warns(RuntimeWarning, match="not reused"):
-        assert torch.allclose(third(x), double_plus_one(x))
-    assert third.compiled == 1 and files[0].read_bytes() != b"not a step"
+    assert signature((x.t().contiguous().t(),)) != signature((torch.zeros(2, 3),))     # strides: other code
 
 
 def test_an_edit_of_the_traced_sources_or_inductor_settings_changes_the_file(tmp_path, monkeypatch):
@@ -53,17 +33,17 @@ def test_an_edit_of_the_traced_sources_or_inductor_settings_changes_the_file(tmp
     monkeypatch.setattr(precompiled, "source_hash", lambda: "edited")
     edited = step.path(sig)
     assert edited != before
-    from torch._inductor import config
-    with config.patch(cpp_wrapper=not config.cpp_wrapper):     # TORCHINDUCTOR_CPP_WRAPPER: other code
-        assert step.path(sig) != edited
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")     # inductor's settings: other code
+    assert step.path(sig) != edited
+    monkeypatch.delenv("TORCHINDUCTOR_MAX_AUTOTUNE")
     assert step.path(sig) == edited
 
 
-def test_a_torch_without_aot_compile_is_refused_by_name(monkeypatch):
+def test_a_torch_without_aot_inductor_is_refused_by_name(monkeypatch):
     from backends.arrays import TorchArrays
     from ds4.errors import BackendUnavailable
-    monkeypatch.delattr(torch.compiler, "load_compiled_function")
-    with pytest.raises(BackendUnavailable, match="aot_compile"):
+    monkeypatch.delattr(torch._C, "_aoti")
+    with pytest.raises(BackendUnavailable, match="AOTInductor"):
         TorchArrays("cpu").compile(double_plus_one)
 
 
@@ -90,17 +70,6 @@ def test_two_mixes_of_the_same_sizes_keep_a_file_each(tmp_path):
     assert PrecompiledStep(Model((1, 2), [weight("Q4_K")]).run, tmp_path).path(sig) == path
 
 
-def test_the_warm_up_names_modules_that_exist_and_joins():
-    """warm_up's module lists follow torch's layout (a renamed module would fail the background import)."""
-    import importlib.util
-    import sys
-    for name in precompiled.PROBE_MODULES + precompiled.RUNTIME_MODULES:
-        assert importlib.util.find_spec(name) is not None, name
-    precompiled.warm_up()
-    precompiled.wait_warm_up()
-    assert all(name in sys.modules for name in precompiled.RUNTIME_MODULES)
-
-
 EAGER_RUN = """
 import sys
 import ds4
@@ -122,35 +91,56 @@ def test_an_eager_run_imports_neither_dynamo_nor_inductor():
     assert out == ["2", "False", "False"]
 
 
-def test_a_saved_step_whose_guards_reject_the_arguments_warns_and_is_compiled_again(tmp_path, monkeypatch):
-    """Another model of the same signature finds the file but not its guards' assumptions: said on stderr (here
-    torch's load and compile stand-ins, no inductor compile)."""
-    class Step:
-        def __init__(self, accepts: bool):
-            self.accepts = accepts
+class Model:
+    """A step's owner: weights in a record, a list and a dict, found and swapped in by the step."""
 
-        def guard_check(self, *args) -> bool:
-            return self.accepts
+    def __init__(self):
+        self.scale = torch.full((3,), 2.0)
+        self.layers = [{"bias": torch.ones(3)}]
 
-        def save_compiled_function(self, path: str) -> None:
-            open(path, "w").close()
+    def run(self, x: torch.Tensor, cache: list[torch.Tensor]) -> tuple[torch.Tensor, None]:
+        cache[0].copy_(x)      # written in place, as a session's caches are
+        return x * self.scale + self.layers[0]["bias"], None
 
-        def __call__(self, x):
-            return x + 1
+    def replace(self, x: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
+        cache[0] = x + 1       # a new tensor where the argument's was: not a step
+        return x
 
-    class Compiled:
-        def aot_compile(self, example):
-            return Step(True)
 
-    monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f: Step(False))
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: Compiled())
-    step = PrecompiledStep(double_plus_one, tmp_path)
-    x = torch.zeros(2)
-    step.path(signature((x,))).write_bytes(b"a step of another model")
-    with pytest.warns(RuntimeWarning, match="guards reject"):
-        assert torch.equal(step(x), x + 1)
-    assert (step.loaded, step.compiled) == (0, 1)
-    assert step.path(signature((x,))).read_bytes() == b""
+def test_a_saved_step_takes_its_models_weights_is_loaded_by_the_next_step_object_and_a_bad_file_replaced(
+        tmp_path, monkeypatch):
+    """The weights are the package's inputs, not constants in it (a later change to a weight is seen); the outputs
+    keep their None; a cache written in place is written; a second step object loads the file; an unreadable file is
+    compiled again with a warning (here a stand-in compile writing the good package back); a step replacing a tensor
+    instead of writing it is refused."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model, x, cache = Model(), torch.tensor([1.0, 2.0, 3.0]), [torch.zeros(3)]
+    assert [s.path for s in precompiled.weight_slots(model)] == [".scale", ".layers[0]['bias']"]
+    first = PrecompiledStep(model.run, tmp_path / "steps")
+    y, none = first(x, cache)
+    assert torch.equal(y, x * 2 + 1) and none is None and torch.equal(cache[0], x)
+    assert (first.compiled, first.loaded) == (1, 0)
+    model.scale.fill_(3.0)
+    assert torch.equal(first(x, cache)[0], x * 3 + 1)
+    files = list((tmp_path / "steps").glob("*.pt2"))
+    assert len(files) == 1
+
+    second = PrecompiledStep(model.run, tmp_path / "steps")
+    assert torch.equal(second(2 * x, cache)[0], 2 * x * 3 + 1) and torch.equal(cache[0], 2 * x)
+    assert (second.compiled, second.loaded) == (0, 1)
+
+    package = files[0].read_bytes()
+    files[0].write_bytes(b"not a step")
+    monkeypatch.setattr(precompiled, "compile_package", lambda fn, slots, args, path: path.write_bytes(package))
+    third = PrecompiledStep(model.run, tmp_path / "steps")
+    with pytest.warns(RuntimeWarning, match="not reused"):
+        assert torch.equal(third(x, cache)[0], x * 3 + 1)
+    assert third.compiled == 1 and files[0].read_bytes() == package
+    monkeypatch.undo()
+
+    with pytest.raises(TypeError, match="in place"):
+        PrecompiledStep(model.replace, tmp_path / "steps")(x, [torch.zeros(3)])
+    assert torch.equal(model.scale, torch.full((3,), 3.0))      # the weights put back after the trace
 
 
 def test_the_vector_instruction_probe_runs_once_per_machine(tmp_path, monkeypatch):
@@ -164,21 +154,21 @@ def test_the_vector_instruction_probe_runs_once_per_machine(tmp_path, monkeypatc
     monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512")
     probes = []
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: probes.append(1) or "avx512")
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
-    assert precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is True and len(probes) == 1
-    record = tmp_path / "inductor" / "vec_isa.json"
-    assert json.loads(record.read_text())["picked"] == "avx512"
+    with config.patch({"cpp.vec_isa_ok": None}):     # put back after (monkeypatch hides the setting)
+        assert precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is True and len(probes) == 1
+        record = tmp_path / "inductor" / "vec_isa.json"
+        assert json.loads(record.read_text())["picked"] == "avx512"
 
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)     # a later process: the record, no probe
-    assert precompiled.pin_vec_isa() and len(probes) == 1
+        config.cpp.vec_isa_ok = None     # a later process: the record, no probe
+        assert precompiled.pin_vec_isa() and len(probes) == 1
 
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)     # the probe picked other than the flags: probe each time
-    monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512 avx512_vnni amx_tile")
-    assert not precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is None and len(probes) == 1
+        config.cpp.vec_isa_ok = None     # the probe picked other than the flags: probe each time
+        monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512 avx512_vnni amx_tile")
+        assert not precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is None and len(probes) == 1
 
-    record.write_text(json.dumps({"machine": "another machine", "picked": "avx2"}))
-    monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512")
-    assert precompiled.pin_vec_isa() and len(probes) == 2     # probed again, for this machine
+        record.write_text(json.dumps({"machine": "another machine", "picked": "avx2"}))
+        monkeypatch.setattr(precompiled, "flags_choice", lambda: "avx512")
+        assert precompiled.pin_vec_isa() and len(probes) == 2     # probed again, for this machine
 
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", False)    # the user's TORCHINDUCTOR_VEC_ISA_OK=0
-    assert not precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is False and len(probes) == 2
+        config.cpp.vec_isa_ok = False    # the user's TORCHINDUCTOR_VEC_ISA_OK=0
+        assert not precompiled.pin_vec_isa() and config.cpp.vec_isa_ok is False and len(probes) == 2

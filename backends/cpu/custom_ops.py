@@ -169,10 +169,6 @@ class StepOp:
         torch.library.register_fake(f"ds4_step::{op}", self.fake, lib=LIBRARY)
         self.torch_op = getattr(torch.ops.ds4_step, op)
 
-    def __reduce__(self) -> tuple:
-        """Pickled by name (a saved compiled step's guards hold the callable)."""
-        return step_op, (self.op,)
-
     def bind(self, args: tuple, kwargs: dict) -> list:
         """The op's arguments in order, defaults filled in."""
         values = list(args) + self.defaults[len(args):]
@@ -239,7 +235,7 @@ def use_c_ops(on: bool) -> None:
 
 
 def step_op(op: str) -> StepOp:
-    """The StepOp of the cpu backend's `op`, made on first use (also how a saved step's guards unpickle it)."""
+    """The StepOp of the cpu backend's `op`, made on first use (a saved step calls the torch op by name)."""
     if op not in STEP_OPS:
         STEP_OPS[op] = StepOp(op, implementation(op, "cpu").fn)
     return STEP_OPS[op]
