@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.cpu.repack import REPACKED
 from backends.registry import implementation, set_step
 from ops.quants import TYPES, QTensor
 
@@ -125,6 +126,8 @@ def describe(name: str, hint: typing.Any, alias: str = "") -> Arg:
     """The flattening of an argument annotated `hint` (`alias`: the letter of a tensor written in place)."""
     optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
     inner = next(h for h in typing.get_args(hint) if h is not type(None)) if optional else hint
+    if typing.get_origin(hint) is types.UnionType and set(typing.get_args(hint)) <= {QTensor, *REPACKED}:
+        inner = QTensor     # a step's weights are stored blocks: ds4.load repacks none under --compile
     if inner is QTensor and not optional:
         return Arg(name, "qtensor", (f"Tensor {name}", f"str {name}_type", f"int[] {name}_shape", f"str {name}_name"))
     if typing.get_origin(inner) is tuple and typing.get_args(inner)[:1] == (int,):
