@@ -39,7 +39,7 @@ from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
                                                              "pool.c", "qdot8amx.c", "glue.c",
                                                              "step.c", "q4krepack.c", "q2krepack.c", "q8repack.c",
-                                                             "iq2repack.c"))
+                                                             "iq2repack.c", "q4kexact.c"))
 HEADERS = tuple(Path(__file__).with_name(name)     # included by SOURCES
                 for name in ("iq2_xxs_groups.h", "half.h", "repack.h"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
