@@ -1,6 +1,6 @@
 """Q8_0 repacked for `--cpu-dot q8` (backends/cpu/q8repack.c, backends/cpu/repack.py): the repack is a permutation of
 the bytes (and back), and the repacked kernels give today's q8 Q8_0 bits (kernels.qdot8 on the stored weight, itself
-checked against ops/q8_activations.py) for M = 1..16, 1/2/3 threads with chunk splits inside a group, row counts
+checked against ops/q8_activations.py) for M = 1..16 (prefill's more rows: kernels.qgemm8's), 1/2/3 threads with chunk splits inside a group, row counts
 that are not whole groups, an odd block count, with the AMX tiles, the VNNI rows and the AVX2 and plain C builds."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from backends.cpu import kernels, repack
+from backends.cpu.qmatmul import qmatmul
 from ops import q8_activations as ref
 from ops.quants import QTensor
 from tests import repack_helpers as helpers
@@ -81,6 +82,20 @@ def test_groups_as_a_stack_of_experts(threads_split):
         repack.group_rows(r, 0, 8)
 
 
+def test_prefill_rows_equal_stored_gemm(threads_split):
+    """More than 16 rows (prefill: q8r_gemm, each group read once for all rows, 16 rows at a time from the cache):
+    the stored weight's 8-bit GEMM's bits (kernels.qgemm8) for 17..40 rows, on 1 thread and split across 2 and 3,
+    with rows past the last whole group and a group cut by a chunk."""
+    for n, k in ((87, 480), (200, 1024)):
+        w, x = weight(n, k, seed=3), activations(40, k, seed=4)
+        r = repacked(w)
+        expected = kernels.qgemm8(x, w)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for M in (17, 20, 33, 40) if threads == 1 else (17, 40):
+                assert torch.equal(qmatmul(x[:M], r, "q8"), expected[:M]), (n, k, threads, M)
+
+
 def test_large_output_written_around_the_cache(threads_split):
     """An output of at least 1 MB (16 rows x 16400: q8repack.c streams whole groups' outputs past the cache, a group
     cut by a chunk stored as usual): kernels.qdot8's bits on 1 and 2 threads, with the tiles and the VNNI rows."""
@@ -115,15 +130,16 @@ def test_refusals():
 
 def test_build_without_avx512(tmp_path, monkeypatch):
     """The build without AVX-512 (the plain C group kernel, as on AVX2 and plain C targets): the same bits, M = 1, 2,
-    16."""
+    16, and prefill's 20 rows."""
     flags = "-mno-avx512f"
-    w, x = weight(21, 480, seed=5), activations(16, 480, seed=6)
-    expected = kernels.qdot8(x, w)
+    w, x = weight(21, 480, seed=5), activations(20, 480, seed=6)
+    expected, gemm = kernels.qdot8(x[:16], w), kernels.qgemm8(x, w)
     rebuild_with(flags, tmp_path, monkeypatch)
     assert not repack.worthwhile()
     r = repacked(w)
     for M in (1, 2, 16):
         assert torch.equal(repack.product(x[:M], r), expected[:M]), (flags, M)
+    assert torch.equal(qmatmul(x, r, "q8"), gemm)
 
 
 @pytest.fixture(scope="module")

@@ -694,3 +694,5 @@ def _bind_repacked(k: ctypes.CDLL) -> None:
         getattr(k, f"{prefix}_amx_from").restype = ctypes.c_int
         getattr(k, f"{prefix}_amx_from").argtypes = [ctypes.c_int]
         getattr(k, f"{prefix}_vector").restype = ctypes.c_int
+    k.q8r_gemm.restype = ctypes.c_int       # q8repack.c: a repacked Q8_0 weight times any number of rows (prefill)
+    k.q8r_gemm.argtypes = k.qdot8.argtypes

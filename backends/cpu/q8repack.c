@@ -211,31 +211,25 @@ static inline __attribute__((always_inline)) void groups_tiles(const int G, cons
 
 REPACK_SWITCHES(q8r, 6)
 
-/* y [M, N] rows [n0, n1) = x @ W.T for a Q8_0 weight whose whole groups q8r_repack rewrote (type Q8R_TYPE), the
- * activations `xq` from q8_quantize kind 1; the arguments as qdot8's: with `experts`, row m against the weight
- * experts[m] of a stack (expert_bytes apart; -1: another rank's, 0), each as a one-row call (the grouped output
- * projection's groups, each N rows of whole groups). A group cut by [n0, n1) is computed whole and only its rows
- * inside stored. Returns -1 for a call it cannot serve, -2 out of memory. */
-int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
-             const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
-    if (type != Q8R_TYPE || K % 32 || M < 1 || M > GROUP) return -1;
-    const uint8_t *x = xq;
+/* y [M, N] rows [n0, n1) of a repacked weight for any M (`experts` NULL): four groups at a time (a, a + q, a + 2q,
+ * a + 3q; the last ones alone) against the rows 16 at a time, so each group is read from memory once whatever M (its
+ * blocks from the cache for the later rows); the rows past the last whole group through qdot8, 16 at a time. Tiles
+ * (AMX) only where M <= 16. */
+static int all_rows(const uint8_t *w, int64_t N, int64_t K, const uint8_t *x, int64_t M, float *y, int64_t n0,
+                    int64_t n1) {
     int64_t nb = K / 32, row_bytes = nb * Q8_0_BYTES;
-    for (int64_t m = 0; experts != NULL && m < M; m++) {
-        int rc = experts[m] < 0 ? 0 : q8r_rows(type, w + experts[m] * expert_bytes, 0, NULL, N, K, x + m * nb * XB, 1,
-                                               y + m * N, n0, n1);
-        for (int64_t n = n0; experts[m] < 0 && n < n1; n++) y[m * N + n] = 0.0f;
+    for (int64_t m = 0; m < M && n1 > N / GROUP * GROUP; m += GROUP) {       /* past the last group */
+        int64_t end = n1;
+        int rc = stored_rows(8, w, 0, NULL, N, K, x + m * nb * XB, M - m < GROUP ? M - m : GROUP, y + m * N, n0, &end);
         if (rc) return rc;
     }
-    if (experts != NULL) return 0;
-    int rc = stored_rows(8, w, 0, NULL, N, K, xq, M, y, n0, &n1);     /* past the last group */
-    if (rc) return rc;
+    if (n1 > N / GROUP * GROUP) n1 = N / GROUP * GROUP;
     if (n0 >= n1) return 0;
 #if REPACK_VNNI
     int32_t *sx = NULL;
     int stream = M * N * (int64_t)sizeof(float) >= STREAM_BYTES;
 #if REPACK_AMX
-    int tiles = M >= amx_rows_from && qdot8amx_on(-1);
+    int tiles = M <= GROUP && M >= amx_rows_from && qdot8amx_on(-1);
     if (tiles) tiles_for_32(M);
     else
 #endif
@@ -246,35 +240,39 @@ int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *ex
     }
 #endif
     int64_t a0 = n0 / GROUP, a1 = (n1 + GROUP - 1) / GROUP, q = (a1 - a0) / STREAMS;
-    for (int64_t a = a0; a < a1; a++) {     /* four groups at a time (a, a + q, a + 2q, a + 3q), the last ones alone */
+    for (int64_t a = a0; a < a1; a++) {
         if (a >= a0 + q && a < a0 + STREAMS * q) continue;
         int G = a < a0 + q ? STREAMS : 1;
         const uint8_t *g[8];
         for (int i = 0; i < STREAMS; i++) g[i] = w + (a + i * q) * GROUP * row_bytes;
-        float out[8][GROUP][GROUP];
+        for (int64_t m0 = 0; m0 < M; m0 += GROUP) {
+            int64_t rows = M - m0 < GROUP ? M - m0 : GROUP;
+            const uint8_t *xm = x + m0 * nb * XB;
+            float *ym = y + m0 * N, out[8][GROUP][GROUP];
 #if REPACK_VNNI
-        __m512 acc[8][GROUP];
+            __m512 acc[8][GROUP];
 #if REPACK_AMX
-        if (tiles && G == 4) groups_tiles(4, g, nb, x, M, acc);
-        else if (tiles) groups_tiles(1, g, nb, x, M, acc);
-        else
+            if (tiles && G == 4) groups_tiles(4, g, nb, xm, rows, acc);
+            else if (tiles) groups_tiles(1, g, nb, xm, rows, acc);
+            else
 #endif
-        if (G == STREAMS) groups_rows(STREAMS, g, nb, x, sx, M, acc);
-        else groups_rows(1, g, nb, x, sx, M, acc);
+            if (G == STREAMS) groups_rows(STREAMS, g, nb, xm, sx + m0 * nb, rows, acc);
+            else groups_rows(1, g, nb, xm, sx + m0 * nb, rows, acc);
 #endif
-        for (int i = 0; i < G; i++) {
-            int64_t first = (a + i * q) * GROUP;
-            int whole_group = first >= n0 && first + GROUP <= n1;
-            for (int64_t m = 0; m < M; m++) {
+            for (int i = 0; i < G; i++) {
+                int64_t first = (a + i * q) * GROUP;
+                int whole_group = first >= n0 && first + GROUP <= n1;
+                for (int64_t m = 0; m < rows; m++) {
 #if REPACK_VNNI
-                float *to = whole_group ? y + m * N + first : out[i][m];
-                if (stream && whole_group && ((uintptr_t)to & 63) == 0) _mm512_stream_ps(to, acc[i][m]);
-                else _mm512_storeu_ps(to, acc[i][m]);
+                    float *to = whole_group ? ym + m * N + first : out[i][m];
+                    if (stream && whole_group && ((uintptr_t)to & 63) == 0) _mm512_stream_ps(to, acc[i][m]);
+                    else _mm512_storeu_ps(to, acc[i][m]);
 #else
-                group_row_c(g[i], nb, x + m * nb * XB, whole_group ? y + m * N + first : out[i][m]);
+                    group_row_c(g[i], nb, xm + m * nb * XB, whole_group ? ym + m * N + first : out[i][m]);
 #endif
-                for (int64_t n = first < n0 ? n0 : first; !whole_group && n < first + GROUP && n < n1; n++)
-                    y[m * N + n] = out[i][m][n - first];
+                    for (int64_t n = first < n0 ? n0 : first; !whole_group && n < first + GROUP && n < n1; n++)
+                        ym[m * N + n] = out[i][m][n - first];
+                }
             }
         }
     }
@@ -285,5 +283,40 @@ int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *ex
     if (stream) _mm_sfence();       /* the streamed outputs ordered before the caller's (or the pool's) next store */
     free(sx);
 #endif
+    return 0;
+}
+
+/* y [M, N] rows [n0, n1) = x @ W.T for a Q8_0 weight whose whole groups q8r_repack rewrote (type Q8R_TYPE), the
+ * activations `xq` from q8_quantize kind 1; the arguments as qdot8's: with `experts`, row m against the weight
+ * experts[m] of a stack (expert_bytes apart; -1: another rank's, 0), each as a one-row call (the grouped output
+ * projection's groups, each N rows of whole groups). A group cut by [n0, n1) is computed whole and only its rows
+ * inside stored. Returns -1 for a call it cannot serve, -2 out of memory. */
+int q8r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+             const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
+    if (type != Q8R_TYPE || K % 32 || M < 1 || M > GROUP) return -1;
+    const uint8_t *x = xq;
+    int64_t nb = K / 32;
+    for (int64_t m = 0; experts != NULL && m < M; m++) {
+        int rc = experts[m] < 0 ? 0 : q8r_rows(type, w + experts[m] * expert_bytes, 0, NULL, N, K, x + m * nb * XB, 1,
+                                               y + m * N, n0, n1);
+        for (int64_t n = n0; experts[m] < 0 && n < n1; n++) y[m * N + n] = 0.0f;
+        if (rc) return rc;
+    }
+    return experts != NULL ? 0 : all_rows(w, N, K, x, M, y, n0, n1);
+}
+
+/* q8r_rows for any number of rows (prefill's products; no `experts`): each group read from memory once for all rows
+ * (all_rows), where q8r_rows on 16 rows at a time reads the weight once per 16 rows; the same bits. On a CPU with the
+ * AMX tiles on, 16 rows at a time through q8r_rows (its tiles). */
+int q8r_gemm(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+             const void *xq, int64_t M, float *y, int64_t n0, int64_t n1) {
+    if (type != Q8R_TYPE || K % 32 || M < 1 || experts != NULL) return -1;
+    const uint8_t *x = xq;
+    if (!(REPACK_AMX && qdot8amx_on(-1))) return all_rows(w, N, K, x, M, y, n0, n1);
+    for (int64_t m = 0; m < M; m += GROUP) {
+        int rc = q8r_rows(type, w, expert_bytes, NULL, N, K, x + m * (K / 32) * XB, M - m < GROUP ? M - m : GROUP,
+                          y + m * N, n0, n1);
+        if (rc) return rc;
+    }
     return 0;
 }

@@ -24,8 +24,8 @@
   (backends/cpu/qgemm8.c) on AMX, AVX-512 VNNI or AVX2 (its plain C path is slower than the tiles); everything else
   as above.
 - Q8_0 weights repacked at load (`repack.RepackedQ8_0`: `--cpu-dot q8` with the weights in memory) take their own
-  row kernel (backends/cpu/q8repack.c), MAX_ROWS rows a call: the bits of qdot8 and, for more than SMALL_M rows,
-  of qgemm8 on the stored weight (both add whole blocks in order, ops/q8_activations.py).
+  row kernel (backends/cpu/q8repack.c) and, for more than SMALL_M rows, its GEMM: the bits of qdot8 and of qgemm8 on
+  the stored weight (both add whole blocks in order, ops/q8_activations.py).
 - For M <= SMALL_M every path is batch-invariant without a loop over rows: the kernel does the same
   arithmetic for each row whatever M is, and dense products run in fixed groups of rows
   (`rows.grouped_product`), so row r of an M-row call equals the 1-row call bit for bit.
@@ -156,17 +156,24 @@ def qmatmul(x: torch.Tensor, w: QTensor | repack.RepackedQ8_0, dot: str = "exact
 
 
 def repacked_product(x: torch.Tensor, w: repack.RepackedQ8_0, dot: str) -> torch.Tensor:
-    """`x @ W.T` for a 2-D weight repacked at load (q8 only; ValueError otherwise): MAX_ROWS rows a call of its row
-    kernel (`repack.product`), the bits of qdot8 and qgemm8 on the stored weight."""
+    """`x @ W.T` for a 2-D weight repacked at load (q8 only; ValueError otherwise): up to MAX_ROWS rows its row kernel
+    (`repack.product`), more rows (prefill) its GEMM (`q8r_gemm`: each block read once for all rows); the bits of qdot8
+    and qgemm8 on the stored weight."""
     repack.require_q8(dot)
     if len(w.shape) != 2 or x.dim() != 2 or x.dtype not in (torch.float32, torch.float16) or x.shape[1] != w.shape[1]:
         raise ValueError(f"qmatmul: x {x.dtype} {tuple(x.shape)} does not fit the repacked {w.name or 'weight'} "
                          f"{tuple(w.shape)}")
-    if x.shape[0] == 0:
-        return torch.empty((0, w.shape[0]), dtype=torch.float32)
-    step = kernels.MAX_ROWS
-    out = [repack.product(x[i:i + step], w) for i in range(0, x.shape[0], step)]
-    return out[0] if len(out) == 1 else torch.cat(out)
+    (M, K), N = x.shape, w.shape[0]
+    if M == 0:
+        return torch.empty((0, N), dtype=torch.float32)
+    if M <= kernels.MAX_ROWS:
+        return repack.product(x, w)
+    xq = kernels.q8_quantize(x.to(torch.float32).contiguous(), "Q8_0")
+    rc, y = kernels.split_rows(kernels.lib().q8r_gemm, kernels.Q8R_TYPE, w.data, N, None, xq, M, K)
+    if rc:
+        raise MemoryError(f"qmatmul: no memory for {M} rows") if rc == -2 else \
+            ValueError(f"qmatmul: unsupported call of the repacked {w.name or 'weight'} (M={M}, K={K})")
+    return y
 
 
 @register("grouped_qmatmul", "cpu", batch_invariant=True)
