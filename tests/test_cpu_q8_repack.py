@@ -1,7 +1,8 @@
 """Q8_0 repacked for `--cpu-dot q8` (backends/cpu/q8repack.c, backends/cpu/repack.py): the repack is a permutation of
 the bytes (and back), and the repacked kernels give today's q8 Q8_0 bits (kernels.qdot8 on the stored weight, itself
-checked against ops/q8_activations.py) for M = 1..16 (prefill's more rows: kernels.qgemm8's), 1/2/3 threads with chunk splits inside a group, row counts
-that are not whole groups, an odd block count, with the AMX tiles, the VNNI rows and the AVX2 and plain C builds."""
+checked against ops/q8_activations.py) for M = 1..16 (prefill's more rows: kernels.qgemm8's), 1/2/3 threads with
+chunk splits inside a group, row counts that are not whole groups, an odd block count, with the AMX tiles, the VNNI
+rows and the AVX2 and plain C builds."""
 from __future__ import annotations
 
 import functools
