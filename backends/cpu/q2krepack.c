@@ -88,8 +88,8 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 #if REPACK_VNNI
 
 #define AHEAD 1024      /* bytes of each weight stream prefetched ahead: STREAMS streams, */
-#define AHEAD_ROWS 4096 /* one stream (several rows); into L2 for one activation row, else into L1 (measured: docs/cpu.md,
-                         * "Q4_K and Q2_K at several rows without AMX (session 16)") */
+#define AHEAD_ROWS 4096 /* one stream (several rows); into L2 for one activation row, else into L1 (measured:
+                         * docs/cpu.md, "Q4_K, Q2_K and IQ2_XXS at several rows without AMX (session 16)") */
 
 /* A group block's scales: s[j] lane n = row n's scale of group j in both 16-bit words; mn[p] lane n = its mins of
  * groups 2 p, 2 p + 1 as an int16 pair; d, dmin lane n: row n's. */

@@ -195,8 +195,8 @@ static inline void bsums_of(const uint8_t *xb, int32_t bs[4]) {     /* block_ter
 }
 
 #define AHEAD 1024      /* bytes of each weight stream prefetched ahead into L2: one row (four streams), */
-#define AHEAD_ROWS 8192 /* several rows (one stream); measured: docs/cpu.md, "Q4_K and Q2_K at several rows without
-                         * AMX (session 16)" */
+#define AHEAD_ROWS 8192 /* several rows (one stream); measured: docs/cpu.md, "Q4_K, Q2_K and IQ2_XXS at several
+                         * rows without AMX (session 16)" */
 
 /* One group block `gb` against one activation block xb: `vpdpbusd` with 4 activation bytes broadcast, the nibble
  * vectors straight from the weight; adds the term to acc (lane n: row n). */
