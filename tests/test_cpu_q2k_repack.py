@@ -86,7 +86,7 @@ def test_repacked_experts_prefill_and_bound_call(threads_split):
 def test_refusals():
     """Not a repackable type, fewer than 16 rows, too many activation rows, a non-repacked weight's layout: clear
     errors."""
-    with pytest.raises(ValueError, match="not a repackable Q4_K, Q2_K or Q8_0"):
+    with pytest.raises(ValueError, match="not a repackable Q4_K, Q2_K, IQ2_XXS or Q8_0"):
         repack.repack(QTensor.quantize(torch.randn(16, 256), "Q3_K", "w"))
     with pytest.raises(ValueError, match="not a repackable"):
         repack.repack(weight(8, 256))

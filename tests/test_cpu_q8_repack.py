@@ -115,7 +115,7 @@ def test_large_output_written_around_the_cache(threads_split):
 
 def test_refusals():
     """A type without a layout, fewer than 16 rows, a Q8_0 stack, experts, too many activation rows: clear errors."""
-    with pytest.raises(ValueError, match="not a repackable Q4_K, Q2_K or Q8_0 weight: .*Q5_K"):
+    with pytest.raises(ValueError, match="not a repackable Q4_K, Q2_K, IQ2_XXS or Q8_0 weight: .*Q5_K"):
         repack.repack(QTensor.quantize(torch.randn(16, 256), "Q5_K", "w"))
     with pytest.raises(ValueError, match="not a repackable"):
         repack.repack(weight(8, 256))

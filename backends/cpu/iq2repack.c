@@ -3,8 +3,9 @@
  * stored 66-byte blocks interleaved: block b of row n at (16 b + n) x 66. So a group's 16 rows are read as one stream
  * of memory, block after block, and the AMX tiles (qdot8amx.c, `qdot8amx_iq2_interleaved`) unpack one block of the
  * 16 rows at a time into buffers that stay in L1, instead of whole rows into L2 (the stored layout's 16 row streams
- * read block by block run slower). Rows past the last whole group keep the stored layout (qdot8.c multiplies them).
- * The arithmetic is qdot8.c's IQ2_XXS (ops/q8_activations.py): per row and block the exact bsum, then
+ * read block by block run slower); without the tiles, several rows gather a block's 16 rows into lanes (row n in
+ * lane n) once for all rows (group_wide; docs/cpu.md, "Q4_K, Q2_K and IQ2_XXS at several rows without AMX (session
+ * 16)"). Rows past the last whole group keep the stored layout (qdot8.c multiplies them). The arithmetic is qdot8.c's IQ2_XXS (ops/q8_activations.py): per row and block the exact bsum, then
  * acc += (d_w d_x) bsum in block order and 0.125 acc, so every output has qdot8's bits for any M and any split of
  * the rows. Built with qgemv.c by backends/cpu/kernels.py.
  */
@@ -78,38 +79,88 @@ static void group_row(const uint8_t *g, int64_t nb, const uint8_t *x, float out[
     for (int q = 0; q < GROUP / 4; q++) _mm_storeu_ps(out[0] + 4 * q, _mm_mul_ps(_mm_set1_ps(0.125f), acc[q]));
 }
 
-/* One group (16 rows, nb interleaved blocks at g) against M activation rows x: out[m][n]. Per block, 4 weight rows
- * at a time: each block unpacked once (iq2_xxs_unpack), its integer dot with every row (iq2_xxs_row), the 4 rows'
- * sums reduced together and their float terms taken lane by lane as qdot8.c's dot_iq2_xxs (d_w d_x) bsum. */
-static void group_rows(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M, float out[GROUP][GROUP]) {
-    if (M == 1) {
-        group_row(g, nb, x, out);
-        return;
+/* The 16 rows' 8 vectors of group j (32 values) of one interleaved block `gb`, each lane n row n's 4 values plus 64
+ * (21..107, unsigned: the operand of `vpdpbusd`), the values' grid bytes and signs gathered lane by lane; scale[j]
+ * lane n: row n's 2 ls + 1. */
+static inline void group_lanes(const uint8_t *gb, int j, __m512i w[8], __m512i *scale) {
+    const __m256i rows = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0), _mm256_set1_epi32(QK_BYTES));
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    __m512i rows0 = _mm512_i32gather_epi64(rows, gb + 2 + 8 * j, 1),     /* the group's 8 bytes of rows 0-7, 8-15 */
+            rows8 = _mm512_i32gather_epi64(rows, gb + 8 * QK_BYTES + 2 + 8 * j, 1);
+    __m512i index = _mm512_permutex2var_epi32(rows0, even, rows8),
+            aux = _mm512_permutex2var_epi32(rows0, _mm512_add_epi32(even, _mm512_set1_epi32(1)), rows8);
+    *scale = _mm512_or_si512(_mm512_slli_epi32(_mm512_srli_epi32(aux, 28), 1), _mm512_set1_epi32(1));
+    /* byte l of lane n: the 7-bit sign index of chunk l (aux bits 7 l ..; bit 7 of each byte ignored), looked up in
+     * ksigns (with its parity bit: the chunk's 8 sign bits) */
+    __m512i t = _mm512_mask_blend_epi8(0x2222222222222222ull, aux, _mm512_slli_epi32(aux, 1));
+    t = _mm512_mask_blend_epi8(0x4444444444444444ull, t, _mm512_slli_epi32(aux, 2));
+    t = _mm512_mask_blend_epi8(0x8888888888888888ull, t, _mm512_slli_epi32(aux, 3));
+    __m512i signs = _mm512_permutex2var_epi8(_mm512_loadu_si512(iq2_ksigns_bytes), t,
+                                             _mm512_loadu_si512(iq2_ksigns_bytes + 64));
+    const __m512i bits_lo = _mm512_set1_epi32(0x08040201), bits_hi = _mm512_set1_epi32((int)0x80402010);
+    for (int l = 0; l < 4; l++) {
+        __m512i grid = _mm512_and_si512(_mm512_srli_epi32(index, 8 * l), _mm512_set1_epi32(255));
+        __m512i sl = _mm512_shuffle_epi8(signs, _mm512_set4_epi32(0x01010101 * (12 + l), 0x01010101 * (8 + l),
+                                                                  0x01010101 * (4 + l), 0x01010101 * l));   /* byte l */
+        __m512i rows0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(grid), iq2_grid_bytes, 8),   /* 8 values */
+                rows8 = _mm512_i32gather_epi64(_mm512_extracti64x4_epi64(grid, 1), iq2_grid_bytes, 8);
+        for (int h = 0; h < 2; h++) {       /* values 4 h .. 4 h + 3 of each row */
+            const __m512i pick = _mm512_add_epi32(_mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4,
+                                                                   2, 0), _mm512_set1_epi32(h));
+            __m512i q = _mm512_permutex2var_epi32(rows0, pick, rows8);
+            __mmask64 neg = _mm512_test_epi8_mask(sl, h ? bits_hi : bits_lo);
+            w[2 * l + h] = _mm512_add_epi8(_mm512_mask_sub_epi8(q, neg, _mm512_setzero_si512(), q), _mm512_set1_epi8(64));
+        }
     }
-    __m128 acc[GROUP][GROUP / 4];
-    for (int64_t m = 0; m < M; m++)
-        for (int q = 0; q < GROUP / 4; q++) acc[m][q] = _mm_setzero_ps();
-    for (int64_t b = 0; b < nb; b++)
-        for (int q = 0; q < GROUP / 4; q++) {
-            const uint8_t *wb = g + (b * GROUP + 4 * q) * QK_BYTES;
-            uint16_t h[4];
-            for (int i = 0; i < 4; i++) memcpy(&h[i], wb + QK_BYTES * i, 2);
-            for (int i = 0; i < 5; i++) _mm_prefetch((const char *)wb + 64 * i + AHEAD, _MM_HINT_T0);
-            __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
-            iq2_xxs_unpacked u[4];
-            for (int i = 0; i < 4; i++) iq2_xxs_unpack(wb + QK_BYTES * i, &u[i]);
+}
+
+/* One group (16 rows, nb interleaved blocks at g) against M activation rows x (M >= 2): out[m][n]. Per
+ * block and group of 32 values the 16 rows' values are gathered once into lanes (group_lanes) and serve every row's
+ * 8 `vpdpbusd` (16 weight rows at once); the group's dot times its scale is added to the row's bsum in int32, less
+ * 64 (2 ls + 1) times the activation's sum over the group (the +64 of the values, from the Q8_K bsums by
+ * `vpdpwssd`); the float steps are the one-row kernel's, (d_w d_x) bsum in block order and 0.125 acc. */
+static void group_wide(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M, float out[GROUP][GROUP]) {
+    __m512 acc[GROUP];
+    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *gb = g + b * GROUP * QK_BYTES;
+        for (int off = 0; off < GROUP * QK_BYTES; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T0);
+        __m512i isum[GROUP], scale[8];
+        for (int j = 0; j < 8; j++) {
+            __m512i w[8];
+            group_lanes(gb, j, w, &scale[j]);
             for (int64_t m = 0; m < M; m++) {
-                const int8_t *qs = (const int8_t *)(x + (m * nb + b) * Q8K_BYTES);
-                float dx;
-                memcpy(&dx, qs + 256, 4);
-                __m128i sums = sum4_epi32(iq2_xxs_row(&u[0], qs), iq2_xxs_row(&u[1], qs), iq2_xxs_row(&u[2], qs),
-                                          iq2_xxs_row(&u[3], qs));
-                acc[m][q] = _mm_add_ps(acc[m][q], _mm_mul_ps(_mm_mul_ps(d, _mm_set1_ps(dx)), _mm_cvtepi32_ps(sums)));
+                const int32_t *xv = (const int32_t *)(x + (m * nb + b) * Q8K_BYTES + 32 * j);
+                __m512i d0 = _mm512_setzero_si512(), d1 = d0;
+                for (int v = 0; v < 8; v += 2) {
+                    d0 = _mm512_dpbusd_epi32(d0, w[v], _mm512_set1_epi32(xv[v]));
+                    d1 = _mm512_dpbusd_epi32(d1, w[v + 1], _mm512_set1_epi32(xv[v + 1]));
+                }
+                __m512i t = _mm512_mullo_epi32(_mm512_add_epi32(d0, d1), scale[j]);
+                isum[m] = j ? _mm512_add_epi32(isum[m], t) : t;
             }
         }
-    for (int64_t m = 0; m < M; m++)
-        for (int q = 0; q < GROUP / 4; q++) _mm_storeu_ps(out[m] + 4 * q, _mm_mul_ps(_mm_set1_ps(0.125f), acc[m][q]));
+        __m512i pairs[4];       /* lane n: row n's scales of groups 2 i, 2 i + 1 as an int16 pair */
+        for (int i = 0; i < 4; i++) pairs[i] = _mm512_or_si512(scale[2 * i], _mm512_slli_epi32(scale[2 * i + 1], 16));
+        const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                _mm512_set1_epi32(QK_BYTES));
+        __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(rows, gb, 1)));
+        for (int64_t m = 0; m < M; m++) {
+            const uint8_t *xb = x + (m * nb + b) * Q8K_BYTES;
+            int32_t sums[4];        /* the activation's sums over groups 2 i, 2 i + 1 (bsums pairs), int16 pairs */
+            _mm_storeu_si128((__m128i *)sums, _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(xb + 260)),
+                                                              _mm_loadu_si128((const __m128i *)(xb + 276))));
+            __m512i offset = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++) offset = _mm512_dpwssd_epi32(offset, pairs[i], _mm512_set1_epi32(sums[i]));
+            __m512i bsum = _mm512_sub_epi32(isum[m], _mm512_slli_epi32(offset, 6));
+            float dx;
+            memcpy(&dx, xb + 256, 4);
+            acc[m] = _mm512_add_ps(acc[m], _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(bsum)));
+        }
+    }
+    for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out[m], _mm512_mul_ps(_mm512_set1_ps(0.125f), acc[m]));
 }
+
 #else
 #define IQ2R_VECTOR 0
 /* One group against M activation rows, plain C: each row's blocks gathered back into the stored layout (row, nb x 66
@@ -172,7 +223,8 @@ int iq2r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
             int64_t first = a * GROUP;
             float out[GROUP][GROUP];
 #if IQ2R_VECTOR
-            group_rows(wi + first * row_bytes, nb, xi, mi, out);
+            if (mi == 1) group_row(wi + first * row_bytes, nb, xi, out);
+            else group_wide(wi + first * row_bytes, nb, xi, mi, out);
 #else
             rc = group_rows_c(wi + first * row_bytes, nb, xi, mi, out, row);
 #endif

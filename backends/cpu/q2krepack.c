@@ -88,7 +88,8 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 #if REPACK_VNNI
 
 #define AHEAD 1024      /* bytes of each weight stream prefetched ahead: STREAMS streams, */
-#define AHEAD_ROWS 4096 /* one stream (several rows) */
+#define AHEAD_ROWS 4096 /* one stream (several rows); into L2 for one activation row, else into L1 (measured:
+                         * docs/cpu.md, "Q4_K, Q2_K and IQ2_XXS at several rows without AMX (session 16)") */
 
 /* A group block's scales: s[j] lane n = row n's scale of group j in both 16-bit words; mn[p] lane n = its mins of
  * groups 2 p, 2 p + 1 as an int16 pair; d, dmin lane n: row n's. */
@@ -121,14 +122,17 @@ static inline __m512 block_term(const group_scales *s, __m512i isum, __m512i msu
                          _mm512_mul_ps(_mm512_mul_ps(vdx, s->dmin), _mm512_cvtepi32_ps(msum)));
 }
 
-/* One group block `gb` against R activation blocks xb[r] (R = 1..4), the masked fields shared by the R rows; adds
+/* One group block `gb` against R activation blocks xb[r] (R = 1..4), the masked fields shared by the R rows (the
+ * weight prefetched `ahead` bytes ahead, into L2 where `l2`); adds
  * each row's term to acc[r] (lane n: weight row n). Per pair of groups (2 p, 2 p + 1: fields i of vectors 8 k ..
  * 8 k + 7, p = 4 k + i) each row's two group dots (times 4^i: the fields masked in place, not shifted) come from 4
  * `vpdpbusd` each; they fit int16 (|dot| <= 16 x 3 x 128), so shifted into the two words of each lane they meet the
  * rows' scale pair in one `vpdpwssd`, as the mins meet the activation's pair of 16-value sums. */
 static inline __attribute__((always_inline)) void block_rows(const int R, const uint8_t *gb, const uint8_t *const *xb,
-                                                             __m512 *acc, int ahead) {
-    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + ahead, _MM_HINT_T0);
+                                                             __m512 *acc, int ahead, int l2) {
+    for (int off = 0; off < GB; off += 64)
+        if (l2) _mm_prefetch((const char *)gb + off + ahead, _MM_HINT_T2);
+        else _mm_prefetch((const char *)gb + off + ahead, _MM_HINT_T0);
     const __m512i low4 = _mm512_set1_epi16(15);
     __m512i isum[4], msum[4];
     for (int r = 0; r < R; r++) isum[r] = msum[r] = _mm512_setzero_si512();
@@ -184,10 +188,10 @@ static void group_rows(const int R, const uint8_t *const *g, int64_t nb, const u
                 int ahead = R > 1 ? AHEAD : AHEAD_ROWS;
                 for (int r = 0; r < 4; r++) xb[r] = x + ((m + r < M ? m + r : m) * nb + b) * Q8K_BYTES;
                 switch (M - m < 4 ? M - m : 4) {
-                case 1: block_rows(1, gb, xb, acc[i] + m, ahead); break;
-                case 2: block_rows(2, gb, xb, acc[i] + m, ahead); break;
-                case 3: block_rows(3, gb, xb, acc[i] + m, ahead); break;
-                default: block_rows(4, gb, xb, acc[i] + m, ahead); break;
+                case 1: block_rows(1, gb, xb, acc[i] + m, ahead, M == 1); break;
+                case 2: block_rows(2, gb, xb, acc[i] + m, ahead, M == 1); break;
+                case 3: block_rows(3, gb, xb, acc[i] + m, ahead, M == 1); break;
+                default: block_rows(4, gb, xb, acc[i] + m, ahead, M == 1); break;
                 }
             }
 }

@@ -166,17 +166,10 @@ static inline void scales_of(const uint8_t *gb, block_scales *s) {
     s->dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gb + 32)));
 }
 
-/* One activation block's term for the group's 16 rows: dot[j] the exact sub-block dots (int32, lane n: row n),
- * bs[i] the activation's sums of sub-blocks 2i and 2i + 1 (bsums 4i + 4i+1 and 4i+2 + 4i+3) as an int16 pair, dx its
- * scale. */
-static inline __m512 block_term(const block_scales *s, const __m512i *dot, const int32_t *bs, float dx) {
-    __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[0]), s->sc[0]);
-    __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[4]), s->sc[4]);
-    for (int j = 1; j < 4; j++) {           /* exact: every partial sum an integer below 2^24 */
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), s->sc[j], a);
-        b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[4 + j]), s->sc[4 + j], b);
-    }
-    __m512 isum = _mm512_add_ps(a, b);       /* the exact isum rounded to float, as (float)isum */
+/* One activation block's term for the group's 16 rows from their isum (the exact integer rounded to float, lane n:
+ * row n): bs[i] the activation's sums of sub-blocks 2i and 2i + 1 (bsums 4i + 4i+1 and 4i+2 + 4i+3) as an int16 pair,
+ * dx its scale. */
+static inline __m512 block_step(const block_scales *s, __m512 isum, const int32_t *bs, float dx) {
     __m512i mi = _mm512_setzero_si512();
     for (int i = 0; i < 4; i++) mi = _mm512_dpwssd_epi32(mi, s->mn[i], _mm512_set1_epi32(bs[i]));
     __m512 msum = _mm512_cvtepi32_ps(mi);
@@ -185,45 +178,51 @@ static inline __m512 block_term(const block_scales *s, const __m512i *dot, const
                          _mm512_mul_ps(_mm512_mul_ps(vdx, s->dmin), msum));
 }
 
+/* block_step's term from dot[j], the exact sub-block dots (int32, lane n: row n). */
+static inline __m512 block_term(const block_scales *s, const __m512i *dot, const int32_t *bs, float dx) {
+    __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[0]), s->sc[0]);
+    __m512 b = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[4]), s->sc[4]);
+    for (int j = 1; j < 4; j++) {           /* exact: every partial sum an integer below 2^24 */
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[j]), s->sc[j], a);
+        b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[4 + j]), s->sc[4 + j], b);
+    }
+    return block_step(s, _mm512_add_ps(a, b), bs, dx);      /* a + b: the exact isum rounded, as (float)isum */
+}
+
 static inline void bsums_of(const uint8_t *xb, int32_t bs[4]) {     /* block_term's pairs of sub-block sums */
     __m128i v = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(xb + 260)), _mm_loadu_si128((const __m128i *)(xb + 276)));
     _mm_storeu_si128((__m128i *)bs, v);
 }
 
-#define AHEAD 1024      /* bytes of each weight stream prefetched ahead: one row (four streams), */
-#define AHEAD_ROWS 8192 /* several rows (one stream; measured: docs/cpu.md) */
+#define AHEAD 1024      /* bytes of each weight stream prefetched ahead into L2: one row (four streams), */
+#define AHEAD_ROWS 8192 /* several rows (one stream); measured: docs/cpu.md, "Q4_K, Q2_K and IQ2_XXS at several
+                         * rows without AMX (session 16)" */
 
-/* One group block `gb` against R activation blocks xb[r] (R = 1, 2): `vpdpbusd` with 4 activation bytes broadcast, the
- * nibble vectors straight from the weight (shared by the R rows); adds each row's term to acc[r] (lane n: row n). */
-static inline __attribute__((always_inline)) void block_row(const int R, const uint8_t *gb, const uint8_t *const *xb,
-                                                            __m512 *acc) {
+/* One group block `gb` against one activation block xb: `vpdpbusd` with 4 activation bytes broadcast, the nibble
+ * vectors straight from the weight; adds the term to acc (lane n: row n). */
+static inline __attribute__((always_inline)) void block_row(const uint8_t *gb, const uint8_t *xb, __m512 *acc) {
     const __m512i low4 = _mm512_set1_epi8(15);
-    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T0);
-    __m512i dot[2][8];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < 8; j++) dot[r][j] = _mm512_setzero_si512();
+    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T2);
+    __m512i dot[8];
+    for (int j = 0; j < 8; j++) dot[j] = _mm512_setzero_si512();
 #pragma GCC unroll 32
     for (int v = 0; v < 32; v++) {        /* v = 8 p + r */
         int p = v / 8, k = v % 8;
         __m512i q = _mm512_loadu_si512(gb + 256 + 64 * v);
         __m512i lo = _mm512_and_si512(q, low4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-        for (int r = 0; r < R; r++) {
-            int32_t xl, xh;
-            memcpy(&xl, xb[r] + 64 * p + 4 * k, 4);
-            memcpy(&xh, xb[r] + 64 * p + 32 + 4 * k, 4);
-            dot[r][2 * p] = _mm512_dpbusd_epi32(dot[r][2 * p], lo, _mm512_set1_epi32(xl));
-            dot[r][2 * p + 1] = _mm512_dpbusd_epi32(dot[r][2 * p + 1], hi, _mm512_set1_epi32(xh));
-        }
+        int32_t xl, xh;
+        memcpy(&xl, xb + 64 * p + 4 * k, 4);
+        memcpy(&xh, xb + 64 * p + 32 + 4 * k, 4);
+        dot[2 * p] = _mm512_dpbusd_epi32(dot[2 * p], lo, _mm512_set1_epi32(xl));
+        dot[2 * p + 1] = _mm512_dpbusd_epi32(dot[2 * p + 1], hi, _mm512_set1_epi32(xh));
     }
     block_scales s;
     scales_of(gb, &s);
-    for (int r = 0; r < R; r++) {
-        int32_t bs[4];
-        float dx;
-        bsums_of(xb[r], bs);
-        memcpy(&dx, xb[r] + 256, 4);
-        acc[r] = _mm512_add_ps(acc[r], block_term(&s, dot[r], bs, dx));
-    }
+    int32_t bs[4];
+    float dx;
+    bsums_of(xb, bs);
+    memcpy(&dx, xb + 256, 4);
+    *acc = _mm512_add_ps(*acc, block_term(&s, dot, bs, dx));
 }
 
 /* R groups (1, or 4: four streams of the weight fetched at once, as qdot8.c's own_rows4_q8) against one activation
@@ -233,8 +232,7 @@ static inline __attribute__((always_inline)) void groups_row(const int R, const 
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++)
         for (int i = 0; i < R; i++) {
-            const uint8_t *xb = x[i] + b * Q8K_BYTES;
-            block_row(1, g[i] + b * GB, &xb, acc + i);
+            block_row(g[i] + b * GB, x[i] + b * Q8K_BYTES, acc + i);
         }
 }
 
@@ -260,6 +258,49 @@ static void own_groups(const uint8_t *base, int64_t row_bytes, int64_t nb, const
     }
 }
 
+/* One group block `gb` (block b) against M activation rows (x: M rows of nb blocks):
+ * per pair of sub-blocks (2 p, 2 p + 1) the 16 nibble operands are taken once into registers and serve every row's 16
+ * `vpdpbusd`; each sub-block dot times its scale is added to the row's isum in int32 (exact, |isum| < 2^25), so the
+ * scales cost one multiply per row and sub-block and the float step one conversion per row and block (block_step:
+ * the same bits as block_term's). Adds row m's term to acc[m]. */
+static void block_wide(const uint8_t *gb, const uint8_t *x, int64_t nb, int64_t b, int64_t M, __m512 *acc) {
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD_ROWS, _MM_HINT_T2);
+    block_scales s;
+    scales_of(gb, &s);
+    __m512i isum[GROUP];
+    for (int p = 0; p < 4; p++) {
+        __m512i lo[8], hi[8];
+        for (int k = 0; k < 8; k++) {
+            __m512i q = _mm512_loadu_si512(gb + 256 + 64 * (8 * p + k));
+            lo[k] = _mm512_and_si512(q, low4);
+            hi[k] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+        }
+        __m512i sl = _mm512_cvtps_epi32(s.sc[2 * p]), sh = _mm512_cvtps_epi32(s.sc[2 * p + 1]);
+        for (int64_t m = 0; m < M; m++) {
+            const int32_t *xl = (const int32_t *)(x + (m * nb + b) * Q8K_BYTES + 64 * p), *xh = xl + 8;
+            __m512i dl0 = _mm512_setzero_si512(), dl1 = dl0, dh0 = dl0, dh1 = dl0;
+            for (int k = 0; k < 8; k += 2) {
+                dl0 = _mm512_dpbusd_epi32(dl0, lo[k], _mm512_set1_epi32(xl[k]));
+                dl1 = _mm512_dpbusd_epi32(dl1, lo[k + 1], _mm512_set1_epi32(xl[k + 1]));
+                dh0 = _mm512_dpbusd_epi32(dh0, hi[k], _mm512_set1_epi32(xh[k]));
+                dh1 = _mm512_dpbusd_epi32(dh1, hi[k + 1], _mm512_set1_epi32(xh[k + 1]));
+            }
+            __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(dl0, dl1), sl),
+                                         _mm512_mullo_epi32(_mm512_add_epi32(dh0, dh1), sh));
+            isum[m] = p ? _mm512_add_epi32(isum[m], t) : t;
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        const uint8_t *xb = x + (m * nb + b) * Q8K_BYTES;
+        int32_t bs[4];
+        float dx;
+        bsums_of(xb, bs);
+        memcpy(&dx, xb + 256, 4);
+        acc[m] = _mm512_add_ps(acc[m], block_step(&s, _mm512_cvtepi32_ps(isum[m]), bs, dx));
+    }
+}
+
 /* A group block's nibbles as sub-block operands: u[j][r] (64 bytes) = values 32 j + 4 r .. + 3 of the 16 rows. */
 static inline void nibbles_of(const uint8_t *gb, uint8_t u[8][8][64]) {
     const __m512i low4 = _mm512_set1_epi8(15);
@@ -270,16 +311,11 @@ static inline void nibbles_of(const uint8_t *gb, uint8_t u[8][8][64]) {
     }
 }
 
-/* One group against M activation rows, block by block, two rows at a time (block_row, the nibbles loaded once for
- * both); acc[m] lane n: activation row m, weight row n. */
+/* One group against M activation rows (M >= 2), block by block (block_wide); acc[m] lane n: activation row m,
+ * weight row n. */
 static void group_rows(const uint8_t *g, int64_t nb, const uint8_t *x, int64_t M, __m512 *acc) {
     for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++)
-        for (int64_t m = 0; m < M; m += 2) {
-            const uint8_t *xb[2] = {x + (m * nb + b) * Q8K_BYTES, x + ((m + 1) * nb + b) * Q8K_BYTES};
-            if (m + 1 < M) block_row(2, g + b * GB, xb, acc + m);
-            else block_row(1, g + b * GB, xb, acc + m);
-        }
+    for (int64_t b = 0; b < nb; b++) block_wide(g + b * GB, x, nb, b, M, acc);
 }
 
 #if REPACK_AMX
@@ -345,6 +381,10 @@ static void rows_groups(int path, const uint8_t *w, int64_t row_bytes, int64_t n
         else
 #endif
         group_rows(g, nb, x, M, acc);
+        if (a * GROUP >= n0 && (a + 1) * GROUP <= n1) {        /* a whole group: straight from the accumulators */
+            for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(y + m * N + a * GROUP, acc[m]);
+            continue;
+        }
         for (int64_t m = 0; m < M; m++) _mm512_storeu_ps(out[m], acc[m]);
 #else
         (void)path;
