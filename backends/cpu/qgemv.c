@@ -682,6 +682,21 @@ static inline i32x16 widen16(const uint8_t *p) {    /* 16 bytes as int32 lanes *
 
 static inline v16 float16(i32x16 q) { return __builtin_convertvector(q, v16); }
 
+#if defined(__AVX512F__)
+/* a times the float at m (broadcast by the multiply's own load, `{1to16}`), and that plus c: on AMD Zen 4 a
+ * broadcast into a register (vbroadcastss, or gcc's permute) takes a slot of the two vector pipes that shuffle. */
+static inline __attribute__((always_inline)) __m512 mul_broadcast(__m512 a, const float *m) {
+    __m512 out;
+    __asm__("vmulps %1%{1to16%}, %2, %0" : "=v"(out) : "m"(*m), "v"(a));
+    return out;
+}
+
+static inline __attribute__((always_inline)) v16 fma_broadcast(v16 a, const float *m, v16 c) {
+    __asm__("vfmadd231ps %1%{1to16%}, %2, %0" : "+v"(c) : "m"(*m), "v"(a));
+    return c;
+}
+#endif
+
 
 #if defined(__AVX512F__)
 /* Q4_K's eight scales (lanes 0-7, times d) and mins (lanes 8-15, times dmin): k_scales' values, in one vector. The
@@ -798,9 +813,7 @@ static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x, const
             v16 signed_q = (v16)_mm512_mask_xor_epi32(q, k, q, sign_bit);
             s = h == 0 ? signed_q * load16(x + 32 * g) : fma16(signed_q, load16(x + 32 * g + 16), s);
         }
-        v16 sc;     /* as asm: a load (gcc would permute in registers, its index vector built on port 5) */
-        __asm__("vbroadcastss %1, %0" : "=v"(sc) : "m"(scale[g]));
-        a->part[g % ACCS] = fma16(sc, s, a->part[g % ACCS]);
+        a->part[g % ACCS] = fma_broadcast(s, &scale[g], a->part[g % ACCS]);     /* scale[g] * s + part */
     }
 }
 #else
@@ -1145,14 +1158,6 @@ static inline __attribute__((always_inline)) void spread_scales(__m512 sc, __m51
     scale[1] = _mm512_permute_ps(lanes, 0x55);
     scale[2] = _mm512_permute_ps(lanes, 0xaa);
     scale[3] = _mm512_permute_ps(lanes, 0xff);
-}
-
-/* a times the float at m broadcast by the multiply's own load (`{1to16}`: no shuffle; gcc would broadcast in
- * registers, on the shuffle units). */
-static inline __attribute__((always_inline)) __m512 mul_broadcast(__m512 a, const float *m) {
-    __m512 out;
-    __asm__("vmulps %1%{1to16%}, %2, %0" : "=v"(out) : "m"(*m), "v"(a));
-    return out;
 }
 
 /* A Q2_K block's scales spread over the lanes of each i (scale[i]) and its mins (low: d and dmin converted together
