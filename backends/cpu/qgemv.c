@@ -875,9 +875,7 @@ static inline __attribute__((always_inline)) __m512 q8_0_block(__m512 acc, const
                              _mm512_loadu_ps(x));
     s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))),
                         _mm512_loadu_ps(x + 16), s);
-    __m512 scale;       /* as asm: a broadcast load (no shuffle) */
-    __asm__("vbroadcastss %1, %0" : "=v"(scale) : "m"(*d));
-    return _mm512_fmadd_ps(scale, s, acc);
+    return (__m512)fma_broadcast((v16)s, d, (v16)acc);     /* *d * s + acc */
 }
 
 /* The tree sum of a row's lanes: quarters (0 + 2) + (1 + 3), then of those four lanes (0 + 2) + (1 + 3). */
