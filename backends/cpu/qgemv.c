@@ -1364,9 +1364,7 @@ static inline __attribute__((always_inline)) void scaled_bytes_dot(acc_t *a, con
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             int j = 4 * g + i;
-            v16 s;      /* as asm: a load (gcc would permute in registers, on the shuffle port) */
-            __asm__("vbroadcastss %1, %0" : "=v"(s) : "m"(sc[j]));
-            v16 w = int8_floats16((const uint8_t *)q + 16 * j) * s;
+            v16 w = (v16)mul_broadcast((__m512)int8_floats16((const uint8_t *)q + 16 * j), &sc[j]);
             t = i == 0 ? w * load16(x + 16 * j) : fma16(w, load16(x + 16 * j), t);
         }
         a->part[g] = fma16(dv, t, a->part[g]);
@@ -1486,9 +1484,7 @@ static inline void dot_iq4_xs(acc_t *a, const uint8_t *b, const float *x, const 
         __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 8 + 16 * j)));
         v16 t = (v16)_mm512_permutexvar_ps(v, levels) * load16(x + 32 * j);
         t = fma16((v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), levels), load16(x + 32 * j + 16), t);
-        v16 s;
-        __asm__("vbroadcastss %1, %0" : "=v"(s) : "m"(scale[j]));
-        a->part[j % ACCS] = fma16(s, t, a->part[j % ACCS]);
+        a->part[j % ACCS] = fma_broadcast(t, &scale[j], a->part[j % ACCS]);
     }
 }
 
@@ -1572,9 +1568,7 @@ static inline __attribute__((always_inline)) void codes_dot(const codes_t t, acc
         const uint8_t *blk = b + i * t.bb;
         v16 s = (v16)code_values(t, blk, 0) * load16(x + 32 * i);
         s = fma16((v16)code_values(t, blk, 1), load16(x + 32 * i + 16), s);
-        v16 di;
-        __asm__("vbroadcastss %1, %0" : "=v"(di) : "m"(d[i]));
-        a->part[i] = fma16(di, s, a->part[i]);
+        a->part[i] = fma_broadcast(s, &d[i], a->part[i]);
     }
     if (t.min_at >= 0) a->low = fma16((v16)_mm512_zextps128_ps512(low), load16(xsum), a->low);  /* lanes 4-15: 0 */
 }
@@ -1671,10 +1665,9 @@ static inline void dot_iq3_xxs(acc_t *a, const uint8_t *b, const float *x, const
     for (int g = 0; g < 8; g++) scale[g] += 0.0f;     /* splat16's */
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
-        v16 t = iq3_xxs_values(b, 2 * g) * load16(x + 32 * g), s;
+        v16 t = iq3_xxs_values(b, 2 * g) * load16(x + 32 * g);
         t = fma16(iq3_xxs_values(b, 2 * g + 1), load16(x + 32 * g + 16), t);
-        __asm__("vbroadcastss %1, %0" : "=v"(s) : "m"(scale[g]));
-        a->part[g % ACCS] = fma16(s, t, a->part[g % ACCS]);
+        a->part[g % ACCS] = fma_broadcast(t, &scale[g], a->part[g % ACCS]);
     }
 }
 
