@@ -1307,13 +1307,11 @@ static inline __attribute__((always_inline)) int k_quant_rows(
 }
 
 #if GROUPED
-/* Q4_K's and Q5_K's groups 2c and 2c + 1 (products t0, t1) into their accumulators, times the scales in sv[0..7] */
+/* Q4_K's and Q5_K's groups 2c and 2c + 1 (products t0, t1) into their accumulators, times the scales in sv[0..7]
+ * (each by the multiply-add's own broadcast from memory) */
 static inline __attribute__((always_inline)) void k_pair_add(acc_t *a, const float *sv, int c, v16 t0, v16 t1) {
-    v16 s0, s1;     /* as asm: loads (gcc would permute in registers, on the shuffle port) */
-    __asm__("vbroadcastss %1, %0" : "=v"(s0) : "m"(sv[2 * c]));
-    __asm__("vbroadcastss %1, %0" : "=v"(s1) : "m"(sv[2 * c + 1]));
-    a->part[(2 * c) % ACCS] = fma16(s0, t0, a->part[(2 * c) % ACCS]);
-    a->part[(2 * c + 1) % ACCS] = fma16(s1, t1, a->part[(2 * c + 1) % ACCS]);
+    a->part[(2 * c) % ACCS] = fma_broadcast(t0, &sv[2 * c], a->part[(2 * c) % ACCS]);
+    a->part[(2 * c + 1) % ACCS] = fma_broadcast(t1, &sv[2 * c + 1], a->part[(2 * c + 1) % ACCS]);
 }
 
 /* Their mins' term: lanes 0-7 the mins (a 256-bit load of sv's lanes 8-15) times the group sums; lanes 8-15 stay as
