@@ -775,6 +775,7 @@ typedef void (*unpack_fn)(const uint8_t *, float *, float *, float *);
  * reloading them. Measured for IQ2_XXS 9-10% faster at M = 1; Q2_K's (on x reordered per call) is q2_k_dot,
  * further down. */
 typedef void (*dot_fn)(acc_t *, const uint8_t *, const float *x, const float *xsum);  /* xsum: for group mins */
+typedef void (*dot4_fn)(acc_t *, const uint8_t *const *, const float *x, const float *xsum);  /* dot of 4 rows' blocks */
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__AVX512BW__)
 /* With VBMI/BITALG (Sapphire Rapids, Zen 4) the block's bookkeeping is vector work done once per block: its 32
@@ -1064,9 +1065,10 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int bs, int G) {
  * n + 2q and n + 3q (q a quarter of the range) block by block, so the weight is fetched as four streams at once
  * (measured 10-16% faster from memory than one row after another for Q4_K, ~5% for Q8_0's LM head); each row
  * still takes `dot` on its blocks in order, so the same bits as one row at a time. bs values in bb bytes per
- * `dot`; xsum: each row's sums of x per group, 16 per block, for types with group mins (NULL without). */
+ * `dot`; dot4 (or NULL): `dot` of the four rows' blocks at once; xsum: each row's sums of x per group, 16 per block,
+ * for types with group mins (NULL without). */
 static inline __attribute__((always_inline)) void own_rows4_sums(
-        dot_fn dot, const int bs, const int bb, const float *xsum, const uint8_t *w, int64_t expert_bytes,
+        dot_fn dot, dot4_fn dot4, const int bs, const int bb, const float *xsum, const uint8_t *w, int64_t expert_bytes,
         const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / bs, row_bytes = nb * bb, q = (n1 - n0) / 4;
     for (int64_t m = 0; m < M; m++) {
@@ -1081,12 +1083,16 @@ static inline __attribute__((always_inline)) void own_rows4_sums(
             const uint8_t *r[4];
             acc_t a[4] = {0};
             for (int i = 0; i < 4; i++) r[i] = base + (n + i * q) * row_bytes;
-            for (int64_t b = 0; b < nb; b++)
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blocks[4];
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
-                    prefetch_block(r[i] + b * bb, bb);
-                    dot(&a[i], r[i] + b * bb, xm + b * bs, sm == NULL ? NULL : sm + b * 16);
+                    blocks[i] = r[i] + b * bb;
+                    prefetch_block(blocks[i], bb);
+                    if (dot4 == NULL) dot(&a[i], blocks[i], xm + b * bs, sm == NULL ? NULL : sm + b * 16);
                 }
+                if (dot4 != NULL) dot4(a, blocks, xm + b * bs, sm == NULL ? NULL : sm + b * 16);
+            }
             if (sm == NULL) {
                 float out[4];
                 finish4(a, out);
@@ -1114,7 +1120,7 @@ static inline __attribute__((always_inline)) int own_rows4(
         const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     float *xsum = G ? group_sums(x, M, K, bs, G) : NULL;
     if (G && xsum == NULL) return -2;
-    own_rows4_sums(dot, bs, bb, xsum, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+    own_rows4_sums(dot, NULL, bs, bb, xsum, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
     free(xsum);
     return 0;
 }
@@ -1268,7 +1274,7 @@ static inline __attribute__((always_inline)) int two_bit_rows(
         return -2;
     }
     if (experts != NULL || M == 1) {
-        own_rows4_sums(dot, 256, bb, xsum, w, expert_bytes, experts, N, K, xo, M, y, n0, n1);
+        own_rows4_sums(dot, NULL, 256, bb, xsum, w, expert_bytes, experts, N, K, xo, M, y, n0, n1);
     } else {
         two_bit_block u;
         acc_t acc[MAX_ROWS];
@@ -1342,6 +1348,45 @@ static inline void dot_q4_k(acc_t *a, const uint8_t *b, const float *x, const fl
     }
     k_mins_add(a, sv, xsum);
 }
+
+#if defined(__AVX512VBMI__) && (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
+#define Q4_K_DOT4 1
+/* dot_q4_k of four rows' blocks (r[i]: row i's), chunk by chunk (each row the same operations in the same order, so
+ * the same bits), on AMD Zen: each 64 bytes of nibbles put by one vpermb so that lane l holds bytes l, l + 16, l + 32
+ * and l + 48 (instead of four widenings, each a shuffle here), each nibble shifted down to the bits vpermps reads;
+ * one block of four rows in one call, so x is read once for the four and fewer registers are spilled. */
+static inline __attribute__((always_inline)) void dot4_q4_k(acc_t *a, const uint8_t *const *r, const float *x,
+                                                            const float *xsum) {
+    float sv[4][16] __attribute__((aligned(64)));     /* each row's scales, then mins: broadcast from memory */
+    for (int i = 0; i < 4; i++) _mm512_store_ps(sv[i], q4_k_scales16(r[i]));
+    const __m512 nibble = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i transpose = _mm512_set_epi32(
+        0x3f2f1f0f, 0x3e2e1e0e, 0x3d2d1d0d, 0x3c2c1c0c, 0x3b2b1b0b, 0x3a2a1a0a, 0x39291909, 0x38281808,
+        0x37271707, 0x36261606, 0x35251505, 0x34241404, 0x33231303, 0x32221202, 0x31211101, 0x30201000);
+    __m512i bytes[4];       /* row i's chunks c and c + 1 (c even) */
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        v16 x0 = load16(x + 64 * c), x1 = load16(x + 64 * c + 16), x2 = load16(x + 64 * c + 32),
+            x3 = load16(x + 64 * c + 48);
+        if (c % 2 == 0)
+            for (int i = 0; i < 4; i++)
+                bytes[i] = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(r[i] + 16 + 32 * c));
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            __m512i v0 = c % 2 ? _mm512_srli_epi32(bytes[i], 16) : bytes[i];     /* as dot_q4_k's, bits 8 up aside */
+            __m512i v1 = _mm512_srli_epi32(bytes[i], 16 * (c % 2) + 8);
+            v16 t0 = (v16)_mm512_permutexvar_ps(v0, nibble) * x0;
+            t0 = fma16((v16)_mm512_permutexvar_ps(v1, nibble), x1, t0);
+            v16 t1 = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), nibble) * x2;
+            t1 = fma16((v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibble), x3, t1);
+            k_pair_add(&a[i], sv[i], c, t0, t1);
+        }
+    }
+    for (int i = 0; i < 4; i++) k_mins_add(&a[i], sv[i], xsum);
+}
+#else
+#define Q4_K_DOT4 0
+#endif
 #endif
 
 #if GROUPED
@@ -1805,8 +1850,17 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         return 0;
     case 12:
 #if GROUPED
-        if (K % 256 == 0 && (experts != NULL || M == 1))
+        if (K % 256 == 0 && (experts != NULL || M == 1)) {
+#if Q4_K_DOT4
+            float *xsum = group_sums(x, M, K, 256, 32);
+            if (xsum == NULL) return -2;
+            own_rows4_sums(dot_q4_k, dot4_q4_k, 256, 144, xsum, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+            free(xsum);
+            return 0;
+#else
             return own_rows4(dot_q4_k, 256, 144, 32, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        }
 #endif
         return K % 256 ? -1 : k_quant_rows(deq_q4_k, unpack_q4_k, 144, 32, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
