@@ -682,6 +682,21 @@ static inline i32x16 widen16(const uint8_t *p) {    /* 16 bytes as int32 lanes *
 
 static inline v16 float16(i32x16 q) { return __builtin_convertvector(q, v16); }
 
+#if defined(__AVX512F__)
+/* a times the float at m (broadcast by the multiply's own load, `{1to16}`), and that plus c: on AMD Zen 4 a
+ * broadcast into a register (vbroadcastss, or gcc's permute) takes a slot of the two vector pipes that shuffle. */
+static inline __attribute__((always_inline)) __m512 mul_broadcast(__m512 a, const float *m) {
+    __m512 out;
+    __asm__("vmulps %1%{1to16%}, %2, %0" : "=v"(out) : "m"(*m), "v"(a));
+    return out;
+}
+
+static inline __attribute__((always_inline)) v16 fma_broadcast(v16 a, const float *m, v16 c) {
+    __asm__("vfmadd231ps %1%{1to16%}, %2, %0" : "+v"(c) : "m"(*m), "v"(a));
+    return c;
+}
+#endif
+
 
 #if defined(__AVX512F__)
 /* Q4_K's eight scales (lanes 0-7, times d) and mins (lanes 8-15, times dmin): k_scales' values, in one vector. The
@@ -760,6 +775,7 @@ typedef void (*unpack_fn)(const uint8_t *, float *, float *, float *);
  * reloading them. Measured for IQ2_XXS 9-10% faster at M = 1; Q2_K's (on x reordered per call) is q2_k_dot,
  * further down. */
 typedef void (*dot_fn)(acc_t *, const uint8_t *, const float *x, const float *xsum);  /* xsum: for group mins */
+typedef void (*dot4_fn)(acc_t *, const uint8_t *const *, const float *x, const float *xsum);  /* dot of 4 rows' blocks */
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__AVX512BW__)
 /* With VBMI/BITALG (Sapphire Rapids, Zen 4) the block's bookkeeping is vector work done once per block: its 32
@@ -798,9 +814,7 @@ static inline void dot_iq2_xxs(acc_t *a, const uint8_t *b, const float *x, const
             v16 signed_q = (v16)_mm512_mask_xor_epi32(q, k, q, sign_bit);
             s = h == 0 ? signed_q * load16(x + 32 * g) : fma16(signed_q, load16(x + 32 * g + 16), s);
         }
-        v16 sc;     /* as asm: a load (gcc would permute in registers, its index vector built on port 5) */
-        __asm__("vbroadcastss %1, %0" : "=v"(sc) : "m"(scale[g]));
-        a->part[g % ACCS] = fma16(sc, s, a->part[g % ACCS]);
+        a->part[g % ACCS] = fma_broadcast(s, &scale[g], a->part[g % ACCS]);     /* scale[g] * s + part */
     }
 }
 #else
@@ -862,9 +876,7 @@ static inline __attribute__((always_inline)) __m512 q8_0_block(__m512 acc, const
                              _mm512_loadu_ps(x));
     s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))),
                         _mm512_loadu_ps(x + 16), s);
-    __m512 scale;       /* as asm: a broadcast load (no shuffle) */
-    __asm__("vbroadcastss %1, %0" : "=v"(scale) : "m"(*d));
-    return _mm512_fmadd_ps(scale, s, acc);
+    return (__m512)fma_broadcast((v16)s, d, (v16)acc);     /* *d * s + acc */
 }
 
 /* The tree sum of a row's lanes: quarters (0 + 2) + (1 + 3), then of those four lanes (0 + 2) + (1 + 3). */
@@ -1031,11 +1043,13 @@ static inline __attribute__((always_inline)) void rows_grouped(
 }
 
 /* Each row's sums of x over every group of G values, 16 floats per block of bs values (in order; unused
- * lanes 0). The caller frees the result; NULL when out of memory. */
+ * lanes 0), 64-byte aligned (a 64-byte load across two cache lines costs two on AMD Zen 4). The caller frees the
+ * result; NULL when out of memory. */
 static float *group_sums(const float *x, int64_t M, int64_t K, int bs, int G) {
     int64_t nb = K / bs;
-    float *out = calloc((size_t)(M * nb * 16), sizeof(float));
+    float *out = aligned_alloc(64, (size_t)(M * nb * 16) * sizeof(float));
     if (out == NULL) return NULL;
+    memset(out, 0, (size_t)(M * nb * 16) * sizeof(float));
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < nb; b++)
             for (int g = 0; g < bs / G; g++) {
@@ -1051,9 +1065,10 @@ static float *group_sums(const float *x, int64_t M, int64_t K, int bs, int G) {
  * n + 2q and n + 3q (q a quarter of the range) block by block, so the weight is fetched as four streams at once
  * (measured 10-16% faster from memory than one row after another for Q4_K, ~5% for Q8_0's LM head); each row
  * still takes `dot` on its blocks in order, so the same bits as one row at a time. bs values in bb bytes per
- * `dot`; xsum: each row's sums of x per group, 16 per block, for types with group mins (NULL without). */
+ * `dot`; dot4 (or NULL): `dot` of the four rows' blocks at once; xsum: each row's sums of x per group, 16 per block,
+ * for types with group mins (NULL without). */
 static inline __attribute__((always_inline)) void own_rows4_sums(
-        dot_fn dot, const int bs, const int bb, const float *xsum, const uint8_t *w, int64_t expert_bytes,
+        dot_fn dot, dot4_fn dot4, const int bs, const int bb, const float *xsum, const uint8_t *w, int64_t expert_bytes,
         const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / bs, row_bytes = nb * bb, q = (n1 - n0) / 4;
     for (int64_t m = 0; m < M; m++) {
@@ -1068,12 +1083,16 @@ static inline __attribute__((always_inline)) void own_rows4_sums(
             const uint8_t *r[4];
             acc_t a[4] = {0};
             for (int i = 0; i < 4; i++) r[i] = base + (n + i * q) * row_bytes;
-            for (int64_t b = 0; b < nb; b++)
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blocks[4];
 #pragma GCC unroll 4
                 for (int i = 0; i < 4; i++) {
-                    prefetch_block(r[i] + b * bb, bb);
-                    dot(&a[i], r[i] + b * bb, xm + b * bs, sm == NULL ? NULL : sm + b * 16);
+                    blocks[i] = r[i] + b * bb;
+                    prefetch_block(blocks[i], bb);
+                    if (dot4 == NULL) dot(&a[i], blocks[i], xm + b * bs, sm == NULL ? NULL : sm + b * 16);
                 }
+                if (dot4 != NULL) dot4(a, blocks, xm + b * bs, sm == NULL ? NULL : sm + b * 16);
+            }
             if (sm == NULL) {
                 float out[4];
                 finish4(a, out);
@@ -1101,7 +1120,7 @@ static inline __attribute__((always_inline)) int own_rows4(
         const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     float *xsum = G ? group_sums(x, M, K, bs, G) : NULL;
     if (G && xsum == NULL) return -2;
-    own_rows4_sums(dot, bs, bb, xsum, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+    own_rows4_sums(dot, NULL, bs, bb, xsum, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
     free(xsum);
     return 0;
 }
@@ -1123,8 +1142,9 @@ static inline __attribute__((always_inline)) int own_rows4(
 static const float q2_k_levels[2][16] __attribute__((aligned(64))) = {     /* a 4-bit index's low / high 2 bits */
     {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3}, {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}};
 
-static float *two_bit_order(const float *x, int64_t M, int64_t K) {   /* x reordered per block (NULL: no memory) */
-    float *out = malloc((size_t)(M * K) * sizeof(float));
+/* x reordered per block, 64-byte aligned as group_sums (NULL: no memory; Q2_K 12.5 -> 10.9 ns a block on Zen 4) */
+static float *two_bit_order(const float *x, int64_t M, int64_t K) {
+    float *out = aligned_alloc(64, (size_t)(M * K) * sizeof(float));
     if (out == NULL) return NULL;
     for (int64_t b = 0; b < M * K; b += 256)
         for (int v = 0; v < 16; v++)        /* vector (i, r) = (v / 4, v % 4) */
@@ -1133,11 +1153,15 @@ static float *two_bit_order(const float *x, int64_t M, int64_t K) {   /* x reord
     return out;
 }
 
-static inline __attribute__((always_inline)) void spread_scales(__m512 sc, __m512 *scale) {  /* group g at lane g */
-    for (int i = 0; i < 4; i++)
-        scale[i] = _mm512_permutexvar_ps(_mm512_set_epi32(9 + 2 * i, 9 + 2 * i, 9 + 2 * i, 9 + 2 * i, 8 + 2 * i,
-            8 + 2 * i, 8 + 2 * i, 8 + 2 * i, 1 + 2 * i, 1 + 2 * i, 1 + 2 * i, 1 + 2 * i, 2 * i, 2 * i, 2 * i, 2 * i),
-            sc);
+/* Group g's scale (lane g of sc) spread over the lanes of each i (lanes 4h..4h+3: group 8 (h / 2) + 2 i + h % 2): one
+ * vpermps puts groups 8 (h / 2) + h % 2 + 2i (i = 0..3) in 128-bit lane h, then one in-lane vpermilps per i (on
+ * AMD Zen 4 a cross-lane vpermps shares two of the four vector pipes with the multiply-adds; vpermilps has three). */
+static inline __attribute__((always_inline)) void spread_scales(__m512 sc, __m512 *scale) {
+    __m512 lanes = _mm512_permutexvar_ps(_mm512_set_epi32(15, 13, 11, 9, 14, 12, 10, 8, 7, 5, 3, 1, 6, 4, 2, 0), sc);
+    scale[0] = _mm512_permute_ps(lanes, 0x00);
+    scale[1] = _mm512_permute_ps(lanes, 0x55);
+    scale[2] = _mm512_permute_ps(lanes, 0xaa);
+    scale[3] = _mm512_permute_ps(lanes, 0xff);
 }
 
 /* A Q2_K block's scales spread over the lanes of each i (scale[i]) and its mins (low: d and dmin converted together
@@ -1148,11 +1172,8 @@ static inline __attribute__((always_inline)) void q2_k_scales(const uint8_t *b, 
     memcpy(&dm, b + 80, 4);
     float dms[4] __attribute__((aligned(16)));
     _mm_store_ps(dms, _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm)));
-    v16 d, dmin;    /* as asm: loads (gcc would permute in registers, on the shuffle port) */
-    __asm__("vbroadcastss %1, %0" : "=v"(d) : "m"(dms[0]));
-    __asm__("vbroadcastss %1, %0" : "=v"(dmin) : "m"(dms[1]));
-    *low = (__m512)(dmin * float16(sv >> 4));
-    spread_scales((__m512)(d * float16(sv & 15)), scale);
+    *low = mul_broadcast(_mm512_cvtepi32_ps((__m512i)(sv >> 4)), dms + 1);
+    spread_scales(mul_broadcast(_mm512_cvtepi32_ps((__m512i)(sv & 15)), dms), scale);
 }
 
 static inline __attribute__((always_inline)) __m512 q2_k_values(__m512i raw, int i, int r) {    /* vector (i, r) */
@@ -1198,10 +1219,9 @@ static inline __attribute__((always_inline)) void q3_k_codes(const uint8_t *b, _
     i32x16 top = __builtin_shufflevector(bytes, bytes, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11);
     const i32x16 low_shift = {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
     const i32x16 top_shift = {0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6};
-    v16 d;
-    float dv = half_to_float(b + 108);
-    __asm__("vbroadcastss %1, %0" : "=v"(d) : "m"(dv));
-    spread_scales((__m512)(d * float16((((low >> low_shift) & 15) | (((top >> top_shift) & 3) << 4)) - 32)), scale);
+    float d = half_to_float(b + 108);
+    spread_scales(mul_broadcast((__m512)float16((((low >> low_shift) & 15) | (((top >> top_shift) & 3) << 4)) - 32), &d),
+                  scale);
 }
 
 static inline __attribute__((always_inline)) __m512 q3_k_values(const __m512i *code, int i, int r) {    /* (i, r) */
@@ -1254,7 +1274,7 @@ static inline __attribute__((always_inline)) int two_bit_rows(
         return -2;
     }
     if (experts != NULL || M == 1) {
-        own_rows4_sums(dot, 256, bb, xsum, w, expert_bytes, experts, N, K, xo, M, y, n0, n1);
+        own_rows4_sums(dot, NULL, 256, bb, xsum, w, expert_bytes, experts, N, K, xo, M, y, n0, n1);
     } else {
         two_bit_block u;
         acc_t acc[MAX_ROWS];
@@ -1293,13 +1313,11 @@ static inline __attribute__((always_inline)) int k_quant_rows(
 }
 
 #if GROUPED
-/* Q4_K's and Q5_K's groups 2c and 2c + 1 (products t0, t1) into their accumulators, times the scales in sv[0..7] */
+/* Q4_K's and Q5_K's groups 2c and 2c + 1 (products t0, t1) into their accumulators, times the scales in sv[0..7]
+ * (each by the multiply-add's own broadcast from memory) */
 static inline __attribute__((always_inline)) void k_pair_add(acc_t *a, const float *sv, int c, v16 t0, v16 t1) {
-    v16 s0, s1;     /* as asm: loads (gcc would permute in registers, on the shuffle port) */
-    __asm__("vbroadcastss %1, %0" : "=v"(s0) : "m"(sv[2 * c]));
-    __asm__("vbroadcastss %1, %0" : "=v"(s1) : "m"(sv[2 * c + 1]));
-    a->part[(2 * c) % ACCS] = fma16(s0, t0, a->part[(2 * c) % ACCS]);
-    a->part[(2 * c + 1) % ACCS] = fma16(s1, t1, a->part[(2 * c + 1) % ACCS]);
+    a->part[(2 * c) % ACCS] = fma_broadcast(t0, &sv[2 * c], a->part[(2 * c) % ACCS]);
+    a->part[(2 * c + 1) % ACCS] = fma_broadcast(t1, &sv[2 * c + 1], a->part[(2 * c + 1) % ACCS]);
 }
 
 /* Their mins' term: lanes 0-7 the mins (a 256-bit load of sv's lanes 8-15) times the group sums; lanes 8-15 stay as
@@ -1330,6 +1348,45 @@ static inline void dot_q4_k(acc_t *a, const uint8_t *b, const float *x, const fl
     }
     k_mins_add(a, sv, xsum);
 }
+
+#if defined(__AVX512VBMI__) && (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
+#define Q4_K_DOT4 1
+/* dot_q4_k of four rows' blocks (r[i]: row i's), chunk by chunk (each row the same operations in the same order, so
+ * the same bits), on AMD Zen: each 64 bytes of nibbles put by one vpermb so that lane l holds bytes l, l + 16, l + 32
+ * and l + 48 (instead of four widenings, each a shuffle here), each nibble shifted down to the bits vpermps reads;
+ * one block of four rows in one call, so x is read once for the four and fewer registers are spilled. */
+static inline __attribute__((always_inline)) void dot4_q4_k(acc_t *a, const uint8_t *const *r, const float *x,
+                                                            const float *xsum) {
+    float sv[4][16] __attribute__((aligned(64)));     /* each row's scales, then mins: broadcast from memory */
+    for (int i = 0; i < 4; i++) _mm512_store_ps(sv[i], q4_k_scales16(r[i]));
+    const __m512 nibble = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i transpose = _mm512_set_epi32(
+        0x3f2f1f0f, 0x3e2e1e0e, 0x3d2d1d0d, 0x3c2c1c0c, 0x3b2b1b0b, 0x3a2a1a0a, 0x39291909, 0x38281808,
+        0x37271707, 0x36261606, 0x35251505, 0x34241404, 0x33231303, 0x32221202, 0x31211101, 0x30201000);
+    __m512i bytes[4];       /* row i's chunks c and c + 1 (c even) */
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        v16 x0 = load16(x + 64 * c), x1 = load16(x + 64 * c + 16), x2 = load16(x + 64 * c + 32),
+            x3 = load16(x + 64 * c + 48);
+        if (c % 2 == 0)
+            for (int i = 0; i < 4; i++)
+                bytes[i] = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(r[i] + 16 + 32 * c));
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            __m512i v0 = c % 2 ? _mm512_srli_epi32(bytes[i], 16) : bytes[i];     /* as dot_q4_k's, bits 8 up aside */
+            __m512i v1 = _mm512_srli_epi32(bytes[i], 16 * (c % 2) + 8);
+            v16 t0 = (v16)_mm512_permutexvar_ps(v0, nibble) * x0;
+            t0 = fma16((v16)_mm512_permutexvar_ps(v1, nibble), x1, t0);
+            v16 t1 = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), nibble) * x2;
+            t1 = fma16((v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibble), x3, t1);
+            k_pair_add(&a[i], sv[i], c, t0, t1);
+        }
+    }
+    for (int i = 0; i < 4; i++) k_mins_add(&a[i], sv[i], xsum);
+}
+#else
+#define Q4_K_DOT4 0
+#endif
 #endif
 
 #if GROUPED
@@ -1350,9 +1407,7 @@ static inline __attribute__((always_inline)) void scaled_bytes_dot(acc_t *a, con
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             int j = 4 * g + i;
-            v16 s;      /* as asm: a load (gcc would permute in registers, on the shuffle port) */
-            __asm__("vbroadcastss %1, %0" : "=v"(s) : "m"(sc[j]));
-            v16 w = int8_floats16((const uint8_t *)q + 16 * j) * s;
+            v16 w = (v16)mul_broadcast((__m512)int8_floats16((const uint8_t *)q + 16 * j), &sc[j]);
             t = i == 0 ? w * load16(x + 16 * j) : fma16(w, load16(x + 16 * j), t);
         }
         a->part[g] = fma16(dv, t, a->part[g]);
@@ -1472,9 +1527,7 @@ static inline void dot_iq4_xs(acc_t *a, const uint8_t *b, const float *x, const 
         __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 8 + 16 * j)));
         v16 t = (v16)_mm512_permutexvar_ps(v, levels) * load16(x + 32 * j);
         t = fma16((v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), levels), load16(x + 32 * j + 16), t);
-        v16 s;
-        __asm__("vbroadcastss %1, %0" : "=v"(s) : "m"(scale[j]));
-        a->part[j % ACCS] = fma16(s, t, a->part[j % ACCS]);
+        a->part[j % ACCS] = fma_broadcast(t, &scale[j], a->part[j % ACCS]);
     }
 }
 
@@ -1524,7 +1577,7 @@ static inline __attribute__((always_inline)) __m128 code_scales(const codes_t t,
 #if defined(__AVX512BW__)
     /* With mins (Q4_1, Q5_1) the 8 halves picked by one vpermi2w from the first and the last 64 bytes of the 4 blocks:
      * copied one by one into a stack array, whose 16-byte load waits for the copies, they took ~1.45x (Q4_1) and
-     * ~1.2x (Q5_1) the time at M = 1; for the types without mins the copies measured 3% faster. */
+     * ~1.2x (Q5_1) the time at M = 1 (on an Intel core); for the types without mins the copies measured 3% faster. */
     if (t.min_at >= 0) {
         const int last = 4 * t.bb - 64;
 #define WORD(o) ((o) + 2 <= 64 ? (o) / 2 : 32 + ((o) - last) / 2)
@@ -1536,13 +1589,19 @@ static inline __attribute__((always_inline)) __m128 code_scales(const codes_t t,
                                                              _mm512_loadu_si512(b + last)));
     } else
 #endif
-    {
-        uint16_t hs[8] = {0};
+    {   /* the halves in general registers (as q8_0_scales4): a stack copy read back by one wide load waits for the
+         * narrow stores (Q4_0, IQ4_NL 0.4x and Q5_0 0.6x the time on AMD Zen 4) */
+        uint64_t lo = 0, hi = 0;
         for (int i = 0; i < 4; i++) {
-            memcpy(&hs[i], b + i * t.bb, 2);
-            if (t.min_at >= 0) memcpy(&hs[4 + i], b + i * t.bb + t.min_at, 2);
+            uint16_t s;
+            memcpy(&s, b + i * t.bb, 2);
+            lo |= (uint64_t)s << (16 * i);
+            if (t.min_at >= 0) {
+                memcpy(&s, b + i * t.bb + t.min_at, 2);
+                hi |= (uint64_t)s << (16 * i);
+            }
         }
-        h = _mm_loadu_si128((const __m128i *)hs);
+        h = _mm_set_epi64x((long long)hi, (long long)lo);
     }
     __m256 both = _mm256_cvtph_ps(h);       /* exact, as half_to_float */
     _mm_storeu_ps(d, _mm_add_ps(_mm256_castps256_ps128(both), _mm_setzero_ps()));
@@ -1558,9 +1617,7 @@ static inline __attribute__((always_inline)) void codes_dot(const codes_t t, acc
         const uint8_t *blk = b + i * t.bb;
         v16 s = (v16)code_values(t, blk, 0) * load16(x + 32 * i);
         s = fma16((v16)code_values(t, blk, 1), load16(x + 32 * i + 16), s);
-        v16 di;
-        __asm__("vbroadcastss %1, %0" : "=v"(di) : "m"(d[i]));
-        a->part[i] = fma16(di, s, a->part[i]);
+        a->part[i] = fma_broadcast(s, &d[i], a->part[i]);
     }
     if (t.min_at >= 0) a->low = fma16((v16)_mm512_zextps128_ps512(low), load16(xsum), a->low);  /* lanes 4-15: 0 */
 }
@@ -1657,10 +1714,9 @@ static inline void dot_iq3_xxs(acc_t *a, const uint8_t *b, const float *x, const
     for (int g = 0; g < 8; g++) scale[g] += 0.0f;     /* splat16's */
 #pragma GCC unroll 8
     for (int g = 0; g < 8; g++) {
-        v16 t = iq3_xxs_values(b, 2 * g) * load16(x + 32 * g), s;
+        v16 t = iq3_xxs_values(b, 2 * g) * load16(x + 32 * g);
         t = fma16(iq3_xxs_values(b, 2 * g + 1), load16(x + 32 * g + 16), t);
-        __asm__("vbroadcastss %1, %0" : "=v"(s) : "m"(scale[g]));
-        a->part[g % ACCS] = fma16(s, t, a->part[g % ACCS]);
+        a->part[g % ACCS] = fma_broadcast(t, &scale[g], a->part[g % ACCS]);
     }
 }
 
@@ -1794,8 +1850,17 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
         return 0;
     case 12:
 #if GROUPED
-        if (K % 256 == 0 && (experts != NULL || M == 1))
+        if (K % 256 == 0 && (experts != NULL || M == 1)) {
+#if Q4_K_DOT4
+            float *xsum = group_sums(x, M, K, 256, 32);
+            if (xsum == NULL) return -2;
+            own_rows4_sums(dot_q4_k, dot4_q4_k, 256, 144, xsum, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+            free(xsum);
+            return 0;
+#else
             return own_rows4(dot_q4_k, 256, 144, 32, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
+#endif
+        }
 #endif
         return K % 256 ? -1 : k_quant_rows(deq_q4_k, unpack_q4_k, 144, 32, w, expert_bytes, experts, N, K,
                                                 x, M, y, n0, n1);
