@@ -489,6 +489,17 @@ static inline void prefetch_ahead(const uint8_t *blk, int bb) {
     for (int off = 0; off < bb; off += 64) __builtin_prefetch(blk + off + Q8_AHEAD);
 }
 
+/* The weight stream of Q8_0, F16 and BF16 (8 and 16 bits a value) prefetched into L2 on AMD Zen (there 0.84x
+ * Q8_0's time and 0.82x F16's at M = 1; the other types measured slower with it: docs/cpu.md, session 16), into
+ * L1 elsewhere. */
+static inline void prefetch_wide(const uint8_t *blk, int bb) {
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+    for (int off = 0; off < bb; off += 64) __builtin_prefetch(blk + off + Q8_AHEAD, 0, 1);
+#else
+    prefetch_ahead(blk, bb);
+#endif
+}
+
 /* A row of nb blocks of bb bytes against activation blocks of ab bytes: the block terms added in block order. */
 static inline __attribute__((always_inline)) float row_blocks(dot8_fn dot, const int bb, const int ab,
                                                               const uint8_t *row, const uint8_t *act, int64_t nb) {
@@ -672,7 +683,7 @@ static float row_q8_0(const uint8_t *row, const uint8_t *act, int64_t nb) {
     const q8_0_block *y = (const q8_0_block *)act;
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
-        prefetch_ahead(row + 34 * b, 34);
+        prefetch_wide(row + 34 * b, 34);
         acc = acc + q8_0_term(row + 34 * b, y + b);
     }
     return acc;
@@ -725,7 +736,7 @@ static void rows_q8_0(const uint8_t *const *r, const q8_0_pair *pairs, const q8_
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             const uint8_t *p = r[i] + 34 * b;
-            prefetch_ahead(p, 68);
+            prefetch_wide(p, 68);
             __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(load256(p + 2)), load256(p + 36), 1);
             s[i] = _mm512_dpbusd_epi32(pair->start, _mm512_xor_si512(w, flip), pair->x);
             uint16_t h0, h1;
@@ -779,7 +790,7 @@ static void rows_q8_0(const uint8_t *const *r, const uint8_t *act, int64_t nb, f
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int64_t b = 0; b < nb; b++)
         for (int i = 0; i < 4; i++) {
-            prefetch_ahead(r[i] + 34 * b, 34);
+            prefetch_wide(r[i] + 34 * b, 34);
             acc[i] = acc[i] + q8_0_term(r[i] + 34 * b, y + b);
         }
     for (int i = 0; i < 4; i++) out[i] = acc[i];
@@ -822,7 +833,7 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
             const uint8_t *row = r[i] + 64 * b;
-            prefetch_ahead(row, 64);
+            prefetch_wide(row, 64);
             __m256i lo = _mm256_loadu_si256((const __m256i *)row), hi = _mm256_loadu_si256((const __m256i *)(row + 32));
             __m512 w0 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(lo), 16)) : _mm512_cvtph_ps(lo);
             __m512 w1 = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16)) : _mm512_cvtph_ps(hi);
@@ -840,7 +851,7 @@ static inline __attribute__((always_inline)) void rows_f16_in_turn(const int R, 
 #pragma GCC unroll 4
         for (int i = 0; i < R; i++) {
             const uint8_t *row = r[i] + 64 * b;
-            prefetch_ahead(row, 64);
+            prefetch_wide(row, 64);
             for (int j = 0; j < 4; j++) {
                 __m128i h = _mm_loadu_si128((const __m128i *)(row + 16 * j));
                 __m256 wj = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)) : _mm256_cvtph_ps(h);
@@ -1952,7 +1963,7 @@ static void rows8_q8_0(const uint8_t *w, int64_t N, int64_t K, const q8_0_block 
         __m128 acc[Q8_MAX_ROWS / 4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
         const uint8_t *b = w + n * nb * 34;
         for (int64_t k = 0; k < nb; k++, b += 34) {
-            prefetch_ahead(b, 34);
+            prefetch_wide(b, 34);
             __m256i v = load256(b + 2), magnitude = _mm256_sign_epi8(v, v);
             __m128 d = _mm_set1_ps(f16_to_f32(b));
             for (int64_t m0 = 0; m0 < M; m0 += 4) {
@@ -2093,8 +2104,8 @@ static int wide_q8_0(const uint8_t *w, int64_t N, int64_t K, const q8_0_block *x
         for (int64_t i = 0; i < groups; i++) acc[i] = _mm_setzero_ps();
         for (int64_t p = 0; p < pairs; p++) {
             const uint8_t *b0 = r0 + 68 * p, *b1 = r1 + 68 * p;
-            prefetch_ahead(b0, 68);
-            prefetch_ahead(b1, 68);
+            prefetch_wide(b0, 68);
+            prefetch_wide(b1, 68);
             __m512i w0 = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(load256(b0 + 2)), load256(b0 + 36), 1),
                                           flip);
             __m512i w1 = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(load256(b1 + 2)), load256(b1 + 36), 1),
