@@ -34,7 +34,8 @@ def _lib() -> ctypes.CDLL:
         k.glue_streams.argtypes = [ptr, ptr, i64, i64, i64, ptr]
         k.glue_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr]
         k.glue_hc_pre.restype = k.glue_store_rows.restype = ctypes.c_int
-        k.glue_swiglu.restype = k.glue_sum_rows.restype = None
+        k.glue_swiglu.restype = k.glue_sum_rows.restype = k.glue_index_total.restype = None
+        k.glue_index_total.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr]
         k.glue_swiglu.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_float, ptr]
         k.glue_sum_rows.argtypes = [ptr, i64, i64, i64, ptr]
         k.glue_head_streams.restype = None
@@ -278,6 +279,19 @@ def sum_rows(y: torch.Tensor) -> torch.Tensor:
     M, K, D = y.shape
     out = torch.empty((M, D), dtype=torch.float32)
     _lib().glue_sum_rows(y.data_ptr(), M, K, D, out.data_ptr())
+    return out
+
+
+def index_total(s: torch.Tensor, w: torch.Tensor, visible: tuple[int, ...], n: int) -> torch.Tensor:
+    """The indexer's scores [M, n] from its heads' products s [M, H, width]: Σ_h relu(s[:, h, j]) · w[:, h] in head
+    order for the j < visible[m] of each query m, −inf elsewhere (index_scores' torch ops' bits)."""
+    s, w = f32(s), f32(w)
+    M, H, width = s.shape
+    if w.shape != (M, H) or len(visible) != M or max(visible, default=0) > width:
+        raise ValueError(f"index_scores: products {tuple(s.shape)}, head weights {tuple(w.shape)}, visible {visible}")
+    out = torch.empty((M, n), dtype=torch.float32)
+    _lib().glue_index_total(s.data_ptr(), w.data_ptr(), (ctypes.c_int64 * M)(*visible), M, H, width, n,
+                            out.data_ptr())
     return out
 
 
