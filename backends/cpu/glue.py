@@ -461,8 +461,7 @@ def route_moe_shared(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Ex
     if r is None or x.dim() != 2 or x.shape[1] != gate.shape[-1] or down.shape[-2] != ex.down.shape[-2]:
         return None
     ex, k, M = r.experts, r.k, x.shape[0]
-    routed = bound_experts(x, (ex.gate, ex.up, ex.down), M, k, dot, True)
-    own = bound_experts(x, shared, M, 1, dot, False)
+    routed, own = bound_ffn(x, (ex.gate, ex.up, ex.down), shared, M * k, dot)
     if routed is None or own is None:
         return None
     x = f32(x)
@@ -490,6 +489,16 @@ def bound_experts(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M:
     if not ready() or x.dim() != 2 or x.shape[1] != weights[0].shape[-1] or M * k > kernels.MAX_ROWS:
         return None
     return EXPERTS.value(weights, (dot, routed, threading.get_ident()), lambda: bind_expert(*weights, dot, routed))
+
+
+def bound_ffn(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], shared: tuple[QTensor, QTensor, QTensor],
+              P: int, dot: str) -> tuple[BoundExpert | None, BoundExpert | None]:
+    """`bound_experts` of a layer's routed stacks and shared expert for P pairs, in one lookup (`EXPERTS`, keyed by
+    all six weights); (None, None) where the library does not serve x or the pairs are more than MAX_ROWS."""
+    if not ready() or x.dim() != 2 or x.shape[1] != weights[0].shape[-1] or P > kernels.MAX_ROWS:
+        return None, None
+    return EXPERTS.value((*weights, *shared), (dot, "ffn", threading.get_ident()),
+                         lambda: (bind_expert(*weights, dot, True), bind_expert(*shared, dot, False)))
 
 
 def fill(bound: BoundExpert, src: int, xq: int, h: int, hq: int, ys: tuple[int, int, int], P: int, experts: int | None,
