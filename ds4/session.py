@@ -324,7 +324,8 @@ class Session:
         """Remember the output states of the last KEPT_STATES positions (contiguous history only)."""
         old = self.recent[kind]
         if old is not None and old[0] <= start <= old[0] + old[1].shape[0]:
-            rows = self._appended(kind, old[1][:start - old[0]], rows)
+            kept = old[1] if start == old[0] + old[1].shape[0] else old[1][:start - old[0]]  # a decode keeps all
+            rows = self._appended(kind, kept, rows)
             start = old[0]
         drop = max(0, rows.shape[0] - KEPT_STATES)
         self.recent[kind] = (start + drop, rows[drop:])
@@ -336,10 +337,9 @@ class Session:
         if not isinstance(rows, torch.Tensor) or not isinstance(kept, torch.Tensor):
             return self.model.ops.cat([kept, rows])
         buf, n = self.recent_buffers.get(kind), rows.shape[0]
-        row = kept[0].numel() if kept.dim() > 1 and kept.shape[0] else rows[0].numel()
         if buf is not None and kept.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() \
                 and kept.shape[1:] == buf.shape[1:] and kept.dtype == buf.dtype:
-            end = (kept.storage_offset() - buf.storage_offset()) // row + kept.shape[0]
+            end = (kept.storage_offset() - buf.storage_offset()) // buf.stride(0) + kept.shape[0]  # buf: contiguous
             if end + n <= buf.shape[0]:
                 buf[end:end + n] = rows
                 return buf[end - kept.shape[0]:end + n]

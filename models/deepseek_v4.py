@@ -294,13 +294,19 @@ def ring_rows(ops: OpSet, cap: int, window: int, pos: range) -> Array:
 def early_ring_rows(ops: OpSet, cap: int, window: int, pos: range, valid_from: int) -> Array:
     """[[(p - b) % cap if p - b >= valid_from else -1 for b in range(window)] for p in pos] (rows that do not see a
     whole window yet): each row's first p - valid_from + 1 slots sliced as in `ring_rows`, the rest from a kept row
-    of -1."""
+    of -1; a row with valid_from <= p < valid_from + window is one slice of a kept row
+    [(valid_from + window - 1 - j) % cap for j < window, then -1 for window - 1 entries] (at j = valid_from + window
+    - 1 - p: no concatenation, ~8 -> ~3 us a decode row)."""
     seq = kept_array(ops, ("descending", cap, window), lambda: [[-j % cap for j in range(cap + window)]])
     none = kept_array(ops, ("none", window), lambda: [[-1] * window])
+    top = valid_from + window - 1
+    early = kept_array(ops, ("early", cap, window, valid_from),
+                       lambda: [[(top - j) % cap for j in range(window)] + [-1] * (window - 1)])
     rows = []
     for p in pos:
         n = max(0, min(window, p - valid_from + 1))
-        rows.append(ops.cat([seq[:, -p % cap:-p % cap + n], none[:, :window - n]], dim=1))
+        rows.append(early[:, top - p:top - p + window] if valid_from <= p <= top else
+                    ops.cat([seq[:, -p % cap:-p % cap + n], none[:, :window - n]], dim=1))
     return rows[0] if len(rows) == 1 else ops.cat(rows)
 
 

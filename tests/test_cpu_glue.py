@@ -286,6 +286,46 @@ def test_route_moe_rows_is_route_then_moe_rows(qtype, dot, threads):
     assert glue.route_moe_rows(x, ffn.router_scores(x, part, dot), torch.tensor([1]), part, dot) is None
 
 
+@pytest.mark.parametrize("dot", ("exact", "q8"))
+def test_router_scores_of_one_row_are_its_rows_bits(dot):
+    """ffn.router_scores of one row (the router's bound product into a padded row, softplus and root in place) gives
+    the bits of that row of a several-row call (rowwise over qmatmul), F16 and Q8_0 routers of 16 and 72 experts, rows
+    over eight decades (softplus's linear range above 20 included)."""
+    from ops.moe import Experts
+    g, D = gen(14), 256
+    x = torch.randn(8, D, generator=g) * torch.logspace(-4, 3, 8)[:, None]
+    for qtype, E in (("F16", 16), ("Q8_0", 72)):
+        router = QTensor.quantize(torch.randn(E, D, generator=g) * 0.1, qtype)
+        ex = Experts(router, None, None, router, router, router, 4, 1.5, True, None)
+        rows = ffn.router_scores(x, ex, dot)
+        assert rows.shape == (8, E) and (rows > 20).any()
+        for m in range(8):
+            assert torch.equal(ffn.router_scores(x[m:m + 1], ex, dot), rows[m:m + 1]), (qtype, dot, m)
+
+
+def test_index_scores_total_in_c_is_the_torch_ops_bits(monkeypatch):
+    """The cpu index_scores with its heads' relu, weights, sum and mask in one C call (glue.index_total): the bits of
+    its torch ops, for a decode (every query sees all keys) and queries seeing different counts (0 included), with
+    negative, -0 and NaN products; a visible count beyond the products is a ValueError."""
+    from backends.cpu import attention
+    g = gen(15)
+    keys = torch.randn(70, 32, generator=g)
+    keys[3] = 0.0
+    keys[5, 0] = float("nan")
+    for visible in ((9,), (70,), (0, 9, 4), (65, 1, 64, 65, 3)):
+        M = len(visible)
+        q, w = torch.randn(M, 4, 32, generator=g), torch.randn(M, 4, generator=g)
+        q[0, 1] = -q[0, 1].abs()
+        fused = attention.index_scores(q, keys, w, visible)
+        with monkeypatch.context() as m:
+            m.setattr(glue, "ready", lambda: False)
+            separate = attention.index_scores(q, keys, w, visible)
+        assert torch.equal(fused.view(torch.int32), separate.view(torch.int32)), visible
+        assert fused[0, 5].isnan() or visible[0] <= 5
+    with pytest.raises(ValueError, match="visible"):
+        glue.index_total(torch.zeros(1, 4, 64), torch.zeros(1, 4), (65,), 70)
+
+
 def test_moe_rows_binding_follows_the_weights():
     """glue.moe_rows binds its weights on first use (glue.EXPERTS): a weight given new data is bound again (the new
     weight's bits), F32 weights and shapes the kernels do not serve give None, and a freed weight's entry goes."""

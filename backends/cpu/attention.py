@@ -10,8 +10,8 @@ entries get weight exactly 0); the scores, the softmax numerators and the weight
 products over (query, chunk) with fixed shapes, and the chunks are summed one after another. Another
 query's longer list only appends all-zero chunks, and adding an exact zero changes nothing, so each query's
 result is the 1-row call's bit for bit. The indexer scores every query against the keys any of them sees
-with a per-query batched product (`bmm`: each entry alone), its heads added in order in one C call
-(`glue.sum_rows`), masked to its own visible count.
+with a per-query batched product (`bmm`: each entry alone); relu, the head weights, the heads added in order and
+the mask to its own visible count are one C call (`glue.index_total`).
 
 Prefill (M > SMALL_M) runs both on chunks of SMALL_M queries, the chunks taken in turn by the kernel pool's
 threads (`rows.row_chunks`): each query's result is its 1-row call's bits, so the output is the same for any
@@ -76,20 +76,20 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: 
         return row_chunks(lambda a, b: index_scores(q[a:b], keys, w[a:b], visible[a:b]), M,
                           torch.empty((M, keys.shape[0]), dtype=torch.float32))
     n = max(visible)
-    scores = torch.full((M, keys.shape[0]), float("-inf"))
     if n == 0:
-        return scores
+        return torch.full((M, keys.shape[0]), float("-inf"))
     width = n + -n % VEC                      # whole chunks of keys, so the product's shape varies less
     k = keys[:width].to(torch.float32)
     if k.shape[0] < width:
         k = torch.nn.functional.pad(k, (0, 0, 0, width - k.shape[0]))
-    s = torch.bmm(q.to(torch.float32), k.T.expand(M, -1, -1))[..., :n].relu() * w[:, :, None]  # [M, Hi, n]
-    if glue.ready():
-        total = glue.sum_rows(s)            # the heads added in order, as the loop below, in one C call
-    else:
-        total = s[:, 0]
-        for h in range(1, s.shape[1]):
-            total = total + s[:, h]
+    s = torch.bmm(q.to(torch.float32), k.T.expand(M, -1, -1))      # [M, Hi, width]
+    if glue.ready():        # relu, the head weights, the heads added in order and the mask, in one C call
+        return glue.index_total(s, w, visible, keys.shape[0])
+    s = s[..., :n].relu() * w[:, :, None]                     # [M, Hi, n]
+    total = s[:, 0]
+    for h in range(1, s.shape[1]):
+        total = total + s[:, h]
+    scores = torch.full((M, keys.shape[0]), float("-inf"))
     if min(visible) == n:                   # every query sees all n keys (a decode step): nothing to mask
         scores[:, :n] = total
         return scores

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.cpu.qmatmul import qmatmul
-from backends.cpu.rows import rowwise
+from backends.cpu.qmatmul import BOUND, qmatmul
+from backends.cpu.rows import VEC, rowwise
 from backends.registry import register
 from ops import moe as reference
 from ops.moe import Experts, check_owned, owned_pairs, select
@@ -76,8 +76,14 @@ def route(x: torch.Tensor, ids: torch.Tensor, ex: Experts, dot: str = "exact") -
 
 
 def router_scores(x: torch.Tensor, ex: Experts, dot: str = "exact") -> torch.Tensor:
-    """sqrt(softplus(router · x)) [M, E] (ops.moe's scores)."""
-    return rowwise(sqrt_softplus, qmatmul(x, ex.router, dot))
+    """sqrt(softplus(router · x)) [M, E] (ops.moe's scores). One eager row through the router's bound product
+    (qmatmul's) is written into a row padded as `rowwise` pads it and the softplus and root are taken there in place:
+    rowwise's bits without its copies (~5 us of a layer's ~15)."""
+    b = BOUND.get(ex.router, dot) if x.shape[0] == 1 and type(ex.router) is QTensor and glue.ready() else None
+    if b is None or x.dtype != torch.float32 or not x.is_contiguous() or x.shape[1] != b.k or ex.router.shape[0] != b.n:
+        return rowwise(sqrt_softplus, qmatmul(x, ex.router, dot))
+    row = kernels.bound_product(b, x, out=torch.zeros((1, b.n + -b.n % VEC)))
+    return torch.sqrt_(torch._C._nn.softplus(row, 1.0, 20.0, out=row))[:, :b.n]    # F.softplus's kernel, in place
 
 
 def sqrt_softplus(v: torch.Tensor) -> torch.Tensor:

@@ -325,6 +325,24 @@ void glue_sum_rows(const float *y, int64_t M, int64_t K, int64_t D, float *out) 
     }
 }
 
+/* The indexer's scores [M, N] from its heads' products s [M, H, width] (backends/cpu/attention.py index_scores):
+ * Σ_h relu(s[m, h, j]) · w[m, h], the heads added in order from h = 0, for j < visible[m] (<= width), −inf elsewhere;
+ * relu as torch's (a negative value is +0, −0 and NaN stay): the bits of its torch ops. */
+void glue_index_total(const float *s, const float *w, const int64_t *visible, int64_t M, int64_t H, int64_t width,
+                      int64_t N, float *out) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t j = 0; j < N; j++) {
+            float t = -INFINITY;
+            if (j < visible[m])
+                for (int64_t h = 0; h < H; h++) {
+                    float v = s[(m * H + h) * width + j];
+                    float term = (v < 0.0f ? 0.0f : v) * w[m * H + h];
+                    t = h ? t + term : term;
+                }
+            out[m * N + j] = t;
+        }
+}
+
 /* out [M, D] = Σ_h (sigmoid_poly(mixes[m, h]·scale + base[h]) + eps)·X[m, h] in stream order (ops/hc_head.py,
  * head_streams_poly). */
 void glue_head_streams(const float *X, const float *mixes, const float *scale, const float *base, float eps,

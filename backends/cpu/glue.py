@@ -34,7 +34,8 @@ def _lib() -> ctypes.CDLL:
         k.glue_streams.argtypes = [ptr, ptr, i64, i64, i64, ptr]
         k.glue_rope.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr]
         k.glue_hc_pre.restype = k.glue_store_rows.restype = ctypes.c_int
-        k.glue_swiglu.restype = k.glue_sum_rows.restype = None
+        k.glue_swiglu.restype = k.glue_sum_rows.restype = k.glue_index_total.restype = None
+        k.glue_index_total.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr]
         k.glue_swiglu.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_float, ptr]
         k.glue_sum_rows.argtypes = [ptr, i64, i64, i64, ptr]
         k.glue_head_streams.restype = None
@@ -281,6 +282,19 @@ def sum_rows(y: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def index_total(s: torch.Tensor, w: torch.Tensor, visible: tuple[int, ...], n: int) -> torch.Tensor:
+    """The indexer's scores [M, n] from its heads' products s [M, H, width]: Σ_h relu(s[:, h, j]) · w[:, h] in head
+    order for the j < visible[m] of each query m, −inf elsewhere (index_scores' torch ops' bits)."""
+    s, w = f32(s), f32(w)
+    M, H, width = s.shape
+    if w.shape != (M, H) or len(visible) != M or max(visible, default=0) > width:
+        raise ValueError(f"index_scores: products {tuple(s.shape)}, head weights {tuple(w.shape)}, visible {visible}")
+    out = torch.empty((M, n), dtype=torch.float32)
+    _lib().glue_index_total(s.data_ptr(), w.data_ptr(), (ctypes.c_int64 * M)(*visible), M, H, width, n,
+                            out.data_ptr())
+    return out
+
+
 def head_streams(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """ops.hc_head.head_streams_poly's bits (X [M, S, D] with S <= 64, mixes [M, S], scale [1], base [S])."""
@@ -447,8 +461,7 @@ def route_moe_shared(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Ex
     if r is None or x.dim() != 2 or x.shape[1] != gate.shape[-1] or down.shape[-2] != ex.down.shape[-2]:
         return None
     ex, k, M = r.experts, r.k, x.shape[0]
-    routed = bound_experts(x, (ex.gate, ex.up, ex.down), M, k, dot, True)
-    own = bound_experts(x, shared, M, 1, dot, False)
+    routed, own = bound_ffn(x, (ex.gate, ex.up, ex.down), shared, M * k, dot)
     if routed is None or own is None:
         return None
     x = f32(x)
@@ -476,6 +489,16 @@ def bound_experts(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M:
     if not ready() or x.dim() != 2 or x.shape[1] != weights[0].shape[-1] or M * k > kernels.MAX_ROWS:
         return None
     return EXPERTS.value(weights, (dot, routed, threading.get_ident()), lambda: bind_expert(*weights, dot, routed))
+
+
+def bound_ffn(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], shared: tuple[QTensor, QTensor, QTensor],
+              P: int, dot: str) -> tuple[BoundExpert | None, BoundExpert | None]:
+    """`bound_experts` of a layer's routed stacks and shared expert for P pairs, in one lookup (`EXPERTS`, keyed by
+    all six weights); (None, None) where the library does not serve x or the pairs are more than MAX_ROWS."""
+    if not ready() or x.dim() != 2 or x.shape[1] != weights[0].shape[-1] or P > kernels.MAX_ROWS:
+        return None, None
+    return EXPERTS.value((*weights, *shared), (dot, "ffn", threading.get_ident()),
+                         lambda: (bind_expert(*weights, dot, True), bind_expert(*shared, dot, False)))
 
 
 def fill(bound: BoundExpert, src: int, xq: int, h: int, hq: int, ys: tuple[int, int, int], P: int, experts: int | None,

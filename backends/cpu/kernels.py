@@ -624,12 +624,13 @@ class PerWeight:
 
 
 def bound_product(b: Bound, x: torch.Tensor, experts: torch.Tensor | None = None,
-                  parts: int | None = None) -> torch.Tensor:
+                  parts: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ W.T` for contiguous float32 x [M, K] (M <= MAX_ROWS) with the weight `b` binds (row m with expert experts[m]
     of a stack: contiguous int64 [M]), the output rows cut into `parts` chunks (default: as `qgemv`/`qdot8` cut them)
-    on the pool: their bits. Float32 [M, N]."""
+    on the pool: their bits. Float32 [M, N]; given contiguous float32 `out` of at least M * N values, written into its
+    first M * N values, and `out` is returned."""
     M = x.shape[0]
-    y = torch.empty((M, b.n), dtype=torch.float32)
+    y = torch.empty((M, b.n), dtype=torch.float32) if out is None else out
     rc = b.lib.bound_product(b.address, x.data_ptr(), M, None if experts is None else experts.data_ptr(), y.data_ptr(),
                              pool_parts(b.read) if parts is None else parts, threads())
     if rc == -2:

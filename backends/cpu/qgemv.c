@@ -1390,6 +1390,72 @@ static inline __attribute__((always_inline)) void dot4_q4_k(acc_t *a, const uint
 #endif
 
 #if GROUPED
+/* finish(a + i, 1) of four Q4_K rows at once (the same bits): finish4 for the parts; the mins' lanes 0-7 transposed
+ * the same way and added in order (their lanes 8-15 are 0, and adding +0 eight times is adding it once), then the
+ * differences. */
+static inline void q4_k_finish4(const acc_t *a, float *out) {
+    float s[4] __attribute__((aligned(16)));
+    finish4(a, s);
+    __m256 l[4];
+    for (int i = 0; i < 4; i++) l[i] = _mm512_castps512_ps256((__m512)a[i].low);
+    __m256 u0 = _mm256_unpacklo_ps(l[0], l[1]), u1 = _mm256_unpackhi_ps(l[0], l[1]);
+    __m256 u2 = _mm256_unpacklo_ps(l[2], l[3]), u3 = _mm256_unpackhi_ps(l[2], l[3]);
+    __m256 t[4] = {_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(u0), _mm256_castps_pd(u2))),
+                   _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(u0), _mm256_castps_pd(u2))),
+                   _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(u1), _mm256_castps_pd(u3))),
+                   _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(u1), _mm256_castps_pd(u3)))};
+    __m128 low = _mm_setzero_ps();
+    for (int j = 0; j < 4; j++) low = _mm_add_ps(low, _mm256_castps256_ps128(t[j]));
+    for (int j = 0; j < 4; j++) low = _mm_add_ps(low, _mm256_extractf128_ps(t[j], 1));
+    low = _mm_add_ps(low, _mm_setzero_ps());
+    _mm_storeu_ps(out, _mm_sub_ps(_mm_load_ps(s), low));
+}
+
+/* own_rows4 of Q4_K rows of one block (K = 256: the 89M model's routed experts), each four rows finished together
+ * (q4_k_finish4: at one block a row finish's two chains of 16 scalar adds cost about as much as the block) and the
+ * group sums on the stack; the same bits as own_rows4. A path of its own: the same finish in own_rows4_sums slowed the
+ * full-width experts (K = 2048, 4096) by 4-6% (docs/cpu.md "The 89M exact step (session 15)"). */
+static void q4_k_block_rows(const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, const float *x,
+                            int64_t M, float *y, int64_t n0, int64_t n1) {
+    float xsum[MAX_ROWS * 16] __attribute__((aligned(64))) = {0};    /* group_sums' values */
+    for (int64_t m = 0; m < M; m++)
+        for (int g = 0; g < 8; g++) {
+            float s = 0.0f;
+            for (int i = 0; i < 32; i++) s += x[m * 256 + g * 32 + i];
+            xsum[m * 16 + g] = s;
+        }
+    int64_t q = (n1 - n0) / 4;
+    for (int64_t m = 0; m < M; m++) {
+        const uint8_t *base = w + (experts == NULL ? 0 : experts[m] * expert_bytes);
+        const float *xm = x + m * 256, *sm = xsum + m * 16;
+        float *ym = y + m * N;
+        if (experts != NULL && experts[m] < 0) {        /* another rank's */
+            for (int64_t n = n0; n < n1; n++) ym[n] = 0.0f;
+            continue;
+        }
+        for (int64_t n = n0; n < n0 + q; n++) {
+            acc_t a[4] = {0};
+            float out[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const uint8_t *row = base + (n + i * q) * 144;
+                prefetch_block(row, 144);
+                dot_q4_k(&a[i], row, xm, sm);
+            }
+            q4_k_finish4(a, out);
+            for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
+        }
+        for (int64_t n = n0 + 4 * q; n < n1; n++) {     /* the last (n1 - n0) % 4 rows */
+            acc_t a = {0};
+            prefetch_block(base + n * 144, 144);
+            dot_q4_k(&a, base + n * 144, xm, sm);
+            ym[n] = finish(&a, 1);
+        }
+    }
+}
+#endif
+
+#if GROUPED
 /* The other types on the grouped path (session 14; docs/cpu.md "The other types' exact M = 1 kernels"): each has a
  * dot_<type> for rows of their own (M = 1, routed experts) and an unpack_<type> for one weight shared by M > 1 rows
  * (add_block), the same operations in the same order, so the same bits at any M. */
@@ -1820,8 +1886,8 @@ static inline __attribute__((always_inline)) int grouped(
  * 6 Q5_0, 7 Q5_1, 20 IQ4_NL, 23 IQ4_XS), M <= MAX_ROWS. experts == NULL: every row uses
  * `w`; else row m uses the weight at w + experts[m] * expert_bytes, and a row with experts[m] < 0 (an expert
  * another rank holds) is 0. Returns -1 for a call it cannot serve. */
-int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
-          const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
+static __attribute__((noinline)) int qgemv_types(int type, const uint8_t *w, int64_t expert_bytes,
+        const int64_t *experts, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     if (M > MAX_ROWS) return -1;
     switch (type) {
     case 0: if (K % 64) return -1; rows_of(NULL, 64, 256, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
@@ -1901,6 +1967,19 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     case 30: if (K % 32) return -1; ROWS(bf16, 32, 64);
     default: return -1;
     }
+}
+
+/* qgemv_types, but exact Q4_K rows of one block (K = 256) of their own through q4_k_block_rows: outside qgemv_types,
+ * whose code (the full-width kernels) it would change (inside it, the full-width Q4_K experts measured 2-3% slower). */
+int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
+          const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
+#if GROUPED
+    if (type == 12 && K == 256 && M <= MAX_ROWS && (experts != NULL || M == 1)) {
+        q4_k_block_rows(w, expert_bytes, experts, N, x, M, y, n0, n1);
+        return 0;
+    }
+#endif
+    return qgemv_types(type, w, expert_bytes, experts, N, K, x, M, y, n0, n1);
 }
 
 static inline __attribute__((always_inline)) void blocks_of(deq_fn deq, int bs, int bb, const uint8_t *w,
