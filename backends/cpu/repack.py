@@ -60,8 +60,8 @@ def repack(w: QTensor) -> Repacked:
     """`w` repacked in place (its data must be writable memory of this process, e.g. `--weights memory`'s copy): `w`
     itself must not be used afterwards."""
     if not repackable(w):
-        raise ValueError(f"repack: not a repackable Q4_K, Q2_K, IQ2_XXS or Q8_0 weight: {getattr(w, 'qtype', type(w).__name__)} "
-                         f"{tuple(getattr(w, 'shape', ()))}")
+        raise ValueError(f"repack: not a repackable Q4_K, Q2_K, IQ2_XXS or Q8_0 weight: "
+                         f"{getattr(w, 'qtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
     layout = LAYOUTS[w.qtype.name]
     _rewrite(w.data, w.shape, back=False, layout=layout)
     return layout.record(w.shape, w.data, w.name)
