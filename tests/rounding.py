@@ -1,5 +1,5 @@
-"""What the exact-kernel tests (test_cpu_q8_0_exact.py, test_cpu_grouped_types.py) share: the float32 rounding bound
-against a float64 product."""
+"""What the exact-kernel and prefill tests (test_cpu_q8_0_exact.py, test_cpu_grouped_types.py, test_cpu_prefill.py)
+share: the float32 rounding bound against a float64 product."""
 from __future__ import annotations
 
 import torch

@@ -21,6 +21,7 @@ from backends.registry import OpSet, implementations, reference
 from ops import q8_activations as ref
 from ops.quants import QTensor, get
 from tests.test_batch_invariance import CASES
+from tests.rounding import within_rounding
 from tests.test_cpu_q8 import F32, activations, f16, quantize_row_q8_0_ref, rebuild_with, weight
 
 
@@ -228,7 +229,8 @@ def test_quantizer_is_qdot8s():
 @pytest.mark.parametrize("qtype", ("FP8_E4M3", "I32"))
 def test_reference_tiles_are_the_same_bits_on_any_thread_count(qtype, monkeypatch):
     """A prefill product of a type the kernels do not read (dequantized one tile at a time, the tiles taken in turn
-    by the kernel pool's threads) gives the same bits on 1, 2 and 3 threads, close to the reference."""
+    by the kernel pool's threads) gives the same bits on 1, 2 and 3 threads, within float32 rounding of the
+    dequantized weight times x (BLAS's summation order differs by CPU)."""
     monkeypatch.setattr("backends.cpu.qmatmul.TILE_BYTES", 4 * 256 * 5)    # 10 tiles, a ragged last one
     monkeypatch.setattr(kernels, "_pool_threads", 0)
     g = torch.Generator().manual_seed(4)
@@ -243,4 +245,4 @@ def test_reference_tiles_are_the_same_bits_on_any_thread_count(qtype, monkeypatc
         kernels.set_threads(before)
         kernels._pool_threads = 0
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
-    torch.testing.assert_close(outs[0], reference("qmatmul").fn(x, w), rtol=1e-5, atol=1e-5)
+    within_rounding(outs[0], x, w.dequantize())
