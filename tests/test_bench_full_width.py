@@ -41,6 +41,7 @@ def test_bench_full_width_op_times_smoke(tmp_path, capsys):
                     "--cpu-dot", "exact", "q8"])
     out = capsys.readouterr().out
     assert "decode_ms" in out and "ffn" in out and "qmatmul" in out and "(outside op calls)" in out
+    assert "decode_call_ms" in out and "prefill_call_ms" in out
     assert " exact " in out and " q8 " in out        # one block per cpu dot product
     assert " mmap " in out and " memory " not in out    # --weights defaults to mmap
     assert "llama.cpp" not in out

@@ -3,7 +3,8 @@ and Q2_K (`dot_<type>` for rows of their own, `unpack_<type>` for M > 1; docs/cp
 kernels", "Exact 2- and 3-bit kernels at M = 1"):
 within float32 rounding of the reference's dequantized weight times x (summed in float64), plain and by expert, on
 row counts that leave rows after the four-row steps and on rows the grouped path does not take (32-value types,
-K % 128 != 0); every row of an M-row call the bits of its 1-row call, for M = 1..16 and 1, 2 and 3 threads."""
+K % 128 != 0), and Q8_0 by expert; every row of an M-row call the bits of its 1-row call, for M = 1..16 and 1, 2 and 3
+threads."""
 from __future__ import annotations
 
 import pytest
@@ -11,19 +12,13 @@ import torch
 
 from backends.cpu import kernels
 from ops.quants import QTensor
+from tests.rounding import within_rounding
 
 TYPES = ("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "IQ2_XS", "IQ3_XXS",
          "TQ2_0", "Q2_K")
 SUPER_BLOCK = dict.fromkeys(("Q6_K", "Q5_K", "Q3_K", "IQ4_XS", "IQ2_XS", "IQ3_XXS", "TQ2_0", "Q2_K"), 256)  # else 32
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library is off (DS4_CPU_KERNELS=0)")
-
-
-def within_rounding(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
-    """got [M, N] against x @ dense.T in float64: each output within 1e-5 of the sum of its products' magnitudes."""
-    want = x.double() @ dense.double().T
-    scale = x.double().abs() @ dense.double().abs().T
-    assert ((got.double() - want).abs() <= 1e-5 * scale).all()
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -45,7 +40,7 @@ def test_grouped_product_is_the_reference_within_rounding_and_batch_invariant(qt
                 assert torch.equal(kernels.qgemv(x[:M], w), single[:M]), (qtype, k, n, M)
 
 
-@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("qtype", TYPES + ("Q8_0",))
 def test_grouped_product_by_expert(qtype, pool_threads):
     """Routed experts read in place by index (-1: another rank's expert, 0): each row within rounding of its own
     expert's product and the bits of its 1-row call, on 1 and 3 threads."""

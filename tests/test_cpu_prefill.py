@@ -21,6 +21,7 @@ from backends.registry import OpSet, implementations, reference
 from ops import q8_activations as ref
 from ops.quants import QTensor, get
 from tests.test_batch_invariance import CASES
+from tests.rounding import within_rounding
 from tests.test_cpu_q8 import F32, activations, f16, quantize_row_q8_0_ref, rebuild_with, weight
 
 
@@ -173,8 +174,10 @@ def test_pool_threads_take_one_openmp_thread_before_the_build(monkeypatch):
 @pytest.mark.parametrize("op", ("sparse_attention", "sparse_attention_torch", "index_scores"))
 def test_prefill_row_chunks_are_the_decode_rows(op, monkeypatch):
     """Above SMALL_M queries these ops run chunks of SMALL_M across the pool (attention's torch path: without the
-    glue kernel): close to the reference, every row its 1-row call's bits, the same bits on 1, 2 and 3 threads."""
+    glue kernel; SPLIT_WORK lowered so that these small calls split): close to the reference, every row its 1-row
+    call's bits, the same bits on 1, 2 and 3 threads."""
     monkeypatch.setattr(kernels, "_pool_threads", 0)     # the pool follows torch's thread count
+    monkeypatch.setattr(kernels, "SPLIT_WORK", 0)
     if op.endswith("_torch"):
         op = op.removesuffix("_torch")
         monkeypatch.setattr(glue, "ready", lambda: False)
@@ -191,6 +194,22 @@ def test_prefill_row_chunks_are_the_decode_rows(op, monkeypatch):
     torch.testing.assert_close(outs[0], reference(op).fn(*args), rtol=1e-5, atol=1e-5)
     for m, row_args in enumerate(one_row_args):
         assert torch.equal(outs[0][m:m + 1], fn(*row_args)), m
+
+
+@pytest.mark.parametrize("op", ("sparse_attention_torch", "index_scores"))
+def test_row_chunks_split_from_split_work_on(op, monkeypatch):
+    """row_chunks hands a call to the pool (CHUNKS_PER_THREAD parts a thread) only from SPLIT_WORK multiply-adds on;
+    below, its chunks run on the calling thread (`split` with one part)."""
+    monkeypatch.setattr(kernels, "_pool_threads", 2)
+    monkeypatch.setattr(glue, "ready", lambda: False)
+    parts = []
+    monkeypatch.setattr(kernels, "split", lambda fn, n, p: parts.append(p) or fn(0, n))
+    (args, _), fn = CASES[op.removesuffix("_torch")](40, 3), implementations(op.removesuffix("_torch"))["cpu"].fn
+    want = fn(*args)
+    for threshold, expected in ((1 << 40, 1), (0, kernels.CHUNKS_PER_THREAD * 2)):
+        monkeypatch.setattr(kernels, "SPLIT_WORK", threshold)
+        parts.clear()
+        assert torch.equal(fn(*args), want) and parts == [expected], (threshold, parts)
 
 
 def test_quantizer_is_qdot8s():
@@ -210,7 +229,8 @@ def test_quantizer_is_qdot8s():
 @pytest.mark.parametrize("qtype", ("FP8_E4M3", "I32"))
 def test_reference_tiles_are_the_same_bits_on_any_thread_count(qtype, monkeypatch):
     """A prefill product of a type the kernels do not read (dequantized one tile at a time, the tiles taken in turn
-    by the kernel pool's threads) gives the same bits on 1, 2 and 3 threads, close to the reference."""
+    by the kernel pool's threads) gives the same bits on 1, 2 and 3 threads, within float32 rounding of the
+    dequantized weight times x (BLAS's summation order differs by CPU)."""
     monkeypatch.setattr("backends.cpu.qmatmul.TILE_BYTES", 4 * 256 * 5)    # 10 tiles, a ragged last one
     monkeypatch.setattr(kernels, "_pool_threads", 0)
     g = torch.Generator().manual_seed(4)
@@ -225,4 +245,4 @@ def test_reference_tiles_are_the_same_bits_on_any_thread_count(qtype, monkeypatc
         kernels.set_threads(before)
         kernels._pool_threads = 0
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
-    torch.testing.assert_close(outs[0], reference("qmatmul").fn(x, w), rtol=1e-5, atol=1e-5)
+    within_rounding(outs[0], x, w.dequantize())

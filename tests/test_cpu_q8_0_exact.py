@@ -1,7 +1,7 @@
 """qgemv.c's exact Q8_0 rows of K % 128 == 0 (`q8_0_own_rows` for rows of their own, `q8_0_weight_rows` for one weight
 and M > 1 rows; docs/cpu.md "The 89M exact step (session 15)"): within float32 rounding of the dequantized weight
-times x summed in float64, plain and by expert (-1: another rank's expert, 0), on row counts that leave rows after the
-four-row steps; every row of an M-row call the bits of its 1-row call, for 1, 2 and 3 threads."""
+times x summed in float64, on row counts that leave rows after the four-row steps; every row of an M-row call the bits
+of its 1-row call, for 1, 2 and 3 threads. By expert: test_cpu_grouped_types.py's `test_grouped_product_by_expert`."""
 from __future__ import annotations
 
 import pytest
@@ -9,15 +9,9 @@ import torch
 
 from backends.cpu import kernels
 from ops.quants import QTensor
+from tests.rounding import within_rounding
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library is off (DS4_CPU_KERNELS=0)")
-
-
-def within_rounding(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
-    """got [M, N] against x @ dense.T in float64: each output within 1e-5 of the sum of its products' magnitudes."""
-    want = x.double() @ dense.double().T
-    scale = x.double().abs() @ dense.double().abs().T
-    assert ((got.double() - want).abs() <= 1e-5 * scale).all()
 
 
 @pytest.mark.parametrize("K", (128, 256, 4096))
@@ -35,23 +29,3 @@ def test_exact_q8_0_is_the_reference_within_rounding_and_batch_invariant(K, pool
         torch.set_num_threads(n)
         for M in (1, 2, 7, 16):
             assert torch.equal(kernels.qgemv(x[:M], w), single[:M]), (K, n, M)
-
-
-def test_exact_q8_0_by_expert(pool_threads):
-    """Routed experts read in place by index: each row within rounding of its own expert's product (-1: zeros) and the
-    bits of its 1-row call, on 1 and 3 threads."""
-    g = torch.Generator().manual_seed(13)
-    w = QTensor.quantize(torch.randn(4, 22, 256, generator=g) / 16, "Q8_0", "w")
-    x = torch.randn(16, 256, generator=g)
-    ids = torch.tensor([3, 0, 2, -1, 1, 3, 3, 0, 2, 1, -1, 0, 1, 2, 3, 0])
-    dense = w.dequantize()
-    torch.set_num_threads(1)
-    single = torch.cat([kernels.qgemv(x[m:m + 1], w, ids[m:m + 1]) for m in range(16)])
-    for m, e in enumerate(ids.tolist()):
-        if e < 0:
-            assert torch.equal(single[m], torch.zeros(22))
-        else:
-            within_rounding(single[m:m + 1], x[m:m + 1], dense[e])
-    for n in (1, 3):
-        torch.set_num_threads(n)
-        assert torch.equal(kernels.qgemv(x, w, ids), single), n

@@ -36,6 +36,11 @@ def query_rows(rows: AttnRows, start: int, stop: int) -> AttnRows:
     return AttnRows(rows.raw[start:stop], rows.n_raw[start:stop], comp, rows.n_comp[start:stop])
 
 
+def listed_rows(rows: AttnRows) -> int:
+    """The length of each query's padded list (`rows.padded()`'s width)."""
+    return rows.raw.shape[1] + (0 if rows.comp is None else rows.comp.shape[1])
+
+
 @register("sparse_attention", "cpu", batch_invariant=True)
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: torch.Tensor,
                      scale: float) -> torch.Tensor:
@@ -45,7 +50,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: t
         return glue.attention(q, kv, rows.padded(), sinks, scale)
     if M > SMALL_M:
         return row_chunks(lambda a, b: sparse_attention(q[a:b], kv, query_rows(rows, a, b), sinks, scale), M,
-                          torch.empty((M, H, D), dtype=torch.float32))
+                          torch.empty((M, H, D), dtype=torch.float32), 2 * H * D * listed_rows(rows))
     listed = rows.padded()
     n = listed.shape[1]
     if n % VEC:
@@ -74,7 +79,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: 
         raise ValueError(f"index_scores: {len(visible)} visible counts for {M} queries")
     if M > SMALL_M:
         return row_chunks(lambda a, b: index_scores(q[a:b], keys, w[a:b], visible[a:b]), M,
-                          torch.empty((M, keys.shape[0]), dtype=torch.float32))
+                          torch.empty((M, keys.shape[0]), dtype=torch.float32), q.shape[1] * q.shape[2] * max(visible))
     n = max(visible)
     if n == 0:
         return torch.full((M, keys.shape[0]), float("-inf"))

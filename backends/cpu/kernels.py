@@ -49,6 +49,8 @@ GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 1
 ROW_MULTIPLE = {"F32": 64, "F16": 32, "BF16": 32}   # qgemv.c takes F32, F16 and BF16 rows this many values at a time
 MAX_ROWS = 16
 SPLIT_BYTES = 1 << 20   # weights at least this large are split across threads, in chunks at least this large
+SPLIT_WORK = 1 << 27    # multiply-adds below which `rows.row_chunks` keeps a call on its thread: each chunk's Python
+#                         holds the GIL (docs/cpu.md "Threads at full width: the small ops and attention")
 _RANGE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64)  # pool_range's chunk
 FLAGS = (("-O3", "-march=native", "-ffp-contract=off"), ("-O3", "-ffp-contract=off"))
 

@@ -41,14 +41,17 @@ def grouped_product(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[i:i + GROUP] @ wt for i in range(0, x.shape[0], GROUP)])[:M]
 
 
-def row_chunks(run: Callable[[int, int], torch.Tensor], M: int, out: torch.Tensor) -> torch.Tensor:
+def row_chunks(run: Callable[[int, int], torch.Tensor], M: int, out: torch.Tensor, row_work: int) -> torch.Tensor:
     """`out[start:stop] = run(start, stop)` over chunks of SMALL_M of M rows, taken in turn by the kernel pool's
-    threads: for a batch-invariant `run` every row is its 1-row call's bits, whatever the thread count."""
+    threads (CHUNKS_PER_THREAD parts a thread) when the call's multiply-adds (M * row_work) reach
+    kernels.SPLIT_WORK, else on the calling thread: for a batch-invariant `run` every row is its 1-row call's bits,
+    whatever the thread count."""
     starts = range(0, M, SMALL_M)
 
     def part(first: int, last: int) -> None:
         for start in starts[first:last]:
             out[start:start + SMALL_M] = run(start, min(M, start + SMALL_M))
 
-    kernels.split(part, len(starts), len(starts))
+    parts = kernels.CHUNKS_PER_THREAD * kernels.threads() if M * row_work >= kernels.SPLIT_WORK else 1
+    kernels.split(part, len(starts), parts)
     return out

@@ -245,6 +245,6 @@ def add_args(p: argparse.ArgumentParser, on_gpu: bool) -> None:
     p.add_argument("--png", help="--full-layers: also plot tok/s against threads into this PNG")
     p.add_argument("--op-times", action="store_true",
                    help="--full-layers: instead of the comparison, ds4py's wall time per op at prefill and per decode "
-                        "step, per --threads count")
+                        "step, and the median of one call, per --threads count")
     p.add_argument("--compile", action="store_true",
                    help="also time each mix with the compiled decode step (compiled in the warm-up round)")

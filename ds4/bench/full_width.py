@@ -9,7 +9,8 @@ when `LLAMA_BENCH` names a llama-bench binary, it runs on the same file (`-p` pr
 for each thread count, in interleaved rounds. The table gives the median tok/s, the weight bytes a decode token
 reads per second and that as a share of this machine's one-thread copy bandwidth, and ds4py / llama.cpp.
 `--op-times` prints instead where ds4py's prefill and decode steps go: each op's wall time and calls (and the time
-outside op calls), per thread count and `--cpu-dot`.
+outside op calls), and the median wall time of one call (which other jobs' preemptions leave alone), per thread count
+and `--cpu-dot`.
 """
 from __future__ import annotations
 
@@ -137,12 +138,14 @@ def engine_name(cpu_dot: str) -> str:
 
 class TimedOps(OpSet):
     """An OpSet that adds the wall time and the process's CPU time (all threads) of each op call to
-    `seconds[op]` and `cpu_seconds[op]` (the calls are counted in `calls`)."""
+    `seconds[op]` and `cpu_seconds[op]`, and keeps each call's wall time in `each[op]` (the calls are counted in
+    `calls`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.seconds: Counter[str] = Counter()
         self.cpu_seconds: Counter[str] = Counter()
+        self.each: dict[str, list[float]] = {}
 
     def __getattr__(self, op: str):
         fn = super().__getattr__(op)
@@ -152,20 +155,24 @@ class TimedOps(OpSet):
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[op] += time.perf_counter() - t0
+                wall = time.perf_counter() - t0
+                self.seconds[op] += wall
                 self.cpu_seconds[op] += time.process_time() - c0
+                self.each.setdefault(op, []).append(wall)
 
         return timed
 
 
 @dataclass(frozen=True)
 class PhaseTimes:
-    """Wall and CPU seconds per op and calls per op of a prefill or of one decode step (a mean over steps); the
-    whole phase's times under the name TOTAL."""
+    """Wall and CPU seconds per op and calls per op of a prefill or of one decode step (a mean over steps), and the
+    median wall seconds of one call of each op (other jobs' preemptions, which the means take in, leave it alone);
+    the whole phase's times under the name TOTAL."""
 
     wall: dict[str, float]
     cpu: dict[str, float]
     calls: dict[str, float]
+    median_call: dict[str, float]
 
 
 TOTAL, OUTSIDE = "(whole prefill / decode step)", "(outside op calls)"
@@ -173,7 +180,7 @@ TOTAL, OUTSIDE = "(whole prefill / decode step)", "(outside op calls)"
 
 def timed_phase(ops: TimedOps, run: Callable[[], None], steps: int = 1) -> PhaseTimes:
     """The op times of `run()`, divided by `steps`, with TOTAL and OUTSIDE (the time outside op calls)."""
-    for counter in (ops.seconds, ops.cpu_seconds, ops.calls):
+    for counter in (ops.seconds, ops.cpu_seconds, ops.calls, ops.each):
         counter.clear()
     t0, c0 = time.perf_counter(), time.process_time()
     run()
@@ -182,13 +189,14 @@ def timed_phase(ops: TimedOps, run: Callable[[], None], steps: int = 1) -> Phase
     wall[OUTSIDE] = (time.perf_counter() - t0) / steps - sum(wall.values())
     cpu[OUTSIDE] = (time.process_time() - c0) / steps - sum(cpu.values())
     wall[TOTAL], cpu[TOTAL] = sum(wall.values()), sum(cpu.values())
-    return PhaseTimes(wall, cpu, {op: n / steps for op, n in ops.calls.items()})
+    return PhaseTimes(wall, cpu, {op: n / steps for op, n in ops.calls.items()},
+                      {op: statistics.median(each) for op, each in ops.each.items()})
 
 
 def op_times(f: gguf.GGUFFile, prompt: list[int], tokens: int, threads: int, cpu_dot: str = "exact") -> list[dict]:
     """Per op: wall and CPU ms (the process's, all threads) and calls of a prefill of `prompt` and of a decode
-    step (the mean of `tokens` greedy steps) on the opened file `f`, after one untimed warm-up run, with the cpu
-    dot product `cpu_dot`.
+    step (the mean of `tokens` greedy steps), and the median wall ms of one call, on the opened file `f`, after one
+    untimed warm-up run, with the cpu dot product `cpu_dot`.
     The warm-up matters: a freshly opened model's first prefill also pays a page fault per newly touched range
     of the mapped file (~60,000 on the 2-layer q4 file at 32 tokens, ~0.12 s of a ~1.1 s prefill), which
     run_ds4's warm-up prefill takes too, so the totals here match its figures."""
@@ -213,10 +221,12 @@ def op_times(f: gguf.GGUFFile, prompt: list[int], tokens: int, threads: int, cpu
                     "prefill_cpu_ms": f"{1e3 * prefill.cpu.get(op, 0):.1f}",
                     "prefill_pct": f"{100 * prefill.wall.get(op, 0) / prefill.wall[TOTAL]:.1f}",
                     "prefill_calls": f"{prefill.calls.get(op, 0):g}",
+                    "prefill_call_ms": f"{1e3 * prefill.median_call[op]:.2f}" if op in prefill.median_call else "-",
                     "decode_ms": f"{1e3 * decode.wall.get(op, 0):.2f}",
                     "decode_cpu_ms": f"{1e3 * decode.cpu.get(op, 0):.2f}",
                     "decode_pct": f"{100 * decode.wall.get(op, 0) / decode.wall[TOTAL]:.1f}",
-                    "decode_calls": f"{decode.calls.get(op, 0):g}"})
+                    "decode_calls": f"{decode.calls.get(op, 0):g}",
+                    "decode_call_ms": f"{1e3 * decode.median_call[op]:.3f}" if op in decode.median_call else "-"})
     return out
 
 
