@@ -20,8 +20,8 @@ from backends.cpu.qmatmul import qmatmul
 from backends.registry import OpSet, implementations, reference
 from ops import q8_activations as ref
 from ops.quants import QTensor, get
-from tests.test_batch_invariance import CASES
 from tests.rounding import within_rounding
+from tests.test_batch_invariance import CASES
 from tests.test_cpu_q8 import F32, activations, f16, quantize_row_q8_0_ref, rebuild_with, weight
 
 
