@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "lanes.h"
 #endif
 
 int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
@@ -47,22 +47,6 @@ static void group_sums(const float *x, int64_t M, int64_t K, float *out) {
             for (int i = 0; i < 32; i++) s += x[m * K + g * 32 + i];
             out[m * (K / 32) + g] = s;
         }
-}
-
-/* The 16 lanes of each of four vectors added in order 0..15 from 0 (qgemv.c's finish4): out[i] for vector i. */
-static inline __m128 lane_sums4(const __m512 *p) {
-    __m512 u0 = _mm512_unpacklo_ps(p[0], p[1]), u1 = _mm512_unpackhi_ps(p[0], p[1]);
-    __m512 u2 = _mm512_unpacklo_ps(p[2], p[3]), u3 = _mm512_unpackhi_ps(p[2], p[3]);
-    __m512 t[4] = {_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u2))),
-                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u2))),
-                   _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u1), _mm512_castps_pd(u3))),
-                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u1), _mm512_castps_pd(u3)))};
-    __m128 s = _mm_setzero_ps();
-    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_castps512_ps128(t[j]));
-    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 1));
-    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 2));
-    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 3));
-    return s;
 }
 
 /* Output rows [n0, n1) for R rows of x (xsum: their group sums), one weight row at a time, every block of it

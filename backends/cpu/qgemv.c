@@ -17,6 +17,9 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__)
+#include "lanes.h"
+#endif
 
 #define LANES 16
 #define MAX_ROWS 16
@@ -995,25 +998,14 @@ static inline float finish(const acc_t *a, int lows) {
 
 #if defined(__AVX512F__)
 /* finish() of four rows without group mins at once (the same bits): each row's p = (part0 + part1) + (part2 + part3),
- * the four p transposed within 128-bit lanes (t_j lane 4k + i: row i's value 4k + j), then each row's lanes added
- * in finish's order 0, 1, ..., 15, four rows per add: one chain of 16 adds for the four rows, not a chain of 16
- * scalar adds (and 15 lane extractions) per row, which bound the rows of few blocks (the 89M model's LM head). */
+ * each row's lanes added in finish's order 0, 1, ..., 15, four rows per add (lanes.h): one chain of 16 adds for the
+ * four rows, not a chain of 16 scalar adds (and 15 lane extractions) per row, which bound the rows of few blocks
+ * (the 89M model's LM head). */
 static inline void finish4(const acc_t *a, float *out) {
     __m512 p[4];
     for (int i = 0; i < 4; i++)
         p[i] = (__m512)((a[i].part[0] + a[i].part[1]) + (a[i].part[2] + a[i].part[3]));
-    __m512 u0 = _mm512_unpacklo_ps(p[0], p[1]), u1 = _mm512_unpackhi_ps(p[0], p[1]);
-    __m512 u2 = _mm512_unpacklo_ps(p[2], p[3]), u3 = _mm512_unpackhi_ps(p[2], p[3]);
-    __m512 t[4] = {_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u2))),
-                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u0), _mm512_castps_pd(u2))),
-                   _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u1), _mm512_castps_pd(u3))),
-                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u1), _mm512_castps_pd(u3)))};
-    __m128 s = _mm_setzero_ps();
-    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_castps512_ps128(t[j]));
-    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 1));
-    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 2));
-    for (int j = 0; j < 4; j++) s = _mm_add_ps(s, _mm512_extractf32x4_ps(t[j], 3));
-    _mm_storeu_ps(out, s);
+    _mm_storeu_ps(out, lane_sums4(p));
 }
 #endif
 
