@@ -88,7 +88,7 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 #if REPACK_VNNI
 
 #define AHEAD 1024      /* bytes of each weight stream prefetched ahead: STREAMS streams, */
-#define AHEAD_ROWS 4096 /* one stream (several rows); into L2 for one activation row, else into L1 (measured:
+#define AHEAD_ROWS 4096 /* one stream (several rows); by STREAM_HINT for one activation row, else into L1 (measured:
                          * docs/cpu.md, "Q4_K, Q2_K and IQ2_XXS at several rows without AMX (session 16)") */
 
 /* A group block's scales: s[j] lane n = row n's scale of group j in both 16-bit words; mn[p] lane n = its mins of
@@ -131,7 +131,7 @@ static inline __m512 block_term(const group_scales *s, __m512i isum, __m512i msu
 static inline __attribute__((always_inline)) void block_rows(const int R, const uint8_t *gb, const uint8_t *const *xb,
                                                              __m512 *acc, int ahead, int l2) {
     for (int off = 0; off < GB; off += 64)
-        if (l2) _mm_prefetch((const char *)gb + off + ahead, _MM_HINT_T2);
+        if (l2) _mm_prefetch((const char *)gb + off + ahead, STREAM_HINT);
         else _mm_prefetch((const char *)gb + off + ahead, _MM_HINT_T0);
     const __m512i low4 = _mm512_set1_epi16(15);
     __m512i isum[4], msum[4];

@@ -194,7 +194,7 @@ static inline void bsums_of(const uint8_t *xb, int32_t bs[4]) {     /* block_ter
     _mm_storeu_si128((__m128i *)bs, v);
 }
 
-#define AHEAD 1024      /* bytes of each weight stream prefetched ahead into L2: one row (four streams), */
+#define AHEAD 1024      /* bytes of each weight stream prefetched ahead (STREAM_HINT): one row (four streams), */
 #define AHEAD_ROWS 8192 /* several rows (one stream); measured: docs/cpu.md, "Q4_K, Q2_K and IQ2_XXS at several
                          * rows without AMX (session 16)" */
 
@@ -202,7 +202,7 @@ static inline void bsums_of(const uint8_t *xb, int32_t bs[4]) {     /* block_ter
  * vectors straight from the weight; adds the term to acc (lane n: row n). */
 static inline __attribute__((always_inline)) void block_row(const uint8_t *gb, const uint8_t *xb, __m512 *acc) {
     const __m512i low4 = _mm512_set1_epi8(15);
-    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, _MM_HINT_T2);
+    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD, STREAM_HINT);
     __m512i dot[8];
     for (int j = 0; j < 8; j++) dot[j] = _mm512_setzero_si512();
 #pragma GCC unroll 32
@@ -265,7 +265,7 @@ static void own_groups(const uint8_t *base, int64_t row_bytes, int64_t nb, const
  * the same bits as block_term's). Adds row m's term to acc[m]. */
 static void block_wide(const uint8_t *gb, const uint8_t *x, int64_t nb, int64_t b, int64_t M, __m512 *acc) {
     const __m512i low4 = _mm512_set1_epi8(15);
-    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD_ROWS, _MM_HINT_T2);
+    for (int off = 0; off < GB; off += 64) _mm_prefetch((const char *)gb + off + AHEAD_ROWS, STREAM_HINT);
     block_scales s;
     scales_of(gb, &s);
     __m512i isum[GROUP];

@@ -76,8 +76,7 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 #if REPACK_VNNI
 
 #define AHEAD 2048      /* bytes of each stream prefetched ahead (1024..8192 and the T1 hint measured no better); the
-                         * four streams of up to 5 rows into L2 (T2: on AMD Zen 4 faster than into L1, docs/cpu.md, "Q4_K,
-                         * Q2_K and IQ2_XXS at several rows without AMX (session 16)") */
+                         * four streams of up to 5 rows by STREAM_HINT (repack.h) */
 #define STREAM_BYTES (1 << 20)  /* outputs at least this large are written around the cache (whole groups): their
                                  * line fills stalled the stores (docs/cpu.md, session 14) */
 
@@ -103,13 +102,13 @@ static inline __attribute__((always_inline)) void blocks_rows(const int G, const
             xk[r] = _mm512_set1_epi32(x0);
         }
         for (int i = 0; i < G; i++) {
-            _mm_prefetch((const char *)g[i] + v + 64 * k + AHEAD, _MM_HINT_T2);
+            _mm_prefetch((const char *)g[i] + v + 64 * k + AHEAD, STREAM_HINT);
             __m512i q = _mm512_xor_si512(_mm512_loadu_si512(g[i] + v + 64 * k), flip);
             for (int r = 0; r < R; r++) s[i][r] = _mm512_dpbusd_epi32(s[i][r], q, xk[r]);
         }
     }
     for (int i = 0; i < G; i++) {
-        if (b % 2 || b + 1 == nb) _mm_prefetch((const char *)g[i] + d + AHEAD, _MM_HINT_T2);
+        if (b % 2 || b + 1 == nb) _mm_prefetch((const char *)g[i] + d + AHEAD, STREAM_HINT);
         __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g[i] + d)));
         for (int r = 0; r < R; r++) {
             float dx;

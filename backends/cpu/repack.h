@@ -20,6 +20,14 @@
 #define REPACK_AMX 0
 #endif
 
+/* The weight streams' prefetch hint: into L2 on AMD Zen, where it measured faster than into L1 (docs/cpu.md, "Q4_K,
+ * Q2_K and IQ2_XXS at several rows without AMX (session 16)"); into L1 elsewhere, as measured on Sapphire Rapids. */
+#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#define STREAM_HINT _MM_HINT_T2
+#else
+#define STREAM_HINT _MM_HINT_T0
+#endif
+
 int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
           const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);           /* qdot8.c: the stored layout */
 int qdot8amx_on(int on);                                                         /* qdot8amx.c: the AMX switch */
