@@ -1,7 +1,10 @@
-"""What the repacked-layout tests (test_cpu_q4k_repack.py, test_cpu_q2k_repack.py, test_cpu_q8_repack.py) share: a
-random weight of a type, activation rows with an all-zero block, a repacked copy, the thread-split fixture and a q8
-model run."""
+"""What the repacked-layout tests (test_cpu_q4k_repack.py, test_cpu_q2k_repack.py, test_cpu_q8_repack.py,
+test_cpu_iq2_rows.py) share: a random weight of a type, activation rows with an all-zero block, a repacked copy, the
+thread-split fixture, the AMX switch-over set for a test, the every-M product check and a q8 model run."""
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -35,6 +38,26 @@ def threads_split(monkeypatch):
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+@contextmanager
+def amx_from(qtype: str, rows: int) -> Iterator[None]:
+    """The repacked `qtype`'s AMX tiles from `rows` rows (repack.amx_from) inside the block; the former value after."""
+    before = repack.amx_from(qtype)
+    repack.amx_from(qtype, rows)
+    try:
+        yield
+    finally:
+        repack.amx_from(qtype, before)
+
+
+def assert_every_m(x: torch.Tensor, r: repack.Repacked, expected: torch.Tensor, thread_counts: tuple[int, ...],
+                   label: tuple) -> None:
+    """repack.product(x[:M], r) is expected[:M] bit for bit: every M = 1..16 on one thread, M = 1, 2, 5, 16 on more."""
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        for M in range(1, 17) if threads == 1 else (1, 2, 5, 16):
+            assert torch.equal(repack.product(x[:M], r), expected[:M]), (*label, threads, M)
 
 
 def run(path: str, weights: str, prompt: int = 20, tokens: int = 5) -> tuple[list[int], list[torch.Tensor], object]:

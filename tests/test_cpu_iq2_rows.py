@@ -14,19 +14,14 @@ from backends.cpu import kernels, repack
 from ds4.engine import default_model_paths
 from ops import q8_activations as ref
 from ops.quants import QTensor, get
+from tests import repack_helpers as helpers
+from tests import test_cpu_amx_rows
 from tests.repack_helpers import repacked, run, threads_split  # noqa: F401 (a fixture)
 from tests.test_cpu_q8 import rebuild_with
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="the cpu kernel library cannot be built here")
 needs_amx = pytest.mark.skipif(not kernels.amx_rows(), reason="no AMX-INT8 here")
-
-
-@pytest.fixture
-def every_m():
-    """The tiles for every M from 2; back to the default."""
-    kernels.amx_rows(True, every_m=True)
-    yield
-    kernels.amx_rows(True)
+every_m = test_cpu_amx_rows.every_m
 
 
 def random_blocks(n: int, k: int, seed: int = 0) -> QTensor:
@@ -112,18 +107,11 @@ def test_repacked_equals_reference_for_every_m_and_thread_split(amx_from, thread
     """53 rows (three whole groups, 5 stored rows) of 512 values (and 256, 768) against saturated rows: the
     reference's bits for M = 1..16 on 1 thread and split across 2 and 3 (chunk boundaries inside groups), with the
     tiles from 2 rows and never (the VNNI rows for every M)."""
-    before = repack.amx_from("IQ2_XXS")
-    repack.amx_from("IQ2_XXS", amx_from)
-    try:
+    with helpers.amx_from("IQ2_XXS", amx_from):
         for K in (512, 256, 768):
             w, x = random_blocks(53, K, seed=K), saturated(16, K)
             r, expected = repacked(w), ref.qdot8(x, w)
-            for threads in (1, 2, 3) if K == 512 else (1,):
-                torch.set_num_threads(threads)
-                for M in range(1, 17) if threads == 1 else (1, 2, 5, 16):
-                    assert torch.equal(repack.product(x[:M], r), expected[:M]), (amx_from, K, threads, M)
-    finally:
-        repack.amx_from("IQ2_XXS", before)
+            helpers.assert_every_m(x, r, expected, (1, 2, 3) if K == 512 else (1,), (amx_from, K))
 
 
 def test_repacked_experts_prefill_and_bound_call(threads_split):  # noqa: F811

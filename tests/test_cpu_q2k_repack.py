@@ -48,20 +48,13 @@ def test_repacked_equals_stored_for_every_m_and_thread_split(amx_from, threads_s
     """87 output rows (five whole groups, 7 rows in the stored layout), 512 values (and 256, 768: one and three
     blocks): kernels.qdot8's bits (and the reference's) for M = 1..16, on 1 thread and split across 2 and 3; with the
     tiles from 2 rows and never."""
-    before = repack.amx_from("Q2_K")
-    repack.amx_from("Q2_K", amx_from)
-    try:
+    with helpers.amx_from("Q2_K", amx_from):
         for K in (512, 256, 768):
             w, x = weight(87, K), activations(16, K)
             r = repacked(w)
             expected = kernels.qdot8(x, w)
             assert torch.equal(expected[:3], ref.qdot8(x[:3], w))
-            for threads in (1, 2, 3) if K == 512 else (1,):
-                torch.set_num_threads(threads)
-                for M in range(1, 17) if threads == 1 else (1, 2, 5, 16):
-                    assert torch.equal(repack.product(x[:M], r), expected[:M]), (amx_from, K, threads, M)
-    finally:
-        repack.amx_from("Q2_K", before)
+            helpers.assert_every_m(x, r, expected, (1, 2, 3) if K == 512 else (1,), (amx_from, K))
 
 
 def test_repacked_experts_prefill_and_bound_call(threads_split):

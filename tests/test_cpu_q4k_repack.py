@@ -49,15 +49,8 @@ def test_repacked_equals_stored_for_every_m_and_thread_split(amx_from, threads_s
     r = repacked(w)
     expected = kernels.qdot8(x, w)
     assert torch.equal(expected[:3], ref.qdot8(x[:3], w))
-    before = repack.amx_from("Q4_K")
-    repack.amx_from("Q4_K", amx_from)
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            for M in range(1, 17) if threads == 1 else (1, 2, 5, 16):
-                assert torch.equal(repack.product(x[:M], r), expected[:M]), (amx_from, threads, M)
-    finally:
-        repack.amx_from("Q4_K", before)
+    with helpers.amx_from("Q4_K", amx_from):
+        helpers.assert_every_m(x, r, expected, (1, 2, 3), (amx_from,))
 
 
 def test_repacked_experts_and_bound_call(threads_split):
