@@ -2,6 +2,8 @@
  * from the 64 bytes after its d (v): the sign masks (bit j of negative[i]: value j of pair i is negative, the parity
  * bit restored) and the grid row index of each 8 values (pairs01: pairs 0-1, pairs23: pairs 2-3, as 32-bit lanes);
  * with VNNI, a block unpacked once and its integer dot with one activation row (several rows' kernels). */
+#include "zen.h"
+
 extern uint64_t iq2_grid_bytes[256];    /* qdot8.c's: the 8 grid values of each index, as bytes (qdot8_set_iq2_xxs) */
 extern uint8_t iq2_ksigns_bytes[128];   /* qdot8.c's: ksigns (each 7-bit sign index with its parity in bit 7) */
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
@@ -24,7 +26,7 @@ static inline void iq2_xxs_groups(__m512i v, uint64_t negative[4], __m512i *pair
  * 32-bit lanes) in one vector: a gather, or on AMD Zen (where a vpgatherdq of 8 rows costs ~12 cycles here, against
  * ~6 for 8 scalar loads and inserts) the same 8 rows loaded one by one. */
 static inline __m512i iq2_grid_pair(const uint8_t *p, int i, __m256i idx) {
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#if AMD_ZEN
     uint32_t lo, hi;        /* the two groups' 4 indices, one load each (bytes taken out by shifts) */
     memcpy(&lo, p + 16 * i, 4);
     memcpy(&hi, p + 16 * i + 8, 4);

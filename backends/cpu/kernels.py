@@ -41,7 +41,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn
                                                              "step.c", "q4krepack.c", "q2krepack.c", "q8repack.c",
                                                              "iq2repack.c", "q4kexact.c"))
 HEADERS = tuple(Path(__file__).with_name(name)     # included by SOURCES
-                for name in ("iq2_xxs_groups.h", "half.h", "repack.h", "lanes.h"))
+                for name in ("iq2_xxs_groups.h", "half.h", "repack.h", "lanes.h", "zen.h"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
              "Q6_K": 14, "Q5_K": 13, "Q3_K": 11, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
              "IQ3_XXS": 18, "IQ3_S": 21, "IQ2_XS": 17, "IQ2_S": 22, "IQ1_S": 19, "IQ1_M": 29, "TQ1_0": 34, "TQ2_0": 35,

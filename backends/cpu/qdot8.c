@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "half.h"
+#include "zen.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -359,7 +360,7 @@ static inline float dot_q3_k(const uint8_t *b, const void *act) {
     aux[3] = ((aux[1] >> 4) & 0x0f0f0f0f) | (((tmp >> 6) & 0x03030303) << 4);
     aux[0] = (aux[0] & 0x0f0f0f0f) | ((tmp & 0x03030303) << 4);
     aux[1] = (aux[1] & 0x0f0f0f0f) | (((tmp >> 2) & 0x03030303) << 4);
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#if AMD_ZEN
     /* on AMD Zen each pair by one byte shuffle of the 16 signed scales (as dot_q6_k): 0.95x (M = 1) and 0.91x (M = 4)
      * the time of the pairs set from scalars, which on an Intel core measured 1.27x the other way */
     __m256i scales = _mm256_broadcastsi128_si256(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)aux), _mm_set1_epi8(32)));
@@ -375,7 +376,7 @@ static inline float dot_q3_k(const uint8_t *b, const void *act) {
             __m256i four = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(missing, 4 * c + i), one), 2);
             __m256i q8 = load256(y->qs + 128 * c + 32 * i);
             __m256i prod = _mm256_sub_epi16(_mm256_maddubs_epi16(q, q8), _mm256_maddubs_epi16(four, q8));
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#if AMD_ZEN
             __m256i scale = _mm256_srai_epi16(_mm256_shuffle_epi8(scales, load256(signed_pair_shuffle[4 * c + i])), 8);
 #else
             __m256i scale = scale_pair(biased[8 * c + 2 * i] - 32, biased[8 * c + 2 * i + 1] - 32);
@@ -493,7 +494,7 @@ static inline void prefetch_ahead(const uint8_t *blk, int bb) {
  * Q8_0's time and 0.82x F16's at M = 1; the other types measured slower with it: docs/cpu.md, session 16), into
  * L1 elsewhere. */
 static inline void prefetch_wide(const uint8_t *blk, int bb) {
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#if AMD_ZEN
     for (int off = 0; off < bb; off += 64) __builtin_prefetch(blk + off + Q8_AHEAD, 0, 1);
 #else
     prefetch_ahead(blk, bb);
@@ -1224,7 +1225,7 @@ static inline __attribute__((always_inline)) void iq3_xxs_unpack(const uint8_t *
     _mm256_storeu_si256((__m256i *)u->negative, ksign_bytes(index));
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#if AMD_ZEN
         uint32_t idx[16];
         for (int l = 0; l < 16; l++) idx[l] = b[2 + 16 * i + l];
         u->grid[i] = grid_points16(iq3xxs_grid4, idx);
@@ -1259,7 +1260,7 @@ static inline __attribute__((always_inline)) void iq2_xs_unpack(const uint8_t *b
     __m256i ls = nibble_scales(_mm_loadl_epi64((const __m128i *)(b + 66)));
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) {
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#if AMD_ZEN
         uint32_t idx[8];
         for (int l = 0; l < 8; l++) idx[l] = (b[2 + 16 * i + 2 * l] | (uint32_t)b[3 + 16 * i + 2 * l] << 8) & 511;
         u->grid[i] = grid_rows8(iq2xs_grid8, idx);
@@ -1280,7 +1281,7 @@ static inline __attribute__((always_inline)) void iq2_s_unpack(const uint8_t *b,
     for (int i = 0; i < 4; i++) {
         uint16_t high;
         memcpy(&high, b + 66 + 2 * i, 2);
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#if AMD_ZEN
         (void)shifts;
         uint32_t idx[8];
         for (int l = 0; l < 8; l++) idx[l] = b[2 + 8 * i + l] | (uint32_t)((high >> (2 * l)) & 3) << 8;

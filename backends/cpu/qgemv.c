@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "zen.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -1341,7 +1342,7 @@ static inline void dot_q4_k(acc_t *a, const uint8_t *b, const float *x, const fl
     k_mins_add(a, sv, xsum);
 }
 
-#if defined(__AVX512VBMI__) && (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
+#if defined(__AVX512VBMI__) && AMD_ZEN
 #define Q4_K_DOT4 1
 /* dot_q4_k of four rows' blocks (r[i]: row i's), chunk by chunk (each row the same operations in the same order, so
  * the same bits), on AMD Zen: each 64 bytes of nibbles put by one vpermb so that lane l holds bytes l, l + 16, l + 32

@@ -4,6 +4,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "zen.h"
 
 #define GROUP 16            /* weight rows repacked together */
 
@@ -22,7 +23,7 @@
 
 /* The weight streams' prefetch hint: into L2 on AMD Zen, where it measured faster than into L1 (docs/cpu.md, "Q4_K,
  * Q2_K and IQ2_XXS at several rows without AMX (session 16)"); into L1 elsewhere, as measured on Sapphire Rapids. */
-#if defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+#if AMD_ZEN
 #define STREAM_HINT _MM_HINT_T2
 #else
 #define STREAM_HINT _MM_HINT_T0
