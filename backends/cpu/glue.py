@@ -482,11 +482,16 @@ def route_moe_shared(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Ex
     return out
 
 
+def serves_pairs(x: torch.Tensor, weights: tuple[QTensor, ...], P: int) -> bool:
+    """Whether the library can take P (row, expert) pairs of x [M, K] on weights of K inputs (P <= MAX_ROWS)."""
+    return ready() and x.dim() == 2 and x.shape[1] == weights[0].shape[-1] and P <= kernels.MAX_ROWS
+
+
 def bound_experts(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M: int, k: int, dot: str,
                   routed: bool) -> BoundExpert | None:
     """The weights' glue_moe_rows arguments (`EXPERTS`, bound on first use) for M rows of x, k experts a row; None
     where the library or the kernels do not serve them, or the pairs are more than MAX_ROWS."""
-    if not ready() or x.dim() != 2 or x.shape[1] != weights[0].shape[-1] or M * k > kernels.MAX_ROWS:
+    if not serves_pairs(x, weights, M * k):
         return None
     return EXPERTS.value(weights, (dot, routed, threading.get_ident()), lambda: bind_expert(*weights, dot, routed))
 
@@ -495,7 +500,7 @@ def bound_ffn(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], shared
               P: int, dot: str) -> tuple[BoundExpert | None, BoundExpert | None]:
     """`bound_experts` of a layer's routed stacks and shared expert for P pairs, in one lookup (`EXPERTS`, keyed by
     all six weights); (None, None) where the library does not serve x or the pairs are more than MAX_ROWS."""
-    if not ready() or x.dim() != 2 or x.shape[1] != weights[0].shape[-1] or P > kernels.MAX_ROWS:
+    if not serves_pairs(x, weights, P):
         return None, None
     return EXPERTS.value((*weights, *shared), (dot, "ffn", threading.get_ident()),
                          lambda: (bind_expert(*weights, dot, True), bind_expert(*shared, dot, False)))
