@@ -154,9 +154,18 @@ int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
 uint64_t iq2_grid_bytes[256];    /* set by qdot8_set_iq2_xxs: the 8 grid values of each index, as bytes */
 static uint64_t iq2_sign_bytes[128];    /* the 8 signs (+1 / -1 bytes) of each 7-bit sign index */
 uint8_t iq2_ksigns_bytes[128];          /* set by qdot8_set_iq2_xxs: ksigns as bytes */
+uint8_t iq2_code_bytes[2][256] __attribute__((aligned(64)));   /* set by qdot8_set_iq2_xxs: each grid row's 8 values
+                                                                 * as 2-bit codes (value j in bits 2 j of a 16-bit
+                                                                 * word: 0, 1, 2 for 8, 25, 43), low and high bytes */
 
 void qdot8_set_iq2_xxs(const uint8_t *grid, const int64_t *ksigns) {
     memcpy(iq2_grid_bytes, grid, sizeof iq2_grid_bytes);
+    for (int i = 0; i < 256; i++) {
+        int word = 0;
+        for (int j = 0; j < 8; j++) word |= (grid[8 * i + j] == 25 ? 1 : grid[8 * i + j] == 43 ? 2 : 0) << (2 * j);
+        iq2_code_bytes[0][i] = (uint8_t)word;
+        iq2_code_bytes[1][i] = (uint8_t)(word >> 8);
+    }
     for (int i = 0; i < 128; i++) {
         iq2_ksigns_bytes[i] = (uint8_t)ksigns[i];
         uint64_t s = 0;
