@@ -55,35 +55,28 @@ static inline void iq2_chunk_order(const int8_t *qs, int8_t *out) {
 
 /* A block's grid rows and sign masks in chunk order (v: its 64 bytes after d) by shuffles, no loads of the grid:
  * grid[i] qword g = the grid row of chunk i of group g; bit 8 g + j of negative[i] set where its value j is
- * negative. Each index's 16-bit word of 2-bit codes is looked up from the two 256-byte tables (low and high bytes,
- * two `vpermi2b` each, the index's top bit choosing), each row's word spread to its qword, its 8 codes taken out by
- * one `vpmultishiftqb` and turned into the values 8, 25, 43 by one `vpermb`. */
+ * negative. Each index's 16-bit word of 2-bit codes (value j in bits 2 j) is looked up in place (byte 8 g + c of v,
+ * c < 4) from the two 256-byte tables (low and high bytes, two `vpermi2b` each, the index's top bit choosing), the
+ * high bytes moved up beside the low ones (bytes 8 g + 4 + c), and each chunk's 8 codes taken out by one
+ * `vpmultishiftqb` and turned into the values 8, 25, 43 by one `vpermb`. */
 static inline void iq2_block_chunks(__m512i v, __m512i grid[4], uint64_t negative[4]) {
-    /* bytes 2 k, 2 k + 1: the index of chunk k / 8 of group k % 8 (byte 8 (k % 8) + k / 8 of v) */
-    const __m512i twice = _mm512_set_epi16(59, 51, 43, 35, 27, 19, 11, 3, 58, 50, 42, 34, 26, 18, 10, 2,
-                                           57, 49, 41, 33, 25, 17, 9, 1, 56, 48, 40, 32, 24, 16, 8, 0);
-    __m512i index = _mm512_permutexvar_epi8(_mm512_or_si512(twice, _mm512_slli_epi16(twice, 8)), v);
-    __mmask64 top = _mm512_movepi8_mask(index);
+    __mmask64 top = _mm512_movepi8_mask(v);
     const uint8_t *lo = iq2_code_bytes[0], *hi = iq2_code_bytes[1];
-    __m512i low = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(_mm512_load_si512(lo), index,
+    __m512i low = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(_mm512_load_si512(lo), v,
                                                                        _mm512_load_si512(lo + 64)),
-                                         _mm512_permutex2var_epi8(_mm512_load_si512(lo + 128), index,
+                                         _mm512_permutex2var_epi8(_mm512_load_si512(lo + 128), v,
                                                                   _mm512_load_si512(lo + 192)));
-    __m512i high = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(_mm512_load_si512(hi), index,
+    __m512i high = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(_mm512_load_si512(hi), v,
                                                                         _mm512_load_si512(hi + 64)),
-                                          _mm512_permutex2var_epi8(_mm512_load_si512(hi + 128), index,
+                                          _mm512_permutex2var_epi8(_mm512_load_si512(hi + 128), v,
                                                                    _mm512_load_si512(hi + 192)));
-    __m512i words = _mm512_mask_blend_epi8(0xAAAAAAAAAAAAAAAAull, low, high);      /* word 8 i + g: chunk i, group g */
+    /* qword g: the low code bytes of chunks 0-3, then their high ones */
+    __m512i codes = _mm512_mask_blend_epi8(0xF0F0F0F0F0F0F0F0ull, low, _mm512_slli_epi64(high, 32));
     const __m512i magnitude = _mm512_set1_epi32(0x002b1908);      /* byte e: 8, 25, 43 by e % 4 */
-    const __m512i shifts = _mm512_set1_epi64(0x0E0C0A0806040200), pair = _mm512_set1_epi64(0x0100010001000100ll);
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; i++) {
-        __m512i spread = _mm512_add_epi8(pair, _mm512_set_epi64(
-            0x0202020202020202ll * (8 * i + 7), 0x0202020202020202ll * (8 * i + 6), 0x0202020202020202ll * (8 * i + 5),
-            0x0202020202020202ll * (8 * i + 4), 0x0202020202020202ll * (8 * i + 3), 0x0202020202020202ll * (8 * i + 2),
-            0x0202020202020202ll * (8 * i + 1), 0x0202020202020202ll * (8 * i)));
-        grid[i] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(spread, words)),
-                                          magnitude);
+    for (int i = 0; i < 4; i++) {       /* value j of chunk i: bits 8 i + 2 j (j < 4), 32 + 8 i + 2 (j - 4) */
+        const __m512i shifts = _mm512_set1_epi64(0x2624222006040200ll + 0x0808080808080808ll * i);
+        grid[i] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(shifts, codes), magnitude);
     }
     /* byte 8 g + c (c < 4): the sign byte of chunk c of group g (ksigns, as iq2_xxs_groups), moved to byte 8 c + g */
     __m512i signs = _mm512_permutex2var_epi8(_mm512_loadu_si512(iq2_ksigns_bytes),
