@@ -88,7 +88,9 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 
 #if REPACK_VNNI
 
-#define AHEAD 1024      /* bytes of each weight stream prefetched ahead: STREAMS streams, */
+#define AHEAD_ONE 8192  /* bytes of the weight stream prefetched ahead: one activation row on AMD Zen (one stream; 4,
+                         * 6, 8, 12 and 16 KB measured, docs/cpu.md "M = 1 q8 kernels on Zen 4 (session 17)"), */
+#define AHEAD 1024      /* STREAMS streams, */
 #define AHEAD_ROWS 4096 /* one stream (several rows); by STREAM_HINT for one activation row, else into L1 (measured:
                          * docs/cpu.md, "Q4_K, Q2_K and IQ2_XXS at several rows without AMX (session 16)") */
 
@@ -186,7 +188,7 @@ static void group_rows(const int R, const uint8_t *const *g, int64_t nb, const u
         for (int i = 0; i < R; i++)
             for (int64_t m = 0; m < M; m += 4) {
                 const uint8_t *gb = g[i] + b * GB, *xb[4];
-                int ahead = R > 1 ? AHEAD : AHEAD_ROWS;
+                int ahead = AMD_ZEN && M == 1 ? AHEAD_ONE : R > 1 ? AHEAD : AHEAD_ROWS;
                 for (int r = 0; r < 4; r++) xb[r] = x + ((m + r < M ? m + r : m) * nb + b) * Q8K_BYTES;
                 switch (M - m < 4 ? M - m : 4) {
                 case 1: block_rows(1, gb, xb, acc[i] + m, ahead, M == 1); break;
