@@ -43,7 +43,7 @@ static inline __m512i iq2_grid_pair(const uint8_t *p, int i, __m256i idx) {
 #endif
 }
 
-#if AMD_ZEN
+#if AMD_ZEN && defined(__AVX512VNNI__)
 /* AMD Zen: a block's values in chunk order, vector i holding chunk i (values 8 i .. 8 i + 7) of the 8 groups, qword g
  * group g's, so that every 16-bit pair of one vector's products meets the scale of its own qword's group. */
 
