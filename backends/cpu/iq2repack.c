@@ -56,13 +56,21 @@ static inline __m128i sum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) {  
 }
 
 /* One group against one activation row: out[0][n], each block of 4 rows at a time by qdot8.c's one-row integer
- * dots (iq2_xxs_sums: no unpacked state kept), the 4 sums reduced together. */
-static void group_row(const uint8_t *g, int64_t nb, const uint8_t *x, float out[GROUP][GROUP]) {
+ * dots (iq2_xxs_sums: no unpacked state kept; on AMD Zen iq2_xxs_chunk_sums against xo, the row's activation bytes
+ * in chunk order, 256 a block), the 4 sums reduced together. */
+static void group_row(const uint8_t *g, int64_t nb, const uint8_t *x, const int8_t *xo, float out[GROUP][GROUP]) {
     __m128 acc[GROUP / 4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
     for (int64_t b = 0; b < nb; b++) {
-        const int8_t *qs = (const int8_t *)(x + b * Q8K_BYTES);
+#if AMD_ZEN
+        const int8_t *qs = xo + b * 256, *xb = (const int8_t *)(x + b * Q8K_BYTES);
+#define SUMS iq2_xxs_chunk_sums
+#else
+        const int8_t *qs = (const int8_t *)(x + b * Q8K_BYTES), *xb = qs;
+#define SUMS iq2_xxs_sums
+        (void)xo;
+#endif
         float dx;
-        memcpy(&dx, qs + 256, 4);
+        memcpy(&dx, xb + 256, 4);
         __m128 vdx = _mm_set1_ps(dx);
 #pragma GCC unroll 4
         for (int q = 0; q < GROUP / 4; q++) {
@@ -70,14 +78,15 @@ static void group_row(const uint8_t *g, int64_t nb, const uint8_t *x, float out[
             uint16_t h[4];
             for (int i = 0; i < 4; i++) memcpy(&h[i], wb + QK_BYTES * i, 2);
             for (int i = 0; i < 5; i++) _mm_prefetch((const char *)wb + 64 * i + AHEAD, _MM_HINT_T0);
-            __m128i sums = sum4_epi32(iq2_xxs_sums(wb, qs), iq2_xxs_sums(wb + QK_BYTES, qs),
-                                      iq2_xxs_sums(wb + 2 * QK_BYTES, qs), iq2_xxs_sums(wb + 3 * QK_BYTES, qs));
+            __m128i sums = sum4_epi32(SUMS(wb, qs), SUMS(wb + QK_BYTES, qs), SUMS(wb + 2 * QK_BYTES, qs),
+                                      SUMS(wb + 3 * QK_BYTES, qs));
             __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
             acc[q] = _mm_add_ps(acc[q], _mm_mul_ps(_mm_mul_ps(d, vdx), _mm_cvtepi32_ps(sums)));
         }
     }
     for (int q = 0; q < GROUP / 4; q++) _mm_storeu_ps(out[0] + 4 * q, _mm_mul_ps(_mm_set1_ps(0.125f), acc[q]));
 }
+#undef SUMS
 
 /* The 16 rows' 8 vectors of group j (32 values) of one interleaved block `gb`, each lane n row n's 4 values plus 64
  * (21..107, unsigned: the operand of `vpdpbusd`), the values' grid bytes and signs gathered lane by lane; scale[j]
@@ -209,10 +218,20 @@ int iq2r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
         free(xs);
         return -2;
     }
+    int8_t *xo = NULL;          /* one row's activation bytes in chunk order (group_row on AMD Zen) */
+    if (IQ2R_VECTOR && AMD_ZEN && !on_tiles && (own || rows == 1) && (xo = malloc((size_t)nb * 256)) == NULL) {
+        free(tiles);
+        free(row);
+        free(xs);
+        return -2;
+    }
     for (int64_t i = 0; i < (own ? rows : 1) && rc == 0; i++) {    /* each row with a weight of its own, or all */
         const uint8_t *wi = own ? w + experts[live[i]] * expert_bytes : w, *xi = own ? (xs ? xs : x) + i * x_bytes : x;
         int64_t mi = own ? 1 : rows;
         float *yi = own ? y + live[i] * N : y;
+#if IQ2R_VECTOR && AMD_ZEN
+        for (int64_t b = 0; xo != NULL && b < nb; b++) iq2_chunk_order((const int8_t *)xi + b * Q8K_BYTES, xo + b * 256);
+#endif
         if (tiles != NULL) {
             rc = qdot8amx_iq2_interleaved(wi + a0 * GROUP * row_bytes, width, K, xi, mi, tiles, 0, width);
             for (int64_t m = 0; m < mi && rc == 0; m++)
@@ -223,7 +242,7 @@ int iq2r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
             int64_t first = a * GROUP;
             float out[GROUP][GROUP];
 #if IQ2R_VECTOR
-            if (mi == 1) group_row(wi + first * row_bytes, nb, xi, out);
+            if (mi == 1) group_row(wi + first * row_bytes, nb, xi, xo, out);
             else group_wide(wi + first * row_bytes, nb, xi, mi, out);
 #else
             rc = group_rows_c(wi + first * row_bytes, nb, xi, mi, out, row);
@@ -233,6 +252,7 @@ int iq2r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
                     yi[m * N + n] = out[m][n - first];
         }
     }
+    free(xo);
     free(tiles);
     free(row);
     free(xs);

@@ -28,7 +28,8 @@
 #define Q2KR_TYPE 1010      /* the repacked layout's type code in the kernel library (no GGUF type) */
 #define SC_AT(j, n) (64 + 32 * ((j) / 2) + 2 * (n) + (j) % 2)      /* the scale byte of group j, row n */
 #define QS_AT 320           /* the 2-bit field vectors */
-#define STREAMS 2           /* groups whose weight streams are fetched at once (measured: 1, 2, 4, 8) */
+#define STREAMS 2           /* groups whose weight streams are fetched at once (measured: 1, 2, 4, 8); on AMD Zen one
+                             * for one activation row (docs/cpu.md, "M = 1 q8 kernels on Zen 4 (session 17)") */
 
 /* One group's nb blocks: `from` (16 stored rows of nb blocks) into `to` (the repacked layout), or back (`back`). */
 static void group_pack(const uint8_t *from, uint8_t *to, int64_t nb, int back) {
@@ -87,7 +88,9 @@ static void group_row_c(const uint8_t *g, int64_t nb, const uint8_t *x, float ou
 
 #if REPACK_VNNI
 
-#define AHEAD 1024      /* bytes of each weight stream prefetched ahead: STREAMS streams, */
+#define AHEAD_ONE 8192  /* bytes of the weight stream prefetched ahead: one activation row on AMD Zen (one stream; 4,
+                         * 6, 8, 12 and 16 KB measured, docs/cpu.md "M = 1 q8 kernels on Zen 4 (session 17)"), */
+#define AHEAD 1024      /* STREAMS streams, */
 #define AHEAD_ROWS 4096 /* one stream (several rows); by STREAM_HINT for one activation row, else into L1 (measured:
                          * docs/cpu.md, "Q4_K, Q2_K and IQ2_XXS at several rows without AMX (session 16)") */
 
@@ -185,7 +188,7 @@ static void group_rows(const int R, const uint8_t *const *g, int64_t nb, const u
         for (int i = 0; i < R; i++)
             for (int64_t m = 0; m < M; m += 4) {
                 const uint8_t *gb = g[i] + b * GB, *xb[4];
-                int ahead = R > 1 ? AHEAD : AHEAD_ROWS;
+                int ahead = AMD_ZEN && M == 1 ? AHEAD_ONE : R > 1 ? AHEAD : AHEAD_ROWS;
                 for (int r = 0; r < 4; r++) xb[r] = x + ((m + r < M ? m + r : m) * nb + b) * Q8K_BYTES;
                 switch (M - m < 4 ? M - m : 4) {
                 case 1: block_rows(1, gb, xb, acc[i] + m, ahead, M == 1); break;
@@ -301,12 +304,13 @@ REPACK_SWITCHES(q2kr, 7)
  * fetched at once; on the tiles one group after another), the last ones alone. */
 static void rows_groups(int path, const uint8_t *w, int64_t row_bytes, int64_t nb, const uint8_t *x, int64_t M,
                         int64_t a0, int64_t a1, float *y, int64_t N, int64_t n0, int64_t n1) {
-    int64_t q = (a1 - a0) / STREAMS, step = GROUP * row_bytes;
+    const int streams = AMD_ZEN && M == 1 ? 1 : STREAMS;
+    int64_t q = (a1 - a0) / streams, step = GROUP * row_bytes;
     for (int64_t a = a0; a < a1; a++) {
-        int R = a < a0 + q ? STREAMS : 1;
-        if (a >= a0 + q && a < a0 + STREAMS * q) continue;      /* taken with a - q, a - 2q, .. */
+        int R = a < a0 + q ? streams : 1;
+        if (a >= a0 + q && a < a0 + streams * q) continue;      /* taken with a - q, a - 2q, .. */
         const uint8_t *g[STREAMS];
-        for (int i = 0; i < STREAMS; i++) g[i] = w + (a + i * q) * step;
+        for (int i = 0; i < R; i++) g[i] = w + (a + i * q) * step;
         float out[STREAMS][GROUP][GROUP];
 #if REPACK_VNNI
         __m512 acc[STREAMS][GROUP];

@@ -194,7 +194,12 @@ static inline void bsums_of(const uint8_t *xb, int32_t bs[4]) {     /* block_ter
     _mm_storeu_si128((__m128i *)bs, v);
 }
 
-#define AHEAD 1024      /* bytes of each weight stream prefetched ahead (STREAM_HINT): one row (four streams), */
+#if AMD_ZEN             /* groups whose weight streams one activation row takes at once: measured, docs/cpu.md */
+#define STREAMS 2       /* ("M = 1 q8 kernels on Zen 4 (session 17)"; 1, 2, 4, 8 there) */
+#else
+#define STREAMS 4       /* (four on Sapphire Rapids: "Q4_K repacked at load (session 13)") */
+#endif
+#define AHEAD 1024      /* bytes of each weight stream prefetched ahead (STREAM_HINT): one row (STREAMS streams), */
 #define AHEAD_ROWS 8192 /* several rows (one stream); measured: docs/cpu.md, "Q4_K, Q2_K and IQ2_XXS at several
                          * rows without AMX (session 16)" */
 
@@ -225,7 +230,7 @@ static inline __attribute__((always_inline)) void block_row(const uint8_t *gb, c
     *acc = _mm512_add_ps(*acc, block_term(&s, dot, bs, dx));
 }
 
-/* R groups (1, or 4: four streams of the weight fetched at once, as qdot8.c's own_rows4_q8) against one activation
+/* R groups (1, or STREAMS: that many streams of the weight fetched at once) against one activation
  * row each, block by block in turn; each group's terms added in block order (the same bits for any R). */
 static inline __attribute__((always_inline)) void groups_row(const int R, const uint8_t *const *g, int64_t nb,
                                                              const uint8_t *const *x, __m512 *acc) {
@@ -237,18 +242,18 @@ static inline __attribute__((always_inline)) void groups_row(const int R, const 
 }
 
 /* Rows [n0, n1) of one activation row's outputs `y` from groups [a0, a1) of the weight at `base` (row_bytes a row):
- * four groups at a time (a, a + q, a + 2q, a + 3q, q a quarter of the range), the last ones alone. */
+ * STREAMS groups at a time (a, a + q, .., q the range over STREAMS), the last ones alone. */
 static void own_groups(const uint8_t *base, int64_t row_bytes, int64_t nb, const uint8_t *x, int64_t a0, int64_t a1,
                        float *y, int64_t n0, int64_t n1) {
-    int64_t q = (a1 - a0) / 4, step = GROUP * row_bytes;
-    float out[4][GROUP];
+    int64_t q = (a1 - a0) / STREAMS, step = GROUP * row_bytes;
+    float out[STREAMS][GROUP];
     for (int64_t a = a0; a < a1; a++) {
-        int R = a < a0 + q ? 4 : 1;
-        if (a >= a0 + q && a < a0 + 4 * q) continue;      /* taken with a - q, a - 2q or a - 3q */
-        const uint8_t *g[4] = {base + a * step, base + (a + q) * step, base + (a + 2 * q) * step,
-                               base + (a + 3 * q) * step}, *xs[4] = {x, x, x, x};
-        __m512 acc[4];
-        if (R == 4) groups_row(4, g, nb, xs, acc);
+        int R = a < a0 + q ? STREAMS : 1;
+        if (a >= a0 + q && a < a0 + STREAMS * q) continue;      /* taken with a - q, a - 2q, .. */
+        const uint8_t *g[STREAMS], *xs[STREAMS];
+        for (int i = 0; i < R; i++) g[i] = base + (a + i * q) * step, xs[i] = x;
+        __m512 acc[STREAMS];
+        if (R == STREAMS) groups_row(STREAMS, g, nb, xs, acc);
         else groups_row(1, g, nb, xs, acc);
         for (int i = 0; i < R; i++) {
             _mm512_storeu_ps(out[i], acc[i]);

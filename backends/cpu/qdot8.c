@@ -10,6 +10,7 @@
  * same for any M and any split of the output rows across threads (batch-invariant). Built with qgemv.c by backends/cpu/kernels.py.
  */
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 #include "half.h"
@@ -154,9 +155,18 @@ int q8_quantize(int kind, const float *x, int64_t M, int64_t K, void *out) {
 uint64_t iq2_grid_bytes[256];    /* set by qdot8_set_iq2_xxs: the 8 grid values of each index, as bytes */
 static uint64_t iq2_sign_bytes[128];    /* the 8 signs (+1 / -1 bytes) of each 7-bit sign index */
 uint8_t iq2_ksigns_bytes[128];          /* set by qdot8_set_iq2_xxs: ksigns as bytes */
+uint8_t iq2_code_bytes[2][256] __attribute__((aligned(64)));   /* set by qdot8_set_iq2_xxs: each grid row's 8 values
+                                                                 * as 2-bit codes (value j in bits 2 j of a 16-bit
+                                                                 * word: 0, 1, 2 for 8, 25, 43), low and high bytes */
 
 void qdot8_set_iq2_xxs(const uint8_t *grid, const int64_t *ksigns) {
     memcpy(iq2_grid_bytes, grid, sizeof iq2_grid_bytes);
+    for (int i = 0; i < 256; i++) {
+        int word = 0;
+        for (int j = 0; j < 8; j++) word |= (grid[8 * i + j] == 25 ? 1 : grid[8 * i + j] == 43 ? 2 : 0) << (2 * j);
+        iq2_code_bytes[0][i] = (uint8_t)word;
+        iq2_code_bytes[1][i] = (uint8_t)(word >> 8);
+    }
     for (int i = 0; i < 128; i++) {
         iq2_ksigns_bytes[i] = (uint8_t)ksigns[i];
         uint64_t s = 0;
@@ -592,11 +602,12 @@ static inline float step4_q2_k(float acc, const uint8_t *w, const q8k_block *y) 
 /* Blocks w[0..4) (against y[0..4)) added to acc: their integer sums reduced together (a quarter of the shuffles
  * of one reduction per block), their float terms computed lane by lane (dot_iq2_xxs's operations), then added in
  * block order as row_blocks does, so the same bits. */
-static inline float step4_iq2_xxs(float acc, const uint8_t *w, const q8k_block *y) {
+static inline __attribute__((always_inline)) float step4_iq2(__m512i (*sums_of)(const uint8_t *, const int8_t *),
+                                                             float acc, const uint8_t *w, const q8k_block *y) {
     float t[4];
     for (int i = 0; i < 4; i++) prefetch_ahead(w + 66 * i, 66);
-    __m128i sums = sum4_epi32(iq2_xxs_sums(w, y[0].qs), iq2_xxs_sums(w + 66, y[1].qs),
-                              iq2_xxs_sums(w + 132, y[2].qs), iq2_xxs_sums(w + 198, y[3].qs));
+    __m128i sums = sum4_epi32(sums_of(w, y[0].qs), sums_of(w + 66, y[1].qs), sums_of(w + 132, y[2].qs),
+                              sums_of(w + 198, y[3].qs));
     uint16_t h[4];      /* the blocks' d (f16) */
     for (int i = 0; i < 4; i++) memcpy(&h[i], w + 66 * i, 2);
     __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)h));
@@ -604,9 +615,30 @@ static inline float step4_iq2_xxs(float acc, const uint8_t *w, const q8k_block *
     _mm_storeu_ps(t, _mm_mul_ps(_mm_mul_ps(d, yd), _mm_cvtepi32_ps(sums)));    /* lane i: block i's term */
     return (((acc + t[0]) + t[1]) + t[2]) + t[3];
 }
+
+static inline float step4_iq2_xxs(float acc, const uint8_t *w, const q8k_block *y) {
+    return step4_iq2(iq2_xxs_sums, acc, w, y);
+}
 #define STEP4_IQ2_XXS step4_iq2_xxs
 #else
 #define STEP4_IQ2_XXS NULL
+#endif
+
+#if defined(IQ2_VECTOR) && AMD_ZEN
+/* AMD Zen, a weight row of its own (M = 1, routed experts): the activations' bytes in chunk order (iq2_chunk_order,
+ * a copy made by qdot8) against iq2_xxs_chunk_sums, the same integers and float steps as dot_iq2_xxs and
+ * step4_iq2_xxs. */
+#define IQ2_CHUNKS 1
+static inline float dot_iq2_xxs_chunks(const uint8_t *b, const void *act) {
+    const q8k_block *y = act;
+    return (f16_to_f32(b) * y->d) * (float)_mm512_reduce_add_epi32(iq2_xxs_chunk_sums(b, y->qs));
+}
+
+static inline float step4_iq2_xxs_chunks(float acc, const uint8_t *w, const q8k_block *y) {
+    return step4_iq2(iq2_xxs_chunk_sums, acc, w, y);
+}
+#else
+#define IQ2_CHUNKS 0
 #endif
 
 typedef float (*step8_fn)(float, const uint8_t *, const q8k_block *);
@@ -651,6 +683,19 @@ static float row_iq2_xxs(const uint8_t *row, const uint8_t *act, int64_t nb) {
     rows_k(STEP4_IQ2_XXS, 4, dot_iq2_xxs, 66, 1, &row, act, nb, &acc);
     return 0.125f * acc;
 }
+
+#if IQ2_CHUNKS
+static void rows_iq2_xxs_chunks(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
+    rows_k(step4_iq2_xxs_chunks, 4, dot_iq2_xxs_chunks, 66, 4, r, act, nb, out);
+    for (int i = 0; i < 4; i++) out[i] *= 0.125f;
+}
+
+static float row_iq2_xxs_chunks(const uint8_t *row, const uint8_t *act, int64_t nb) {
+    float acc;
+    rows_k(step4_iq2_xxs_chunks, 4, dot_iq2_xxs_chunks, 66, 1, &row, act, nb, &acc);
+    return 0.125f * acc;
+}
+#endif
 
 static void rows_q4_k(const uint8_t *const *r, const uint8_t *act, int64_t nb, float *out) {
     rows_k(NULL, 1, dot_q4_k, 144, 4, r, act, nb, out);
@@ -1813,6 +1858,21 @@ int qdot8(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
     const int k_bytes = (int)sizeof(q8k_block), own = experts != NULL || M == 1;     /* a weight row of its own */
     switch (type) {
     case 16: if (K % 256) return -1;
+#if IQ2_CHUNKS
+        if (own) {      /* each activation row copied with its bytes in chunk order, then its rows of its own */
+            int64_t nb = K / 256;
+            q8k_block *xo = malloc((size_t)nb * sizeof(q8k_block));
+            if (xo == NULL) return -2;
+            for (int64_t m = 0; m < M; m++) {
+                memcpy(xo, x + m * nb * k_bytes, (size_t)nb * sizeof(q8k_block));
+                for (int64_t b = 0; b < nb; b++) iq2_chunk_order(((const q8k_block *)x)[m * nb + b].qs, xo[b].qs);
+                own_rows4_q8(rows_iq2_xxs_chunks, row_iq2_xxs_chunks, 256, 66, k_bytes, w, expert_bytes,
+                             experts == NULL ? NULL : experts + m, N, K, (const uint8_t *)xo, 1, y + m * N, n0, n1);
+            }
+            free(xo);
+            return 0;
+        }
+#endif
         if (own) { own_rows4_q8(rows_iq2_xxs, row_iq2_xxs, 256, 66, k_bytes, w, expert_bytes, experts, N, K, x, M, y,
                                 n0, n1); return 0; }
         rows_q8(row_iq2_xxs, 256, 66, k_bytes, w, expert_bytes, experts, N, K, x, M, y, n0, n1); return 0;
