@@ -63,6 +63,22 @@ def test_hc_ops_are_their_references_bits(threads):
     torch.testing.assert_close(out, hc_head(X, fn, scale[:1], base[:4], 1e-6, 1e-6), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", ("F16", "Q8_0"))
+def test_hc_head_in_one_call_is_the_separate_calls_bits(qtype, threads):
+    """glue.hc_head (rms_norm, the product and head_streams in one C call) against the calls one by one, M = 1..3:
+    every row its bits, and close to the oracle."""
+    g = gen(11)
+    fn = QTensor.quantize(torch.randn(4, 4096, generator=g) / 64, qtype, "fn")
+    scale, base = torch.rand(1, generator=g), torch.randn(4, generator=g)
+    for M in (1, 2, 3):
+        X = torch.randn(M, 4, 1024, generator=g) * 2
+        out = glue.hc_head(X, fn, scale, base, 1e-6, 1e-6)
+        mixes = qmatmul(rms_norm_lanes(X.flatten(1), None, 1e-6), fn)
+        assert torch.equal(out, head_streams_poly(X, mixes, scale, base, 1e-6))
+        assert torch.equal(cpu("hc_head")(X, fn, scale, base, 1e-6, 1e-6), out)
+        torch.testing.assert_close(out, hc_head(X, fn, scale, base, 1e-6, 1e-6), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("inverse", (False, True))
 def test_rope_is_the_reference_rotation(inverse, threads):
     g, freqs = gen(2), rope_freqs(64, 10000.0)
@@ -191,8 +207,12 @@ def test_swiglu_and_expert_sum_are_their_references(threads):
 @pytest.mark.parametrize("qtype", ("F16", "Q8_0", "Q4_K", "F32"))
 def test_embed_is_the_reference(qtype):
     table = QTensor.quantize(torch.randn(40, 512, generator=gen(5)), qtype, "token_embd.weight")
-    ids = torch.tensor([3, 0, 39, 3])
-    assert torch.equal(cpu("embed")(table, ids), embed(table, ids))
+    for ids in (torch.tensor([3, 0, 39, 3]), torch.tensor([17]), torch.tensor([2, -1]), torch.tensor([5, 3])[1:]):
+        assert torch.equal(cpu("embed")(table, ids), embed(table, ids))
+    if qtype != "F32":      # the rows read in place serve ids inside the table only (torch's indexing the others)
+        assert glue.embed(table, torch.tensor([2, -1])) is None and glue.embed(table, torch.tensor([40])) is None
+        with pytest.raises(IndexError):
+            cpu("embed")(table, torch.tensor([40]))
 
 
 def test_route_is_select_sorted_by_expert():

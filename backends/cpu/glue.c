@@ -299,6 +299,19 @@ int glue_store_rows(float *cache, int64_t N, int64_t d, const int64_t *slots, in
     return 0;
 }
 
+int dequantize(int type, const uint8_t *w, int64_t rows, int64_t K, float *out);     /* qgemv.c */
+
+/* out [M, K] = rows ids of a table of V rows of row_bytes raw blocks of `type`, dequantized by qgemv.c's
+ * `dequantize` (ops/embed.py's values). Returns 1 for an id outside [0, V), -1 for a type it cannot serve. */
+int glue_embed(int type, const uint8_t *table, int64_t V, int64_t row_bytes, const int64_t *ids, int64_t M,
+               int64_t K, float *out) {
+    for (int64_t m = 0; m < M; m++)
+        if (ids[m] < 0 || ids[m] >= V) return 1;
+    for (int64_t m = 0; m < M; m++)
+        if (dequantize(type, table + ids[m] * row_bytes, 1, K, out + m * K)) return -1;
+    return 0;
+}
+
 /* h [M, N] = silu_poly(min(g, clamp)) · clamp(u, ±clamp) (· w[m]) (ops/exp_poly.py, swiglu_poly; no clamp when
  * has_clamp is 0, no weight when w is NULL). */
 void glue_swiglu(const float *g, const float *u, const float *w, int64_t M, int64_t N, int has_clamp, float clamp,
@@ -525,6 +538,17 @@ int glue_hc_pre_norm(const product_t *p, int q8_kind, const float *X, float *fla
     rc = glue_hc_pre(X, p->y, scale, base, M, S, D, iters, hc_eps, x, post, comb);
     if (rc) return rc;
     glue_rms_norm(x, M, D, norm, rms_eps, x);
+    return 0;
+}
+
+/* hc_head: flat [M, S·D] = glue_rms_norm(X) (no weight), the product p of the head's HC weight (mixes = p->y, exact
+ * rows), then glue_head_streams into out [M, D]: the cpu hc_head's calls chained. */
+int glue_hc_head(const product_t *p, const float *X, float *flat, const float *scale, const float *base, int64_t M,
+                 int64_t S, int64_t D, float rms_eps, float hc_eps, float *out, int threads) {
+    glue_rms_norm(X, M, S * D, NULL, rms_eps, flat);
+    int rc = glue_products(p, 1, threads);
+    if (rc) return rc;
+    glue_head_streams(X, p->y, scale, base, hc_eps, M, S, D, out);
     return 0;
 }
 

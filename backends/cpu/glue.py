@@ -39,6 +39,8 @@ def _lib() -> ctypes.CDLL:
         k.glue_swiglu.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_float, ptr]
         k.glue_sum_rows.argtypes = [ptr, i64, i64, i64, ptr]
         k.glue_head_streams.restype = None
+        k.glue_embed.restype = ctypes.c_int
+        k.glue_embed.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr]
         k.glue_head_streams.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64, ptr]
         k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
@@ -52,6 +54,9 @@ def _lib() -> ctypes.CDLL:
         k.glue_route.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
         k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
         k.glue_hc_pre_norm.restype = k.glue_qmatmul_norm_rope.restype = ctypes.c_int
+        k.glue_hc_head.restype = ctypes.c_int
+        k.glue_hc_head.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, ctypes.c_float, ptr,
+                                   ctypes.c_int]
         k.glue_hc_pre_norm.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
                                        ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
         k.glue_qmatmul_norm_rope.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, ctypes.c_float, ptr, ptr,
@@ -180,6 +185,21 @@ def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fp8
                               int(f16)):
         raise ValueError(f"store_rows: a slot is outside the cache's {cache.shape[0]} rows")
     return cache
+
+
+def embed(table: QTensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """ops.embed's rows `ids` of `table` (a type the library dequantizes) read at their addresses in one C call (no
+    torch gather of the raw rows); None where an id is outside the table (torch's indexing then says so, or takes a
+    negative id from the end) or the table's blocks are not one contiguous [V, row bytes] array."""
+    data, ids = table.data, ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+    if data.dim() != 2 or not data.is_contiguous() or data.dtype != torch.uint8 or ids.dim() != 1:
+        return None
+    M, K = ids.shape[0], table.shape[1]
+    out = torch.empty((M, K), dtype=torch.float32)
+    if _lib().glue_embed(kernels.GGML_TYPE[table.qtype.name], data.data_ptr(), data.shape[0], data.shape[1],
+                         ids.data_ptr(), M, K, out.data_ptr()):
+        return None
+    return out
 
 
 class ProductArgs(ctypes.Structure):
@@ -659,6 +679,29 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
         raise MemoryError(f"hc_pre_norm: no memory for the gates of {M} rows")
     if rc:
         raise ValueError(f"hc_pre_norm: unsupported call ({fn.qtype.name}, dot={dot})")
+    return out
+
+
+def hc_head(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
+            hc_eps: float) -> torch.Tensor | None:
+    """The cpu hc_head's calls (rms_norm, the exact product, head_streams) in one C call (glue.c's glue_hc_head) and
+    with their bits; None where `products` would not serve the product or the streams are more than 64. The product is
+    bound once (`FUSED`); the flat state and the mixes are the thread's scratch."""
+    M, S, D = X.shape
+    if not ready() or M > kernels.MAX_ROWS or S > 64 or fn.shape[-1] != S * D or scale.numel() < 1 \
+            or base.shape != (S,):
+        return None
+    bound = fused_binding((fn,), ("hc_head",), lambda: bind_products((fn,), (False,), "exact"))
+    if bound is None:
+        return None
+    X, scale, base = f32(X), f32(scale), f32(base)
+    out = torch.empty((M, D), dtype=torch.float32)
+    with SCRATCH(FLOAT_BYTES * M * S * D, FLOAT_BYTES * M * fn.shape[0]) as (flat, mixes):
+        bound.rows((M,), (flat,), (mixes,))
+        rc = _lib().glue_hc_head(bound.args, X.data_ptr(), flat, scale.data_ptr(), base.data_ptr(), M, S, D, rms_eps,
+                                 hc_eps, out.data_ptr(), kernels.threads())
+    if rc:
+        raise ValueError(f"hc_head: unsupported call ({type_name(fn)})")
     return out
 
 

@@ -88,7 +88,9 @@ def embed(table: QTensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of `table` as float32, dequantized by the kernel library where it reads the type (the reference's
     values, in one call instead of the reference dequantizer's torch ops)."""
     if glue.ready() and table.qtype.name != "F32" and kernels.available(table.qtype.name, table.shape[1]):
-        # eager: the library's dequantizer without the dispatcher (kernels.dequantize goes through torch.ops)
+        out = glue.embed(table, ids)   # the rows read in place; else gathered (torch's index errors), then
+        if out is not None:            # the library's dequantizer without the dispatcher (kernels.dequantize)
+            return out
         return kernels.dequantize_op(table.data[ids], kernels.GGML_TYPE[table.qtype.name], ids.shape[0], table.shape[1])
     return reference_embed(table, ids)
 
