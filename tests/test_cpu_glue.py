@@ -119,6 +119,15 @@ def test_attention_is_the_lanes_reference_on_any_thread_count(shape, threads):
     torch.testing.assert_close(out, sparse_attention(q, kv, rows, sinks, 0.044), rtol=1e-5, atol=1e-5)
     padded = AttnRows(torch.nn.functional.pad(rows.raw, (0, 9), value=-1), rows.n_raw)   # longer lists: same bits
     assert torch.equal(cpu("sparse_attention")(q, kv, padded, sinks, 0.044), out)
+    g = gen(7)      # compressed rows after the raw ones (not concatenated on the way): the padded list's bits
+    comp = torch.randint(-1, kv.shape[0], (q.shape[0], 6), generator=g)
+    both = AttnRows(rows.raw, rows.n_raw, comp, (6,) * q.shape[0])
+    out = cpu("sparse_attention")(q, kv, both, sinks, 0.044)
+    assert torch.equal(out, sparse_attention_lanes(q, kv, both, sinks, 0.044))
+    assert torch.equal(cpu("sparse_attention")(q, kv, AttnRows(both.padded(), rows.n_raw), sinks, 0.044), out)
+    with pytest.raises(ValueError):
+        cpu("sparse_attention")(q, kv, AttnRows(rows.raw, rows.n_raw, comp[:-1] if q.shape[0] > 1 else comp[:0],
+                                                (6,) * q.shape[0]), sinks, 0.044)
 
 
 def test_glue_is_off_in_a_compiled_step(monkeypatch):

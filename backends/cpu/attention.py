@@ -47,7 +47,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: t
     """Attention output of each query head over its listed rows plus the sink."""
     M, H, D = q.shape
     if glue.ready():
-        return glue.attention(q, kv, rows.padded(), sinks, scale)
+        return glue.attention(q, kv, rows.raw, sinks, scale, rows.comp)
     if M > SMALL_M:
         return row_chunks(lambda a, b: sparse_attention(q[a:b], kv, query_rows(rows, a, b), sinks, scale), M,
                           torch.empty((M, H, D), dtype=torch.float32), 2 * H * D * listed_rows(rows))

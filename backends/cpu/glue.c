@@ -124,9 +124,11 @@ static inline float add_lanes(v16 acc) {
 
 typedef struct {        /* one sparse_attention call (glue_attention), read by the pool's threads */
     const float *q, *kv, *sinks;
-    const int64_t *rows;
+    const int64_t *rows;    /* [M, L]: each query's listed rows, then (comp not NULL) its rows of comp [M, Lc] */
     int64_t H, D, L;
     float scale;
+    const int64_t *comp;
+    int64_t Lc;
 } attention_t;
 
 #define HEADS 4     /* heads of a query done together: each key row is read once for all of them */
@@ -135,12 +137,13 @@ typedef struct {        /* one sparse_attention call (glue_attention), read by t
  * the unused arguments are the products'): s_k = (q·kv[row k], element i added to lane i % LANES in order, then the
  * lanes in order)·scale, −inf where row k is −1; p_k = exp_poly(s_k − m) with m the largest of the s_k and the sink;
  * out = (Σ_k p_k·kv[row k]) / (exp_poly(sink − m) + Σ_k p_k), both sums in list order (entries −1 weigh exactly 0,
- * so they are skipped). HEADS heads of one query at a time share each pass over its rows. */
+ * so they are skipped). HEADS heads of one query at a time share each pass over its rows. A query's list is its L
+ * rows, then its Lc rows of comp when comp is not NULL. */
 int glue_attention_rows(int type, const uint8_t *args, int64_t expert_bytes, const int64_t *experts, int64_t N,
                         int64_t K, const void *x, int64_t M, float *out, int64_t start, int64_t stop) {
     (void)type, (void)expert_bytes, (void)experts, (void)N, (void)K, (void)x, (void)M;
     const attention_t *a = (const attention_t *)args;
-    int64_t H = a->H, D = a->D, L = a->L;
+    int64_t H = a->H, D = a->D, L = a->L + (a->comp ? a->Lc : 0);
     float *s = malloc((size_t)(HEADS * L + 1) * sizeof(float));
     int64_t *used = malloc((size_t)(L + 1) * sizeof(int64_t));
     if (!s || !used) {
@@ -157,9 +160,11 @@ int glue_attention_rows(int type, const uint8_t *args, int64_t expert_bytes, con
             int64_t head = h + (t < g ? t : g - 1);
             q[t] = a->q + (m * H + head) * D, sink[t] = top[t] = a->sinks[head], total[t] = 0.0f;
         }
-        const int64_t *rows = a->rows + m * L;
-        for (int64_t k = 0; k < L; k++)
+        const int64_t *rows = a->rows + m * a->L;
+        for (int64_t k = 0; k < a->L; k++)
             if (rows[k] >= 0) used[n++] = rows[k];
+        for (int64_t k = 0; a->comp && k < a->Lc; k++)
+            if (a->comp[m * a->Lc + k] >= 0) used[n++] = a->comp[m * a->Lc + k];
         for (int64_t j = 0; j < n; j++) {
             const float *key = a->kv + used[j] * D;
             v16 acc[HEADS] = {{0}};

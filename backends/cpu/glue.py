@@ -135,22 +135,35 @@ class AttentionArgs(ctypes.Structure):
     """glue.c's attention_t."""
 
     _fields_ = [("q", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("rows", ctypes.c_void_p),
-                ("H", ctypes.c_int64), ("D", ctypes.c_int64), ("L", ctypes.c_int64), ("scale", ctypes.c_float)]
+                ("H", ctypes.c_int64), ("D", ctypes.c_int64), ("L", ctypes.c_int64), ("scale", ctypes.c_float),
+                ("comp", ctypes.c_void_p), ("Lc", ctypes.c_int64)]
 
 
 ATTENTION_SPLIT = 1 << 20   # multiply-adds of a call worth splitting across the kernel pool
 
 
-def attention(q: torch.Tensor, kv: torch.Tensor, listed: torch.Tensor, sinks: torch.Tensor,
-              scale: float) -> torch.Tensor:
+def int64(ids: torch.Tensor) -> torch.Tensor:
+    """`ids` as a contiguous int64 tensor (no copy when it is one)."""
+    return ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+
+
+def attention(q: torch.Tensor, kv: torch.Tensor, listed: torch.Tensor, sinks: torch.Tensor, scale: float,
+              comp: torch.Tensor | None = None) -> torch.Tensor:
     """ops.sparse_attention.sparse_attention_lanes' bits for queries q [M, H, D] over their padded lists `listed`
-    [M, L] (−1 = none) of rows of kv [N, D]; the (query, head) pairs split across the kernel pool when the call
-    is large enough (each pair computed by one thread: the same bits for any thread count)."""
-    q, kv, sinks, listed = f32(q), f32(kv), f32(sinks), listed.to(torch.int64).contiguous()
+    [M, L] (−1 = none) of rows of kv [N, D], each followed by its row of `comp` [M, Lc] when given (AttnRows' raw and
+    compressed rows, not concatenated); the (query, head) pairs split across the kernel pool when the call is large
+    enough (each pair computed by one thread: the same bits for any thread count)."""
+    q, kv, sinks, listed = f32(q), f32(kv), f32(sinks), int64(listed)
+    comp = None if comp is None else int64(comp)
     M, H, D = q.shape
-    L = listed.shape[1]
-    out = torch.empty((M, H, D), dtype=torch.float32)
-    args = AttentionArgs(q.data_ptr(), kv.data_ptr(), sinks.data_ptr(), listed.data_ptr(), H, D, L, scale)
+    if listed.dim() != 2 or listed.shape[0] != M or comp is not None and (comp.dim() != 2 or comp.shape[0] != M):
+        raise ValueError(f"sparse_attention: {M} queries, row lists {tuple(listed.shape)} and "
+                         f"{None if comp is None else tuple(comp.shape)}")
+    Lc = 0 if comp is None else comp.shape[1]
+    L = listed.shape[1] + Lc
+    out = torch.empty(M, H, D, dtype=torch.float32)
+    args = AttentionArgs(q.data_ptr(), kv.data_ptr(), sinks.data_ptr(), listed.data_ptr(), H, D, listed.shape[1], scale,
+                         None if comp is None else comp.data_ptr(), Lc)
     pairs = M * H
     parts = min(pairs, kernels.CHUNKS_PER_THREAD * kernels.threads()) if 2 * pairs * L * D >= ATTENTION_SPLIT else 1
     k = _lib()
