@@ -115,7 +115,7 @@ def streams(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """Σ_h w[:, h] · X[:, h] summed in stream order (the references' loop in hc_pre and hc_head)."""
     X, w = f32(X), f32(w)
     M, S, D = X.shape
-    out = torch.empty((M, D), dtype=torch.float32)
+    out = torch.empty(M, D, dtype=torch.float32)
     _lib().glue_streams(X.data_ptr(), w.data_ptr(), M, S, D, out.data_ptr())
     return out
 
@@ -179,7 +179,8 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
     """ops.hc_pre.hc_pre_poly's bits: (x [M, D], post [M, S], comb [M, S, S])."""
     X, mixes, scale, base = f32(X), f32(mixes), f32(scale), f32(base)
     M, S, D = X.shape
-    x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
+    f = torch.float32
+    x, post, comb = torch.empty(M, D, dtype=f), torch.empty(M, S, dtype=f), torch.empty(M, S, S, dtype=f)
     if _lib().glue_hc_pre(X.data_ptr(), mixes.data_ptr(), scale.data_ptr(), base.data_ptr(), M, S, D, iters, eps,
                           x.data_ptr(), post.data_ptr(), comb.data_ptr()):
         raise MemoryError(f"hc_pre: no memory for the gates of {M} rows")
@@ -188,7 +189,7 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
 
 def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fp8_dims: int, f16: bool) -> torch.Tensor:
     """ops.store_rows.store_rows into a contiguous float32 `cache` (updated in place and returned)."""
-    rows, ids = f32(rows), slots.to(torch.int64).contiguous()
+    rows, ids = f32(rows), int64(slots)
     M, d = rows.shape
     if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1] != d or ids.shape != (M,) \
             or fp8_dims % 64 or fp8_dims > d:
@@ -204,11 +205,11 @@ def embed(table: QTensor, ids: torch.Tensor) -> torch.Tensor | None:
     """ops.embed's rows `ids` of `table` (a type the library dequantizes) read at their addresses in one C call (no
     torch gather of the raw rows); None where an id is outside the table (torch's indexing then says so, or takes a
     negative id from the end) or the table's blocks are not one contiguous [V, row bytes] array."""
-    data, ids = table.data, ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+    data, ids = table.data, int64(ids)
     if data.dim() != 2 or not data.is_contiguous() or data.dtype != torch.uint8 or ids.dim() != 1:
         return None
     M, K = ids.shape[0], table.shape[1]
-    out = torch.empty((M, K), dtype=torch.float32)
+    out = torch.empty(M, K, dtype=torch.float32)
     if _lib().glue_embed(kernels.GGML_TYPE[table.qtype.name], data.data_ptr(), data.shape[0], data.shape[1],
                          ids.data_ptr(), M, K, out.data_ptr()):
         return None
@@ -255,7 +256,7 @@ def product_args(kernel: int | None, w: QTensor | Repacked, experts: torch.Tenso
     times the weight `w` (row m: expert experts[m] of a stack) into float32 [M, N] at address `y`, through `kernel`
     (None: w's row kernel under `dot`); the tensors whose pointers it holds are appended to `alive`."""
     data = w.data.contiguous()
-    ids = None if experts is None else experts.to(torch.int64).contiguous()
+    ids = None if experts is None else int64(experts)
     N, K = w.shape[-2], w.shape[-1]
     expert_bytes = 0 if ids is None else data.numel() // data.shape[0]
     read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
@@ -286,7 +287,7 @@ def products(calls: list[tuple[torch.Tensor, QTensor | Repacked, torch.Tensor | 
         key = (id(x), kernels.Q8_TYPES[name] if dot == "q8" else None)    # q8: one rounding per kind
         if key not in prepared:
             prepared[key] = kernels.q8_quantize(f32(x), name) if dot == "q8" else f32(x)
-        y = torch.empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
+        y = torch.empty(x.shape[0], w.shape[-2], dtype=torch.float32)
         args[i] = product_args(None if type(w) in REPACKED else kernel, w, experts, x.shape[0],
                                prepared[key].data_ptr(), y.data_ptr(), alive, dot)
         outs.append(y)
@@ -310,7 +311,7 @@ def sum_rows(y: torch.Tensor) -> torch.Tensor:
     """y [M, K, D] summed over K in order: y[:, 0] + y[:, 1] + ..."""
     y = f32(y)
     M, K, D = y.shape
-    out = torch.empty((M, D), dtype=torch.float32)
+    out = torch.empty(M, D, dtype=torch.float32)
     _lib().glue_sum_rows(y.data_ptr(), M, K, D, out.data_ptr())
     return out
 
@@ -322,7 +323,7 @@ def index_total(s: torch.Tensor, w: torch.Tensor, visible: tuple[int, ...], n: i
     M, H, width = s.shape
     if w.shape != (M, H) or len(visible) != M or max(visible, default=0) > width:
         raise ValueError(f"index_scores: products {tuple(s.shape)}, head weights {tuple(w.shape)}, visible {visible}")
-    out = torch.empty((M, n), dtype=torch.float32)
+    out = torch.empty(M, n, dtype=torch.float32)
     _lib().glue_index_total(s.data_ptr(), w.data_ptr(), (ctypes.c_int64 * M)(*visible), M, H, width, n,
                             out.data_ptr())
     return out
@@ -335,7 +336,7 @@ def head_streams(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base
     M, S, D = X.shape
     if S > 64:
         raise ValueError(f"hc_head: at most 64 streams, got {S}")
-    out = torch.empty((M, D), dtype=torch.float32)
+    out = torch.empty(M, D, dtype=torch.float32)
     _lib().glue_head_streams(X.data_ptr(), mixes.data_ptr(), scale.data_ptr(), base.data_ptr(), eps, M, S, D,
                              out.data_ptr())
     return out
@@ -354,12 +355,12 @@ def route(p: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | None, table: 
     p = f32(p)
     M, E = p.shape
     b = None if bias is None else f32(bias)
-    t = None if table is None else table.to(torch.int64).contiguous()
-    ids = ids.to(torch.int64).contiguous()
+    t = None if table is None else int64(table)
+    ids = int64(ids)
     if ids.shape != (M,) or (b is not None and b.shape != (E,)) or k > E:
         raise ValueError(f"moe: scores {tuple(p.shape)}, ids {tuple(ids.shape)}, top_k {k}, bias "
                          f"{None if b is None else tuple(b.shape)}")
-    chosen, w = torch.empty((M, k), dtype=torch.int64), torch.empty((M, k), dtype=torch.float32)
+    chosen, w = torch.empty(M, k, dtype=torch.int64), torch.empty(M, k, dtype=torch.float32)
     if _lib().glue_route(p.data_ptr(), M, E, None if b is None else b.data_ptr(), None if t is None else t.data_ptr(),
                          0 if t is None else t.shape[0], ids.data_ptr(), k, int(normalize), scale, chosen.data_ptr(),
                          w.data_ptr()):
@@ -447,7 +448,7 @@ class Routing:
 def routing(p: torch.Tensor, ids: torch.Tensor, ex: Experts) -> Routing | None:
     """The routing of rows by scores p [M, E] and token ids [M] before their experts in one C call; None where
     glue_route would not serve it or the stacks do not hold every expert (expert parallelism)."""
-    p, ids = f32(p), ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+    p, ids = f32(p), int64(ids)
     ex = routable(ex)
     table = ex.tid2eid
     k = ex.top_k if table is None else table.shape[1]
@@ -480,7 +481,7 @@ def routable(ex: Experts) -> Experts:
     bias = None if ex.bias is None else f32(ex.bias)
     table = ex.tid2eid
     if table is not None and (table.dtype != torch.int64 or not table.is_contiguous()):
-        table = table.to(torch.int64).contiguous()
+        table = int64(table)
     return ex if bias is ex.bias and table is ex.tid2eid else replace(ex, bias=bias, tid2eid=table)
 
 
@@ -499,7 +500,7 @@ def route_moe_shared(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Ex
         return None
     x = f32(x)
     P, K, inner, si, n = M * k, x.shape[1], ex.gate.shape[-2], gate.shape[-2], down.shape[-2]
-    out = torch.empty((M, n), dtype=torch.float32)
+    out = torch.empty(M, n, dtype=torch.float32)
     threads = kernels.threads()
     f, fm = FLOAT_BYTES * P, FLOAT_BYTES * M
     with SCRATCH(8 * P, f, f * K if k > 1 else 0, P * routed.xq_row_bytes, f * inner, P * routed.hq_row_bytes,
@@ -580,7 +581,7 @@ def expert_rows(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M: i
         return None
     x = f32(x)
     P, K, inner, n = M * k, x.shape[1], gate.shape[-2], down.shape[-2]
-    out = torch.empty((M, n), dtype=torch.float32)
+    out = torch.empty(M, n, dtype=torch.float32)
     threads = kernels.threads()
     f = FLOAT_BYTES * P
     with SCRATCH(8 * P if route else 0, f if route else 0, f * K if k > 1 else 0, P * bound.xq_row_bytes, f * inner,
@@ -674,7 +675,8 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
         return None
     X, scale, base, norm = f32(X), f32(scale), f32(base), f32(norm)
     kind = bound.kinds[0]
-    x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
+    f = torch.float32
+    x, post, comb = torch.empty(M, D, dtype=f), torch.empty(M, S, dtype=f), torch.empty(M, S, S, dtype=f)
     with SCRATCH(FLOAT_BYTES * M * S * D, M * bound.row_bytes[0], FLOAT_BYTES * M * fn.shape[0]) as (flat, xq, mixes):
         bound.rows((M,), (flat if kind < 0 else xq,), (mixes,))
         tail = (scale.data_ptr(), base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
@@ -708,7 +710,7 @@ def hc_head(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tenso
     if bound is None:
         return None
     X, scale, base = f32(X), f32(scale), f32(base)
-    out = torch.empty((M, D), dtype=torch.float32)
+    out = torch.empty(M, D, dtype=torch.float32)
     with SCRATCH(FLOAT_BYTES * M * S * D, FLOAT_BYTES * M * fn.shape[0]) as (flat, mixes):
         bound.rows((M,), (flat,), (mixes,))
         rc = _lib().glue_hc_head(bound.args, X.data_ptr(), flat, scale.data_ptr(), base.data_ptr(), M, S, D, rms_eps,
@@ -731,7 +733,7 @@ def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, ep
         return None
     x = f32(x)
     M, N, kind = x.shape[0], w.shape[0], bound.kinds[0]
-    out = torch.empty((M, N), dtype=torch.float32)
+    out = torch.empty(M, N, dtype=torch.float32)
     w_norm = None if norm is None else f32(norm)
     cos, sin = (None, None) if cos_sin is None else (f32(cos_sin[0]), f32(cos_sin[1]))
     angles = (None, None, 0) if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
@@ -767,10 +769,10 @@ def attention_input(x: torch.Tensor, q_a: QTensor, q_a_norm: torch.Tensor | None
     if bound is None:
         return None
     x = f32(x)
-    ids = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+    ids = int64(slots)
     (kind_a, kind_kv, kind_b), (bytes_a, bytes_kv, bytes_b) = bound.kinds, bound.row_bytes
     shared = kind_kv == kind_a      # one rounding of x for both products
-    q_lat, q = torch.empty((M, r), dtype=torch.float32), torch.empty((M, n), dtype=torch.float32)
+    q_lat, q = torch.empty(M, r, dtype=torch.float32), torch.empty(M, n, dtype=torch.float32)
     norm_a, norm_kv = (None if w is None else f32(w) for w in (q_a_norm, kv_norm))
     cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
     f = FLOAT_BYTES * M
@@ -812,7 +814,7 @@ def indexer_query(q_lat: torch.Tensor, x: torch.Tensor, q_b: QTensor, proj: QTen
         return None
     q_lat, x = f32(q_lat), f32(x)
     (kind_q, kind_w), (bytes_q, bytes_w) = bound.kinds, bound.row_bytes
-    q, w = torch.empty((M, h, di), dtype=torch.float32), torch.empty((M, h), dtype=torch.float32)
+    q, w = torch.empty(M, h, di, dtype=torch.float32), torch.empty(M, h, dtype=torch.float32)
     cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
     with SCRATCH(FLOAT_BYTES * M * n, FLOAT_BYTES * M * h, M * bytes_q, M * bytes_w) as (y_q, y_w, xq_q, xq_w):
         bound.rows((M, M), (q_lat.data_ptr() if kind_q < 0 else xq_q, x.data_ptr() if kind_w < 0 else xq_w),
@@ -860,7 +862,7 @@ def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
         return None
     o = f32(o)
     (kind_a, kind_b), (bytes_a, bytes_b) = bound.kinds, bound.row_bytes
-    out = torch.empty((M, wb.shape[0]), dtype=torch.float32)
+    out = torch.empty(M, wb.shape[0], dtype=torch.float32)
     cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
     f = FLOAT_BYTES * groups * M
     with SCRATCH(FLOAT_BYTES * o.numel(), f * K, f * n, f * n, groups * M * bytes_a, M * bytes_b) as (rot, xs, u, y,
@@ -891,7 +893,7 @@ def compressor_store(x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torch.Ten
     if bound is None:
         return None
     x, ape = f32(x), f32(ape)
-    ids, at = ape_rows.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    ids, at = int64(ape_rows), int64(slots)
     if ids.shape != (x.shape[0],) or at.shape != ids.shape or ape.shape[1:] != kv.shape[:1]:
         raise ValueError(f"compressor_store: ape {tuple(ape.shape)}, ape_rows {tuple(ape_rows.shape)}, slots "
                          f"{tuple(slots.shape)} for {x.shape[0]} rows of {kv.shape[0]} values")

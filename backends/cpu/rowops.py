@@ -42,11 +42,11 @@ def cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor,
     """cos and sin [M, P] of the angles positions ⊗ freqs, reused while the same two tensors (unmodified) come back
     (the q, kv and output rotations of a layer share them)."""
     key = (id(positions), id(freqs))
+    kept = _angles.get(key)     # one dict lookup, atomic: a hit needs no lock
+    if kept is not None and kept[0] is positions and kept[1] is freqs and kept[2] == positions._version \
+            and kept[3] == freqs._version:
+        return kept[4], kept[5]
     with _angles_lock:      # sessions may decode on several threads (the server)
-        kept = _angles.get(key)
-        if kept is not None and kept[0] is positions and kept[1] is freqs and kept[2:4] == (positions._version,
-                                                                                            freqs._version):
-            return kept[4], kept[5]
         angle = torch.outer(positions.to(torch.float32), freqs)
         cos, sin = torch.cos(angle), torch.sin(angle)
         if len(_angles) >= ANGLES_KEPT:
