@@ -8,6 +8,7 @@ import torch
 from backends.cpu import ffn, glue, kernels, rowops
 from backends.cpu.qmatmul import qmatmul
 from backends.registry import implementations
+from ops.compress import compress
 from ops.embed import embed
 from ops.exp_poly import exp_poly, swiglu_poly
 from ops.grouped_qmatmul import group_rows, grouped_qmatmul
@@ -211,6 +212,17 @@ def test_swiglu_and_expert_sum_are_their_references(threads):
     for k in range(1, 6):
         expected = expected + y[:, k]
     assert torch.equal(glue.sum_rows(y), expected)
+
+
+def test_compress_is_the_reference():
+    """The cpu compress (one block pooled without the reference's slices and concatenation) is the reference's bits for
+    one block and several, with absent candidates (score -inf)."""
+    g = gen(12)
+    kv, score = torch.randn(3, 8, 128, generator=g), torch.randn(3, 8, 128, generator=g) * 4
+    score[0, :4] = float("-inf")
+    for B in (1, 3):
+        assert torch.equal(cpu("compress")(kv[:B], score[:B]), compress(kv[:B], score[:B]))
+    assert torch.equal(cpu("compress")(kv[1:2], score[1:2]), compress(kv, score)[1:2])
 
 
 @pytest.mark.parametrize("qtype", ("F16", "Q8_0", "Q4_K", "F32"))

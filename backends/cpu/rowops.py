@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from backends.registry import register
+from ops.compress import compress as reference_compress
+from ops.compress import pool
 from ops.embed import embed as reference_embed
 from ops.fp4_sim import fp4_sim as reference_fp4_sim
 from ops.hadamard import hadamard as reference_hadamard
@@ -81,6 +83,15 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inv
     out[..., -r::2] = x0 * cos - x1 * sin
     out[..., -r + 1::2] = x0 * sin + x1 * cos
     return out
+
+
+@register("compress", "cpu", batch_invariant=True)
+def compress(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """The pooled row of each block (ops.compress); a decode's one block pooled as it is (the reference cuts the
+    blocks into one-block calls and concatenates them: the same bits with two slices and a copy more)."""
+    if kv.shape[0] == 1:
+        return pool(kv, score)
+    return reference_compress(kv, score)
 
 
 @register("embed", "cpu", batch_invariant=True)
