@@ -614,14 +614,20 @@ class BoundProducts:
     row_bytes: tuple[int, ...]  # bytes of one rounded row of each product's input (`dot="q8"`), else 0
     reads: tuple[int, ...]  # weight bytes of each product (of a stack: one expert's, read once per row)
     stacked: tuple[bool, ...]
+    filled: tuple | None = None     # what `rows` last wrote into `args` (a decode's scratch addresses repeat)
 
     def rows(self, counts: tuple[int, ...], rows: tuple[int, ...], outs: tuple[int, ...]) -> None:
         """Product i takes counts[i] rows at address rows[i] into outs[i]; on several threads each is cut into
-        `kernels.pool_parts` of the weight bytes it reads (as `product_args`)."""
+        `kernels.pool_parts` of the weight bytes it reads (as `product_args`). Nothing is written when that is what
+        the last call wrote."""
         threads = kernels.threads()
+        state = (counts, rows, outs, threads, kernels.SPLIT_BYTES)
+        if state == self.filled:
+            return
         for arg, M, x, y, read, stacked in zip(self.args, counts, rows, outs, self.reads, self.stacked, strict=True):
             arg.x, arg.M, arg.y = x, M, y
             arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * M if stacked else read)))
+        self.filled = state
 
 
 def bind_products(weights: tuple[QTensor, ...], stacked: tuple[bool, ...], dot: str) -> BoundProducts | None:
