@@ -691,7 +691,7 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
             rc = _lib().glue_hc_pre_norm(bound.args, kind, X.data_ptr(), flat, *tail)
             out = (x, post, comb)
         else:
-            y, post_in, comb_in = (f32(t) for t in after)
+            y, post_in, comb_in = f32(after[0]), f32(after[1]), f32(after[2])
             Xn = torch.empty_like(X)
             rc = _lib().glue_hc_post_pre_norm(bound.args, kind, X.data_ptr(), y.data_ptr(), post_in.data_ptr(),
                                               comb_in.data_ptr(), Xn.data_ptr(), flat, *tail)
