@@ -226,8 +226,8 @@ class CompressorPlan:
     tokens: Array | None = None     # [B, ratio] ring slots of each completed block's tokens
     prev: Array | None = None       # [B, ratio] ring slots of the previous block's tokens (ratio 4)
     prev_valid: Array | None = None  # [B, ratio, 1] whether that previous token exists (ratio 4)
-    lanes: Array | None = None      # [B, 2 * ratio] rows of a ring seen as [2 * cap, d] (ratio 4, every block with a
-                                    # previous one): the previous block's lane 0 rows, then this block's lane 1 rows
+    lanes: Array | None = None      # [B, 2 * ratio] rows of a ring seen as [2 * cap, d] (ratio 4, eager, every block
+                                    # with a previous one): the previous block's lane 0 rows, then this block's lane 1
 
 
 @dataclass(frozen=True)
@@ -329,8 +329,8 @@ def plan_compressor(ops: OpSet, pos: range, ratio: int, cap: int, scratch: int |
     ring = (ratio, cap, tuple(b * ratio % cap for b in blocks))
     prev = kept_array(ops, ("prev", *ring), lambda: [[(t - ratio) % cap for t in row] for row in tokens])
     one = scratch is None and len(blocks) == 1      # an eager decode's completed block: its values from kept arrays
-    lanes = None
-    if ratio == 4 and all(b > 0 for b in blocks):
+    lanes = None    # eager plans only: a fixed plan's arrays are the same for every position (a compiled step's)
+    if ratio == 4 and scratch is None and all(b > 0 for b in blocks):
         lanes = kept_array(ops, ("lanes", *ring), lambda: [[2 * ((t - ratio) % cap) for t in row] +
                                                           [2 * (t % cap) + 1 for t in row] for row in tokens])
     return CompressorPlan(slots, ape, int_range(ops, targets[0], 1) if one else ops.array(targets),
