@@ -213,7 +213,7 @@ class Session:
 
     def decode(self, token: int) -> torch.Tensor:
         """Feed one token; its logits [V]."""
-        return self.forward([token], [0])[0]
+        return self._forward_rows(self._check_ids([token]), [0], 0, False)[0]
 
     def forward(self, ids: Sequence[int], logit_rows: Sequence[int] | str | None = "all",
                 mtp_min: int = 0, eager: bool = False) -> torch.Tensor | None:
@@ -223,10 +223,8 @@ class Session:
         through the compiled step unless `eager`."""
         ids = self._check_ids(ids)
         n = len(ids)
-        if self.pos + n > self.ctx:
-            raise UsageError(f"{self.pos + n} tokens do not fit the context of {self.ctx} (--ctx)")
-        named = {"all": list(range(n)), "last": [n - 1], None: []}
         if logit_rows is None or isinstance(logit_rows, str):
+            named = {"all": list(range(n)), "last": [n - 1], None: []}
             if logit_rows not in named:
                 raise UsageError(f"logit_rows must be 'all', 'last', None or row indices, got {logit_rows!r}")
             rows = named[logit_rows]
@@ -234,6 +232,13 @@ class Session:
             rows = list(logit_rows)
             if any(not isinstance(r, numbers.Integral) or isinstance(r, bool) or not 0 <= r < n for r in rows):
                 raise UsageError(f"logit_rows must be indices into the {n} ids, got {rows}")
+        return self._forward_rows(ids, rows, mtp_min, eager)
+
+    def _forward_rows(self, ids: list[int], rows: list[int], mtp_min: int, eager: bool) -> torch.Tensor | None:
+        """`forward` of checked ids and logit row indices."""
+        n = len(ids)
+        if self.pos + n > self.ctx:
+            raise UsageError(f"{self.pos + n} tokens do not fit the context of {self.ctx} (--ctx)")
         out = []
         for s in range(0, n, self.prefill_chunk):
             chunk = ids[s:s + self.prefill_chunk]
@@ -332,13 +337,12 @@ class Session:
 
     def _appended(self, kind: str, kept: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """`kept` then `rows`: torch rows are written after `kept` in a buffer of 2·KEPT_STATES rows that `kept` is
-        a view of (a decode step copies its own row, not the 32 kept ones: ~0.5 ms of a full-width step), a new
-        buffer when that one is full; other arrays are concatenated."""
+        a view of (its `_base`; a decode step copies its own row, not the 32 kept ones: ~0.5 ms of a full-width
+        step), a new buffer when that one is full; other arrays are concatenated."""
         if not isinstance(rows, torch.Tensor) or not isinstance(kept, torch.Tensor):
             return self.model.ops.cat([kept, rows])
         buf, n = self.recent_buffers.get(kind), rows.shape[0]
-        if buf is not None and kept.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() \
-                and kept.shape[1:] == buf.shape[1:] and kept.dtype == buf.dtype:
+        if buf is not None and kept._base is buf and kept.shape[1:] == buf.shape[1:] and kept.dtype == buf.dtype:
             end = (kept.storage_offset() - buf.storage_offset()) // buf.stride(0) + kept.shape[0]  # buf: contiguous
             if end + n <= buf.shape[0]:
                 buf[end:end + n] = rows

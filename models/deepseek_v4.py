@@ -226,6 +226,8 @@ class CompressorPlan:
     tokens: Array | None = None     # [B, ratio] ring slots of each completed block's tokens
     prev: Array | None = None       # [B, ratio] ring slots of the previous block's tokens (ratio 4)
     prev_valid: Array | None = None  # [B, ratio, 1] whether that previous token exists (ratio 4)
+    lanes: Array | None = None      # [B, 2 * ratio] rows of a ring seen as [2 * cap, d] (ratio 4, eager, every block
+                                    # with a previous one): the previous block's lane 0 rows, then this block's lane 1
 
 
 @dataclass(frozen=True)
@@ -327,11 +329,15 @@ def plan_compressor(ops: OpSet, pos: range, ratio: int, cap: int, scratch: int |
     ring = (ratio, cap, tuple(b * ratio % cap for b in blocks))
     prev = kept_array(ops, ("prev", *ring), lambda: [[(t - ratio) % cap for t in row] for row in tokens])
     one = scratch is None and len(blocks) == 1      # an eager decode's completed block: its values from kept arrays
+    lanes = None    # eager plans only: a fixed plan's arrays are the same for every position (a compiled step's)
+    if ratio == 4 and scratch is None and all(b > 0 for b in blocks):
+        lanes = kept_array(ops, ("lanes", *ring), lambda: [[2 * ((t - ratio) % cap) for t in row] +
+                                                          [2 * (t % cap) + 1 for t in row] for row in tokens])
     return CompressorPlan(slots, ape, int_range(ops, targets[0], 1) if one else ops.array(targets),
                           int_range(ops, blocks[0] * ratio, 1) if one else ops.array([b * ratio for b in blocks]),
                           kept_array(ops, ("tokens", *ring), lambda: [[t % cap for t in row] for row in tokens]), prev,
                           kept_array(ops, ("prev_valid", ratio, tuple(b > 0 for b in blocks)),
-                                     lambda: [[[t >= ratio] for t in row] for row in tokens], "bool"))
+                                     lambda: [[[t >= ratio] for t in row] for row in tokens], "bool"), lanes)
 
 
 def plan_positions(ops: OpSet, start: int, M: int, window: int, cache: LayerCache, valid_from: int = 0,
@@ -599,12 +605,15 @@ class DeepseekV4:
         kv_ring, score_ring = ops.compressor_store(a_in, c.kv, c.gate, c.ape, plan.ape, plan.slots, kv_ring, score_ring)
         if plan.blocks is None:
             return kv_ring, score_ring, out_rows
-        kv, score = kv_ring[plan.tokens], score_ring[plan.tokens]
-        if ratio == 4:  # overlapping: previous block's lane 0, then this block's lane 1
-            prev_score = ops.where(plan.prev_valid, score_ring[plan.prev][..., :d], float("-inf"))
-            prev_kv = ops.where(plan.prev_valid, kv_ring[plan.prev][..., :d], 0.0)
-            kv = ops.cat([prev_kv, kv[..., d:]], dim=1)
-            score = ops.cat([prev_score, score[..., d:]], dim=1)
+        if plan.lanes is not None:  # overlapping, every block after the first: both lanes' rows in one gather each
+            kv, score = kv_ring.reshape(-1, d)[plan.lanes], score_ring.reshape(-1, d)[plan.lanes]
+        else:
+            kv, score = kv_ring[plan.tokens], score_ring[plan.tokens]
+            if ratio == 4:  # overlapping: previous block's lane 0 (none before the first block), this block's lane 1
+                prev_score = ops.where(plan.prev_valid, score_ring[plan.prev][..., :d], float("-inf"))
+                prev_kv = ops.where(plan.prev_valid, kv_ring[plan.prev][..., :d], 0.0)
+                kv = ops.cat([prev_kv, kv[..., d:]], dim=1)
+                score = ops.cat([prev_score, score[..., d:]], dim=1)
         pooled = ops.rms_norm(ops.compress(kv, score), c.norm, self.args.rms_eps)
         slots = plan.blocks + out_offset if out_offset else plan.blocks
         return kv_ring, score_ring, store(out_rows, slots, ops.rope_tail(pooled, plan.block_pos, L.freqs))

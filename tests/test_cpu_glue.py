@@ -8,6 +8,7 @@ import torch
 from backends.cpu import ffn, glue, kernels, rowops
 from backends.cpu.qmatmul import qmatmul
 from backends.registry import implementations
+from ops.compress import compress
 from ops.embed import embed
 from ops.exp_poly import exp_poly, swiglu_poly
 from ops.grouped_qmatmul import group_rows, grouped_qmatmul
@@ -63,6 +64,22 @@ def test_hc_ops_are_their_references_bits(threads):
     torch.testing.assert_close(out, hc_head(X, fn, scale[:1], base[:4], 1e-6, 1e-6), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", ("F16", "Q8_0"))
+def test_hc_head_in_one_call_is_the_separate_calls_bits(qtype, threads):
+    """glue.hc_head (rms_norm, the product and head_streams in one C call) against the calls one by one, M = 1..3:
+    every row its bits, and close to the oracle."""
+    g = gen(11)
+    fn = QTensor.quantize(torch.randn(4, 4096, generator=g) / 64, qtype, "fn")
+    scale, base = torch.rand(1, generator=g), torch.randn(4, generator=g)
+    for M in (1, 2, 3):
+        X = torch.randn(M, 4, 1024, generator=g) * 2
+        out = glue.hc_head(X, fn, scale, base, 1e-6, 1e-6)
+        mixes = qmatmul(rms_norm_lanes(X.flatten(1), None, 1e-6), fn)
+        assert torch.equal(out, head_streams_poly(X, mixes, scale, base, 1e-6))
+        assert torch.equal(cpu("hc_head")(X, fn, scale, base, 1e-6, 1e-6), out)
+        torch.testing.assert_close(out, hc_head(X, fn, scale, base, 1e-6, 1e-6), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("inverse", (False, True))
 def test_rope_is_the_reference_rotation(inverse, threads):
     g, freqs = gen(2), rope_freqs(64, 10000.0)
@@ -103,6 +120,15 @@ def test_attention_is_the_lanes_reference_on_any_thread_count(shape, threads):
     torch.testing.assert_close(out, sparse_attention(q, kv, rows, sinks, 0.044), rtol=1e-5, atol=1e-5)
     padded = AttnRows(torch.nn.functional.pad(rows.raw, (0, 9), value=-1), rows.n_raw)   # longer lists: same bits
     assert torch.equal(cpu("sparse_attention")(q, kv, padded, sinks, 0.044), out)
+    g = gen(7)      # compressed rows after the raw ones (not concatenated on the way): the padded list's bits
+    comp = torch.randint(-1, kv.shape[0], (q.shape[0], 6), generator=g)
+    both = AttnRows(rows.raw, rows.n_raw, comp, (6,) * q.shape[0])
+    out = cpu("sparse_attention")(q, kv, both, sinks, 0.044)
+    assert torch.equal(out, sparse_attention_lanes(q, kv, both, sinks, 0.044))
+    assert torch.equal(cpu("sparse_attention")(q, kv, AttnRows(both.padded(), rows.n_raw), sinks, 0.044), out)
+    with pytest.raises(ValueError):
+        cpu("sparse_attention")(q, kv, AttnRows(rows.raw, rows.n_raw, comp[:-1] if q.shape[0] > 1 else comp[:0],
+                                                (6,) * q.shape[0]), sinks, 0.044)
 
 
 def test_glue_is_off_in_a_compiled_step(monkeypatch):
@@ -188,11 +214,26 @@ def test_swiglu_and_expert_sum_are_their_references(threads):
     assert torch.equal(glue.sum_rows(y), expected)
 
 
+def test_compress_is_the_reference():
+    """The cpu compress (one block pooled without the reference's slices and concatenation) is the reference's bits for
+    one block and several, with absent candidates (score -inf)."""
+    g = gen(12)
+    kv, score = torch.randn(3, 8, 128, generator=g), torch.randn(3, 8, 128, generator=g) * 4
+    score[0, :4] = float("-inf")
+    for B in (1, 3):
+        assert torch.equal(cpu("compress")(kv[:B], score[:B]), compress(kv[:B], score[:B]))
+    assert torch.equal(cpu("compress")(kv[1:2], score[1:2]), compress(kv, score)[1:2])
+
+
 @pytest.mark.parametrize("qtype", ("F16", "Q8_0", "Q4_K", "F32"))
 def test_embed_is_the_reference(qtype):
     table = QTensor.quantize(torch.randn(40, 512, generator=gen(5)), qtype, "token_embd.weight")
-    ids = torch.tensor([3, 0, 39, 3])
-    assert torch.equal(cpu("embed")(table, ids), embed(table, ids))
+    for ids in (torch.tensor([3, 0, 39, 3]), torch.tensor([17]), torch.tensor([2, -1]), torch.tensor([5, 3])[1:]):
+        assert torch.equal(cpu("embed")(table, ids), embed(table, ids))
+    if qtype != "F32":      # the rows read in place serve ids inside the table only (torch's indexing the others)
+        assert glue.embed(table, torch.tensor([2, -1])) is None and glue.embed(table, torch.tensor([40])) is None
+        with pytest.raises(IndexError):
+            cpu("embed")(table, torch.tensor([40]))
 
 
 def test_route_is_select_sorted_by_expert():

@@ -27,10 +27,14 @@ def listed_compressor(ops, pos: range, ratio: int, cap: int, scratch: int | None
         targets = [b if (p + 1) % ratio == 0 else scratch for p, b in zip(pos, blocks, strict=True)]
     tokens = [[b * ratio + i for i in range(ratio)] for b in blocks]
     prev = [[t - ratio for t in row] for row in tokens]
+    lanes = None
+    if ratio == 4 and scratch is None and all(t >= 0 for row in prev for t in row):
+        lanes = ops.array([[2 * (t % cap) for t in p] + [2 * (t % cap) + 1 for t in row] for p, row in zip(prev, tokens,
+                                                                                                         strict=True)])
     return CompressorPlan(slots, ape, ops.array(targets), ops.array([b * ratio for b in blocks]),
                           ops.array([[t % cap for t in row] for row in tokens]),
                           ops.array([[t % cap for t in row] for row in prev]),
-                          ops.array([[[t >= 0] for t in row] for row in prev], "bool"))
+                          ops.array([[[t >= 0] for t in row] for row in prev], "bool"), lanes)
 
 
 def listed_plan(ops, start: int, M: int, window: int, cache: LayerCache, valid_from: int = 0,

@@ -47,7 +47,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, rows: AttnRows, sinks: t
     """Attention output of each query head over its listed rows plus the sink."""
     M, H, D = q.shape
     if glue.ready():
-        return glue.attention(q, kv, rows.padded(), sinks, scale)
+        return glue.attention(q, kv, rows.raw, sinks, scale, rows.comp)
     if M > SMALL_M:
         return row_chunks(lambda a, b: sparse_attention(q[a:b], kv, query_rows(rows, a, b), sinks, scale), M,
                           torch.empty((M, H, D), dtype=torch.float32), 2 * H * D * listed_rows(rows))
@@ -86,7 +86,7 @@ def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, visible: 
     width = n + -n % VEC                      # whole chunks of keys, so the product's shape varies less
     k = keys[:width].to(torch.float32)
     if k.shape[0] < width:
-        k = torch.nn.functional.pad(k, (0, 0, 0, width - k.shape[0]))
+        k = torch.constant_pad_nd(k, (0, 0, 0, width - k.shape[0]))      # F.pad's kernel without its Python
     s = torch.bmm(q.to(torch.float32), k.T.expand(M, -1, -1))      # [M, Hi, width]
     if glue.ready():        # relu, the head weights, the heads added in order and the mask, in one C call
         return glue.index_total(s, w, visible, keys.shape[0])

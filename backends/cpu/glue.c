@@ -124,9 +124,11 @@ static inline float add_lanes(v16 acc) {
 
 typedef struct {        /* one sparse_attention call (glue_attention), read by the pool's threads */
     const float *q, *kv, *sinks;
-    const int64_t *rows;
+    const int64_t *rows;    /* [M, L]: each query's listed rows, then (comp not NULL) its rows of comp [M, Lc] */
     int64_t H, D, L;
     float scale;
+    const int64_t *comp;
+    int64_t Lc;
 } attention_t;
 
 #define HEADS 4     /* heads of a query done together: each key row is read once for all of them */
@@ -135,12 +137,13 @@ typedef struct {        /* one sparse_attention call (glue_attention), read by t
  * the unused arguments are the products'): s_k = (q·kv[row k], element i added to lane i % LANES in order, then the
  * lanes in order)·scale, −inf where row k is −1; p_k = exp_poly(s_k − m) with m the largest of the s_k and the sink;
  * out = (Σ_k p_k·kv[row k]) / (exp_poly(sink − m) + Σ_k p_k), both sums in list order (entries −1 weigh exactly 0,
- * so they are skipped). HEADS heads of one query at a time share each pass over its rows. */
+ * so they are skipped). HEADS heads of one query at a time share each pass over its rows. A query's list is its L
+ * rows, then its Lc rows of comp when comp is not NULL. */
 int glue_attention_rows(int type, const uint8_t *args, int64_t expert_bytes, const int64_t *experts, int64_t N,
                         int64_t K, const void *x, int64_t M, float *out, int64_t start, int64_t stop) {
     (void)type, (void)expert_bytes, (void)experts, (void)N, (void)K, (void)x, (void)M;
     const attention_t *a = (const attention_t *)args;
-    int64_t H = a->H, D = a->D, L = a->L;
+    int64_t H = a->H, D = a->D, L = a->L + (a->comp ? a->Lc : 0);
     float *s = malloc((size_t)(HEADS * L + 1) * sizeof(float));
     int64_t *used = malloc((size_t)(L + 1) * sizeof(int64_t));
     if (!s || !used) {
@@ -157,9 +160,11 @@ int glue_attention_rows(int type, const uint8_t *args, int64_t expert_bytes, con
             int64_t head = h + (t < g ? t : g - 1);
             q[t] = a->q + (m * H + head) * D, sink[t] = top[t] = a->sinks[head], total[t] = 0.0f;
         }
-        const int64_t *rows = a->rows + m * L;
-        for (int64_t k = 0; k < L; k++)
+        const int64_t *rows = a->rows + m * a->L;
+        for (int64_t k = 0; k < a->L; k++)
             if (rows[k] >= 0) used[n++] = rows[k];
+        for (int64_t k = 0; a->comp && k < a->Lc; k++)
+            if (a->comp[m * a->Lc + k] >= 0) used[n++] = a->comp[m * a->Lc + k];
         for (int64_t j = 0; j < n; j++) {
             const float *key = a->kv + used[j] * D;
             v16 acc[HEADS] = {{0}};
@@ -296,6 +301,19 @@ int glue_store_rows(float *cache, int64_t N, int64_t d, const int64_t *slots, in
                 o[i] = fabsf(h) > 65504.0f ? copysignf(INFINITY, h) : h;
             }
     }
+    return 0;
+}
+
+int dequantize(int type, const uint8_t *w, int64_t rows, int64_t K, float *out);     /* qgemv.c */
+
+/* out [M, K] = rows ids of a table of V rows of row_bytes raw blocks of `type`, dequantized by qgemv.c's
+ * `dequantize` (ops/embed.py's values). Returns 1 for an id outside [0, V), -1 for a type it cannot serve. */
+int glue_embed(int type, const uint8_t *table, int64_t V, int64_t row_bytes, const int64_t *ids, int64_t M,
+               int64_t K, float *out) {
+    for (int64_t m = 0; m < M; m++)
+        if (ids[m] < 0 || ids[m] >= V) return 1;
+    for (int64_t m = 0; m < M; m++)
+        if (dequantize(type, table + ids[m] * row_bytes, 1, K, out + m * K)) return -1;
     return 0;
 }
 
@@ -525,6 +543,17 @@ int glue_hc_pre_norm(const product_t *p, int q8_kind, const float *X, float *fla
     rc = glue_hc_pre(X, p->y, scale, base, M, S, D, iters, hc_eps, x, post, comb);
     if (rc) return rc;
     glue_rms_norm(x, M, D, norm, rms_eps, x);
+    return 0;
+}
+
+/* hc_head: flat [M, S·D] = glue_rms_norm(X) (no weight), the product p of the head's HC weight (mixes = p->y, exact
+ * rows), then glue_head_streams into out [M, D]: the cpu hc_head's calls chained. */
+int glue_hc_head(const product_t *p, const float *X, float *flat, const float *scale, const float *base, int64_t M,
+                 int64_t S, int64_t D, float rms_eps, float hc_eps, float *out, int threads) {
+    glue_rms_norm(X, M, S * D, NULL, rms_eps, flat);
+    int rc = glue_products(p, 1, threads);
+    if (rc) return rc;
+    glue_head_streams(X, p->y, scale, base, hc_eps, M, S, D, out);
     return 0;
 }
 

@@ -39,6 +39,8 @@ def _lib() -> ctypes.CDLL:
         k.glue_swiglu.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int, ctypes.c_float, ptr]
         k.glue_sum_rows.argtypes = [ptr, i64, i64, i64, ptr]
         k.glue_head_streams.restype = None
+        k.glue_embed.restype = ctypes.c_int
+        k.glue_embed.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, i64, ptr]
         k.glue_head_streams.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, i64, ptr]
         k.glue_store_rows.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ctypes.c_int]
         k.glue_hc_pre.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr, ptr]
@@ -52,6 +54,9 @@ def _lib() -> ctypes.CDLL:
         k.glue_route.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i64, ctypes.c_int, ctypes.c_float, ptr, ptr]
         k.glue_products.argtypes = [ptr, i64, ctypes.c_int]
         k.glue_hc_pre_norm.restype = k.glue_qmatmul_norm_rope.restype = ctypes.c_int
+        k.glue_hc_head.restype = ctypes.c_int
+        k.glue_hc_head.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_float, ctypes.c_float, ptr,
+                                   ctypes.c_int]
         k.glue_hc_pre_norm.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float,
                                        ctypes.c_float, ptr, ptr, ptr, ctypes.c_int]
         k.glue_qmatmul_norm_rope.argtypes = [ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, i64, ctypes.c_float, ptr, ptr,
@@ -110,7 +115,7 @@ def streams(w: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
     """Σ_h w[:, h] · X[:, h] summed in stream order (the references' loop in hc_pre and hc_head)."""
     X, w = f32(X), f32(w)
     M, S, D = X.shape
-    out = torch.empty((M, D), dtype=torch.float32)
+    out = torch.empty(M, D, dtype=torch.float32)
     _lib().glue_streams(X.data_ptr(), w.data_ptr(), M, S, D, out.data_ptr())
     return out
 
@@ -130,22 +135,35 @@ class AttentionArgs(ctypes.Structure):
     """glue.c's attention_t."""
 
     _fields_ = [("q", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("rows", ctypes.c_void_p),
-                ("H", ctypes.c_int64), ("D", ctypes.c_int64), ("L", ctypes.c_int64), ("scale", ctypes.c_float)]
+                ("H", ctypes.c_int64), ("D", ctypes.c_int64), ("L", ctypes.c_int64), ("scale", ctypes.c_float),
+                ("comp", ctypes.c_void_p), ("Lc", ctypes.c_int64)]
 
 
 ATTENTION_SPLIT = 1 << 20   # multiply-adds of a call worth splitting across the kernel pool
 
 
-def attention(q: torch.Tensor, kv: torch.Tensor, listed: torch.Tensor, sinks: torch.Tensor,
-              scale: float) -> torch.Tensor:
+def int64(ids: torch.Tensor) -> torch.Tensor:
+    """`ids` as a contiguous int64 tensor (no copy when it is one)."""
+    return ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+
+
+def attention(q: torch.Tensor, kv: torch.Tensor, listed: torch.Tensor, sinks: torch.Tensor, scale: float,
+              comp: torch.Tensor | None = None) -> torch.Tensor:
     """ops.sparse_attention.sparse_attention_lanes' bits for queries q [M, H, D] over their padded lists `listed`
-    [M, L] (−1 = none) of rows of kv [N, D]; the (query, head) pairs split across the kernel pool when the call
-    is large enough (each pair computed by one thread: the same bits for any thread count)."""
-    q, kv, sinks, listed = f32(q), f32(kv), f32(sinks), listed.to(torch.int64).contiguous()
+    [M, L] (−1 = none) of rows of kv [N, D], each followed by its row of `comp` [M, Lc] when given (AttnRows' raw and
+    compressed rows, not concatenated); the (query, head) pairs split across the kernel pool when the call is large
+    enough (each pair computed by one thread: the same bits for any thread count)."""
+    q, kv, sinks, listed = f32(q), f32(kv), f32(sinks), int64(listed)
+    comp = None if comp is None else int64(comp)
     M, H, D = q.shape
-    L = listed.shape[1]
-    out = torch.empty((M, H, D), dtype=torch.float32)
-    args = AttentionArgs(q.data_ptr(), kv.data_ptr(), sinks.data_ptr(), listed.data_ptr(), H, D, L, scale)
+    if listed.dim() != 2 or listed.shape[0] != M or comp is not None and (comp.dim() != 2 or comp.shape[0] != M):
+        raise ValueError(f"sparse_attention: {M} queries, row lists {tuple(listed.shape)} and "
+                         f"{None if comp is None else tuple(comp.shape)}")
+    Lc = 0 if comp is None else comp.shape[1]
+    L = listed.shape[1] + Lc
+    out = torch.empty(M, H, D, dtype=torch.float32)
+    args = AttentionArgs(q.data_ptr(), kv.data_ptr(), sinks.data_ptr(), listed.data_ptr(), H, D, listed.shape[1], scale,
+                         None if comp is None else comp.data_ptr(), Lc)
     pairs = M * H
     parts = min(pairs, kernels.CHUNKS_PER_THREAD * kernels.threads()) if 2 * pairs * L * D >= ATTENTION_SPLIT else 1
     k = _lib()
@@ -161,7 +179,8 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
     """ops.hc_pre.hc_pre_poly's bits: (x [M, D], post [M, S], comb [M, S, S])."""
     X, mixes, scale, base = f32(X), f32(mixes), f32(scale), f32(base)
     M, S, D = X.shape
-    x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
+    f = torch.float32
+    x, post, comb = torch.empty(M, D, dtype=f), torch.empty(M, S, dtype=f), torch.empty(M, S, S, dtype=f)
     if _lib().glue_hc_pre(X.data_ptr(), mixes.data_ptr(), scale.data_ptr(), base.data_ptr(), M, S, D, iters, eps,
                           x.data_ptr(), post.data_ptr(), comb.data_ptr()):
         raise MemoryError(f"hc_pre: no memory for the gates of {M} rows")
@@ -170,7 +189,7 @@ def hc_pre(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base: torc
 
 def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fp8_dims: int, f16: bool) -> torch.Tensor:
     """ops.store_rows.store_rows into a contiguous float32 `cache` (updated in place and returned)."""
-    rows, ids = f32(rows), slots.to(torch.int64).contiguous()
+    rows, ids = f32(rows), int64(slots)
     M, d = rows.shape
     if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1] != d or ids.shape != (M,) \
             or fp8_dims % 64 or fp8_dims > d:
@@ -180,6 +199,21 @@ def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, fp8
                               int(f16)):
         raise ValueError(f"store_rows: a slot is outside the cache's {cache.shape[0]} rows")
     return cache
+
+
+def embed(table: QTensor, ids: torch.Tensor) -> torch.Tensor | None:
+    """ops.embed's rows `ids` of `table` (a type the library dequantizes) read at their addresses in one C call (no
+    torch gather of the raw rows); None where an id is outside the table (torch's indexing then says so, or takes a
+    negative id from the end) or the table's blocks are not one contiguous [V, row bytes] array."""
+    data, ids = table.data, int64(ids)
+    if data.dim() != 2 or not data.is_contiguous() or data.dtype != torch.uint8 or ids.dim() != 1:
+        return None
+    M, K = ids.shape[0], table.shape[1]
+    out = torch.empty(M, K, dtype=torch.float32)
+    if _lib().glue_embed(kernels.GGML_TYPE[table.qtype.name], data.data_ptr(), data.shape[0], data.shape[1],
+                         ids.data_ptr(), M, K, out.data_ptr()):
+        return None
+    return out
 
 
 class ProductArgs(ctypes.Structure):
@@ -222,7 +256,7 @@ def product_args(kernel: int | None, w: QTensor | Repacked, experts: torch.Tenso
     times the weight `w` (row m: expert experts[m] of a stack) into float32 [M, N] at address `y`, through `kernel`
     (None: w's row kernel under `dot`); the tensors whose pointers it holds are appended to `alive`."""
     data = w.data.contiguous()
-    ids = None if experts is None else experts.to(torch.int64).contiguous()
+    ids = None if experts is None else int64(experts)
     N, K = w.shape[-2], w.shape[-1]
     expert_bytes = 0 if ids is None else data.numel() // data.shape[0]
     read = expert_bytes * M if ids is not None else data.numel()     # at most this much weight
@@ -253,7 +287,7 @@ def products(calls: list[tuple[torch.Tensor, QTensor | Repacked, torch.Tensor | 
         key = (id(x), kernels.Q8_TYPES[name] if dot == "q8" else None)    # q8: one rounding per kind
         if key not in prepared:
             prepared[key] = kernels.q8_quantize(f32(x), name) if dot == "q8" else f32(x)
-        y = torch.empty((x.shape[0], w.shape[-2]), dtype=torch.float32)
+        y = torch.empty(x.shape[0], w.shape[-2], dtype=torch.float32)
         args[i] = product_args(None if type(w) in REPACKED else kernel, w, experts, x.shape[0],
                                prepared[key].data_ptr(), y.data_ptr(), alive, dot)
         outs.append(y)
@@ -277,7 +311,7 @@ def sum_rows(y: torch.Tensor) -> torch.Tensor:
     """y [M, K, D] summed over K in order: y[:, 0] + y[:, 1] + ..."""
     y = f32(y)
     M, K, D = y.shape
-    out = torch.empty((M, D), dtype=torch.float32)
+    out = torch.empty(M, D, dtype=torch.float32)
     _lib().glue_sum_rows(y.data_ptr(), M, K, D, out.data_ptr())
     return out
 
@@ -289,7 +323,7 @@ def index_total(s: torch.Tensor, w: torch.Tensor, visible: tuple[int, ...], n: i
     M, H, width = s.shape
     if w.shape != (M, H) or len(visible) != M or max(visible, default=0) > width:
         raise ValueError(f"index_scores: products {tuple(s.shape)}, head weights {tuple(w.shape)}, visible {visible}")
-    out = torch.empty((M, n), dtype=torch.float32)
+    out = torch.empty(M, n, dtype=torch.float32)
     _lib().glue_index_total(s.data_ptr(), w.data_ptr(), (ctypes.c_int64 * M)(*visible), M, H, width, n,
                             out.data_ptr())
     return out
@@ -302,7 +336,7 @@ def head_streams(X: torch.Tensor, mixes: torch.Tensor, scale: torch.Tensor, base
     M, S, D = X.shape
     if S > 64:
         raise ValueError(f"hc_head: at most 64 streams, got {S}")
-    out = torch.empty((M, D), dtype=torch.float32)
+    out = torch.empty(M, D, dtype=torch.float32)
     _lib().glue_head_streams(X.data_ptr(), mixes.data_ptr(), scale.data_ptr(), base.data_ptr(), eps, M, S, D,
                              out.data_ptr())
     return out
@@ -321,12 +355,12 @@ def route(p: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor | None, table: 
     p = f32(p)
     M, E = p.shape
     b = None if bias is None else f32(bias)
-    t = None if table is None else table.to(torch.int64).contiguous()
-    ids = ids.to(torch.int64).contiguous()
+    t = None if table is None else int64(table)
+    ids = int64(ids)
     if ids.shape != (M,) or (b is not None and b.shape != (E,)) or k > E:
         raise ValueError(f"moe: scores {tuple(p.shape)}, ids {tuple(ids.shape)}, top_k {k}, bias "
                          f"{None if b is None else tuple(b.shape)}")
-    chosen, w = torch.empty((M, k), dtype=torch.int64), torch.empty((M, k), dtype=torch.float32)
+    chosen, w = torch.empty(M, k, dtype=torch.int64), torch.empty(M, k, dtype=torch.float32)
     if _lib().glue_route(p.data_ptr(), M, E, None if b is None else b.data_ptr(), None if t is None else t.data_ptr(),
                          0 if t is None else t.shape[0], ids.data_ptr(), k, int(normalize), scale, chosen.data_ptr(),
                          w.data_ptr()):
@@ -414,7 +448,7 @@ class Routing:
 def routing(p: torch.Tensor, ids: torch.Tensor, ex: Experts) -> Routing | None:
     """The routing of rows by scores p [M, E] and token ids [M] before their experts in one C call; None where
     glue_route would not serve it or the stacks do not hold every expert (expert parallelism)."""
-    p, ids = f32(p), ids if ids.dtype == torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+    p, ids = f32(p), int64(ids)
     ex = routable(ex)
     table = ex.tid2eid
     k = ex.top_k if table is None else table.shape[1]
@@ -447,7 +481,7 @@ def routable(ex: Experts) -> Experts:
     bias = None if ex.bias is None else f32(ex.bias)
     table = ex.tid2eid
     if table is not None and (table.dtype != torch.int64 or not table.is_contiguous()):
-        table = table.to(torch.int64).contiguous()
+        table = int64(table)
     return ex if bias is ex.bias and table is ex.tid2eid else replace(ex, bias=bias, tid2eid=table)
 
 
@@ -466,7 +500,7 @@ def route_moe_shared(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Ex
         return None
     x = f32(x)
     P, K, inner, si, n = M * k, x.shape[1], ex.gate.shape[-2], gate.shape[-2], down.shape[-2]
-    out = torch.empty((M, n), dtype=torch.float32)
+    out = torch.empty(M, n, dtype=torch.float32)
     threads = kernels.threads()
     f, fm = FLOAT_BYTES * P, FLOAT_BYTES * M
     with SCRATCH(8 * P, f, f * K if k > 1 else 0, P * routed.xq_row_bytes, f * inner, P * routed.hq_row_bytes,
@@ -547,7 +581,7 @@ def expert_rows(x: torch.Tensor, weights: tuple[QTensor, QTensor, QTensor], M: i
         return None
     x = f32(x)
     P, K, inner, n = M * k, x.shape[1], gate.shape[-2], down.shape[-2]
-    out = torch.empty((M, n), dtype=torch.float32)
+    out = torch.empty(M, n, dtype=torch.float32)
     threads = kernels.threads()
     f = FLOAT_BYTES * P
     with SCRATCH(8 * P if route else 0, f if route else 0, f * K if k > 1 else 0, P * bound.xq_row_bytes, f * inner,
@@ -580,14 +614,20 @@ class BoundProducts:
     row_bytes: tuple[int, ...]  # bytes of one rounded row of each product's input (`dot="q8"`), else 0
     reads: tuple[int, ...]  # weight bytes of each product (of a stack: one expert's, read once per row)
     stacked: tuple[bool, ...]
+    filled: tuple | None = None     # what `rows` last wrote into `args` (a decode's scratch addresses repeat)
 
     def rows(self, counts: tuple[int, ...], rows: tuple[int, ...], outs: tuple[int, ...]) -> None:
         """Product i takes counts[i] rows at address rows[i] into outs[i]; on several threads each is cut into
-        `kernels.pool_parts` of the weight bytes it reads (as `product_args`)."""
+        `kernels.pool_parts` of the weight bytes it reads (as `product_args`). Nothing is written when that is what
+        the last call wrote."""
         threads = kernels.threads()
+        state = (counts, rows, outs, threads, kernels.SPLIT_BYTES)
+        if state == self.filled:
+            return
         for arg, M, x, y, read, stacked in zip(self.args, counts, rows, outs, self.reads, self.stacked, strict=True):
             arg.x, arg.M, arg.y = x, M, y
             arg.parts = 1 if threads == 1 else max(1, min(arg.N, kernels.pool_parts(read * M if stacked else read)))
+        self.filled = state
 
 
 def bind_products(weights: tuple[QTensor, ...], stacked: tuple[bool, ...], dot: str) -> BoundProducts | None:
@@ -641,7 +681,8 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
         return None
     X, scale, base, norm = f32(X), f32(scale), f32(base), f32(norm)
     kind = bound.kinds[0]
-    x, post, comb = torch.empty((M, D)), torch.empty((M, S)), torch.empty((M, S, S))
+    f = torch.float32
+    x, post, comb = torch.empty(M, D, dtype=f), torch.empty(M, S, dtype=f), torch.empty(M, S, S, dtype=f)
     with SCRATCH(FLOAT_BYTES * M * S * D, M * bound.row_bytes[0], FLOAT_BYTES * M * fn.shape[0]) as (flat, xq, mixes):
         bound.rows((M,), (flat if kind < 0 else xq,), (mixes,))
         tail = (scale.data_ptr(), base.data_ptr(), norm.data_ptr(), M, S, D, iters, hc_eps, rms_eps, x.data_ptr(),
@@ -650,7 +691,7 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
             rc = _lib().glue_hc_pre_norm(bound.args, kind, X.data_ptr(), flat, *tail)
             out = (x, post, comb)
         else:
-            y, post_in, comb_in = (f32(t) for t in after)
+            y, post_in, comb_in = f32(after[0]), f32(after[1]), f32(after[2])
             Xn = torch.empty_like(X)
             rc = _lib().glue_hc_post_pre_norm(bound.args, kind, X.data_ptr(), y.data_ptr(), post_in.data_ptr(),
                                               comb_in.data_ptr(), Xn.data_ptr(), flat, *tail)
@@ -659,6 +700,29 @@ def hc_pre_norm(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.T
         raise MemoryError(f"hc_pre_norm: no memory for the gates of {M} rows")
     if rc:
         raise ValueError(f"hc_pre_norm: unsupported call ({fn.qtype.name}, dot={dot})")
+    return out
+
+
+def hc_head(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
+            hc_eps: float) -> torch.Tensor | None:
+    """The cpu hc_head's calls (rms_norm, the exact product, head_streams) in one C call (glue.c's glue_hc_head) and
+    with their bits; None where `products` would not serve the product or the streams are more than 64. The product is
+    bound once (`FUSED`); the flat state and the mixes are the thread's scratch."""
+    M, S, D = X.shape
+    if not ready() or M > kernels.MAX_ROWS or S > 64 or fn.shape[-1] != S * D or scale.numel() < 1 \
+            or base.shape != (S,):
+        return None
+    bound = fused_binding((fn,), ("hc_head",), lambda: bind_products((fn,), (False,), "exact"))
+    if bound is None:
+        return None
+    X, scale, base = f32(X), f32(scale), f32(base)
+    out = torch.empty(M, D, dtype=torch.float32)
+    with SCRATCH(FLOAT_BYTES * M * S * D, FLOAT_BYTES * M * fn.shape[0]) as (flat, mixes):
+        bound.rows((M,), (flat,), (mixes,))
+        rc = _lib().glue_hc_head(bound.args, X.data_ptr(), flat, scale.data_ptr(), base.data_ptr(), M, S, D, rms_eps,
+                                 hc_eps, out.data_ptr(), kernels.threads())
+    if rc:
+        raise ValueError(f"hc_head: unsupported call ({type_name(fn)})")
     return out
 
 
@@ -675,7 +739,7 @@ def qmatmul_norm_rope(x: torch.Tensor, w: QTensor, norm: torch.Tensor | None, ep
         return None
     x = f32(x)
     M, N, kind = x.shape[0], w.shape[0], bound.kinds[0]
-    out = torch.empty((M, N), dtype=torch.float32)
+    out = torch.empty(M, N, dtype=torch.float32)
     w_norm = None if norm is None else f32(norm)
     cos, sin = (None, None) if cos_sin is None else (f32(cos_sin[0]), f32(cos_sin[1]))
     angles = (None, None, 0) if cos is None else (cos.data_ptr(), sin.data_ptr(), cos.shape[-1])
@@ -711,10 +775,10 @@ def attention_input(x: torch.Tensor, q_a: QTensor, q_a_norm: torch.Tensor | None
     if bound is None:
         return None
     x = f32(x)
-    ids = slots if slots.dtype == torch.int64 and slots.is_contiguous() else slots.to(torch.int64).contiguous()
+    ids = int64(slots)
     (kind_a, kind_kv, kind_b), (bytes_a, bytes_kv, bytes_b) = bound.kinds, bound.row_bytes
     shared = kind_kv == kind_a      # one rounding of x for both products
-    q_lat, q = torch.empty((M, r), dtype=torch.float32), torch.empty((M, n), dtype=torch.float32)
+    q_lat, q = torch.empty(M, r, dtype=torch.float32), torch.empty(M, n, dtype=torch.float32)
     norm_a, norm_kv = (None if w is None else f32(w) for w in (q_a_norm, kv_norm))
     cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
     f = FLOAT_BYTES * M
@@ -756,7 +820,7 @@ def indexer_query(q_lat: torch.Tensor, x: torch.Tensor, q_b: QTensor, proj: QTen
         return None
     q_lat, x = f32(q_lat), f32(x)
     (kind_q, kind_w), (bytes_q, bytes_w) = bound.kinds, bound.row_bytes
-    q, w = torch.empty((M, h, di), dtype=torch.float32), torch.empty((M, h), dtype=torch.float32)
+    q, w = torch.empty(M, h, di, dtype=torch.float32), torch.empty(M, h, dtype=torch.float32)
     cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
     with SCRATCH(FLOAT_BYTES * M * n, FLOAT_BYTES * M * h, M * bytes_q, M * bytes_w) as (y_q, y_w, xq_q, xq_w):
         bound.rows((M, M), (q_lat.data_ptr() if kind_q < 0 else xq_q, x.data_ptr() if kind_w < 0 else xq_w),
@@ -804,7 +868,7 @@ def attention_output(o: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
         return None
     o = f32(o)
     (kind_a, kind_b), (bytes_a, bytes_b) = bound.kinds, bound.row_bytes
-    out = torch.empty((M, wb.shape[0]), dtype=torch.float32)
+    out = torch.empty(M, wb.shape[0], dtype=torch.float32)
     cos, sin = f32(cos_sin[0]), f32(cos_sin[1])
     f = FLOAT_BYTES * groups * M
     with SCRATCH(FLOAT_BYTES * o.numel(), f * K, f * n, f * n, groups * M * bytes_a, M * bytes_b) as (rot, xs, u, y,
@@ -835,7 +899,7 @@ def compressor_store(x: torch.Tensor, kv: QTensor, gate: QTensor, ape: torch.Ten
     if bound is None:
         return None
     x, ape = f32(x), f32(ape)
-    ids, at = ape_rows.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    ids, at = int64(ape_rows), int64(slots)
     if ids.shape != (x.shape[0],) or at.shape != ids.shape or ape.shape[1:] != kv.shape[:1]:
         raise ValueError(f"compressor_store: ape {tuple(ape.shape)}, ape_rows {tuple(ape_rows.shape)}, slots "
                          f"{tuple(slots.shape)} for {x.shape[0]} rows of {kv.shape[0]} values")

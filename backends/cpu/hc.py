@@ -62,7 +62,11 @@ def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
 @register("hc_head", "cpu", batch_invariant=True)
 def hc_head(X: torch.Tensor, fn: QTensor, scale: torch.Tensor, base: torch.Tensor, rms_eps: float,
             hc_eps: float) -> torch.Tensor:
-    """One row per HC state: the streams weighted by the head's sigmoid gates."""
+    """One row per HC state: the streams weighted by the head's sigmoid gates (where the kernels serve the product, the
+    calls below in one C call: `glue.hc_head`, their bits)."""
+    out = glue.hc_head(X, fn, scale, base, rms_eps, hc_eps)
+    if out is not None:
+        return out
     m = qmatmul(rms_norm(X.flatten(1), None, rms_eps), fn)
     if glue.ready() and X.shape[1] <= 64:        # the gates and the stream sum in one C call (head_streams_poly)
         return glue.head_streams(X, m, scale, base, hc_eps)

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from backends.registry import register
+from ops.compress import compress as reference_compress
+from ops.compress import pool
 from ops.embed import embed as reference_embed
 from ops.fp4_sim import fp4_sim as reference_fp4_sim
 from ops.hadamard import hadamard as reference_hadamard
@@ -42,11 +44,11 @@ def cos_sin(positions: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor,
     """cos and sin [M, P] of the angles positions ⊗ freqs, reused while the same two tensors (unmodified) come back
     (the q, kv and output rotations of a layer share them)."""
     key = (id(positions), id(freqs))
+    kept = _angles.get(key)     # one dict lookup, atomic: a hit needs no lock
+    if kept is not None and kept[0] is positions and kept[1] is freqs and kept[2] == positions._version \
+            and kept[3] == freqs._version:
+        return kept[4], kept[5]
     with _angles_lock:      # sessions may decode on several threads (the server)
-        kept = _angles.get(key)
-        if kept is not None and kept[0] is positions and kept[1] is freqs and kept[2:4] == (positions._version,
-                                                                                            freqs._version):
-            return kept[4], kept[5]
         angle = torch.outer(positions.to(torch.float32), freqs)
         cos, sin = torch.cos(angle), torch.sin(angle)
         if len(_angles) >= ANGLES_KEPT:
@@ -83,12 +85,23 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, inv
     return out
 
 
+@register("compress", "cpu", batch_invariant=True)
+def compress(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+    """The pooled row of each block (ops.compress); a decode's one block pooled as it is (the reference cuts the
+    blocks into one-block calls and concatenates them: the same bits with two slices and a copy more)."""
+    if kv.shape[0] == 1:
+        return pool(kv, score)
+    return reference_compress(kv, score)
+
+
 @register("embed", "cpu", batch_invariant=True)
 def embed(table: QTensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of `table` as float32, dequantized by the kernel library where it reads the type (the reference's
     values, in one call instead of the reference dequantizer's torch ops)."""
     if glue.ready() and table.qtype.name != "F32" and kernels.available(table.qtype.name, table.shape[1]):
-        # eager: the library's dequantizer without the dispatcher (kernels.dequantize goes through torch.ops)
+        out = glue.embed(table, ids)   # the rows read in place; else gathered (torch's index errors), then
+        if out is not None:            # the library's dequantizer without the dispatcher (kernels.dequantize)
+            return out
         return kernels.dequantize_op(table.data[ids], kernels.GGML_TYPE[table.qtype.name], ids.shape[0], table.shape[1])
     return reference_embed(table, ids)
 
