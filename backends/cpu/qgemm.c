@@ -1,12 +1,12 @@
 /* Prefill's routed experts, every expert of a layer in one call: the rows (token, expert pairs) come sorted by
  * expert, group g being rows [first[g], first[g + 1]) with expert ids[g] of a stacked weight [E, N, K]; each
- * group is multiplied by its expert through qgemv (float rows; Q4_K's through q4kexact.c's q4k_rows, the same bits
- * with each block read once for the rows) or qdot8_rows (rows rounded to 8 bits by
- * q8_quantize), 16 rows at a time, so each expert's weight is read once per 16 of its rows and no Python runs
- * per expert. A call computes groups [g0, g1): the kernel pool splits a layer by whole experts, and an output's
+ * group is multiplied by its expert through qgemv (float rows; Q4_K's through q4kexact.c's q4k_rows and IQ2_XXS's
+ * through iq2exact.c's iq2x_rows, the same bits with each block read once for the rows) or qdot8_rows (rows rounded
+ * to 8 bits by q8_quantize), 16 rows at a time, so each expert's weight is read once per 16 of its rows and no Python
+ * runs per expert. A call computes groups [g0, g1): the kernel pool splits a layer by whole experts, and an output's
  * arithmetic depends only on its row and its expert (the same bits for any thread count or split). Further down:
  * prefill's exact dense products (dense_gemm), and both split across the kernel pool (pool.c's pool_range). Built
- * with qgemv.c, q4kexact.c, qdot8.c and pool.c by backends/cpu/kernels.py. */
+ * with qgemv.c, q4kexact.c, iq2exact.c, qdot8.c and pool.c by backends/cpu/kernels.py. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -27,6 +27,8 @@ int iq2r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
               const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);   /* iq2repack.c: type 1016 */
 int q4k_rows(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0,
              int64_t n1);    /* q4kexact.c: exact Q4_K, each block read once for all rows */
+int iq2x_rows(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0,
+              int64_t n1);   /* iq2exact.c: exact IQ2_XXS, each block read once for all rows */
 
 #define CHUNK_ROWS 16   /* the kernels' most rows per call */
 
@@ -42,6 +44,7 @@ int experts_gemm(int q8, int type, const uint8_t *w, int64_t expert_bytes, const
             int rc = q8 ? (type == 1012 ? q4kr_rows : type == 1010 ? q2kr_rows : type == 1016 ? iq2r_rows : qdot8_rows)(
                               type, expert, 0, NULL, N, K, x + r * x_row_bytes, m, y + r * N, 0, N)
                    : type == 12 ? q4k_rows(expert, N, K, xf, m, y + r * N, 0, N)
+                   : type == 16 ? iq2x_rows(expert, N, K, xf, m, y + r * N, 0, N)
                    : qgemv(type, expert, 0, NULL, N, K, xf, m, y + r * N, 0, N);
             if (rc) return rc;
         }
