@@ -14,6 +14,9 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__)
+#include "lanes.h"
+#endif
 
 int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
           const float *x, int64_t M, float *y, int64_t n0, int64_t n1);
@@ -71,6 +74,9 @@ static inline lanes16 lanes_zero(void) { return _mm512_setzero_ps(); }
 static inline lanes16 lanes_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline lanes16 lanes_fma(lanes16 a, lanes16 b, lanes16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline void lanes_store(float *p, lanes16 v) { _mm512_storeu_ps(p, v); }
+/* v kept in a register: gcc would otherwise fold a weight vector's load into each of its MR multiply-adds (24 + 4
+ * loads per 24 multiply-adds of a 4 x 6 block, where a core loads one 512-bit vector a cycle: load-bound) */
+static inline lanes16 lanes_held(lanes16 v) { __asm__("" : "+v"(v)); return v; }
 #define MR 4
 #define NR 6
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -81,6 +87,7 @@ static inline lanes16 lanes_fma(lanes16 a, lanes16 b, lanes16 c) {
     return (lanes16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 static inline void lanes_store(float *p, lanes16 v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+static inline lanes16 lanes_held(lanes16 v) { return v; }
 #define MR 2
 #define NR 3
 #else
@@ -92,6 +99,7 @@ static inline lanes16 lanes_fma(lanes16 a, lanes16 b, lanes16 c) {
     return c;
 }
 static inline void lanes_store(float *p, lanes16 v) { for (int l = 0; l < 16; l++) p[l] = v.v[l]; }
+static inline lanes16 lanes_held(lanes16 v) { return v; }
 #define MR 1
 #define NR 1
 #endif
@@ -113,10 +121,20 @@ static inline __attribute__((always_inline)) void block(int mr, int nr, const fl
         lanes16 xv[MR];
         for (int i = 0; i < mr; i++) xv[i] = lanes_load(x + i * K + k);
         for (int j = 0; j < nr; j++) {
-            lanes16 wv = lanes_load(w + j * K + k);
+            lanes16 wv = lanes_held(lanes_load(w + j * K + k));
             for (int i = 0; i < mr; i++) acc[i][j] = lanes_fma(xv[i], wv, acc[i][j]);
         }
     }
+#if defined(__AVX512F__)
+    if (mr == 4) {      /* four rows' lanes added at once, in lanes_sum's order (lanes.h): the same bits */
+        for (int j = 0; j < nr; j++) {
+            float out[4];
+            _mm_storeu_ps(out, lane_sums4((const __m512[4]){acc[0][j], acc[1][j], acc[2][j], acc[3][j]}));
+            for (int i = 0; i < 4; i++) y[i * ldy + j] = out[i];
+        }
+        return;
+    }
+#endif
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) y[i * ldy + j] = lanes_sum(acc[i][j]);
 }
