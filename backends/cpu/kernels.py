@@ -39,7 +39,7 @@ from ops.quants import QTensor, iq1_s, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("qgemv.c", "sinkhorn.c", "qdot8.c", "qgemm8.c", "qgemm.c",
                                                              "pool.c", "qdot8amx.c", "glue.c",
                                                              "step.c", "q4krepack.c", "q2krepack.c", "q8repack.c",
-                                                             "iq2repack.c", "q4kexact.c"))
+                                                             "iq2repack.c", "q4kexact.c", "iq2exact.c"))
 HEADERS = tuple(Path(__file__).with_name(name)     # included by SOURCES
                 for name in ("iq2_xxs_groups.h", "half.h", "repack.h", "lanes.h", "zen.h"))
 GGML_TYPE = {"F32": 0, "F16": 1, "Q8_0": 8, "Q4_K": 12, "Q2_K": 10, "IQ2_XXS": 16,  # the types qgemv.c reads
@@ -108,6 +108,7 @@ def _build() -> ctypes.CDLL:
     lib.pool_range.argtypes = [_RANGE_FN, ptr, i64, i64, ctypes.c_int]
     grid, ksigns = iq2_xxs.GRID.contiguous(), iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     lib.qgemv_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
+    lib.iq2x_set_tables(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
     _set_codebooks(lib, ksigns)
     _bind_q8(lib)
     _bind_gemm8(lib)

@@ -1,18 +1,21 @@
 /* Prefill's routed experts, every expert of a layer in one call: the rows (token, expert pairs) come sorted by
  * expert, group g being rows [first[g], first[g + 1]) with expert ids[g] of a stacked weight [E, N, K]; each
- * group is multiplied by its expert through qgemv (float rows; Q4_K's through q4kexact.c's q4k_rows, the same bits
- * with each block read once for the rows) or qdot8_rows (rows rounded to 8 bits by
- * q8_quantize), 16 rows at a time, so each expert's weight is read once per 16 of its rows and no Python runs
- * per expert. A call computes groups [g0, g1): the kernel pool splits a layer by whole experts, and an output's
+ * group is multiplied by its expert through qgemv (float rows; Q4_K's through q4kexact.c's q4k_rows and IQ2_XXS's
+ * through iq2exact.c's iq2x_rows, the same bits with each block read once for the rows) or qdot8_rows (rows rounded
+ * to 8 bits by q8_quantize), 16 rows at a time, so each expert's weight is read once per 16 of its rows and no Python
+ * runs per expert. A call computes groups [g0, g1): the kernel pool splits a layer by whole experts, and an output's
  * arithmetic depends only on its row and its expert (the same bits for any thread count or split). Further down:
  * prefill's exact dense products (dense_gemm), and both split across the kernel pool (pool.c's pool_range). Built
- * with qgemv.c, q4kexact.c, qdot8.c and pool.c by backends/cpu/kernels.py. */
+ * with qgemv.c, q4kexact.c, iq2exact.c, qdot8.c and pool.c by backends/cpu/kernels.py. */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+#include "lanes.h"
 #endif
 
 int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
@@ -27,6 +30,8 @@ int iq2r_rows(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *e
               const void *xq, int64_t M, float *y, int64_t n0, int64_t n1);   /* iq2repack.c: type 1016 */
 int q4k_rows(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0,
              int64_t n1);    /* q4kexact.c: exact Q4_K, each block read once for all rows */
+int iq2x_rows(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int64_t n0,
+              int64_t n1);   /* iq2exact.c: exact IQ2_XXS, each block read once for all rows */
 
 #define CHUNK_ROWS 16   /* the kernels' most rows per call */
 
@@ -42,6 +47,7 @@ int experts_gemm(int q8, int type, const uint8_t *w, int64_t expert_bytes, const
             int rc = q8 ? (type == 1012 ? q4kr_rows : type == 1010 ? q2kr_rows : type == 1016 ? iq2r_rows : qdot8_rows)(
                               type, expert, 0, NULL, N, K, x + r * x_row_bytes, m, y + r * N, 0, N)
                    : type == 12 ? q4k_rows(expert, N, K, xf, m, y + r * N, 0, N)
+                   : type == 16 ? iq2x_rows(expert, N, K, xf, m, y + r * N, 0, N)
                    : qgemv(type, expert, 0, NULL, N, K, xf, m, y + r * N, 0, N);
             if (rc) return rc;
         }
@@ -68,6 +74,9 @@ static inline lanes16 lanes_zero(void) { return _mm512_setzero_ps(); }
 static inline lanes16 lanes_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline lanes16 lanes_fma(lanes16 a, lanes16 b, lanes16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline void lanes_store(float *p, lanes16 v) { _mm512_storeu_ps(p, v); }
+/* v kept in a register: gcc would otherwise fold a weight vector's load into each of its MR multiply-adds (24 + 4
+ * loads per 24 multiply-adds of a 4 x 6 block, where a core loads one 512-bit vector a cycle: load-bound) */
+static inline lanes16 lanes_held(lanes16 v) { __asm__("" : "+v"(v)); return v; }
 #define MR 4
 #define NR 6
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -78,6 +87,7 @@ static inline lanes16 lanes_fma(lanes16 a, lanes16 b, lanes16 c) {
     return (lanes16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 static inline void lanes_store(float *p, lanes16 v) { _mm256_storeu_ps(p, v.lo); _mm256_storeu_ps(p + 8, v.hi); }
+static inline lanes16 lanes_held(lanes16 v) { return v; }
 #define MR 2
 #define NR 3
 #else
@@ -89,6 +99,7 @@ static inline lanes16 lanes_fma(lanes16 a, lanes16 b, lanes16 c) {
     return c;
 }
 static inline void lanes_store(float *p, lanes16 v) { for (int l = 0; l < 16; l++) p[l] = v.v[l]; }
+static inline lanes16 lanes_held(lanes16 v) { return v; }
 #define MR 1
 #define NR 1
 #endif
@@ -110,10 +121,20 @@ static inline __attribute__((always_inline)) void block(int mr, int nr, const fl
         lanes16 xv[MR];
         for (int i = 0; i < mr; i++) xv[i] = lanes_load(x + i * K + k);
         for (int j = 0; j < nr; j++) {
-            lanes16 wv = lanes_load(w + j * K + k);
+            lanes16 wv = lanes_held(lanes_load(w + j * K + k));
             for (int i = 0; i < mr; i++) acc[i][j] = lanes_fma(xv[i], wv, acc[i][j]);
         }
     }
+#if defined(__AVX512F__)
+    if (mr == 4) {      /* four rows' lanes added at once, in lanes_sum's order (lanes.h): the same bits */
+        for (int j = 0; j < nr; j++) {
+            float out[4];
+            _mm_storeu_ps(out, lane_sums4((const __m512[4]){acc[0][j], acc[1][j], acc[2][j], acc[3][j]}));
+            for (int i = 0; i < 4; i++) y[i * ldy + j] = out[i];
+        }
+        return;
+    }
+#endif
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) y[i * ldy + j] = lanes_sum(acc[i][j]);
 }

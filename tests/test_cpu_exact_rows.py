@@ -1,5 +1,6 @@
-"""Exact Q4_K for several rows of one weight (backends/cpu/q4kexact.c, prefill's routed experts): every row the bits
-of its own one-row qgemv call, for any number of rows of an expert and any thread count."""
+"""Exact Q4_K and IQ2_XXS for several rows of one weight (backends/cpu/q4kexact.c, iq2exact.c: prefill's routed
+experts): every row the bits of its own one-row qgemv call, for any number of rows of an expert and any thread
+count."""
 from __future__ import annotations
 
 import pytest
@@ -10,14 +11,17 @@ from ops.quants import QTensor, get
 
 pytestmark = pytest.mark.skipif(not kernels.built(), reason="cpu kernel library not built")
 
+SCALES = {"Q4_K": (144, 0, 2), "IQ2_XXS": (66, 0, 1)}   # block bytes, offset and count of its f16 scales
 
-def random_blocks(experts: int, N: int, K: int, seed: int) -> QTensor:
-    """A stack of Q4_K experts of random bytes (every 6-bit scale and min, every nibble), d and dmin finite halves."""
+
+def random_blocks(name: str, experts: int, N: int, K: int, seed: int) -> QTensor:
+    """A stack of experts of random bytes (every scale, index, sign and nibble), the f16 scales finite."""
+    block_bytes, at, halves = SCALES[name]
     g = torch.Generator().manual_seed(seed)
-    blocks = torch.randint(0, 256, (experts * N * K // 256, 144), dtype=torch.uint8, generator=g)
-    halves = (torch.rand(blocks.shape[0], 2, generator=g) / 64).to(torch.float16)
-    blocks[:, :4] = halves.view(torch.uint8)
-    return QTensor(get("Q4_K"), (experts, N, K), blocks.reshape(experts, -1))
+    blocks = torch.randint(0, 256, (experts * N * K // 256, block_bytes), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(blocks.shape[0], halves, generator=g) / 64).to(torch.float16)
+    blocks[:, at:at + 2 * halves] = scales.view(torch.uint8)
+    return QTensor(get(name), (experts, N, K), blocks.reshape(experts, -1))
 
 
 def one_row_calls(x: torch.Tensor, w: QTensor, ids: list[int], first: list[int]) -> torch.Tensor:
@@ -27,10 +31,11 @@ def one_row_calls(x: torch.Tensor, w: QTensor, ids: list[int], first: list[int])
                       for g, e in enumerate(ids) for r in range(first[g], first[g + 1])])
 
 
-def test_rows_of_an_expert_equal_one_row_calls(pool_threads):
+@pytest.mark.parametrize("name", sorted(SCALES))
+def test_rows_of_an_expert_equal_one_row_calls(pool_threads, name):
     """Experts of 1..16 rows and 17 (16 + 1) in one call equal the rows' one-row calls, on 1, 2 and 3 threads; rows
     of large magnitude among them."""
-    w = random_blocks(4, 37, 768, seed=3)
+    w = random_blocks(name, 4, 37, 768, seed=3)
     sizes = list(range(1, 18))
     ids = [i % 4 for i in range(len(sizes))]
     first = [0]
