@@ -383,17 +383,18 @@ typedef struct {
 } products_t;
 
 int pool_range(int (*fn)(void *, int64_t, int64_t), void *ctx, int64_t n, int64_t parts, int threads);  /* pool.c */
+int64_t pool_bound(int64_t n, int64_t c, int64_t parts);   /* pool.c: where chunk c of `parts` of [0, n) starts */
 
+/* Chunks [start, stop) of the products' chunks in order, one kernel call per product they cover (its chunks' rows). */
 static int product_chunks(void *ctx, int64_t start, int64_t stop) {
     const products_t *ps = ctx;
     int rc = 0;
-    int64_t i = 0, first = 0;
-    for (int64_t c = start; c < stop; c++) {
-        while (c >= first + ps->p[i].parts) first += ps->p[i++].parts;
+    for (int64_t i = 0, first = 0; i < ps->count && first < stop; first += ps->p[i++].parts) {
         const product_t *p = &ps->p[i];
-        int64_t j = c - first;
+        int64_t j0 = start > first ? start - first : 0, j1 = stop - first < p->parts ? stop - first : p->parts;
+        if (j0 >= j1) continue;
         int r = p->fn((int)p->type, p->w, p->expert_bytes, p->experts, p->N, p->K, p->x, p->M, p->y,
-                      p->N * j / p->parts, p->N * (j + 1) / p->parts);
+                      pool_bound(p->N, j0, p->parts), pool_bound(p->N, j1, p->parts));
         rc = r < rc ? r : rc;
     }
     return rc;
