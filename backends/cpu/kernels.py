@@ -58,7 +58,7 @@ _lib: ctypes.CDLL | None | bool = False      # False: not tried yet
 _failure: str | None = None     # why the build failed
 _pool_threads = 0   # set_threads(n); 0: torch.get_num_threads()
 CHUNKS_PER_THREAD = 4   # torch work or attention split by `split` or pool_rows: this many chunks per thread
-WEIGHT_CHUNKS_PER_THREAD = 32   # a split weight's rows: this many chunks per thread (pool.c claims runs of them)
+WEIGHT_CHUNKS_PER_THREAD = 8    # a split weight's rows: this many chunks per thread (pool.c claims runs of them)
 
 
 class BuildFailed(Exception):
