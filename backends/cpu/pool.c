@@ -3,7 +3,8 @@
  * threads claim in turn (one compare-and-swap per claim of one or more consecutive chunks, fewer towards the end).
  * The caller waits only for chunks already claimed, never for a worker the OS has not scheduled yet. Each output is
  * computed by exactly one thread with the same code, so the result is the same bits for any thread count and any
- * split. Workers are started on first use and, between calls, poll for SPIN_NS (yielding their core between polls after YIELD_NS, so that on a busy machine other threads
+ * split. Workers are started on first use and, between calls, poll for SPIN_NS (yielding their core between polls
+ * after YIELD_NS, so that on a busy machine other threads
  * run) before they sleep on a condition variable: a decode step makes ~40 calls a few hundred microseconds apart,
  * and waking a sleeping thread costs tens of microseconds. A second caller while a call is
  * in flight (two Python threads) runs its rows alone. The caller polls for the workers' last chunks for WAIT_SPIN_NS,
@@ -81,7 +82,7 @@ static void take(uint32_t gen) {
         if ((uint32_t)(s >> 32) != gen || c >= parts) return;
         int64_t k = (parts - c) / (CLAIM_SHARE * (job.helpers + 1));
         k = k < 1 ? 1 : k;
-        if (!atomic_compare_exchange_weak(&state, &s, s + (uint64_t)k)) continue;   /* claimed: the job stays in place */
+        if (!atomic_compare_exchange_weak(&state, &s, s + (uint64_t)k)) continue;  /* claimed: the job stays put */
         int rc = job.fn(job.type, job.w, job.expert_bytes, job.experts, job.N, job.K, job.x, job.M, job.y,
                         pool_bound(job.n, c, parts), pool_bound(job.n, c + k, parts));
         for (int old = atomic_load(&job_rc); rc < old && !atomic_compare_exchange_weak(&job_rc, &old, rc);) {}
