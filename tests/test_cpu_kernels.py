@@ -90,6 +90,23 @@ def test_split_runs_every_chunk_once_and_raises_a_chunks_error(pool_threads):
         kernels.split(failing, 100, 12)
 
 
+def test_pool_claims_runs_of_chunks_shorter_towards_the_end(pool_threads):
+    """pool.c's threads claim runs of consecutive even chunks, 1/(4 x threads) of those left and at least one: over 2
+    threads, [0, 640) in 64 chunks of 10 is claimed as [0, 80) first and [630, 640) last, every range a run of whole
+    chunks and each chunk in exactly one; chunks of 16 rows or more start on a multiple of 16."""
+    kernels.set_threads(2)
+    claims = []
+    assert kernels.split(lambda a, b: claims.append((a, b)), 640, 64) == 0
+    claims.sort()
+    assert [a for a, _ in claims[1:]] == [b for _, b in claims[:-1]] and claims[0][0] == 0 and claims[-1][1] == 640
+    assert all(a % 10 == 0 and b % 10 == 0 for a, b in claims)
+    assert claims[0] == (0, 80) and claims[-1] == (630, 640) and len(claims) < 64
+    claims.clear()      # a range of 16 rows or more a chunk: the bounds fall on multiples of 16
+    assert kernels.split(lambda a, b: claims.append((a, b)), 2048, 28) == 0
+    assert sorted(b - a for a, b in claims)[0] >= 16 and all(a % 16 == 0 for a, _ in claims)
+    assert sum(b - a for a, b in claims) == 2048
+
+
 FIRST_CALL = """
 import threading
 from backends.cpu import kernels

@@ -401,17 +401,18 @@ typedef struct {
 } products_t;
 
 int pool_range(int (*fn)(void *, int64_t, int64_t), void *ctx, int64_t n, int64_t parts, int threads);  /* pool.c */
+int64_t pool_bound(int64_t n, int64_t c, int64_t parts);   /* pool.c: where chunk c of `parts` of [0, n) starts */
 
+/* Chunks [start, stop) of the products' chunks in order, one kernel call per product they cover (its chunks' rows). */
 static int product_chunks(void *ctx, int64_t start, int64_t stop) {
     const products_t *ps = ctx;
     int rc = 0;
-    int64_t i = 0, first = 0;
-    for (int64_t c = start; c < stop; c++) {
-        while (c >= first + ps->p[i].parts) first += ps->p[i++].parts;
+    for (int64_t i = 0, first = 0; i < ps->count && first < stop; first += ps->p[i++].parts) {
         const product_t *p = &ps->p[i];
-        int64_t j = c - first;
+        int64_t j0 = start > first ? start - first : 0, j1 = stop - first < p->parts ? stop - first : p->parts;
+        if (j0 >= j1) continue;
         int r = p->fn((int)p->type, p->w, p->expert_bytes, p->experts, p->N, p->K, p->x, p->M, p->y,
-                      p->N * j / p->parts, p->N * (j + 1) / p->parts);
+                      pool_bound(p->N, j0, p->parts), pool_bound(p->N, j1, p->parts));
         rc = r < rc ? r : rc;
     }
     return rc;
@@ -496,6 +497,29 @@ typedef struct {
     float scale;
 } route_t;
 
+/* glue_moe_rows before its first pool pass, on its products q (copied from the bound ones): the routing into chosen
+ * and w (route not NULL; the products' experts then point at chosen), x's rows repeated into xs and (q8) rounded. */
+static int moe_rows_in(product_t *q, const route_t *route, int64_t *chosen, float *w, const float *x, float *xs,
+                       int q8_rows, int64_t M, int64_t k) {
+    if (route) {
+        if (glue_route(route->p, M, route->E, route->bias, route->table, route->table_rows, route->ids, k,
+                       (int)route->normalize, route->scale, chosen, w)) return 1;
+        for (int i = 0; i < 3; i++) q[i].experts = chosen;
+    }
+    int64_t K = q[0].K;
+    if (xs != x)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t j = 0; j < k; j++) memcpy(xs + (m * k + j) * K, x + m * K, (size_t)K * sizeof(float));
+    return q8_rows >= 0 && q8_quantize(q8_rows, xs, q[0].M, K, (void *)q[0].x) ? -1 : 0;
+}
+
+/* glue_moe_rows between its pool passes: h = glue_swiglu(gate, up, clamp, w) and (q8) h rounded into hq. */
+static int moe_rows_mid(const product_t *q, const float *w, int q8_kind, void *hq, int has_clamp, float clamp,
+                        float *h) {
+    glue_swiglu(q[0].y, q[1].y, w, q[0].M, q[0].N, has_clamp, clamp, h);
+    return q8_kind >= 0 && q8_quantize(q8_kind, h, q[2].M, q[2].K, hq) ? -1 : 0;
+}
+
 /* The routed experts of M rows x [M, K] over k (row, expert) pairs each (p: the gate, up and down products of the
  * M * k pairs, their experts `chosen` [M, k] with routing weights w [M, k]; with `route`, both written first by
  * glue_route): x's rows each repeated k times into xs (xs == x: taken as they are), under q8 (q8_rows >= 0) rounded
@@ -508,24 +532,12 @@ int glue_moe_rows(const product_t *p, const route_t *route, int64_t *chosen, flo
                   float *out, int threads) {
     product_t q[3];
     memcpy(q, p, sizeof q);
-    if (route) {
-        if (glue_route(route->p, M, route->E, route->bias, route->table, route->table_rows, route->ids, k,
-                       (int)route->normalize, route->scale, chosen, w)) return 1;
-        for (int i = 0; i < 3; i++) q[i].experts = chosen;
-    }
-    int64_t K = q[0].K;
-    if (xs != x)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < k; j++) memcpy(xs + (m * k + j) * K, x + m * K, (size_t)K * sizeof(float));
-    if (q8_rows >= 0 && q8_quantize(q8_rows, xs, q[0].M, K, (void *)q[0].x)) return -1;
-    int rc = glue_products(q, 2, threads);
-    if (rc) return rc;
-    glue_swiglu(q[0].y, q[1].y, w, q[0].M, q[0].N, has_clamp, clamp, h);
-    if (q8_kind >= 0 && q8_quantize(q8_kind, h, q[2].M, q[2].K, hq)) return -1;
-    rc = glue_products(q + 2, 1, threads);
-    if (rc) return rc;
-    glue_sum_rows(q[2].y, M, k, q[2].N, out);
-    return 0;
+    int rc = moe_rows_in(q, route, chosen, w, x, xs, q8_rows, M, k);
+    if (!rc) rc = glue_products(q, 2, threads);
+    if (!rc) rc = moe_rows_mid(q, w, q8_kind, hq, has_clamp, clamp, h);
+    if (!rc) rc = glue_products(q + 2, 1, threads);
+    if (!rc) glue_sum_rows(q[2].y, M, k, q[2].N, out);
+    return rc;
 }
 
 /* Fused ops (ops/hc_pre_norm.py, ops/qmatmul_norm_rope.py): the glue functions above chained in one call, so the
@@ -677,18 +689,29 @@ int glue_indexer_query(const product_t *p, int q8_q, int q8_w, const float *q_la
 }
 
 /* ffn (ops/ffn.py): glue_moe_rows of the routed experts (p: the stacks' gate, up and down products, the rows routed
- * by `route` into chosen and w) into out, then glue_moe_rows of the shared expert (s: its 2-D weights' products on
- * the rows x as they are, no routing weight) into s_out, then out += s_out: the bits of moe, shared_expert and the
- * float32 add. Returns glue_moe_rows' code (1: a token id outside the routing table). */
+ * by `route` into chosen and w) into out and glue_moe_rows of the shared expert (s: its 2-D weights' products on the
+ * rows x as they are, no routing weight) into s_out, the two calls' products interleaved: both gate and up products
+ * in one pool pass, both down products in the next (two hand-offs to the pool's threads instead of four); then
+ * out += s_out. The bits of moe, shared_expert and the float32 add. Returns glue_moe_rows' code (1: a token id
+ * outside the routing table). */
 int glue_ffn(const product_t *p, const route_t *route, int64_t *chosen, float *w, const float *x, float *xs,
              int q8_rows, int q8_kind, void *hq, int has_clamp, float clamp, float *h, int64_t M, int64_t k,
              const product_t *s, int s_q8_rows, int s_q8_kind, void *s_hq, int s_has_clamp, float s_clamp, float *s_h,
              float *s_out, float *out, int threads) {
-    int rc = glue_moe_rows(p, route, chosen, w, x, xs, q8_rows, q8_kind, hq, has_clamp, clamp, h, M, k, out, threads);
+    product_t q[3], r[3], pass[4];
+    memcpy(q, p, sizeof q);
+    memcpy(r, s, sizeof r);
+    int rc = moe_rows_in(q, route, chosen, w, x, xs, q8_rows, M, k);
+    if (!rc) rc = moe_rows_in(r, NULL, NULL, NULL, x, (float *)x, s_q8_rows, M, 1);
+    pass[0] = q[0], pass[1] = q[1], pass[2] = r[0], pass[3] = r[1];
+    if (!rc) rc = glue_products(pass, 4, threads);
+    if (!rc) rc = moe_rows_mid(q, w, q8_kind, hq, has_clamp, clamp, h);
+    if (!rc) rc = moe_rows_mid(r, NULL, s_q8_kind, s_hq, s_has_clamp, s_clamp, s_h);
+    pass[0] = q[2], pass[1] = r[2];
+    if (!rc) rc = glue_products(pass, 2, threads);
     if (rc) return rc;
-    rc = glue_moe_rows(s, NULL, NULL, NULL, x, (float *)x, s_q8_rows, s_q8_kind, s_hq, s_has_clamp, s_clamp, s_h, M, 1,
-                       s_out, threads);
-    if (rc) return rc;
+    glue_sum_rows(q[2].y, M, k, q[2].N, out);
+    glue_sum_rows(r[2].y, M, 1, r[2].N, s_out);
     for (int64_t i = 0; i < M * s[2].N; i++) out[i] += s_out[i];
     return 0;
 }

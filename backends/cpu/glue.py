@@ -489,7 +489,8 @@ def route_moe_shared(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Ex
                      shared: tuple[QTensor, QTensor, QTensor], clamp: float | None,
                      dot: str = "exact") -> torch.Tensor | None:
     """`route_moe_rows` then `moe_rows` of the shared expert's weights `shared` on the same rows, added, in one C call
-    (glue.c's glue_ffn): the bits of the cpu ops moe + shared_expert. None where either call would not serve."""
+    (glue.c's glue_ffn: both experts' gate and up products in one pool pass, both down products in the next): the bits
+    of the cpu ops moe + shared_expert. None where either call would not serve."""
     r = routing(p, ids, ex)
     gate, up, down = shared
     if r is None or x.dim() != 2 or x.shape[1] != gate.shape[-1] or down.shape[-2] != ex.down.shape[-2]:

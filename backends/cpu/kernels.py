@@ -57,7 +57,8 @@ FLAGS = (("-O3", "-march=native", "-ffp-contract=off"), ("-O3", "-ffp-contract=o
 _lib: ctypes.CDLL | None | bool = False      # False: not tried yet
 _failure: str | None = None     # why the build failed
 _pool_threads = 0   # set_threads(n); 0: torch.get_num_threads()
-CHUNKS_PER_THREAD = 4   # a split weight is cut into this many chunks per thread, taken in turn
+CHUNKS_PER_THREAD = 4   # torch work or attention split by `split` or pool_rows: this many chunks per thread
+WEIGHT_CHUNKS_PER_THREAD = 8    # a split weight's rows: this many chunks per thread (pool.c claims runs of them)
 
 
 class BuildFailed(Exception):
@@ -245,9 +246,10 @@ _ops.define("sinkhorn(Tensor p, int iters, float eps) -> Tensor")
 
 
 def pool_parts(weight_bytes: int) -> int:
-    """Chunks the pool cuts a call reading `weight_bytes` of weight into: CHUNKS_PER_THREAD per thread, each of
-    SPLIT_BYTES or more (pool.c runs a call of one chunk or fewer on the caller alone)."""
-    return min(CHUNKS_PER_THREAD * threads(), weight_bytes // SPLIT_BYTES)
+    """Chunks the pool cuts a call reading `weight_bytes` of weight into: WEIGHT_CHUNKS_PER_THREAD per thread, each of
+    SPLIT_BYTES or more (pool.c runs a call of one chunk or fewer on the caller alone, and its threads claim runs of
+    consecutive chunks, shorter towards the end of the call)."""
+    return min(WEIGHT_CHUNKS_PER_THREAD * threads(), weight_bytes // SPLIT_BYTES)
 
 
 def split_rows(kernel: ctypes._CFuncPtr, ggml_type: int, data: torch.Tensor, n: int, experts: torch.Tensor | None,

@@ -1,9 +1,10 @@
 /* The kernels' thread pool: `pool_rows` runs a row kernel (qgemv or qdot8, whose signatures are the same) over
- * output rows [0, n) cut into `parts` even chunks, which the calling thread and `threads - 1` worker threads
- * claim in turn (one atomic add per chunk). The caller waits only for chunks already claimed, never for a worker
- * the OS has not scheduled yet. Each output is computed by exactly one thread with the same code, so the result
- * is the same bits for any thread count and any split. Workers are started on first use and, between calls,
- * poll for SPIN_NS (yielding their core between polls after YIELD_NS, so that on a busy machine other threads
+ * output rows [0, n) cut into `parts` even chunks (`pool_bound`), which the calling thread and `threads - 1` worker
+ * threads claim in turn (one compare-and-swap per claim of one or more consecutive chunks, fewer towards the end).
+ * The caller waits only for chunks already claimed, never for a worker the OS has not scheduled yet. Each output is
+ * computed by exactly one thread with the same code, so the result is the same bits for any thread count and any
+ * split. Workers are started on first use and, between calls, poll for SPIN_NS (yielding their core between polls
+ * after YIELD_NS, so that on a busy machine other threads
  * run) before they sleep on a condition variable: a decode step makes ~40 calls a few hundred microseconds apart,
  * and waking a sleeping thread costs tens of microseconds. A second caller while a call is
  * in flight (two Python threads) runs its rows alone. The caller polls for the workers' last chunks for WAIT_SPIN_NS,
@@ -25,6 +26,8 @@
 #define SPIN_NS 300000L      /* how long an idle worker polls for the next call before it sleeps */
 #define YIELD_NS 20000L      /* after polling this long, a worker yields its core between polls */
 #define WAIT_SPIN_NS 30000L  /* how long the caller polls for the workers' last chunks before it sleeps */
+#define CLAIM_SHARE 4        /* a claim takes at most 1/(CLAIM_SHARE x threads) of the chunks left */
+#define ALIGN_ROWS 16        /* chunk bounds of a long range fall on multiples of this many rows */
 
 typedef int (*rows_fn)(int, const uint8_t *, int64_t, const int64_t *, int64_t, int64_t, const void *, int64_t,
                        float *, int64_t, int64_t);
@@ -60,17 +63,30 @@ static inline void relax(void) {
 #endif
 }
 
-/* Claim and run chunks of generation `gen` until none is left (or a newer generation has replaced it). */
+/* Where chunk c of `parts` even chunks of [0, n) starts: n * c / parts, rounded down to a multiple of ALIGN_ROWS where
+ * every chunk keeps at least that many (n >= ALIGN_ROWS * parts): a chunk bound then cuts no group of 16 rows of a
+ * repacked weight (repack.h's GROUP, which both chunks would compute) nor of four rows of a kernel's four streams. */
+int64_t pool_bound(int64_t n, int64_t c, int64_t parts) {
+    int64_t start = n * c / parts;
+    return c < parts && n >= ALIGN_ROWS * parts ? start / ALIGN_ROWS * ALIGN_ROWS : start;
+}
+
+/* Claim and run chunks of generation `gen` until none is left (or a newer generation has replaced it). A claim takes
+ * 1/CLAIM_SHARE of the chunks left per thread taking part, at least one: runs of consecutive chunks early in the call
+ * (fewer claims and kernel calls), single chunks at its end (the threads finish within a chunk of each other, and a
+ * thread that comes late takes a share of what is left, not a fixed piece). */
 static void take(uint32_t gen) {
     for (;;) {
         uint64_t s = atomic_load(&state);
         int64_t c = (int64_t)(s & 0xffff), parts = (int64_t)((s >> 16) & 0xffff);
         if ((uint32_t)(s >> 32) != gen || c >= parts) return;
-        if (!atomic_compare_exchange_weak(&state, &s, s + 1)) continue;     /* claimed: the job stays in place */
+        int64_t k = (parts - c) / (CLAIM_SHARE * (job.helpers + 1));
+        k = k < 1 ? 1 : k;
+        if (!atomic_compare_exchange_weak(&state, &s, s + (uint64_t)k)) continue;  /* claimed: the job stays put */
         int rc = job.fn(job.type, job.w, job.expert_bytes, job.experts, job.N, job.K, job.x, job.M, job.y,
-                        job.n * c / parts, job.n * (c + 1) / parts);
+                        pool_bound(job.n, c, parts), pool_bound(job.n, c + k, parts));
         for (int old = atomic_load(&job_rc); rc < old && !atomic_compare_exchange_weak(&job_rc, &old, rc);) {}
-        if (atomic_fetch_add(&chunks_done, 1) + 1 == parts && atomic_load(&caller_sleeps)) {
+        if (atomic_fetch_add(&chunks_done, (int)k) + k == parts && atomic_load(&caller_sleeps)) {
             pthread_mutex_lock(&sleep_lock);        /* the last chunk: wake the caller if it gave up polling */
             pthread_cond_broadcast(&finished);
             pthread_mutex_unlock(&sleep_lock);

@@ -64,7 +64,7 @@ def load() -> bool:
     _names = (ctypes.c_char_p * 256)(*(kernels.type_name(t).encode() if kernels.type_name(t) != str(t) else None
                                       for t in range(256)))
     cpp.ds4_qgemv_setup.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    if cpp.ds4_qgemv_setup(library._name.encode(), kernels.CHUNKS_PER_THREAD, kernels.SPLIT_BYTES, _names, 256):
+    if cpp.ds4_qgemv_setup(library._name.encode(), kernels.WEIGHT_CHUNKS_PER_THREAD, kernels.SPLIT_BYTES, _names, 256):
         raise RuntimeError(f"{path}: the kernel library {library._name} lacks pool_rows or qgemv")
     _threads = ctypes.c_int.in_dll(cpp, "ds4_qgemv_threads")
     sync_threads()
