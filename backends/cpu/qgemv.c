@@ -706,10 +706,16 @@ static inline __attribute__((always_inline)) v16 fma_broadcast(v16 a, const floa
 /* Q4_K's eight scales (lanes 0-7, times d) and mins (lanes 8-15, times dmin): k_scales' values, in one vector. The
  * block's first 16 bytes broadcast to each 128-bit lane; one byte shuffle puts in dword lane L the byte with its low
  * bits (a) and, for the scales and mins 4-7, the byte with its top 2 bits (b) at bits 8-15; then (a & 63), or
- * ((a >> sh) & 15) | ((b >> 6) << 4) by one ternary logic op on (v >> sh) and (v >> 10). */
+ * ((a >> sh) & 15) | ((b >> 6) << 4) by one ternary logic op on (v >> sh) and (v >> 10). On AMD Zen the broadcast
+ * and the shuffle are one zero-masked vpermb of the 16 bytes (the same lanes; one shuffle fewer). */
 static inline __m512 q4_k_scales16(const uint8_t *b) {
     __m128i raw = _mm_loadu_si128((const __m128i *)b);     /* d, dmin, then scale byte s[i] at 4 + i */
-#if defined(__AVX512BW__)
+#if defined(__AVX512VBMI__) && AMD_ZEN
+    const __m512i pick = _mm512_set_epi32(     /* the bytes below; the mask zeroes those marked 0x80 there */
+        0x00000b0f, 0x00000a0e, 0x0000090d, 0x0000080c, 0x0000000b, 0x0000000a, 0x00000009, 0x00000008,
+        0x0000070f, 0x0000060e, 0x0000050d, 0x0000040c, 0x00000007, 0x00000006, 0x00000005, 0x00000004);
+    __m512i v = _mm512_maskz_permutexvar_epi8(0x3333111133331111ull, pick, _mm512_castsi128_si512(raw));
+#elif defined(__AVX512BW__)
     const __m512i pick = _mm512_set_epi32(
         0x80800b0f, 0x80800a0e, 0x8080090d, 0x8080080c, 0x8080800b, 0x8080800a, 0x80808009, 0x80808008,
         0x8080070f, 0x8080060e, 0x8080050d, 0x8080040c, 0x80808007, 0x80808006, 0x80808005, 0x80808004);
@@ -1346,7 +1352,8 @@ static inline void dot_q4_k(acc_t *a, const uint8_t *b, const float *x, const fl
 #define Q4_K_DOT4 1
 /* dot_q4_k of four rows' blocks (r[i]: row i's), chunk by chunk (each row the same operations in the same order, so
  * the same bits), on AMD Zen: each 64 bytes of nibbles put by one vpermb so that lane l holds bytes l, l + 16, l + 32
- * and l + 48 (instead of four widenings, each a shuffle here), each nibble shifted down to the bits vpermps reads;
+ * and l + 48 (instead of four widenings, each a shuffle here), each nibble shifted down to the bits vpermps reads
+ * but byte 3's high one, which the shift leaves alone in the lane and vcvtdq2ps converts (off the shuffle pipes);
  * one block of four rows in one call, so x is read once for the four and fewer registers are spilled. */
 static inline __attribute__((always_inline)) void dot4_q4_k(acc_t *a, const uint8_t *const *r, const float *x,
                                                             const float *xsum) {
@@ -1371,7 +1378,9 @@ static inline __attribute__((always_inline)) void dot4_q4_k(acc_t *a, const uint
             v16 t0 = (v16)_mm512_permutexvar_ps(v0, nibble) * x0;
             t0 = fma16((v16)_mm512_permutexvar_ps(v1, nibble), x1, t0);
             v16 t1 = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), nibble) * x2;
-            t1 = fma16((v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibble), x3, t1);
+            __m512 top = c % 2 ? _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes[i], 28))     /* byte 3's high nibble */
+                               : _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibble);
+            t1 = fma16((v16)top, x3, t1);
             k_pair_add(&a[i], sv[i], c, t0, t1);
         }
     }
