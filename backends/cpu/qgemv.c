@@ -921,13 +921,13 @@ static inline __attribute__((always_inline)) void q8_0_prefetch(const uint8_t *b
 #endif
 
 /* Q8_0 rows [n0, n1) where each row has a weight of its own (decode, routed experts), Q8_0_STREAMS at a time as
- * own_rows4 (rows n, n + q, n + 2q, ...: as many streams of the weight), the rest one by one. Streams a multiple of
- * 4 KB apart would share an L1 set (more of them than its 8 ways: 1.27x the time at 16 streams), so then q is one
- * row less. */
+ * own_rows4 (rows n, n + q, n + 2q, ...: as many streams of the weight), the rest one by one. More streams than an
+ * L1 set's 8 ways a multiple of 4 KB apart would share one set (1.27x the time at 16 streams), so then q is one row
+ * less. */
 static void q8_0_own_rows(const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
                           const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
     int64_t nb = K / 32, row_bytes = nb * 34, q = (n1 - n0) / Q8_0_STREAMS;
-    if (q > 1 && (q * row_bytes) % 4096 == 0) q--;
+    if (Q8_0_STREAMS > 8 && q > 1 && (q * row_bytes) % 4096 == 0) q--;
     float d[Q8_0_STREAMS][4] __attribute__((aligned(16)));
     for (int64_t m = 0; m < M; m++) {
         const uint8_t *base = w + (experts == NULL ? 0 : experts[m] * expert_bytes);
