@@ -706,10 +706,16 @@ static inline __attribute__((always_inline)) v16 fma_broadcast(v16 a, const floa
 /* Q4_K's eight scales (lanes 0-7, times d) and mins (lanes 8-15, times dmin): k_scales' values, in one vector. The
  * block's first 16 bytes broadcast to each 128-bit lane; one byte shuffle puts in dword lane L the byte with its low
  * bits (a) and, for the scales and mins 4-7, the byte with its top 2 bits (b) at bits 8-15; then (a & 63), or
- * ((a >> sh) & 15) | ((b >> 6) << 4) by one ternary logic op on (v >> sh) and (v >> 10). */
+ * ((a >> sh) & 15) | ((b >> 6) << 4) by one ternary logic op on (v >> sh) and (v >> 10). On AMD Zen the broadcast
+ * and the shuffle are one zero-masked vpermb of the 16 bytes (the same lanes; one shuffle fewer). */
 static inline __m512 q4_k_scales16(const uint8_t *b) {
     __m128i raw = _mm_loadu_si128((const __m128i *)b);     /* d, dmin, then scale byte s[i] at 4 + i */
-#if defined(__AVX512BW__)
+#if defined(__AVX512VBMI__) && AMD_ZEN
+    const __m512i pick = _mm512_set_epi32(     /* the bytes below; the mask zeroes those marked 0x80 there */
+        0x00000b0f, 0x00000a0e, 0x0000090d, 0x0000080c, 0x0000000b, 0x0000000a, 0x00000009, 0x00000008,
+        0x0000070f, 0x0000060e, 0x0000050d, 0x0000040c, 0x00000007, 0x00000006, 0x00000005, 0x00000004);
+    __m512i v = _mm512_maskz_permutexvar_epi8(0x3333111133331111ull, pick, _mm512_castsi128_si512(raw));
+#elif defined(__AVX512BW__)
     const __m512i pick = _mm512_set_epi32(
         0x80800b0f, 0x80800a0e, 0x8080090d, 0x8080080c, 0x8080800b, 0x8080800a, 0x80808009, 0x80808008,
         0x8080070f, 0x8080060e, 0x8080050d, 0x8080040c, 0x80808007, 0x80808006, 0x80808005, 0x80808004);
@@ -864,12 +870,13 @@ static inline v16 int8_floats16(const uint8_t *p) {    /* 16 int8 as floats */
  * (q8_0_weight_rows) does the same operations, so any M and any thread split give the same bits. */
 static inline __attribute__((always_inline)) void q8_0_scales4(const uint8_t *b, float *d) {
     /* four f16 scales in one 64-bit word (general registers: no narrow stores for a wide load to wait on), converted
-     * exactly (as half_to_float) */
+     * exactly (as half_to_float); put together last to first (two registers: with q8_0_own_rows' twelve streams
+     * gcc otherwise moved the words through vector registers, ~9 vmovq per four blocks) */
     uint64_t h = 0;
-    for (int t = 0; t < 4; t++) {
+    for (int t = 3; t >= 0; t--) {
         uint16_t s;
         memcpy(&s, b + 34 * t, 2);
-        h |= (uint64_t)s << (16 * t);
+        h = h << 16 | s;
     }
     _mm_store_ps(d, _mm_cvtph_ps(_mm_cvtsi64_si128((long long)h)));
 }
@@ -902,12 +909,27 @@ static inline void q8_0_lanes4(const __m512 *p, float *out) {
                                                                                       0, 12, 8, 4, 0), c)));
 }
 
-/* Q8_0 rows [n0, n1) where each row has a weight of its own (decode, routed experts), four at a time as own_rows4
- * (rows n, n + q, n + 2q, n + 3q: four streams of the weight), the last (n1 - n0) % 4 one by one. */
+#if AMD_ZEN
+/* On AMD Zen 4 twelve streams, each prefetched 512 bytes ahead, read the weight faster from memory than four 2 KB
+ * ahead (the LM head 0.87x the time, docs/cpu.md "Exact Q8_0 and Q4_K at M = 1 on Zen 4 (session 17)") */
+#define Q8_0_STREAMS 12
+static inline __attribute__((always_inline)) void q8_0_prefetch(const uint8_t *blk) {    /* 4 blocks, 136 bytes */
+    for (int off = 0; off < 136; off += 64) __builtin_prefetch(blk + off + 512);
+}
+#else
+#define Q8_0_STREAMS 4
+static inline __attribute__((always_inline)) void q8_0_prefetch(const uint8_t *blk) { prefetch_block(blk, 136); }
+#endif
+
+/* Q8_0 rows [n0, n1) where each row has a weight of its own (decode, routed experts), Q8_0_STREAMS at a time as
+ * own_rows4 (rows n, n + q, n + 2q, ...: as many streams of the weight), the rest one by one. More streams than an
+ * L1 set's 8 ways a multiple of 4 KB apart would share one set (1.27x the time at 16 streams), so then q is one row
+ * less. */
 static void q8_0_own_rows(const uint8_t *w, int64_t expert_bytes, const int64_t *experts, int64_t N, int64_t K,
                           const float *x, int64_t M, float *y, int64_t n0, int64_t n1) {
-    int64_t nb = K / 32, row_bytes = nb * 34, q = (n1 - n0) / 4;
-    float d[4][4] __attribute__((aligned(16)));
+    int64_t nb = K / 32, row_bytes = nb * 34, q = (n1 - n0) / Q8_0_STREAMS;
+    if (Q8_0_STREAMS > 8 && q > 1 && (q * row_bytes) % 4096 == 0) q--;
+    float d[Q8_0_STREAMS][4] __attribute__((aligned(16)));
     for (int64_t m = 0; m < M; m++) {
         const uint8_t *base = w + (experts == NULL ? 0 : experts[m] * expert_bytes);
         const float *xm = x + m * K;
@@ -917,23 +939,26 @@ static void q8_0_own_rows(const uint8_t *w, int64_t expert_bytes, const int64_t 
             continue;
         }
         for (int64_t n = n0; n < n0 + q; n++) {
-            const uint8_t *r[4];
-            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-            for (int i = 0; i < 4; i++) r[i] = base + (n + i * q) * row_bytes;
+            const uint8_t *r[Q8_0_STREAMS];
+            __m512 acc[Q8_0_STREAMS];
+            for (int i = 0; i < Q8_0_STREAMS; i++) {
+                r[i] = base + (n + i * q) * row_bytes;
+                acc[i] = _mm512_setzero_ps();
+            }
             for (int64_t b = 0; b < nb; b += 4)
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) {
+#pragma GCC unroll 12
+                for (int i = 0; i < Q8_0_STREAMS; i++) {
                     const uint8_t *blk = r[i] + b * 34;
-                    prefetch_block(blk, 136);
+                    q8_0_prefetch(blk);
                     q8_0_scales4(blk, d[i]);
 #pragma GCC unroll 4
                     for (int t = 0; t < 4; t++) acc[i] = q8_0_block(acc[i], blk + 34 * t + 2, xm + (b + t) * 32, &d[i][t]);
                 }
-            float out[4];
-            q8_0_lanes4(acc, out);
-            for (int i = 0; i < 4; i++) ym[n + i * q] = out[i];
+            float out[Q8_0_STREAMS];
+            for (int i = 0; i < Q8_0_STREAMS; i += 4) q8_0_lanes4(acc + i, out + i);
+            for (int i = 0; i < Q8_0_STREAMS; i++) ym[n + i * q] = out[i];
         }
-        for (int64_t n = n0 + 4 * q; n < n1; n++) {
+        for (int64_t n = n0 + Q8_0_STREAMS * q; n < n1; n++) {
             const uint8_t *row = base + n * row_bytes;
             __m512 acc = _mm512_setzero_ps();
             for (int64_t b = 0; b < nb; b += 4) {
@@ -1346,7 +1371,8 @@ static inline void dot_q4_k(acc_t *a, const uint8_t *b, const float *x, const fl
 #define Q4_K_DOT4 1
 /* dot_q4_k of four rows' blocks (r[i]: row i's), chunk by chunk (each row the same operations in the same order, so
  * the same bits), on AMD Zen: each 64 bytes of nibbles put by one vpermb so that lane l holds bytes l, l + 16, l + 32
- * and l + 48 (instead of four widenings, each a shuffle here), each nibble shifted down to the bits vpermps reads;
+ * and l + 48 (instead of four widenings, each a shuffle here), each nibble shifted down to the bits vpermps reads
+ * but byte 3's high one, which the shift leaves alone in the lane and vcvtdq2ps converts (off the shuffle pipes);
  * one block of four rows in one call, so x is read once for the four and fewer registers are spilled. */
 static inline __attribute__((always_inline)) void dot4_q4_k(acc_t *a, const uint8_t *const *r, const float *x,
                                                             const float *xsum) {
@@ -1371,7 +1397,9 @@ static inline __attribute__((always_inline)) void dot4_q4_k(acc_t *a, const uint
             v16 t0 = (v16)_mm512_permutexvar_ps(v0, nibble) * x0;
             t0 = fma16((v16)_mm512_permutexvar_ps(v1, nibble), x1, t0);
             v16 t1 = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), nibble) * x2;
-            t1 = fma16((v16)_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibble), x3, t1);
+            __m512 top = c % 2 ? _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes[i], 28))     /* byte 3's high nibble */
+                               : _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), nibble);
+            t1 = fma16((v16)top, x3, t1);
             k_pair_add(&a[i], sv[i], c, t0, t1);
         }
     }
