@@ -18,14 +18,8 @@ int qgemv(int type, const uint8_t *w, int64_t expert_bytes, const int64_t *exper
 #define BLOCK_BYTES 66      /* one IQ2_XXS block: d, then 8 groups of 4 grid indices and 32 bits; 256 values */
 #define MOST_ROWS 16        /* qgemv's MAX_ROWS */
 
-static float grid[256][8];      /* the grid rows as floats and the sign patterns: qgemv_set_iq2_xxs's tables */
-static uint8_t ksigns[128];
-
-/* The tables from ops/quants/iq2_xxs.py (kernels.py hands qgemv.c the same ones). */
-void iq2x_set_tables(const float *grid_rows, const int64_t *signs) {
-    memcpy(grid, grid_rows, sizeof(grid));
-    for (int i = 0; i < 128; i++) ksigns[i] = (uint8_t)signs[i];
-}
+extern float iq2_grid[256][8];      /* qgemv.c's: the grid rows as floats and the sign patterns (qgemv_set_iq2_xxs) */
+extern uint8_t iq2_ksigns[128];
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BITALG__) && defined(__AVX512BW__) && defined(__F16C__)
 #define GROUP_ROWS 4        /* rows sharing one pass over the weight */
@@ -39,7 +33,7 @@ static inline void block_signs(const uint8_t *b, float *scale, uint64_t *negativ
     const __m512i pack = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x3b3a3938, 0x33323130, 0x2b2a2928, 0x23222120,
                                           0x1b1a1918, 0x13121110, 0x0b0a0908, 0x03020100);
     __m256i signs = _mm512_castsi512_si256(_mm512_permutexvar_epi8(pack, _mm512_permutex2var_epi8(
-        _mm512_loadu_si512(ksigns), t, _mm512_loadu_si512(ksigns + 64))));
+        _mm512_loadu_si512(iq2_ksigns), t, _mm512_loadu_si512(iq2_ksigns + 64))));
     __m128i sign_lo = _mm256_castsi256_si128(signs), sign_hi = _mm256_extracti128_si256(signs, 1);
     negative[0] = (uint64_t)_mm_cvtsi128_si64(sign_lo);
     negative[1] = (uint64_t)_mm_extract_epi64(sign_lo, 1);
@@ -56,8 +50,8 @@ static inline void block_signs(const uint8_t *b, float *scale, uint64_t *negativ
 /* Half h (16 values) of group g: its two grid rows with the sign bit flipped where the block's masks say. */
 static inline __m512 signed_half(const uint8_t *b, const uint64_t *negative, int g, int h) {
     const uint8_t *p = b + 2 + 8 * g;
-    __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)grid[p[2 * h]])),
-                                   _mm256_loadu_si256((const __m256i *)grid[p[2 * h + 1]]), 1);
+    __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)iq2_grid[p[2 * h]])),
+                                   _mm256_loadu_si256((const __m256i *)iq2_grid[p[2 * h + 1]]), 1);
     __mmask16 k = _cvtu32_mask16((uint32_t)(negative[g / 2] >> (32 * (g % 2) + 16 * h)) & 0xffff);
     return _mm512_castsi512_ps(_mm512_mask_xor_epi32(q, k, q, _mm512_set1_epi32((int)0x80000000u)));
 }

@@ -109,7 +109,6 @@ def _build() -> ctypes.CDLL:
     lib.pool_range.argtypes = [_RANGE_FN, ptr, i64, i64, ctypes.c_int]
     grid, ksigns = iq2_xxs.GRID.contiguous(), iq2_xxs.KSIGNS.to(torch.int64).contiguous()
     lib.qgemv_set_iq2_xxs(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
-    lib.iq2x_set_tables(ctypes.c_void_p(grid.data_ptr()), ctypes.c_void_p(ksigns.data_ptr()))
     _set_codebooks(lib, ksigns)
     _bind_q8(lib)
     _bind_gemm8(lib)

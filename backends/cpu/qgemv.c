@@ -235,8 +235,8 @@ static inline void deq_iq4_xs(const uint8_t *b, float *w) {        /* 136 bytes 
     }
 }
 
-static float iq2_grid[256][8];          /* set by qgemv_set_iq2_xxs from ops/quants/iq2_xxs.py's tables */
-static uint8_t iq2_ksigns[128];
+float iq2_grid[256][8];          /* set by qgemv_set_iq2_xxs from ops/quants/iq2_xxs.py's tables (iq2exact.c too) */
+uint8_t iq2_ksigns[128];
 static uint32_t iq2_sign_mask[128][8];      /* the float sign bit of each of the 8 values ksigns[i] flips */
 
 void qgemv_set_iq2_xxs(const float *grid, const int64_t *ksigns) {
