@@ -428,7 +428,7 @@ def moe_rows(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, chosen:
     product's kernel call, `sum_rows`). `chosen` None: the shared expert's 2-D weights, no routing weight. None where
     the kernels do not serve the three weights or the pairs are more than MAX_ROWS."""
     M, k = (x.shape[0], 1) if chosen is None else chosen.shape
-    flat = None if chosen is None else chosen.reshape(-1).to(torch.int64).contiguous()
+    flat = None if chosen is None else int64(chosen.reshape(-1))
     weights = None if w is None else f32(w.reshape(-1))
     return expert_rows(x, (gate, up, down), M, k, clamp, dot, flat, weights)
 
@@ -479,9 +479,7 @@ def route_moe_rows(x: torch.Tensor, p: torch.Tensor, ids: torch.Tensor, ex: Expe
 def routable(ex: Experts) -> Experts:
     """`ex` with its bias float32 and its table int64, both contiguous (what glue_route reads)."""
     bias = None if ex.bias is None else f32(ex.bias)
-    table = ex.tid2eid
-    if table is not None and (table.dtype != torch.int64 or not table.is_contiguous()):
-        table = int64(table)
+    table = None if ex.tid2eid is None else int64(ex.tid2eid)
     return ex if bias is ex.bias and table is ex.tid2eid else replace(ex, bias=bias, tid2eid=table)
 
 
